@@ -1,0 +1,656 @@
+//! Command line and environment of `remora-agent`: one struct per subcommand,
+//! built once at start (clap, every `run` flag also read from `REMORA_<FLAG>`).
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, FromArgMatches, Parser, Subcommand, ValueEnum};
+use serde::Serialize;
+
+/// Errors found after clap has parsed the command line (aliases, cross-field checks).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid value {value:?} for {name}: {reason}")]
+    Invalid {
+        name: String,
+        value: String,
+        reason: String,
+    },
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "remora-agent",
+    version,
+    about = "Remora's in-pod agent: bootstraps, supervises and drains Envoy"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate Envoy's bootstrap, start and supervise Envoy, drain it on termination.
+    #[command(visible_alias = "proxy")]
+    Run(Box<RunConfig>),
+    /// Block until the agent reports ready (postStart helper).
+    Wait(WaitConfig),
+    /// Ask the running agent to drain and block until it has (preStop helper).
+    Drain(DrainConfig),
+    /// Print the version.
+    Version,
+}
+
+/// Parse a duration: `45s`, `1m30s`, `250ms`, or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err("empty duration".into());
+    }
+    if let Ok(secs) = t.parse::<u64>() {
+        return Ok(Duration::from_secs(secs));
+    }
+    if let Ok(secs) = t.parse::<f64>() {
+        if secs.is_finite() && secs >= 0.0 && secs < 1e12 {
+            return Ok(Duration::from_secs_f64(secs));
+        }
+        return Err(format!("{t:?} is not a non-negative duration"));
+    }
+    humantime::parse_duration(t).map_err(|e| format!("{e} (expected e.g. 45s, 1m30s, 250ms)"))
+}
+
+/// `--inbound PORT:APP_PORT` (or just `APP_PORT`, listening on `--inbound-port`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InboundSpec {
+    /// Listener port; `None` means the default inbound port.
+    pub port: Option<u16>,
+    pub app_port: u16,
+}
+
+impl FromStr for InboundSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let port = |p: &str| {
+            p.parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| format!("{p:?} is not a port (1-65535)"))
+        };
+        match s.split_once(':') {
+            Some((l, a)) => Ok(Self {
+                port: Some(port(l)?),
+                app_port: port(a)?,
+            }),
+            None => Ok(Self {
+                port: None,
+                app_port: port(s)?,
+            }),
+        }
+    }
+}
+
+/// `--outbound PORT:HOST:PORT`: a local listener forwarding to an upstream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OutboundSpec {
+    pub port: u16,
+    pub host: String,
+    pub upstream_port: u16,
+}
+
+impl FromStr for OutboundSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (listen, rest) = s
+            .split_once(':')
+            .ok_or_else(|| format!("{s:?} is not PORT:HOST:PORT"))?;
+        let (host, up) = rest
+            .rsplit_once(':')
+            .ok_or_else(|| format!("{s:?} is not PORT:HOST:PORT"))?;
+        let port = |p: &str| {
+            p.parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| format!("{p:?} is not a port (1-65535)"))
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(format!("{s:?} has an empty host"));
+        }
+        Ok(Self {
+            port: port(listen)?,
+            host: host.to_string(),
+            upstream_port: port(up)?,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KeyType {
+    EcdsaP256,
+    Rsa2048,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DrainStrategy {
+    /// Envoy encourages clients to go away gradually over the drain time.
+    Gradual,
+    /// Envoy tells every client to go away at once.
+    Immediate,
+}
+
+impl DrainStrategy {
+    pub fn as_envoy_arg(self) -> &'static str {
+        match self {
+            Self::Gradual => "gradual",
+            Self::Immediate => "immediate",
+        }
+    }
+}
+
+/// Everything `remora-agent run` is configured with.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct RunConfig {
+    // ---- Envoy process ----
+    /// Envoy binary (a path, or a name looked up on PATH).
+    #[arg(long, env = "REMORA_ENVOY_BIN", default_value = "envoy")]
+    pub envoy_bin: PathBuf,
+    /// Directory for the generated bootstrap, the SDS socket and the base-id file.
+    #[arg(long, env = "REMORA_RUN_DIR", default_value = "/var/run/remora")]
+    pub run_dir: PathBuf,
+    /// Envoy worker threads.
+    #[arg(long, env = "REMORA_CONCURRENCY", default_value_t = 2)]
+    pub concurrency: u32,
+    /// Envoy's log level (trace, debug, info, warning, error, critical, off).
+    #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "warning")]
+    pub log_level: String,
+    /// Envoy component log levels, e.g. `upstream:debug,config:info`.
+    #[arg(long, env = "REMORA_COMPONENT_LOG_LEVEL")]
+    pub component_log_level: Option<String>,
+    /// The agent's own log filter (tracing EnvFilter syntax); adjustable at runtime.
+    #[arg(long, env = "REMORA_AGENT_LOG_LEVEL", default_value = "info")]
+    pub agent_log_level: String,
+    /// The agent's log format.
+    #[arg(long, env = "REMORA_LOG_FORMAT", value_enum, default_value = "json")]
+    pub log_format: LogFormat,
+    /// Fixed Envoy base id; default: a free one chosen by Envoy and kept for hot restarts.
+    #[arg(long, env = "REMORA_BASE_ID")]
+    pub base_id: Option<u32>,
+
+    // ---- Lifecycle ----
+    /// How long Envoy's listeners drain (Envoy `--drain-time-s`).
+    #[arg(long, env = "REMORA_DRAIN_DURATION", value_parser = parse_duration, default_value = "45s")]
+    #[serde(with = "humantime_serde_compat")]
+    pub drain_duration: Duration,
+    /// Envoy's drain strategy.
+    #[arg(
+        long,
+        env = "REMORA_DRAIN_STRATEGY",
+        value_enum,
+        default_value = "gradual"
+    )]
+    pub drain_strategy: DrainStrategy,
+    /// How long the old Envoy lives after a hot restart (Envoy `--parent-shutdown-time-s`).
+    #[arg(long, env = "REMORA_PARENT_SHUTDOWN_DURATION", value_parser = parse_duration, default_value = "60s")]
+    #[serde(with = "humantime_serde_compat")]
+    pub parent_shutdown_duration: Duration,
+    /// On termination, wait this long after draining starts (unless exit-on-zero).
+    /// Alias: TERMINATION_DRAIN_DURATION_SECONDS.
+    #[arg(long, env = "REMORA_TERMINATION_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
+    #[serde(with = "humantime_serde_compat")]
+    pub termination_drain_duration: Duration,
+    /// On termination, exit as soon as no downstream connection is left (after the minimum).
+    /// Alias: EXIT_ON_ZERO_ACTIVE_CONNECTIONS.
+    #[arg(long, env = "REMORA_EXIT_ON_ZERO_ACTIVE_CONNECTIONS", default_value_t = false,
+          num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub exit_on_zero_active_connections: bool,
+    /// With exit-on-zero: always drain at least this long. Alias: MINIMUM_DRAIN_DURATION.
+    #[arg(long, env = "REMORA_MINIMUM_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
+    #[serde(with = "humantime_serde_compat")]
+    pub minimum_drain_duration: Duration,
+    /// Hard upper bound of a drain, from its start to Envoy stopped (the injector
+    /// derives it from terminationGracePeriodSeconds).
+    #[arg(long, env = "REMORA_DRAIN_DEADLINE", value_parser = parse_duration, default_value = "25s")]
+    #[serde(with = "humantime_serde_compat")]
+    pub drain_deadline: Duration,
+    /// How often active connections are counted during an exit-on-zero drain.
+    #[arg(long, env = "REMORA_DRAIN_POLL_INTERVAL", value_parser = parse_duration, default_value = "50ms")]
+    #[serde(with = "humantime_serde_compat")]
+    pub drain_poll_interval: Duration,
+    /// Grace between SIGTERM and SIGKILL when Envoy is stopped.
+    #[arg(long, env = "REMORA_ENVOY_STOP_GRACE", value_parser = parse_duration, default_value = "5s")]
+    #[serde(with = "humantime_serde_compat")]
+    pub envoy_stop_grace: Duration,
+    /// Abnormal Envoy exits tolerated within `--restart-window` before the agent gives up.
+    #[arg(long, env = "REMORA_MAX_RESTARTS", default_value_t = 5)]
+    pub max_restarts: u32,
+    /// The window `--max-restarts` counts over.
+    #[arg(long, env = "REMORA_RESTART_WINDOW", value_parser = parse_duration, default_value = "5m")]
+    #[serde(with = "humantime_serde_compat")]
+    pub restart_window: Duration,
+    /// First restart delay; doubles on each restart inside the window.
+    #[arg(long, env = "REMORA_RESTART_BACKOFF", value_parser = parse_duration, default_value = "200ms")]
+    #[serde(with = "humantime_serde_compat")]
+    pub restart_backoff: Duration,
+    /// Downward-API file of the pod's annotations (live lifecycle overrides).
+    #[arg(
+        long,
+        env = "REMORA_ANNOTATIONS_FILE",
+        default_value = "/etc/remora/podinfo/annotations"
+    )]
+    pub annotations_file: PathBuf,
+
+    // ---- Envoy configuration ----
+    /// xDS server (host:port) for ADS; empty means static mode.
+    #[arg(long, env = "REMORA_DISCOVERY_ADDRESS")]
+    pub discovery_address: Option<String>,
+    /// Static mode: an inbound listener `PORT:APP_PORT` (or `APP_PORT` on --inbound-port).
+    #[arg(long, env = "REMORA_INBOUND", value_delimiter = ',')]
+    pub inbound: Vec<InboundSpec>,
+    /// Default port of an inbound listener given as `--inbound APP_PORT`.
+    #[arg(long, env = "REMORA_INBOUND_PORT", default_value_t = 15006)]
+    pub inbound_port: u16,
+    /// Static mode: an outbound listener `PORT:HOST:PORT` for the app's calls out.
+    #[arg(long, env = "REMORA_OUTBOUND", value_delimiter = ',')]
+    pub outbound: Vec<OutboundSpec>,
+    /// Terminate mTLS on the inbound listeners with the workload certificate from SDS.
+    #[arg(long, env = "REMORA_INBOUND_TLS", default_value_t = false,
+          num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub inbound_tls: bool,
+    /// With --inbound-tls: accept only clients whose certificate has one of these SANs.
+    #[arg(long, env = "REMORA_INBOUND_TLS_SAN", value_delimiter = ',')]
+    pub inbound_tls_san: Vec<String>,
+    /// A JSON or YAML file deep-merged (RFC 7386) over the generated bootstrap.
+    #[arg(long, env = "REMORA_BOOTSTRAP_OVERRIDE")]
+    pub bootstrap_override: Option<PathBuf>,
+
+    // ---- Certificates (SDS) ----
+    /// File mode: directory with cert-chain.pem, key.pem, root-cert.pem.
+    #[arg(long, env = "REMORA_CERT_DIR")]
+    pub cert_dir: Option<PathBuf>,
+    /// CA mode: address of an Istio-compatible CA (host:port).
+    #[arg(long, env = "REMORA_CA_ADDRESS")]
+    pub ca_address: Option<String>,
+    /// CA mode: PEM bundle that verifies the CA's serving certificate.
+    #[arg(long, env = "REMORA_CA_ROOT_CERT")]
+    pub ca_root_cert: Option<PathBuf>,
+    /// CA mode: the bearer token (JWT) file, read on every call.
+    #[arg(
+        long,
+        env = "REMORA_TOKEN_PATH",
+        default_value = "/var/run/secrets/tokens/remora-token"
+    )]
+    pub token_path: PathBuf,
+    /// SPIFFE trust domain of the workload identity.
+    #[arg(long, env = "REMORA_TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// Requested certificate lifetime.
+    #[arg(long, env = "REMORA_CERT_TTL", value_parser = parse_duration, default_value = "24h")]
+    #[serde(with = "humantime_serde_compat")]
+    pub cert_ttl: Duration,
+    /// Key algorithm of the workload key.
+    #[arg(
+        long,
+        env = "REMORA_KEY_TYPE",
+        value_enum,
+        default_value = "ecdsa-p256"
+    )]
+    pub key_type: KeyType,
+    /// CA mode: also write the issued files atomically here, for apps that want them.
+    #[arg(long, env = "REMORA_OUTPUT_CERTS")]
+    pub output_certs: Option<PathBuf>,
+    /// CA mode: cluster id sent as `ClusterID` metadata.
+    #[arg(long, env = "REMORA_CLUSTER_ID", default_value = "Kubernetes")]
+    pub cluster_id: String,
+    /// SDS socket; default `<run-dir>/sds.sock`.
+    #[arg(long, env = "REMORA_SDS_SOCKET")]
+    pub sds_socket: Option<PathBuf>,
+
+    // ---- Ports ----
+    #[arg(long, env = "REMORA_ENVOY_ADMIN_PORT", default_value_t = 15000)]
+    pub envoy_admin_port: u16,
+    /// Agent admin (metrics, quitquitquit, drain, debug): always on 127.0.0.1.
+    #[arg(long, env = "REMORA_ADMIN_PORT", default_value_t = 15020)]
+    pub admin_port: u16,
+    /// Health (`/healthz/ready`, `/healthz/live`) port.
+    #[arg(long, env = "REMORA_HEALTH_PORT", default_value_t = 15021)]
+    pub health_port: u16,
+    /// Address the health port binds to.
+    #[arg(long, env = "REMORA_HEALTH_ADDRESS", default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    pub health_address: IpAddr,
+    /// Envoy's Prometheus stats listener port.
+    #[arg(long, env = "REMORA_STATS_PORT", default_value_t = 15090)]
+    pub stats_port: u16,
+
+    // ---- Identity (downward API) ----
+    #[arg(long, env = "POD_NAME", default_value = "")]
+    pub pod_name: String,
+    #[arg(long, env = "POD_NAMESPACE", default_value = "")]
+    pub pod_namespace: String,
+    #[arg(long, env = "SERVICE_ACCOUNT", default_value = "")]
+    pub service_account: String,
+    #[arg(long, env = "INSTANCE_IP", default_value = "")]
+    pub instance_ip: String,
+}
+
+/// Serialize durations as humantime strings in `/debug/config`.
+mod humantime_serde_compat {
+    use std::time::Duration;
+    pub fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+}
+
+/// Istio's pilot-agent names, accepted so manifests move over unchanged.
+/// Each is used only when neither the flag nor its `REMORA_` variable was given.
+const ISTIO_ALIASES: &[(&str, &str)] = &[
+    (
+        "exit_on_zero_active_connections",
+        "EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
+    ),
+    ("minimum_drain_duration", "MINIMUM_DRAIN_DURATION"),
+    (
+        "termination_drain_duration",
+        "TERMINATION_DRAIN_DURATION_SECONDS",
+    ),
+];
+
+impl RunConfig {
+    /// Apply Istio's environment aliases and cross-field checks. `env` is the
+    /// process environment as a lookup (so tests need no `set_var`).
+    pub fn finish(
+        mut self,
+        matches: &ArgMatches,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        for (field, var) in ISTIO_ALIASES {
+            if !matches!(
+                matches.value_source(field),
+                None | Some(ValueSource::DefaultValue)
+            ) {
+                continue;
+            }
+            let Some(raw) = env(var) else { continue };
+            let invalid = |reason: String| ConfigError::Invalid {
+                name: var.to_string(),
+                value: raw.clone(),
+                reason,
+            };
+            match *field {
+                "exit_on_zero_active_connections" => {
+                    self.exit_on_zero_active_connections =
+                        parse_bool(&raw).map_err(|e| invalid(e))?;
+                }
+                "minimum_drain_duration" => {
+                    self.minimum_drain_duration = parse_duration(&raw).map_err(invalid)?;
+                }
+                "termination_drain_duration" => {
+                    // Istio's variable is whole seconds; a duration string is accepted too.
+                    self.termination_drain_duration = parse_duration(&raw).map_err(invalid)?;
+                }
+                _ => {}
+            }
+        }
+        if self.drain_poll_interval.is_zero() {
+            return Err(ConfigError::Invalid {
+                name: "--drain-poll-interval".into(),
+                value: "0s".into(),
+                reason: "must be positive".into(),
+            });
+        }
+        if self.drain_duration.as_secs() == 0 && !self.drain_duration.is_zero() {
+            // Envoy takes whole seconds; round sub-second drains up rather than to zero.
+            self.drain_duration = Duration::from_secs(1);
+        }
+        Ok(self)
+    }
+
+    /// Where the SDS socket lives.
+    pub fn sds_socket_path(&self) -> PathBuf {
+        self.sds_socket
+            .clone()
+            .unwrap_or_else(|| self.run_dir.join("sds.sock"))
+    }
+
+    /// Where the generated bootstrap is written.
+    pub fn bootstrap_path(&self) -> PathBuf {
+        self.run_dir.join("envoy-bootstrap.json")
+    }
+
+    /// The configuration as `/debug/config` shows it: nothing secret is in it
+    /// (the token is a path, read at use), but the pass keeps it that way.
+    pub fn redacted(&self) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).unwrap_or(serde_json::Value::Null);
+        if let Some(obj) = v.as_object_mut() {
+            for key in obj.keys().cloned().collect::<Vec<_>>() {
+                if is_secret_key(&key) {
+                    obj.insert(key, serde_json::Value::String("<redacted>".into()));
+                }
+            }
+        }
+        v
+    }
+}
+
+fn is_secret_key(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    (k.contains("token") && !k.ends_with("_path"))
+        || k.contains("password")
+        || k.contains("secret")
+        || k.ends_with("_key")
+}
+
+pub fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        other => Err(format!("{other:?} is not a boolean (true/false)")),
+    }
+}
+
+/// `remora-agent wait`.
+#[derive(Debug, Clone, Args)]
+pub struct WaitConfig {
+    /// Give up after this long (exit 1).
+    #[arg(long, value_parser = parse_duration, default_value = "60s")]
+    pub timeout: Duration,
+    /// Time between checks (the first one is immediate).
+    #[arg(long, value_parser = parse_duration, default_value = "200ms")]
+    pub period: Duration,
+    /// Timeout of a single check.
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    pub request_timeout: Duration,
+    /// Readiness URL to poll.
+    #[arg(long, default_value = "http://127.0.0.1:15021/healthz/ready")]
+    pub url: String,
+}
+
+/// `remora-agent drain`.
+#[derive(Debug, Clone, Args)]
+pub struct DrainConfig {
+    /// Give up waiting after this long (the agent goes on draining).
+    #[arg(long, value_parser = parse_duration, default_value = "120s")]
+    pub timeout: Duration,
+    /// The agent's admin URL.
+    #[arg(
+        long,
+        env = "REMORA_ADMIN_URL",
+        default_value = "http://127.0.0.1:15020"
+    )]
+    pub admin_url: String,
+}
+
+/// Parse the process's command line; on error clap prints the culprit and exits 2.
+pub fn parse_cli() -> Result<Command, ConfigError> {
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    match cli.command {
+        Command::Run(cfg) => {
+            let sub = matches
+                .subcommand_matches("run")
+                .or_else(|| matches.subcommand_matches("proxy"))
+                .unwrap_or(&matches);
+            let cfg = cfg.finish(sub, |k| std::env::var(k).ok())?;
+            Ok(Command::Run(Box::new(cfg)))
+        }
+        other => Ok(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn run(args: &[&str], env: &[(&str, &str)]) -> Result<RunConfig, String> {
+        let mut argv = vec!["remora-agent", "run"];
+        argv.extend_from_slice(args);
+        let m = Cli::command()
+            .try_get_matches_from(argv)
+            .map_err(|e| e.to_string())?;
+        let cli = Cli::from_arg_matches(&m).map_err(|e| e.to_string())?;
+        let Command::Run(cfg) = cli.command else {
+            unreachable!()
+        };
+        let sub = m.subcommand_matches("run").expect("run");
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        cfg.finish(sub, |k| {
+            env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("45s"), Ok(Duration::from_secs(45)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert_eq!(parse_duration("0.5"), Ok(Duration::from_millis(500)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("-3").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn specs() {
+        assert_eq!(
+            "15006:8080".parse::<InboundSpec>(),
+            Ok(InboundSpec {
+                port: Some(15006),
+                app_port: 8080
+            })
+        );
+        assert_eq!(
+            "8080".parse::<InboundSpec>(),
+            Ok(InboundSpec {
+                port: None,
+                app_port: 8080
+            })
+        );
+        assert!("x:80".parse::<InboundSpec>().is_err());
+        assert!("0".parse::<InboundSpec>().is_err());
+        assert_eq!(
+            "15001:api.local:443".parse::<OutboundSpec>(),
+            Ok(OutboundSpec {
+                port: 15001,
+                host: "api.local".into(),
+                upstream_port: 443
+            })
+        );
+        assert_eq!(
+            "15001:[::1]:80".parse::<OutboundSpec>().map(|o| o.host),
+            Ok("::1".into())
+        );
+        assert!("15001:80".parse::<OutboundSpec>().is_err());
+        assert!("15001::80".parse::<OutboundSpec>().is_err());
+    }
+
+    #[test]
+    fn defaults_match_design() {
+        let c = run(&[], &[]).expect("defaults parse");
+        assert_eq!(c.envoy_admin_port, 15000);
+        assert_eq!(c.admin_port, 15020);
+        assert_eq!(c.health_port, 15021);
+        assert_eq!(c.stats_port, 15090);
+        assert_eq!(c.drain_duration, Duration::from_secs(45));
+        assert_eq!(c.parent_shutdown_duration, Duration::from_secs(60));
+        assert_eq!(c.termination_drain_duration, Duration::from_secs(5));
+        assert_eq!(c.minimum_drain_duration, Duration::from_secs(5));
+        assert!(!c.exit_on_zero_active_connections);
+        assert_eq!(c.run_dir, PathBuf::from("/var/run/remora"));
+        assert_eq!(
+            c.sds_socket_path(),
+            PathBuf::from("/var/run/remora/sds.sock")
+        );
+        assert_eq!(c.trust_domain, "cluster.local");
+    }
+
+    #[test]
+    fn istio_aliases_apply_only_when_flag_absent() {
+        let env = [
+            ("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"),
+            ("MINIMUM_DRAIN_DURATION", "12s"),
+            ("TERMINATION_DRAIN_DURATION_SECONDS", "9"),
+        ];
+        let c = run(&[], &env).expect("aliases parse");
+        assert!(c.exit_on_zero_active_connections);
+        assert_eq!(c.minimum_drain_duration, Duration::from_secs(12));
+        assert_eq!(c.termination_drain_duration, Duration::from_secs(9));
+
+        let c = run(
+            &[
+                "--termination-drain-duration",
+                "2s",
+                "--exit-on-zero-active-connections=false",
+            ],
+            &env,
+        )
+        .expect("flags parse");
+        assert_eq!(c.termination_drain_duration, Duration::from_secs(2));
+        assert!(!c.exit_on_zero_active_connections);
+    }
+
+    #[test]
+    fn bad_alias_is_named() {
+        let err = run(&[], &[("MINIMUM_DRAIN_DURATION", "forever")]).unwrap_err();
+        assert!(err.contains("MINIMUM_DRAIN_DURATION"), "{err}");
+    }
+
+    #[test]
+    fn bad_flag_names_the_flag() {
+        let err = run(&["--drain-duration", "soon"], &[]).unwrap_err();
+        assert!(err.contains("--drain-duration"), "{err}");
+        let err = run(&["--inbound", "x:1"], &[]).unwrap_err();
+        assert!(err.contains("--inbound"), "{err}");
+    }
+
+    #[test]
+    fn redaction_hides_secret_like_keys() {
+        assert!(is_secret_key("bearer_token"));
+        assert!(!is_secret_key("token_path"));
+        assert!(is_secret_key("private_key"));
+        let c = run(&[], &[]).expect("defaults");
+        let v = c.redacted();
+        assert_eq!(v["token_path"], "/var/run/secrets/tokens/remora-token");
+        assert_eq!(v["drain_duration"], "45s");
+    }
+}

@@ -1,0 +1,6 @@
+//! remora-agent: generates Envoy's bootstrap, starts and supervises Envoy,
+//! reports readiness, and drains Envoy gracefully on termination.
+
+pub mod config;
+pub mod lifecycle;
+pub mod readiness;

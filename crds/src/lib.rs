@@ -1,0 +1,1 @@
+//! Remora CRD types. Filled in by the injector issue.

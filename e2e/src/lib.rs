@@ -1,0 +1,1 @@
+//! End-to-end harness (control plane, kubelet-emulating pod runner): later issues.
