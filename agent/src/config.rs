@@ -55,7 +55,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Ok(Duration::from_secs(secs));
     }
     if let Ok(secs) = t.parse::<f64>() {
-        if secs.is_finite() && secs >= 0.0 && secs < 1e12 {
+        if (0.0..1e12).contains(&secs) {
             return Ok(Duration::from_secs_f64(secs));
         }
         return Err(format!("{t:?} is not a non-negative duration"));
@@ -390,8 +390,7 @@ impl RunConfig {
             };
             match *field {
                 "exit_on_zero_active_connections" => {
-                    self.exit_on_zero_active_connections =
-                        parse_bool(&raw).map_err(|e| invalid(e))?;
+                    self.exit_on_zero_active_connections = parse_bool(&raw).map_err(&invalid)?;
                 }
                 "minimum_drain_duration" => {
                     self.minimum_drain_duration = parse_duration(&raw).map_err(invalid)?;

@@ -1,6 +1,16 @@
 //! remora-agent: generates Envoy's bootstrap, starts and supervises Envoy,
 //! reports readiness, and drains Envoy gracefully on termination.
 
+pub mod app;
+pub mod bootstrap;
+pub mod cli;
 pub mod config;
+pub mod drain;
+pub mod envoy;
+pub mod http_client;
 pub mod lifecycle;
+pub mod metrics;
 pub mod readiness;
+pub mod servers;
+pub mod supervisor;
+pub mod telemetry;

@@ -1,0 +1,256 @@
+//! Wiring of `remora-agent run`: bind the agent's ports, prepare Envoy, start
+//! the supervisor, the servers, the signal and input watchers.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+
+use crate::bootstrap::{self, Extras};
+use crate::config::RunConfig;
+use crate::envoy::process;
+use crate::lifecycle::LiveSettings;
+use crate::metrics::Metrics;
+use crate::readiness::Readiness;
+use crate::servers;
+use crate::supervisor::{Control, ExitReason, Supervisor, SupervisorHandle};
+use crate::telemetry::LogLevelHandle;
+
+/// How often the bootstrap's inputs are checked for changes.
+const INPUT_POLL: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Server(#[from] servers::ServerError),
+    #[error(transparent)]
+    Envoy(#[from] process::ProcessError),
+    #[error(transparent)]
+    Bootstrap(#[from] bootstrap::BootstrapError),
+    #[error("cannot create --run-dir {path}: {source}")]
+    RunDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what} port {port} is already in use")]
+    PortInUse { what: String, port: u16 },
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+}
+
+/// A built agent, ready to run.
+pub struct App {
+    cfg: Arc<RunConfig>,
+    supervisor: Supervisor,
+    handle: SupervisorHandle,
+    health: TcpListener,
+    admin: TcpListener,
+    registry: Arc<Registry>,
+    readiness: Readiness,
+    metrics: Metrics,
+    log: LogLevelHandle,
+}
+
+/// Check everything that can be checked before Envoy starts, so bad input
+/// ends in one clear line instead of a failing child.
+pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError> {
+    let cfg = Arc::new(cfg);
+    tracing::info!(config = %cfg.redacted(), "remora-agent starting");
+    let envoy_bin = process::resolve_binary(&cfg.envoy_bin)?;
+    std::fs::create_dir_all(&cfg.run_dir).map_err(|source| AppError::RunDir {
+        path: cfg.run_dir.clone(),
+        source,
+    })?;
+    if let Some(p) = &cfg.bootstrap_override {
+        bootstrap::read_override(p)?;
+    }
+    let health = servers::bind(
+        "health",
+        SocketAddr::new(cfg.health_address, cfg.health_port),
+    )
+    .await?;
+    let admin = servers::bind(
+        "admin",
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), cfg.admin_port),
+    )
+    .await?;
+    check_envoy_ports(&cfg).await?;
+
+    let mut registry = Registry::with_prefix("remora_agent");
+    let metrics = Metrics::new(&mut registry);
+    let readiness = Readiness::new();
+    let extras = Extras::default();
+    let (supervisor, handle) = Supervisor::new(
+        cfg.clone(),
+        envoy_bin,
+        extras,
+        readiness.clone(),
+        metrics.clone(),
+    );
+    // Render once now: an invalid configuration fails here, not in Envoy.
+    supervisor.render()?;
+    Ok(App {
+        cfg,
+        supervisor,
+        handle,
+        health,
+        admin,
+        registry: Arc::new(registry),
+        readiness,
+        metrics,
+        log,
+    })
+}
+
+/// Envoy binds these itself; a port taken by someone else would only show up
+/// as Envoy failing, so try them first.
+async fn check_envoy_ports(cfg: &RunConfig) -> Result<(), AppError> {
+    let mut ports = vec![
+        (
+            "Envoy admin".to_string(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            cfg.envoy_admin_port,
+        ),
+        (
+            "Envoy stats".to_string(),
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            cfg.stats_port,
+        ),
+    ];
+    for i in &cfg.inbound {
+        let port = i.port.unwrap_or(cfg.inbound_port);
+        ports.push((
+            "inbound listener".to_string(),
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            port,
+        ));
+    }
+    for o in &cfg.outbound {
+        ports.push((
+            "outbound listener".to_string(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            o.port,
+        ));
+    }
+    for (what, ip, port) in ports {
+        if TcpListener::bind((ip, port)).await.is_err() {
+            return Err(AppError::PortInUse { what, port });
+        }
+    }
+    Ok(())
+}
+
+impl App {
+    /// Run until the agent should exit.
+    pub async fn run(self) -> Result<ExitReason, AppError> {
+        let shutdown = CancellationToken::new();
+        let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(servers::serve(
+            self.health,
+            servers::health_router(self.readiness.clone(), self.metrics.clone()),
+            shutdown.clone(),
+        )));
+        tasks.push(tokio::spawn(servers::serve(
+            self.admin,
+            servers::admin_router(
+                self.registry.clone(),
+                self.handle.clone(),
+                self.cfg.clone(),
+                self.log.clone(),
+            ),
+            shutdown.clone(),
+        )));
+        let signals = forward_signals(self.handle.control.clone(), shutdown.clone())
+            .map_err(AppError::Signals)?;
+        tasks.push(signals);
+        tasks.push(tokio::spawn(watch_inputs(
+            self.cfg.clone(),
+            self.handle.control.clone(),
+            shutdown.clone(),
+        )));
+
+        let reason = self.supervisor.run().await;
+        shutdown.cancel();
+        // Servers finish their in-flight answers; bounded so exit is never held up.
+        let _ =
+            tokio::time::timeout(Duration::from_secs(1), futures::future::join_all(tasks)).await;
+        Ok(reason)
+    }
+}
+
+fn forward_signals(
+    control: tokio::sync::mpsc::Sender<Control>,
+    shutdown: CancellationToken,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    Ok(tokio::spawn(async move {
+        loop {
+            let msg = tokio::select! {
+                _ = term.recv() => Control::Signal,
+                _ = int.recv() => Control::Signal,
+                _ = hup.recv() => Control::HotRestart { reason: "SIGHUP".into() },
+                _ = shutdown.cancelled() => return,
+            };
+            tracing::info!(?msg, "signal received");
+            if control.send(msg).await.is_err() {
+                return;
+            }
+        }
+    }))
+}
+
+/// What the bootstrap depends on besides the flags: the override file and
+/// the drain duration (Envoy's `--drain-time-s`) from the pod's annotations.
+#[derive(Debug, PartialEq)]
+struct Inputs {
+    override_file: Option<Result<Vec<u8>, std::io::ErrorKind>>,
+    drain_duration: Duration,
+}
+
+fn read_inputs(cfg: &RunConfig, live: &LiveSettings) -> Inputs {
+    Inputs {
+        override_file: cfg
+            .bootstrap_override
+            .as_ref()
+            .map(|p| std::fs::read(p).map_err(|e| e.kind())),
+        drain_duration: live.current().drain_duration,
+    }
+}
+
+/// Poll the inputs and ask for a hot restart when they change. Polling (not
+/// inotify) because ConfigMap and downward-API volumes change by swapping a
+/// symlink, which a once-a-second read sees without any watch bookkeeping.
+async fn watch_inputs(
+    cfg: Arc<RunConfig>,
+    control: tokio::sync::mpsc::Sender<Control>,
+    shutdown: CancellationToken,
+) {
+    let live = LiveSettings::new(&cfg);
+    let mut last = read_inputs(&cfg, &live);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(INPUT_POLL) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let now = read_inputs(&cfg, &live);
+        if now != last {
+            let reason = if now.drain_duration != last.drain_duration {
+                format!("drain duration changed to {:?}", now.drain_duration)
+            } else {
+                "bootstrap override changed".to_string()
+            };
+            last = now;
+            if control.send(Control::HotRestart { reason }).await.is_err() {
+                return;
+            }
+        }
+    }
+}

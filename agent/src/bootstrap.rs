@@ -1,0 +1,484 @@
+//! Envoy's bootstrap, generated from the agent's configuration.
+//!
+//! Static mode: one INBOUND listener per `--inbound` (HTTP, so that a drain
+//! answers with `connection: close`) and one OUTBOUND TCP listener per
+//! `--outbound`. xDS mode: an ADS cluster and LDS/CDS over ADS. Both modes get
+//! the admin interface on 127.0.0.1 only and a Prometheus listener.
+//! `--bootstrap-override` is merged over the result (RFC 7386 merge patch).
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use crate::config::RunConfig;
+use crate::envoy::admin::PROMETHEUS_STAT_PREFIX;
+
+/// Name of the ADS cluster in xDS mode.
+pub const XDS_CLUSTER: &str = "xds-grpc";
+const PROMETHEUS_CLUSTER: &str = "remora-prometheus-stats";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BootstrapError {
+    #[error("cannot read --bootstrap-override {path}: {source}")]
+    ReadOverride {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--bootstrap-override {path} is neither JSON nor YAML: {reason}")]
+    ParseOverride { path: PathBuf, reason: String },
+    #[error("--bootstrap-override {path} must hold a mapping at the top level")]
+    OverrideNotObject { path: PathBuf },
+    #[error("the bootstrap would expose Envoy's admin interface on {0}; only loopback is allowed")]
+    AdminNotLoopback(String),
+    #[error("--discovery-address {0:?} is not HOST:PORT")]
+    DiscoveryAddress(String),
+    #[error("two listeners on port {0}")]
+    DuplicatePort(u16),
+    #[error("cannot write the bootstrap to {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Extra pieces other modules add to the bootstrap (the SDS cluster, TLS on
+/// inbound listeners), kept apart so this module stays independent of them.
+#[derive(Debug, Clone, Default)]
+pub struct Extras {
+    /// Clusters appended to `static_resources.clusters`.
+    pub clusters: Vec<Value>,
+    /// A `transport_socket` put on every inbound listener's filter chain.
+    pub inbound_transport_socket: Option<Value>,
+}
+
+/// Read the override file, if any: JSON, or YAML (a superset of JSON).
+pub fn read_override(path: &Path) -> Result<Value, BootstrapError> {
+    let text = std::fs::read_to_string(path).map_err(|source| BootstrapError::ReadOverride {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let value: Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(json_err) => {
+            serde_saphyr::from_str(&text).map_err(|yaml_err| BootstrapError::ParseOverride {
+                path: path.to_path_buf(),
+                reason: format!("as JSON: {json_err}; as YAML: {yaml_err}"),
+            })?
+        }
+    };
+    if !value.is_object() {
+        return Err(BootstrapError::OverrideNotObject {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(value)
+}
+
+/// Build the bootstrap for `cfg`, with `extras` and the override applied.
+pub fn generate(
+    cfg: &RunConfig,
+    extras: &Extras,
+    override_doc: Option<&Value>,
+) -> Result<Value, BootstrapError> {
+    let mut listeners = Vec::new();
+    let mut clusters = vec![prometheus_cluster(cfg.envoy_admin_port)];
+    let mut ports = std::collections::BTreeSet::from([cfg.stats_port]);
+    listeners.push(prometheus_listener(cfg.stats_port));
+
+    for spec in &cfg.inbound {
+        let port = spec.port.unwrap_or(cfg.inbound_port);
+        if !ports.insert(port) {
+            return Err(BootstrapError::DuplicatePort(port));
+        }
+        let cluster = format!("inbound|{}", spec.app_port);
+        clusters.push(static_cluster(&cluster, "127.0.0.1", spec.app_port));
+        listeners.push(inbound_listener(
+            port,
+            &cluster,
+            extras.inbound_transport_socket.as_ref(),
+        ));
+    }
+    for spec in &cfg.outbound {
+        if !ports.insert(spec.port) {
+            return Err(BootstrapError::DuplicatePort(spec.port));
+        }
+        let cluster = format!(
+            "outbound|{}|{}|{}",
+            spec.port, spec.host, spec.upstream_port
+        );
+        clusters.push(upstream_cluster(&cluster, &spec.host, spec.upstream_port));
+        listeners.push(outbound_listener(spec.port, &cluster));
+    }
+    clusters.extend(extras.clusters.iter().cloned());
+
+    let mut bootstrap = json!({
+        "node": node(cfg),
+        "admin": {
+            "address": socket_address("127.0.0.1", cfg.envoy_admin_port),
+        },
+        "static_resources": {
+            "listeners": listeners,
+            "clusters": clusters,
+        },
+        // A bound on downstream connections (Envoy warns at start without one).
+        "overload_manager": {
+            "resource_monitors": [{
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                    "max_active_downstream_connections": 100000
+                }
+            }]
+        }
+    });
+
+    if let Some(addr) = cfg.discovery_address.as_deref().filter(|a| !a.is_empty()) {
+        let (host, port) = split_host_port(addr)
+            .ok_or_else(|| BootstrapError::DiscoveryAddress(addr.to_string()))?;
+        let mut xds = upstream_cluster(XDS_CLUSTER, &host, port);
+        xds["typed_extension_protocol_options"] = http2_options();
+        if let Some(c) = bootstrap["static_resources"]["clusters"].as_array_mut() {
+            c.push(xds);
+        }
+        bootstrap["dynamic_resources"] = json!({
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+                "set_node_on_first_message_only": true
+            },
+            "lds_config": {"ads": {}, "resource_api_version": "V3"},
+            "cds_config": {"ads": {}, "resource_api_version": "V3"}
+        });
+    }
+
+    if let Some(patch) = override_doc {
+        json_patch::merge(&mut bootstrap, patch);
+    }
+    check_admin_loopback(&bootstrap)?;
+    Ok(bootstrap)
+}
+
+/// Write the bootstrap atomically (temp file + rename), so Envoy never reads half of it.
+pub fn write(path: &Path, bootstrap: &Value) -> Result<(), BootstrapError> {
+    let err = |source| BootstrapError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let text = serde_json::to_vec_pretty(bootstrap).map_err(|e| err(std::io::Error::other(e)))?;
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, text).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+fn node(cfg: &RunConfig) -> Value {
+    let ns = non_empty(&cfg.pod_namespace, "default");
+    let pod = non_empty(&cfg.pod_name, "remora");
+    let ip = non_empty(&cfg.instance_ip, "127.0.0.1");
+    // Istio's node id shape, so an istiod-compatible xDS server recognises it.
+    let id = format!("sidecar~{ip}~{pod}.{ns}~{ns}.svc.{}", cfg.trust_domain);
+    let cluster = if cfg.service_account.is_empty() {
+        format!("{pod}.{ns}")
+    } else {
+        format!("{}.{ns}", cfg.service_account)
+    };
+    json!({
+        "id": id,
+        "cluster": cluster,
+        "metadata": {
+            "POD_NAME": cfg.pod_name,
+            "NAMESPACE": cfg.pod_namespace,
+            "SERVICE_ACCOUNT": cfg.service_account,
+            "INSTANCE_IPS": cfg.instance_ip,
+            "REMORA_VERSION": env!("CARGO_PKG_VERSION"),
+        }
+    })
+}
+
+fn non_empty<'a>(s: &'a str, fallback: &'a str) -> &'a str {
+    if s.is_empty() { fallback } else { s }
+}
+
+fn socket_address(address: &str, port: u16) -> Value {
+    json!({"socket_address": {"address": address, "port_value": port}})
+}
+
+fn split_host_port(addr: &str) -> Option<(String, u16)> {
+    let (host, port) = addr.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
+    (!host.is_empty()).then(|| (host.to_string(), port))
+}
+
+fn http2_options() -> Value {
+    json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}
+        }
+    })
+}
+
+fn static_cluster(name: &str, ip: &str, port: u16) -> Value {
+    json!({
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(ip, port)}}]}]
+        }
+    })
+}
+
+/// An upstream by IP (static) or by name (DNS).
+fn upstream_cluster(name: &str, host: &str, port: u16) -> Value {
+    let mut c = static_cluster(name, host, port);
+    if host.parse::<IpAddr>().is_err() {
+        c["type"] = json!("STRICT_DNS");
+        c["dns_lookup_family"] = json!("V4_PREFERRED");
+    }
+    c
+}
+
+fn router_filter() -> Value {
+    json!({
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+    })
+}
+
+fn inbound_listener(port: u16, cluster: &str, transport_socket: Option<&Value>) -> Value {
+    let name = format!("inbound_{port}");
+    let mut chain = json!({
+        "filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": name,
+                "codec_type": "AUTO",
+                "route_config": {
+                    "name": name,
+                    "virtual_hosts": [{
+                        "name": "app",
+                        "domains": ["*"],
+                        // No route timeout: the sidecar must not cut the app's long requests.
+                        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "0s"}}]
+                    }]
+                },
+                "http_filters": [router_filter()]
+            }
+        }]
+    });
+    if let Some(ts) = transport_socket {
+        chain["transport_socket"] = ts.clone();
+    }
+    json!({
+        "name": name,
+        "address": socket_address("0.0.0.0", port),
+        // INBOUND is what `drain_listeners?inboundonly` drains.
+        "traffic_direction": "INBOUND",
+        "filter_chains": [chain]
+    })
+}
+
+fn outbound_listener(port: u16, cluster: &str) -> Value {
+    let name = format!("outbound_{port}");
+    json!({
+        "name": name,
+        // The app reaches its sidecar on loopback only.
+        "address": socket_address("127.0.0.1", port),
+        // OUTBOUND listeners keep serving while inbound drains.
+        "traffic_direction": "OUTBOUND",
+        "filter_chains": [{
+            "filters": [{
+                "name": "envoy.filters.network.tcp_proxy",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                    "stat_prefix": name,
+                    "cluster": cluster
+                }
+            }]
+        }]
+    })
+}
+
+fn prometheus_cluster(admin_port: u16) -> Value {
+    static_cluster(PROMETHEUS_CLUSTER, "127.0.0.1", admin_port)
+}
+
+/// `0.0.0.0:<stats-port>/stats/prometheus`, proxied to the loopback-only admin
+/// interface; nothing else of the admin API is reachable through it.
+fn prometheus_listener(port: u16) -> Value {
+    json!({
+        "name": PROMETHEUS_STAT_PREFIX,
+        "stat_prefix": PROMETHEUS_STAT_PREFIX,
+        "address": socket_address("0.0.0.0", port),
+        "filter_chains": [{
+            "filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": PROMETHEUS_STAT_PREFIX,
+                    "codec_type": "AUTO",
+                    "route_config": {
+                        "virtual_hosts": [{
+                            "name": "stats",
+                            "domains": ["*"],
+                            "routes": [{
+                                "match": {"path": "/stats/prometheus"},
+                                "route": {"cluster": PROMETHEUS_CLUSTER}
+                            }]
+                        }]
+                    },
+                    "http_filters": [router_filter()]
+                }
+            }]
+        }]
+    })
+}
+
+fn check_admin_loopback(bootstrap: &Value) -> Result<(), BootstrapError> {
+    let sa = &bootstrap["admin"]["address"]["socket_address"];
+    let address = sa["address"].as_str().unwrap_or("");
+    let loopback = address
+        .parse::<IpAddr>()
+        .map(|ip| ip.is_loopback())
+        .unwrap_or(address == "localhost");
+    // A pipe (Unix socket) admin address is local as well.
+    let pipe = bootstrap["admin"]["address"]["pipe"].is_object();
+    if loopback || pipe {
+        Ok(())
+    } else {
+        Err(BootstrapError::AdminNotLoopback(format!(
+            "{address}:{}",
+            sa["port_value"]
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn cfg(args: &[&str]) -> RunConfig {
+        let mut argv = vec!["remora-agent", "run"];
+        argv.extend_from_slice(args);
+        let cli = crate::config::Cli::try_parse_from(argv).expect("parses");
+        match cli.command {
+            crate::config::Command::Run(c) => *c,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn static_mode_listeners_have_directions() {
+        let c = cfg(&[
+            "--inbound",
+            "15006:8080",
+            "--outbound",
+            "15001:example.org:80",
+        ]);
+        let b = generate(&c, &Extras::default(), None).expect("generates");
+        let listeners = b["static_resources"]["listeners"]
+            .as_array()
+            .expect("array");
+        let dir = |name: &str| {
+            listeners
+                .iter()
+                .find(|l| l["name"] == name)
+                .map(|l| l["traffic_direction"].clone())
+        };
+        assert_eq!(dir("inbound_15006"), Some(json!("INBOUND")));
+        assert_eq!(dir("outbound_15001"), Some(json!("OUTBOUND")));
+        assert_eq!(dir(PROMETHEUS_STAT_PREFIX), Some(Value::Null));
+        assert_eq!(
+            b["admin"]["address"]["socket_address"]["address"],
+            "127.0.0.1"
+        );
+        assert!(b.get("dynamic_resources").is_none());
+        let outbound = b["static_resources"]["clusters"]
+            .as_array()
+            .expect("clusters")
+            .iter()
+            .find(|c| c["name"] == "outbound|15001|example.org|80")
+            .expect("outbound cluster");
+        assert_eq!(outbound["type"], "STRICT_DNS");
+    }
+
+    #[test]
+    fn xds_mode_has_ads() {
+        let c = cfg(&["--discovery-address", "istiod.istio-system.svc:15010"]);
+        let b = generate(&c, &Extras::default(), None).expect("generates");
+        assert_eq!(
+            b["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]["cluster_name"],
+            XDS_CLUSTER
+        );
+        let bad = cfg(&["--discovery-address", "nohost"]);
+        assert!(matches!(
+            generate(&bad, &Extras::default(), None),
+            Err(BootstrapError::DiscoveryAddress(_))
+        ));
+    }
+
+    #[test]
+    fn override_merges_and_admin_stays_loopback() {
+        let c = cfg(&[]);
+        let patch = json!({"node": {"cluster": "custom"}, "stats_flush_interval": "10s"});
+        let b = generate(&c, &Extras::default(), Some(&patch)).expect("generates");
+        assert_eq!(b["node"]["cluster"], "custom");
+        assert_eq!(b["stats_flush_interval"], "10s");
+        assert!(
+            b["node"]["id"]
+                .as_str()
+                .expect("id")
+                .starts_with("sidecar~")
+        );
+
+        let expose = json!({"admin": {"address": {"socket_address": {"address": "0.0.0.0"}}}});
+        assert!(matches!(
+            generate(&c, &Extras::default(), Some(&expose)),
+            Err(BootstrapError::AdminNotLoopback(_))
+        ));
+    }
+
+    #[test]
+    fn duplicate_ports_are_refused() {
+        let c = cfg(&["--inbound", "15090:8080"]);
+        assert!(matches!(
+            generate(&c, &Extras::default(), None),
+            Err(BootstrapError::DuplicatePort(15090))
+        ));
+    }
+
+    #[test]
+    fn override_file_formats() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = dir.path().join("o.yaml");
+        std::fs::write(&yaml, "node:\n  cluster: from-yaml\n").expect("write");
+        assert_eq!(
+            read_override(&yaml).expect("yaml")["node"]["cluster"],
+            "from-yaml"
+        );
+        let list = dir.path().join("l.yaml");
+        std::fs::write(&list, "- 1\n- 2\n").expect("write");
+        assert!(matches!(
+            read_override(&list),
+            Err(BootstrapError::OverrideNotObject { .. })
+        ));
+        let bad = dir.path().join("b.json");
+        std::fs::write(&bad, "{: [").expect("write");
+        assert!(matches!(
+            read_override(&bad),
+            Err(BootstrapError::ParseOverride { .. })
+        ));
+        assert!(matches!(
+            read_override(&dir.path().join("missing")),
+            Err(BootstrapError::ReadOverride { .. })
+        ));
+    }
+}

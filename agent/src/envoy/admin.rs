@@ -1,0 +1,209 @@
+//! Envoy's admin API, as the agent uses it: readiness, stats, draining.
+
+use std::time::Duration;
+
+use crate::http_client::{HttpClient, HttpError};
+
+/// Listener stat prefix of the Prometheus listener the bootstrap adds: named so
+/// that its scrapes are never counted as the workload's connections.
+pub const PROMETHEUS_STAT_PREFIX: &str = "remora_prometheus";
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error(transparent)]
+    Http(#[from] HttpError),
+    #[error("Envoy admin {path} answered {status}: {body}")]
+    Status {
+        path: String,
+        status: u16,
+        body: String,
+    },
+}
+
+/// Envoy's `server.state` gauge values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerState {
+    Live,
+    Draining,
+    PreInitializing,
+    Initializing,
+    Unknown(u64),
+}
+
+impl ServerState {
+    fn from_gauge(v: u64) -> Self {
+        match v {
+            0 => Self::Live,
+            1 => Self::Draining,
+            2 => Self::PreInitializing,
+            3 => Self::Initializing,
+            n => Self::Unknown(n),
+        }
+    }
+}
+
+/// What readiness needs to know about Envoy, read in one stats call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerStatus {
+    pub state: ServerState,
+    pub workers_started: bool,
+    pub lds_updates: u64,
+    pub cds_updates: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct EnvoyAdmin {
+    base: String,
+    http: HttpClient,
+}
+
+impl EnvoyAdmin {
+    pub fn new(port: u16) -> Self {
+        Self {
+            base: format!("http://127.0.0.1:{port}"),
+            http: HttpClient::new(Duration::from_secs(1)),
+        }
+    }
+
+    async fn get_ok(&self, path: &str) -> Result<String, AdminError> {
+        let r = self.http.get(&format!("{}{path}", self.base)).await?;
+        if r.status != 200 {
+            return Err(AdminError::Status {
+                path: path.to_string(),
+                status: r.status,
+                body: r.body,
+            });
+        }
+        Ok(r.body)
+    }
+
+    async fn post_ok(&self, path: &str) -> Result<String, AdminError> {
+        let r = self.http.post(&format!("{}{path}", self.base)).await?;
+        if r.status != 200 {
+            return Err(AdminError::Status {
+                path: path.to_string(),
+                status: r.status,
+                body: r.body,
+            });
+        }
+        Ok(r.body)
+    }
+
+    pub async fn server_status(&self) -> Result<ServerStatus, AdminError> {
+        let body = self
+            .get_ok(
+                "/stats?filter=^(server\\.state|listener_manager\\.workers_started|\
+                 listener_manager\\.lds\\.update_success|cluster_manager\\.cds\\.update_success)$",
+            )
+            .await?;
+        let mut status = ServerStatus {
+            state: ServerState::Unknown(u64::MAX),
+            workers_started: false,
+            lds_updates: 0,
+            cds_updates: 0,
+        };
+        for (name, value) in parse_stats(&body) {
+            match name {
+                "server.state" => status.state = ServerState::from_gauge(value),
+                "listener_manager.workers_started" => status.workers_started = value == 1,
+                "listener_manager.lds.update_success" => status.lds_updates = value,
+                "cluster_manager.cds.update_success" => status.cds_updates = value,
+                _ => {}
+            }
+        }
+        Ok(status)
+    }
+
+    /// Sum of the workload's active downstream connections (see
+    /// [`count_active_connections`]).
+    pub async fn active_connections(&self) -> Result<u64, AdminError> {
+        let body = self
+            .get_ok("/stats?usedonly&filter=downstream_cx_active$")
+            .await?;
+        Ok(count_active_connections(&body))
+    }
+
+    /// Start a graceful drain of the inbound listeners only.
+    pub async fn drain_inbound_listeners(&self) -> Result<(), AdminError> {
+        self.post_ok("/drain_listeners?inboundonly&graceful")
+            .await
+            .map(drop)
+    }
+}
+
+/// Parse Envoy's plain-text `/stats` output into (name, value) pairs; lines
+/// that are not plain counters or gauges (histograms) are skipped.
+pub fn parse_stats(body: &str) -> impl Iterator<Item = (&str, u64)> {
+    body.lines().filter_map(|line| {
+        let (name, value) = line.split_once(": ")?;
+        Some((name.trim(), value.trim().parse().ok()?))
+    })
+}
+
+/// Sum `listener.<addr>.downstream_cx_active` over the workload's listeners.
+///
+/// Left out: the admin listener (the stats request counting itself is one of
+/// its connections), the agent's Prometheus listener, the per-worker copies
+/// `listener.<addr>.worker_N.*`, and every `http.*` stat.
+pub fn count_active_connections(body: &str) -> u64 {
+    parse_stats(body)
+        .filter_map(|(name, value)| {
+            let middle = name
+                .strip_prefix("listener.")?
+                .strip_suffix(".downstream_cx_active")?;
+            let listener = match middle.rsplit_once('.') {
+                // Per-thread copies of a listener's stats: the total is already counted.
+                Some((_, last)) if last == "main_thread" || is_worker(last) => return None,
+                _ => middle,
+            };
+            if listener == "admin" || listener == PROMETHEUS_STAT_PREFIX {
+                return None;
+            }
+            Some(value)
+        })
+        .sum()
+}
+
+fn is_worker(segment: &str) -> bool {
+    segment
+        .strip_prefix("worker_")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_only_workload_listeners() {
+        let body = "\
+http.admin.downstream_cx_active: 1
+http.inbound_15006.downstream_cx_active: 3
+listener.0.0.0.0_15006.downstream_cx_active: 3
+listener.0.0.0.0_15006.worker_0.downstream_cx_active: 2
+listener.0.0.0.0_15006.worker_1.downstream_cx_active: 1
+listener.127.0.0.1_15001.downstream_cx_active: 2
+listener.127.0.0.1_15001.worker_0.downstream_cx_active: 2
+listener.admin.downstream_cx_active: 1
+listener.admin.main_thread.downstream_cx_active: 1
+listener.remora_prometheus.downstream_cx_active: 4
+listener.remora_prometheus.worker_0.downstream_cx_active: 4
+listener.[__1]_15006.downstream_cx_active: 1
+";
+        assert_eq!(count_active_connections(body), 3 + 2 + 1);
+    }
+
+    #[test]
+    fn empty_and_odd_lines() {
+        assert_eq!(count_active_connections(""), 0);
+        assert_eq!(
+            count_active_connections("garbage\nlistener.x.downstream_cx_active: nope\n"),
+            0
+        );
+        let h = "cluster.x.upstream_rq_time: P0(nan,1) P25(nan,2)\nserver.state: 0\n";
+        assert_eq!(
+            parse_stats(h).collect::<Vec<_>>(),
+            vec![("server.state", 0)]
+        );
+    }
+}

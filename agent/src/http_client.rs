@@ -1,0 +1,117 @@
+//! A small plain-HTTP/1 client for loopback calls (Envoy admin, the agent's
+//! own endpoints from the `wait` and `drain` helpers).
+
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    #[error("bad URL {0:?}")]
+    Url(String),
+    #[error("request to {url} failed: {source}")]
+    Request {
+        url: String,
+        #[source]
+        source: hyper_util::client::legacy::Error,
+    },
+    #[error("reading the answer of {url} failed: {source}")]
+    Body {
+        url: String,
+        #[source]
+        source: hyper::Error,
+    },
+    #[error("{url} did not answer within {timeout:?}")]
+    Timeout { url: String, timeout: Duration },
+}
+
+/// A response reduced to what callers look at.
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub status: u16,
+    pub body: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct HttpClient {
+    client: Client<HttpConnector, Empty<Bytes>>,
+    timeout: Duration,
+}
+
+impl HttpClient {
+    pub fn new(timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(2)
+            .build(connector);
+        Self { client, timeout }
+    }
+
+    pub async fn get(&self, url: &str) -> Result<Response, HttpError> {
+        self.call(hyper::Method::GET, url).await
+    }
+
+    pub async fn post(&self, url: &str) -> Result<Response, HttpError> {
+        self.call(hyper::Method::POST, url).await
+    }
+
+    /// Like `post`, with its own timeout (for long-running calls such as a drain).
+    pub async fn post_with_timeout(
+        &self,
+        url: &str,
+        timeout: Duration,
+    ) -> Result<Response, HttpError> {
+        Self {
+            client: self.client.clone(),
+            timeout,
+        }
+        .call(hyper::Method::POST, url)
+        .await
+    }
+
+    async fn call(&self, method: hyper::Method, url: &str) -> Result<Response, HttpError> {
+        let uri: hyper::Uri = url.parse().map_err(|_| HttpError::Url(url.to_string()))?;
+        let req = hyper::Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Empty::new())
+            .map_err(|_| HttpError::Url(url.to_string()))?;
+        let fut = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|source| HttpError::Request {
+                    url: url.to_string(),
+                    source,
+                })?;
+            let status = resp.status().as_u16();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|source| HttpError::Body {
+                    url: url.to_string(),
+                    source,
+                })?
+                .to_bytes();
+            Ok(Response {
+                status,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            })
+        };
+        tokio::time::timeout(self.timeout, fut)
+            .await
+            .map_err(|_| HttpError::Timeout {
+                url: url.to_string(),
+                timeout: self.timeout,
+            })?
+    }
+}

@@ -1,0 +1,91 @@
+//! The agent's Prometheus metrics (one registry for the agent; other modules
+//! get a sub-registry).
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum RestartKind {
+    /// Envoy exited abnormally and was started again.
+    Crash,
+    /// A new epoch took over from a running Envoy.
+    Hot,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RestartLabels {
+    pub kind: RestartKind,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum DrainOutcomeLabel {
+    /// Active connections reached zero (exit-on-zero).
+    Drained,
+    /// The termination drain duration elapsed.
+    Elapsed,
+    /// The drain deadline came first.
+    DeadlineExceeded,
+    /// A second signal cut the drain short.
+    Aborted,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DrainLabels {
+    pub outcome: DrainOutcomeLabel,
+}
+
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    pub envoy_restarts: Family<RestartLabels, Counter>,
+    pub envoy_starts_failed: Counter,
+    pub drain_duration: Histogram,
+    pub drain_active_connections_at_start: Gauge,
+    pub drains: Family<DrainLabels, Counter>,
+    pub ready: Gauge,
+}
+
+impl Metrics {
+    pub fn new(registry: &mut Registry) -> Self {
+        let m = Self {
+            envoy_restarts: Family::default(),
+            envoy_starts_failed: Counter::default(),
+            drain_duration: Histogram::new([
+                0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 120.0,
+            ]),
+            drain_active_connections_at_start: Gauge::default(),
+            drains: Family::default(),
+            ready: Gauge::default(),
+        };
+        registry.register(
+            "envoy_restarts",
+            "Envoy restarts by kind (crash, hot)",
+            m.envoy_restarts.clone(),
+        );
+        registry.register(
+            "envoy_start_failures",
+            "Envoy starts that failed, including rejected hot-restart configurations",
+            m.envoy_starts_failed.clone(),
+        );
+        registry.register(
+            "drain_duration_seconds",
+            "Time from the start of a drain to its end",
+            m.drain_duration.clone(),
+        );
+        registry.register(
+            "drain_active_connections_at_start",
+            "Active downstream connections when the last drain started",
+            m.drain_active_connections_at_start.clone(),
+        );
+        registry.register("drains", "Drains by outcome", m.drains.clone());
+        registry.register(
+            "ready",
+            "1 while /healthz/ready answers 200",
+            m.ready.clone(),
+        );
+        m
+    }
+}

@@ -1,0 +1,185 @@
+//! The agent's HTTP servers: health (pod-facing) and admin (loopback only).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use prometheus_client::registry::Registry;
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::RunConfig;
+use crate::lifecycle::LiveSettings;
+use crate::metrics::Metrics;
+use crate::readiness::Readiness;
+use crate::supervisor::{Control, SupervisorHandle};
+use crate::telemetry::LogLevelHandle;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {what} port {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Bind now (so a port in use is reported before Envoy starts), serve later.
+pub async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServerError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServerError::Bind { what, addr, source })
+}
+
+#[derive(Clone)]
+struct HealthState {
+    readiness: Readiness,
+    metrics: Metrics,
+}
+
+pub fn health_router(readiness: Readiness, metrics: Metrics) -> Router {
+    Router::new()
+        .route("/healthz/ready", get(ready))
+        .route("/healthz/live", get(|| async { "live\n" }))
+        .with_state(HealthState { readiness, metrics })
+}
+
+async fn ready(State(s): State<HealthState>) -> Response {
+    let pending = s.readiness.pending();
+    if pending.is_empty() {
+        s.metrics.ready.set(1);
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        s.metrics.ready.set(0);
+        let body: String = pending
+            .iter()
+            .map(|(name, reason)| format!("{name}: {reason}\n"))
+            .collect();
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+    }
+}
+
+#[derive(Clone)]
+struct AdminState {
+    registry: Arc<Registry>,
+    supervisor: SupervisorHandle,
+    cfg: Arc<RunConfig>,
+    live: LiveSettings,
+    log: LogLevelHandle,
+}
+
+pub fn admin_router(
+    registry: Arc<Registry>,
+    supervisor: SupervisorHandle,
+    cfg: Arc<RunConfig>,
+    log: LogLevelHandle,
+) -> Router {
+    let live = LiveSettings::new(&cfg);
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/quitquitquit", post(quit))
+        .route("/drain", post(drain))
+        .route("/debug/config", get(debug_config))
+        .route("/logging", post(logging))
+        .with_state(AdminState {
+            registry,
+            supervisor,
+            cfg,
+            live,
+            log,
+        })
+}
+
+async fn metrics(State(s): State<AdminState>) -> Response {
+    let mut out = String::new();
+    match prometheus_client::encoding::text::encode(&mut out, &s.registry) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            out,
+        )
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn quit(State(s): State<AdminState>) -> Response {
+    match s.supervisor.control.send(Control::Quit).await {
+        Ok(()) => (StatusCode::OK, "stopping Envoy and exiting\n").into_response(),
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "already stopping\n").into_response(),
+    }
+}
+
+/// Start a drain (or join the one under way) and answer when it has finished.
+async fn drain(State(s): State<AdminState>) -> Response {
+    let mut rx = s.supervisor.drained.clone();
+    if rx.borrow().is_none() && s.supervisor.control.send(Control::Drain).await.is_err() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "the agent is stopping\n").into_response();
+    }
+    match rx.wait_for(Option::is_some).await {
+        Ok(report) => {
+            let body = serde_json::to_string(&*report).unwrap_or_default();
+            ([(header::CONTENT_TYPE, "application/json")], body + "\n").into_response()
+        }
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "the agent stopped\n").into_response(),
+    }
+}
+
+async fn debug_config(State(s): State<AdminState>) -> Response {
+    let body = serde_json::json!({
+        "config": s.cfg.redacted(),
+        "effective_drain_settings": s.live.current(),
+        "envoy": *s.supervisor.state.borrow(),
+        "version": env!("CARGO_PKG_VERSION"),
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        serde_json::to_string_pretty(&body).unwrap_or_default(),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct LevelQuery {
+    level: String,
+}
+
+async fn logging(
+    State(s): State<AdminState>,
+    q: Result<Query<LevelQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = q else {
+        return (
+            StatusCode::BAD_REQUEST,
+            "usage: POST /logging?level=<filter>\n",
+        )
+            .into_response();
+    };
+    match s.log.set(&q.level) {
+        Ok(()) => {
+            tracing::info!(level = %q.level, "log level changed");
+            (StatusCode::OK, format!("log level: {}\n", q.level)).into_response()
+        }
+        Err(e) => (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    }
+}
+
+/// Serve `router` on `listener` until `shutdown` is cancelled.
+pub async fn serve(listener: TcpListener, router: Router, shutdown: CancellationToken) {
+    let addr = listener.local_addr().ok();
+    if let Err(e) = axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+    {
+        tracing::error!(?addr, error = %e, "server failed");
+    }
+}
