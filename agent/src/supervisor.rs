@@ -28,7 +28,7 @@ use crate::readiness::{Readiness, ReadinessGuard};
 /// Longest pause between two crash restarts.
 const MAX_RESTART_DELAY: Duration = Duration::from_secs(30);
 /// How often readiness asks Envoy whether it is up yet.
-const READY_POLL: Duration = Duration::from_millis(10);
+const READY_POLL: Duration = Duration::from_millis(2);
 
 /// What the supervisor is asked to do.
 #[derive(Debug)]

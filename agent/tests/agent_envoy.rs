@@ -17,13 +17,18 @@ fn ready_then_wait_returns_and_traffic_flows() {
     let r = get(agent.ports.health, "/healthz/ready").expect("ready");
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(
-        get(agent.ports.health, "/healthz/live").expect("live").status,
+        get(agent.ports.health, "/healthz/live")
+            .expect("live")
+            .status,
         200
     );
 
     let out = std::process::Command::new(agent_bin())
         .args(["wait", "--timeout", "5s", "--period", "20ms", "--url"])
-        .arg(format!("http://127.0.0.1:{}/healthz/ready", agent.ports.health))
+        .arg(format!(
+            "http://127.0.0.1:{}/healthz/ready",
+            agent.ports.health
+        ))
         .output()
         .expect("wait runs");
     assert!(out.status.success(), "{out:?}");
@@ -36,7 +41,10 @@ fn ready_then_wait_returns_and_traffic_flows() {
     let r = get(agent.ports.stats, "/stats/prometheus").expect("prometheus");
     assert_eq!(r.status, 200);
     assert!(r.body.contains("envoy_server_live"), "prometheus output");
-    assert_eq!(get(agent.ports.stats, "/quitquitquit").expect("x").status, 404);
+    assert_eq!(
+        get(agent.ports.stats, "/quitquitquit").expect("x").status,
+        404
+    );
     // The admin interface listens on loopback only.
     let cfg = agent.debug();
     assert_eq!(cfg["envoy"]["epoch"], 0);
@@ -67,7 +75,10 @@ fn readiness_names_what_is_pending_before_envoy_is_up() {
 
     let out = std::process::Command::new(agent_bin())
         .args(["wait", "--timeout", "300ms", "--period", "50ms", "--url"])
-        .arg(format!("http://127.0.0.1:{}/healthz/ready", agent.ports.health))
+        .arg(format!(
+            "http://127.0.0.1:{}/healthz/ready",
+            agent.ports.health
+        ))
         .output()
         .expect("wait runs");
     assert_eq!(out.status.code(), Some(1));
@@ -161,13 +172,19 @@ fn sigterm_exit_on_zero_waits_for_held_connection() {
     let r = get(agent.ports.outbound, "/").expect("outbound during drain");
     assert_eq!(r.status, 200);
     // Inbound still serves the held connection, telling it to go away.
-    let r = held.get("/").expect("request on held connection during drain");
+    let r = held
+        .get("/")
+        .expect("request on held connection during drain");
     assert_eq!(r.status, 200);
 
     // Well past the minimum drain duration, the open connection keeps the agent up.
     let past_minimum = Instant::now() + Duration::from_millis(1500);
     while Instant::now() < past_minimum {
-        assert!(agent.is_running(), "agent left with a connection open:\n{}", agent.log());
+        assert!(
+            agent.is_running(),
+            "agent left with a connection open:\n{}",
+            agent.log()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let closed = Instant::now();
@@ -175,8 +192,15 @@ fn sigterm_exit_on_zero_waits_for_held_connection() {
     let status = agent.wait_exit(Duration::from_secs(5));
     let after_close = closed.elapsed();
     assert_eq!(status.code(), Some(0), "{}", agent.log());
-    assert!(after_close < Duration::from_secs(2), "exit took {after_close:?} after the close");
-    assert!(agent.log().contains("\"outcome\":\"drained\""), "{}", agent.log());
+    assert!(
+        after_close < Duration::from_secs(2),
+        "exit took {after_close:?} after the close"
+    );
+    assert!(
+        agent.log().contains("\"outcome\":\"drained\""),
+        "{}",
+        agent.log()
+    );
 }
 
 #[test]
@@ -196,10 +220,14 @@ fn inbound_drain_tells_clients_connection_close() {
     wait_for("readiness to fail", Duration::from_secs(2), || {
         (get(agent.ports.health, "/healthz/ready").ok()?.status == 503).then_some(())
     });
-    let r = wait_for("connection: close on inbound", Duration::from_secs(5), || {
-        let r = held.get("/").ok()?;
-        (r.header("connection") == Some("close")).then_some(r)
-    });
+    let r = wait_for(
+        "connection: close on inbound",
+        Duration::from_secs(5),
+        || {
+            let r = held.get("/").ok()?;
+            (r.header("connection") == Some("close")).then_some(r)
+        },
+    );
     assert_eq!(r.status, 200, "the request itself is served");
     drop(held);
     assert_eq!(agent.wait_exit(Duration::from_secs(5)).code(), Some(0));
@@ -237,7 +265,12 @@ fn drain_deadline_bounds_the_drain_and_is_reported() {
     agent.signal(Signal::SIGTERM);
     let status = agent.wait_exit(Duration::from_secs(10));
     let took = start.elapsed();
-    assert_eq!(status.code(), Some(3), "deadline exit code:\n{}", agent.log());
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "deadline exit code:\n{}",
+        agent.log()
+    );
     assert!(took < Duration::from_millis(2500), "{took:?}");
     drop(held);
 }
@@ -245,7 +278,12 @@ fn drain_deadline_bounds_the_drain_and_is_reported() {
 #[test]
 fn second_signal_aborts_the_drain() {
     let mut agent = Agent::builder()
-        .args(["--termination-drain-duration", "30s", "--drain-deadline", "60s"])
+        .args([
+            "--termination-drain-duration",
+            "30s",
+            "--drain-deadline",
+            "60s",
+        ])
         .start();
     agent.signal(Signal::SIGTERM);
     wait_for("readiness to fail", Duration::from_secs(2), || {
@@ -277,7 +315,10 @@ fn drain_helper_blocks_until_drained_then_sigterm_stops() {
     assert_eq!(report["outcome"], "elapsed");
     // After preStop the proxy stays up (outbound for the app) until SIGTERM.
     assert!(agent.is_running());
-    assert_eq!(get(agent.ports.outbound, "/").expect("outbound").status, 200);
+    assert_eq!(
+        get(agent.ports.outbound, "/").expect("outbound").status,
+        200
+    );
     agent.signal(Signal::SIGTERM);
     let status = agent.wait_exit(Duration::from_secs(3));
     assert_eq!(status.code(), Some(0));
@@ -290,7 +331,12 @@ fn hot_restart_keeps_a_live_connection() {
     std::fs::write(&override_file, "stats_flush_interval: 5s\n").expect("write");
     let mut agent = Agent::builder()
         .arg(format!("--bootstrap-override={}", override_file.display()))
-        .args(["--drain-duration", "5s", "--parent-shutdown-duration", "10s"])
+        .args([
+            "--drain-duration",
+            "5s",
+            "--parent-shutdown-duration",
+            "10s",
+        ])
         .start();
     let mut held = Conn::open(agent.ports.inbound).expect("connect");
     assert_eq!(held.get("/").expect("before").status, 200);
@@ -308,10 +354,28 @@ fn hot_restart_keeps_a_live_connection() {
         (r.status == 200).then_some(())
     });
     // The old connection still works, and new ones reach the new epoch.
-    assert_eq!(held.get("/").expect("held connection after hot restart").status, 200);
-    assert_eq!(get(agent.ports.inbound, "/").expect("new connection").status, 200);
-    assert!(process_alive(first), "the old epoch drains, it is not killed");
-    assert_eq!(get(agent.ports.health, "/healthz/ready").expect("ready").status, 200);
+    assert_eq!(
+        held.get("/")
+            .expect("held connection after hot restart")
+            .status,
+        200
+    );
+    assert_eq!(
+        get(agent.ports.inbound, "/")
+            .expect("new connection")
+            .status,
+        200
+    );
+    assert!(
+        process_alive(first),
+        "the old epoch drains, it is not killed"
+    );
+    assert_eq!(
+        get(agent.ports.health, "/healthz/ready")
+            .expect("ready")
+            .status,
+        200
+    );
     let rendered = std::fs::read_to_string(agent.dir.path().join("run/envoy-bootstrap.json"))
         .expect("bootstrap");
     assert!(rendered.contains("6s"));
@@ -321,7 +385,11 @@ fn hot_restart_keeps_a_live_connection() {
     wait_for("epoch 2", STARTUP, || {
         (agent.debug()["envoy"]["epoch"] == 2).then_some(())
     });
-    assert!(agent.metrics().contains("remora_agent_envoy_restarts_total{kind=\"Hot\"} 2"));
+    assert!(
+        agent
+            .metrics()
+            .contains("remora_agent_envoy_restarts_total{kind=\"Hot\"} 2")
+    );
     drop(held);
     agent.signal(Signal::SIGTERM);
     agent.wait_exit(Duration::from_secs(15));
@@ -353,7 +421,10 @@ fn invalid_override_at_runtime_keeps_the_running_envoy() {
     });
     assert_eq!(agent.envoy_pid(), Some(pid));
     assert_eq!(agent.debug()["envoy"]["epoch"], 0);
-    assert_eq!(get(agent.ports.inbound, "/").expect("still serving").status, 200);
+    assert_eq!(
+        get(agent.ports.inbound, "/").expect("still serving").status,
+        200
+    );
     assert!(agent.is_running());
 }
 
@@ -364,15 +435,22 @@ fn envoy_never_outlives_a_killed_agent() {
     assert!(process_alive(envoy));
     agent.signal(Signal::SIGKILL);
     let _ = agent.child.wait();
-    wait_for("Envoy to die with the agent", Duration::from_secs(5), || {
-        (!process_alive(envoy)).then_some(())
-    });
+    wait_for(
+        "Envoy to die with the agent",
+        Duration::from_secs(5),
+        || (!process_alive(envoy)).then_some(()),
+    );
 }
 
 #[test]
 fn annotations_file_overrides_drain_settings_at_drain_time() {
     let mut agent = Agent::builder()
-        .args(["--termination-drain-duration", "30s", "--drain-deadline", "60s"])
+        .args([
+            "--termination-drain-duration",
+            "30s",
+            "--drain-deadline",
+            "60s",
+        ])
         .start();
     // Written after start: read when the drain begins.
     agent.write_annotations(&[
@@ -390,7 +468,10 @@ fn annotations_file_overrides_drain_settings_at_drain_time() {
     assert_eq!(status.code(), Some(0), "{}", agent.log());
     let took = start.elapsed();
     assert!(took >= Duration::from_millis(300), "{took:?}");
-    assert!(took < Duration::from_secs(3), "annotation ignored: {took:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "annotation ignored: {took:?}"
+    );
 }
 
 #[test]
@@ -406,7 +487,10 @@ fn annotation_changing_drain_duration_restarts_envoy_hot() {
         .split(|b| *b == 0)
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
-    let i = args.iter().position(|a| a == "--drain-time-s").expect("flag");
+    let i = args
+        .iter()
+        .position(|a| a == "--drain-time-s")
+        .expect("flag");
     assert_eq!(args[i + 1], "7");
     assert!(agent.is_running());
 }
@@ -423,9 +507,18 @@ fn metrics_record_drains() {
         .expect("drain");
     assert!(out.status.success());
     let m = agent.metrics();
-    assert!(m.contains("remora_agent_drains_total{outcome=\"Elapsed\"} 1"), "{m}");
-    assert!(m.contains("remora_agent_drain_duration_seconds_count 1"), "{m}");
-    assert!(m.contains("remora_agent_drain_active_connections_at_start 0"), "{m}");
+    assert!(
+        m.contains("remora_agent_drains_total{outcome=\"Elapsed\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("remora_agent_drain_duration_seconds_count 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("remora_agent_drain_active_connections_at_start 0"),
+        "{m}"
+    );
     agent.signal(Signal::SIGTERM);
     agent.wait_exit(Duration::from_secs(5));
 }

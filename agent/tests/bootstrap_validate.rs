@@ -78,7 +78,10 @@ fn identity_comes_from_the_pod_env() {
         "web",
     ]);
     let b = bootstrap::generate(&c, &Extras::default(), None).expect("generate");
-    assert_eq!(b["node"]["id"], "sidecar~10.1.2.3~web-1.shop~shop.svc.cluster.local");
+    assert_eq!(
+        b["node"]["id"],
+        "sidecar~10.1.2.3~web-1.shop~shop.svc.cluster.local"
+    );
     assert_eq!(b["node"]["cluster"], "web.shop");
     validate(&b);
 }

@@ -69,7 +69,10 @@ fn missing_envoy_binary_is_named() {
     assert_eq!(o.status.code(), Some(1));
     let e = stderr(&o);
     assert!(e.contains("/nonexistent/envoy"), "{e}");
-    let errors: Vec<&str> = e.lines().filter(|l| l.starts_with("remora-agent:")).collect();
+    let errors: Vec<&str> = e
+        .lines()
+        .filter(|l| l.starts_with("remora-agent:"))
+        .collect();
     assert_eq!(errors.len(), 1, "one error line: {e}");
     assert_no_panic(&o);
 }
@@ -97,7 +100,11 @@ fn port_in_use_is_named() {
             ("--stats-port", free_port()),
         ] {
             args.push(f.into());
-            args.push(if f == flag { port.clone() } else { p.to_string() });
+            args.push(if f == flag {
+                port.clone()
+            } else {
+                p.to_string()
+            });
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let o = run(&args);

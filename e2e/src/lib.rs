@@ -1,1 +1,5 @@
-//! End-to-end harness (control plane, kubelet-emulating pod runner): later issues.
+//! End-to-end harness: a test app, a load generator, and (later) the control
+//! plane and the kubelet-emulating pod runner.
+
+pub mod envoy;
+pub mod load;

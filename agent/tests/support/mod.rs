@@ -57,7 +57,10 @@ pub fn wait_for<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> Option
         if let Some(v) = f() {
             return v;
         }
-        assert!(Instant::now() < end, "timed out after {deadline:?} waiting for {what}");
+        assert!(
+            Instant::now() < end,
+            "timed out after {deadline:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -349,7 +352,10 @@ impl AgentBuilder {
             .arg(format!("--health-port={}", ports.health))
             .arg(format!("--stats-port={}", ports.stats))
             .arg(format!("--inbound={}:{}", ports.inbound, app.port))
-            .arg(format!("--outbound={}:127.0.0.1:{}", ports.outbound, app.port))
+            .arg(format!(
+                "--outbound={}:127.0.0.1:{}",
+                ports.outbound, app.port
+            ))
             .args(&self.args)
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
@@ -392,7 +398,11 @@ impl Agent {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("agent exited with {status} before ready:\n{}", self.log());
             }
-            assert!(Instant::now() < end, "agent not ready in 20s:\n{}", self.log());
+            assert!(
+                Instant::now() < end,
+                "agent not ready in 20s:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -470,7 +480,10 @@ pub fn process_alive(pid: i32) -> bool {
         Ok(stat) => {
             // The state follows the command name in parentheses.
             let state = stat.rsplit_once(')').map(|(_, r)| r.trim_start());
-            !matches!(state.and_then(|s| s.chars().next()), Some('Z') | Some('X') | None)
+            !matches!(
+                state.and_then(|s| s.chars().next()),
+                Some('Z') | Some('X') | None
+            )
         }
         Err(_) => false,
     }

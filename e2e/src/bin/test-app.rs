@@ -1,0 +1,73 @@
+//! The test workload: an HTTP server that refuses connections until it has
+//! started, takes a little time per request, and on SIGTERM finishes its
+//! in-flight requests before exiting — calling an upstream during its own
+//! shutdown (through the sidecar's outbound listener) when told to.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use clap::Parser;
+use tokio::signal::unix::{SignalKind, signal};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Port to serve on (127.0.0.1).
+    #[arg(long)]
+    port: u16,
+    /// Time before the port is opened (connections are refused until then).
+    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "0s")]
+    startup_delay: Duration,
+    /// Time each request takes.
+    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "10ms")]
+    delay: Duration,
+    /// URL called once during shutdown (e.g. through the sidecar's outbound listener).
+    #[arg(long)]
+    shutdown_call: Option<String>,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut term = signal(SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::time::sleep(args.startup_delay) => {}
+        _ = term.recv() => return Ok(()),
+    }
+    let served = Arc::new(AtomicU64::new(0));
+    let delay = args.delay;
+    let counter = served.clone();
+    let app = Router::new().route(
+        "/",
+        get(move || {
+            let counter = counter.clone();
+            async move {
+                tokio::time::sleep(delay).await;
+                format!("ok {}\n", counter.fetch_add(1, Ordering::SeqCst) + 1)
+            }
+        }),
+    );
+    let listener =
+        tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], args.port))).await?;
+    let shutdown_call = args.shutdown_call.clone();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = term.recv().await;
+            if let Some(url) = shutdown_call {
+                let client = remora_agent::http_client::HttpClient::new(Duration::from_secs(2));
+                match client.get(&url).await {
+                    Ok(r) => eprintln!("test-app: shutdown call {url}: {}", r.status),
+                    Err(e) => eprintln!("test-app: shutdown call {url} failed: {e}"),
+                }
+            }
+        })
+        .await?;
+    eprintln!(
+        "test-app: served {} requests, exiting",
+        served.load(Ordering::SeqCst)
+    );
+    Ok(())
+}
