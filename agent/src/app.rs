@@ -221,7 +221,8 @@ fn read_inputs(cfg: &RunConfig, live: &LiveSettings) -> Inputs {
             .bootstrap_override
             .as_ref()
             .map(|p| std::fs::read(p).map_err(|e| e.kind())),
-        drain_duration: live.current().drain_duration,
+        // Quiet: this runs every second; the drain itself logs bad values.
+        drain_duration: live.current_quiet().0.drain_duration,
     }
 }
 

@@ -55,11 +55,11 @@ impl HttpClient {
     }
 
     pub async fn get(&self, url: &str) -> Result<Response, HttpError> {
-        self.call(hyper::Method::GET, url).await
+        self.request(hyper::Method::GET, url).await
     }
 
     pub async fn post(&self, url: &str) -> Result<Response, HttpError> {
-        self.call(hyper::Method::POST, url).await
+        self.request(hyper::Method::POST, url).await
     }
 
     /// Like `post`, with its own timeout (for long-running calls such as a drain).
@@ -72,11 +72,11 @@ impl HttpClient {
             client: self.client.clone(),
             timeout,
         }
-        .call(hyper::Method::POST, url)
+        .request(hyper::Method::POST, url)
         .await
     }
 
-    async fn call(&self, method: hyper::Method, url: &str) -> Result<Response, HttpError> {
+    pub async fn request(&self, method: hyper::Method, url: &str) -> Result<Response, HttpError> {
         let uri: hyper::Uri = url.parse().map_err(|_| HttpError::Url(url.to_string()))?;
         let req = hyper::Request::builder()
             .method(method)

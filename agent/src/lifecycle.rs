@@ -188,23 +188,28 @@ impl LiveSettings {
         }
     }
 
-    /// The settings in force now.
+    /// The settings in force now; bad annotations are logged and skipped.
     pub fn current(&self) -> DrainSettings {
+        let (settings, problems) = self.current_quiet();
+        for p in problems {
+            tracing::warn!(file = %self.annotations_file.display(), problem = %p,
+                "ignoring a bad lifecycle annotation");
+        }
+        settings
+    }
+
+    /// The settings in force now, and what was wrong with the annotations,
+    /// without logging (for callers that poll).
+    pub fn current_quiet(&self) -> (DrainSettings, Vec<String>) {
         match read_annotations_file(&self.annotations_file) {
-            Ok(None) => self.base,
-            Ok(Some(ann)) => {
-                let (s, problems) = self.base.with_annotations(&ann);
-                for p in problems {
-                    tracing::warn!(file = %self.annotations_file.display(), problem = %p,
-                        "ignoring a bad lifecycle annotation");
-                }
-                s
-            }
-            Err(e) => {
-                tracing::warn!(file = %self.annotations_file.display(), error = %e,
-                    "cannot read the annotations file; using the flags");
-                self.base
-            }
+            Ok(None) => (self.base, Vec::new()),
+            Ok(Some(ann)) => self.base.with_annotations(&ann),
+            Err(e) => (
+                self.base,
+                vec![format!(
+                    "cannot read the annotations file, using the flags: {e}"
+                )],
+            ),
         }
     }
 }

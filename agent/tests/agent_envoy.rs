@@ -162,10 +162,7 @@ fn sigterm_exit_on_zero_waits_for_held_connection() {
 
     agent.signal(Signal::SIGTERM);
     // Readiness fails at once, naming the drain.
-    let body = wait_for("readiness to fail", Duration::from_secs(2), || {
-        let r = get(agent.ports.health, "/healthz/ready").ok()?;
-        (r.status == 503).then_some(r.body)
-    });
+    let body = agent.wait_unready();
     assert!(body.contains("draining"), "{body}");
 
     // Outbound keeps working while inbound drains: a new connection through Envoy.
@@ -217,9 +214,7 @@ fn inbound_drain_tells_clients_connection_close() {
     let mut held = Conn::open(agent.ports.inbound).expect("connect");
     assert_eq!(held.get("/").expect("before").status, 200);
     agent.signal(Signal::SIGTERM);
-    wait_for("readiness to fail", Duration::from_secs(2), || {
-        (get(agent.ports.health, "/healthz/ready").ok()?.status == 503).then_some(())
-    });
+    agent.wait_unready();
     let r = wait_for(
         "connection: close on inbound",
         Duration::from_secs(5),
@@ -286,9 +281,7 @@ fn second_signal_aborts_the_drain() {
         ])
         .start();
     agent.signal(Signal::SIGTERM);
-    wait_for("readiness to fail", Duration::from_secs(2), || {
-        (get(agent.ports.health, "/healthz/ready").ok()?.status == 503).then_some(())
-    });
+    agent.wait_unready();
     let start = Instant::now();
     agent.signal(Signal::SIGINT);
     let status = agent.wait_exit(Duration::from_secs(5));

@@ -117,34 +117,27 @@ fn port_in_use_is_named() {
 #[test]
 fn unreadable_override_is_named() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let envoy = envoy_bin();
-    let missing = dir.path().join("nope.yaml");
-    let o = run(&[
-        "run",
-        "--envoy-bin",
-        &path_str(&envoy),
-        "--run-dir",
-        &path_str(dir.path()),
-        "--bootstrap-override",
-        &path_str(&missing),
-    ]);
-    assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("nope.yaml"), "{}", stderr(&o));
-
     let garbage = dir.path().join("garbage.yaml");
     std::fs::write(&garbage, "{ not: [valid").expect("write");
-    let o = run(&[
-        "run",
-        "--envoy-bin",
-        &path_str(&envoy),
-        "--run-dir",
-        &path_str(dir.path()),
-        "--bootstrap-override",
-        &path_str(&garbage),
-    ]);
-    assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("garbage.yaml"), "{}", stderr(&o));
-    assert_no_panic(&o);
+    for file in [dir.path().join("nope.yaml"), garbage] {
+        let o = run(&[
+            "run",
+            "--envoy-bin",
+            &path_str(&envoy_bin()),
+            "--run-dir",
+            &path_str(dir.path()),
+            "--bootstrap-override",
+            &path_str(&file),
+        ]);
+        assert_eq!(o.status.code(), Some(1));
+        let name = file
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        assert!(stderr(&o).contains(&name), "{}", stderr(&o));
+        assert_no_panic(&o);
+    }
 }
 
 #[test]

@@ -65,20 +65,12 @@ impl EnvoyAdmin {
         }
     }
 
-    async fn get_ok(&self, path: &str) -> Result<String, AdminError> {
-        let r = self.http.get(&format!("{}{path}", self.base)).await?;
-        if r.status != 200 {
-            return Err(AdminError::Status {
-                path: path.to_string(),
-                status: r.status,
-                body: r.body,
-            });
-        }
-        Ok(r.body)
-    }
-
-    async fn post_ok(&self, path: &str) -> Result<String, AdminError> {
-        let r = self.http.post(&format!("{}{path}", self.base)).await?;
+    /// Call the admin API; anything but 200 is an error.
+    async fn call(&self, method: hyper::Method, path: &str) -> Result<String, AdminError> {
+        let r = self
+            .http
+            .request(method, &format!("{}{path}", self.base))
+            .await?;
         if r.status != 200 {
             return Err(AdminError::Status {
                 path: path.to_string(),
@@ -91,7 +83,8 @@ impl EnvoyAdmin {
 
     pub async fn server_status(&self) -> Result<ServerStatus, AdminError> {
         let body = self
-            .get_ok(
+            .call(
+                hyper::Method::GET,
                 "/stats?filter=^(server\\.state|listener_manager\\.workers_started|\
                  listener_manager\\.lds\\.update_success|cluster_manager\\.cds\\.update_success)$",
             )
@@ -118,14 +111,17 @@ impl EnvoyAdmin {
     /// [`count_active_connections`]).
     pub async fn active_connections(&self) -> Result<u64, AdminError> {
         let body = self
-            .get_ok("/stats?usedonly&filter=downstream_cx_active$")
+            .call(
+                hyper::Method::GET,
+                "/stats?usedonly&filter=downstream_cx_active$",
+            )
             .await?;
         Ok(count_active_connections(&body))
     }
 
     /// Start a graceful drain of the inbound listeners only.
     pub async fn drain_inbound_listeners(&self) -> Result<(), AdminError> {
-        self.post_ok("/drain_listeners?inboundonly&graceful")
+        self.call(hyper::Method::POST, "/drain_listeners?inboundonly&graceful")
             .await
             .map(drop)
     }

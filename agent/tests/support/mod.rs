@@ -147,19 +147,11 @@ impl Conn {
     pub fn request(&mut self, method: &str, path: &str) -> std::io::Result<HttpResponse> {
         let req = format!("{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n\r\n");
         self.stream.write_all(req.as_bytes())?;
-        let mut chunk = [0u8; 4096];
         let head_end = loop {
             if let Some(p) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
                 break p + 4;
             }
-            let n = self.stream.read(&mut chunk)?;
-            if n == 0 {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "connection closed before a response",
-                ));
-            }
-            self.buf.extend_from_slice(&chunk[..n]);
+            self.fill()?;
         };
         let head = String::from_utf8_lossy(&self.buf[..head_end]).into_owned();
         let mut lines = head.split("\r\n");
@@ -184,24 +176,16 @@ impl Conn {
                 body,
             });
         }
-        let head_end = 0;
         let len: usize = headers
             .iter()
             .find(|(k, _)| k == "content-length")
             .and_then(|(_, v)| v.parse().ok())
             .unwrap_or(0);
-        while self.buf.len() < head_end + len {
-            let n = self.stream.read(&mut chunk)?;
-            if n == 0 {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "connection closed mid-body",
-                ));
-            }
-            self.buf.extend_from_slice(&chunk[..n]);
+        while self.buf.len() < len {
+            self.fill()?;
         }
-        let body = String::from_utf8_lossy(&self.buf[head_end..head_end + len]).into_owned();
-        self.buf.drain(..head_end + len);
+        let body = String::from_utf8_lossy(&self.buf[..len]).into_owned();
+        self.buf.drain(..len);
         Ok(HttpResponse {
             status,
             headers,
@@ -215,7 +199,7 @@ impl Conn {
         if n == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
-                "connection closed mid-body",
+                "connection closed before the response ended",
             ));
         }
         self.buf.extend_from_slice(&chunk[..n]);
@@ -405,6 +389,14 @@ impl Agent {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Wait (2 s at most) for `/healthz/ready` to answer 503; returns its body.
+    pub fn wait_unready(&self) -> String {
+        wait_for("readiness to fail", Duration::from_secs(2), || {
+            let r = get(self.ports.health, "/healthz/ready").ok()?;
+            (r.status == 503).then_some(r.body)
+        })
     }
 
     pub fn log(&self) -> String {
