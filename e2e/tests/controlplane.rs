@@ -1,0 +1,172 @@
+//! The control-plane harness against the real kube-apiserver, etcd and
+//! kube-controller-manager (or the cluster of `REMORA_E2E_KUBECONFIG`).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Context;
+use e2e::controlplane::{ControlPlane, wait_until};
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, ReplicaSet};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, PodTemplateSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::{Api, Resource};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn pod_spec() -> PodSpec {
+    PodSpec {
+        containers: vec![Container {
+            name: "app".into(),
+            image: Some("registry.invalid/app:1".into()),
+            ..Container::default()
+        }],
+        ..PodSpec::default()
+    }
+}
+
+fn controlled_by(meta: &ObjectMeta, uid: &str) -> bool {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .any(|r| r.uid == uid && r.controller == Some(true))
+}
+
+#[tokio::test]
+async fn version_is_the_pinned_release() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let info = cp.client()?.apiserver_version().await?;
+    if let Some(want) = cp.expected_version() {
+        assert_eq!(info.git_version, want);
+        assert_eq!(info.major, "1");
+        assert_eq!(Some(info.minor.as_str()), want.split('.').nth(1));
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn configmap_round_trips_in_a_fresh_namespace() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "configmap").await?;
+    assert!(ns.starts_with("e2e-configmap-"), "{ns}");
+
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let data = BTreeMap::from([("k".to_owned(), "v with ünïcode\n".to_owned())]);
+    let cm = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("settings".into()),
+            ..ObjectMeta::default()
+        },
+        data: Some(data.clone()),
+        ..ConfigMap::default()
+    };
+    api.create(&PostParams::default(), &cm).await?;
+    let got = api.get("settings").await?;
+    assert_eq!(got.data, Some(data));
+    assert_eq!(got.metadata.namespace.as_deref(), Some(ns.as_str()));
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn pod_is_accepted_and_stays_pending() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "pod").await?;
+    let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pod = Pod {
+        metadata: ObjectMeta {
+            name: Some("p".into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(pod_spec()),
+        ..Pod::default()
+    };
+    api.create(&PostParams::default(), &pod).await?;
+    let got = api.get("p").await?;
+    let phase = got.status.and_then(|s| s.phase);
+    assert_eq!(phase.as_deref(), Some("Pending"));
+    if cp.is_local() {
+        // Nothing schedules it: no scheduler, no node.
+        assert_eq!(got.spec.and_then(|s| s.node_name), None);
+    }
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn deployment_gets_a_replicaset_and_pods() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    anyhow::ensure!(cp.has_controller_manager(), "needs kube-controller-manager");
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "deployment").await?;
+    let labels = BTreeMap::from([("app".to_owned(), "web".to_owned())]);
+    let deploy = Deployment {
+        metadata: ObjectMeta {
+            name: Some("web".into()),
+            ..ObjectMeta::default()
+        },
+        // k8s-openapi's "latest" (v1_37) made the Deployment spec required.
+        spec: DeploymentSpec {
+            replicas: Some(2),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(pod_spec()),
+            },
+            ..DeploymentSpec::default()
+        },
+        ..Deployment::default()
+    };
+    let deploy = Api::<Deployment>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &deploy)
+        .await?;
+    let deploy_uid = deploy.meta().uid.clone().context("deployment has no uid")?;
+
+    let rs_api: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns);
+    let rs_uid = wait_until("a ReplicaSet owned by the Deployment", DEADLINE, || {
+        let rs_api = rs_api.clone();
+        let deploy_uid = deploy_uid.clone();
+        async move {
+            let list = rs_api.list(&ListParams::default()).await?;
+            Ok::<_, kube::Error>(
+                list.items
+                    .into_iter()
+                    .find(|rs| controlled_by(&rs.metadata, &deploy_uid))
+                    .and_then(|rs| rs.metadata.uid),
+            )
+        }
+    })
+    .await?;
+
+    let pod_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pods = wait_until("2 Pods owned by the ReplicaSet", DEADLINE, || {
+        let pod_api = pod_api.clone();
+        let rs_uid = rs_uid.clone();
+        async move {
+            let list = pod_api.list(&ListParams::default()).await?;
+            let owned: Vec<Pod> = list
+                .items
+                .into_iter()
+                .filter(|p| controlled_by(&p.metadata, &rs_uid))
+                .collect();
+            Ok::<_, kube::Error>((owned.len() == 2).then_some(owned))
+        }
+    })
+    .await?;
+    if cp.is_local() {
+        for p in &pods {
+            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+            assert_eq!(phase, Some("Pending"), "no kubelet runs pods");
+        }
+    }
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
