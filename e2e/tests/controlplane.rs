@@ -5,9 +5,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::{ControlPlane, ENV_KUBECONFIG, Options, wait_until};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, ReplicaSet};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, PodTemplateSpec};
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, Pod, PodSpec, PodTemplateSpec, ServiceAccount,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, Resource};
@@ -168,5 +172,128 @@ async fn deployment_gets_a_replicaset_and_pods() -> anyhow::Result<()> {
         }
     }
     cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+/// The service-account signing key works (TokenRequest), the token
+/// authenticates, and RBAC, not AlwaysAllow, decides what it may do.
+#[tokio::test]
+async fn service_account_token_is_subject_to_rbac() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "rbac").await?;
+    let sa = ServiceAccount {
+        metadata: ObjectMeta {
+            name: Some("reader".into()),
+            ..ObjectMeta::default()
+        },
+        ..ServiceAccount::default()
+    };
+    let sa_api: Api<ServiceAccount> = Api::namespaced(client.clone(), &ns);
+    sa_api.create(&PostParams::default(), &sa).await?;
+    let tr = sa_api
+        .create_token_request(
+            "reader",
+            &PostParams::default(),
+            &TokenRequest {
+                spec: Some(TokenRequestSpec {
+                    expiration_seconds: Some(600),
+                    ..TokenRequestSpec::default()
+                }),
+                ..TokenRequest::default()
+            },
+        )
+        .await?;
+    let token = tr.status.context("TokenRequest has no status")?.token;
+
+    let mut config = cp.config().clone();
+    config.auth_info = serde_json::from_value(serde_json::json!({ "token": token }))?;
+    let as_sa: Api<Pod> = Api::namespaced(kube::Client::try_from(config)?, &ns);
+    match as_sa.list(&ListParams::default()).await {
+        Err(kube::Error::Api(s)) if s.is_forbidden() => {}
+        other => anyhow::bail!("listing pods without a role: want 403, got {other:?}"),
+    }
+
+    let role = Role {
+        metadata: ObjectMeta {
+            name: Some("pod-reader".into()),
+            ..ObjectMeta::default()
+        },
+        rules: Some(vec![PolicyRule {
+            api_groups: Some(vec![String::new()]),
+            resources: Some(vec!["pods".into()]),
+            verbs: vec!["list".into()],
+            ..PolicyRule::default()
+        }]),
+    };
+    Api::<Role>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &role)
+        .await?;
+    let binding = RoleBinding {
+        metadata: ObjectMeta {
+            name: Some("reader-reads-pods".into()),
+            ..ObjectMeta::default()
+        },
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "Role".into(),
+            name: "pod-reader".into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: "reader".into(),
+            namespace: Some(ns.clone()),
+            ..Subject::default()
+        }]),
+    };
+    Api::<RoleBinding>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &binding)
+        .await?;
+    // The authorizer's informer sees the binding shortly after it is created.
+    wait_until("the RoleBinding to take effect", DEADLINE, || {
+        let as_sa = as_sa.clone();
+        async move {
+            match as_sa.list(&ListParams::default()).await {
+                Ok(_) => Ok(Some(())),
+                Err(kube::Error::Api(s)) if s.is_forbidden() => Ok(None),
+                Err(e) => Err(e),
+            }
+        }
+    })
+    .await?;
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+/// A control plane owned by a test (here without the controller manager)
+/// stops its processes and removes its directory when dropped.
+#[tokio::test]
+async fn owned_control_plane_is_gone_after_drop() -> anyhow::Result<()> {
+    if std::env::var_os(ENV_KUBECONFIG).is_some() {
+        eprintln!("{ENV_KUBECONFIG} is set: not starting a local control plane");
+        return Ok(());
+    }
+    let cp = ControlPlane::start(Options {
+        controller_manager: false,
+        ..Options::default()
+    })
+    .await?;
+    assert!(!cp.has_controller_manager());
+    let info = cp.client()?.apiserver_version().await?;
+    assert_eq!(Some(info.git_version.as_str()), cp.expected_version());
+    let dir = cp
+        .dir()
+        .context("local control plane has a dir")?
+        .to_owned();
+    let pids = cp.pids();
+    assert_eq!(pids.len(), 2, "etcd and kube-apiserver");
+    drop(cp);
+    assert!(!dir.exists(), "{} left behind", dir.display());
+    for pid in pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "process {pid} survived"
+        );
+    }
     Ok(())
 }

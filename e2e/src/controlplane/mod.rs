@@ -501,6 +501,14 @@ impl ControlPlane {
         self.local.as_ref().map(|l| l.dir.as_path())
     }
 
+    /// Pids of the local components, in start order.
+    pub fn pids(&self) -> Vec<u32> {
+        self.local
+            .as_ref()
+            .map(|l| l.procs.iter().map(Proc::pid).collect())
+            .unwrap_or_default()
+    }
+
     /// The local control plane's certificates, e.g. the CA that signs the
     /// API server's serving certificate and that it trusts for clients.
     pub fn pki(&self) -> Option<&PkiFiles> {
