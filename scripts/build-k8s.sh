@@ -121,6 +121,14 @@ build_etcd() {
   log "etcd $ETCD_VERSION done in $(( $(date +%s) - t0 ))s"
 }
 
+# Two runs (say CI and a developer, or two worktrees) would build the same
+# thing twice; the second waits and then finds the cache filled.
+mkdir -p "$CACHE"
+if command -v flock >/dev/null; then
+  exec 9>"$CACHE/.build-k8s.lock"
+  flock 9
+fi
+
 T0=$(date +%s)
 # etcd first: it is the quick one, and a partial cache is still useful.
 build_etcd

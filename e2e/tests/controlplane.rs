@@ -44,6 +44,9 @@ async fn version_is_the_pinned_release() -> anyhow::Result<()> {
         assert_eq!(info.git_version, want);
         assert_eq!(info.major, "1");
         assert_eq!(Some(info.minor.as_str()), want.split('.').nth(1));
+        // Set by scripts/build-k8s.sh's ldflags, like an official build.
+        assert_eq!(info.git_tree_state, "clean");
+        assert!(info.build_date.starts_with("20"), "{info:?}");
     }
     Ok(())
 }

@@ -345,8 +345,10 @@ impl ControlPlane {
             // Real authorization, so RBAC in the chart can be tested; the
             // harness's own clients are system:masters.
             "--authorization-mode=RBAC".to_owned(),
-            // Its token half needs the token controller and a kubelet-less
-            // cluster mounts no token anyway; pods would wait for a secret.
+            // It refuses pods until their ServiceAccount exists, so a pod in
+            // a fresh namespace would race the controller manager creating
+            // `default` (and always fail without it); and no kubelet would
+            // mount the token it adds. envtest disables it too.
             "--disable-admission-plugins=ServiceAccount".to_owned(),
             "--allow-privileged=true".to_owned(),
             // The `kubernetes` Service cannot have a loopback endpoint (the
