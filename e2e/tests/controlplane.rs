@@ -269,7 +269,8 @@ async fn service_account_token_is_subject_to_rbac() -> anyhow::Result<()> {
 }
 
 /// A control plane owned by a test (here without the controller manager)
-/// stops its processes and removes its directory when dropped.
+/// stops its processes and removes its directory when dropped; its
+/// kubeconfig works for `ControlPlane::external` (`REMORA_E2E_KUBECONFIG`).
 #[tokio::test]
 async fn owned_control_plane_is_gone_after_drop() -> anyhow::Result<()> {
     if std::env::var_os(ENV_KUBECONFIG).is_some() {
@@ -284,6 +285,20 @@ async fn owned_control_plane_is_gone_after_drop() -> anyhow::Result<()> {
     assert!(!cp.has_controller_manager());
     let info = cp.client()?.apiserver_version().await?;
     assert_eq!(Some(info.git_version.as_str()), cp.expected_version());
+    // The REMORA_E2E_KUBECONFIG path, pointed at this control plane.
+    let external = ControlPlane::external(cp.kubeconfig().to_owned()).await?;
+    assert!(!external.is_local());
+    assert!(
+        external.has_controller_manager(),
+        "assumed on a real cluster"
+    );
+    assert_eq!(external.expected_version(), None);
+    let ns = external
+        .create_namespace(&external.client()?, "external")
+        .await?;
+    assert!(ns.starts_with("e2e-external-"), "{ns}");
+    drop(external);
+
     let dir = cp
         .dir()
         .context("local control plane has a dir")?
