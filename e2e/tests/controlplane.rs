@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, ENV_KUBECONFIG, Options, wait_until};
-use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, ReplicaSet};
+use e2e::controlplane::{ControlPlane, ENV_KUBECONFIG, FakeKubelet, Options, wait_until};
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, ReplicaSet, ReplicaSetSpec};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Pod, PodSpec, PodTemplateSpec, ServiceAccount,
@@ -313,5 +313,164 @@ async fn owned_control_plane_is_gone_after_drop() -> anyhow::Result<()> {
             "process {pid} survived"
         );
     }
+    Ok(())
+}
+
+/// The fake kubelet's pod lifecycle, in both sidecar modes, and a controller
+/// reacting to it (the ReplicaSet counts the pods it marks ready).
+#[tokio::test]
+async fn fake_kubelet_runs_and_completes_pods() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    if !cp.is_local() {
+        eprintln!("real cluster: its kubelets run pods; the fake one is not needed");
+        return Ok(());
+    }
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "kubelet").await?;
+    let kubelet = FakeKubelet::register(client.clone(), "fake-node-1").await?;
+    let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let container = |name: &str| Container {
+        name: name.into(),
+        image: Some(format!("registry.invalid/{name}:1")),
+        ..Container::default()
+    };
+    let phase = |p: &Pod| p.status.as_ref().and_then(|s| s.phase.clone());
+
+    // Legacy: the sidecar is a regular container and holds the pod.
+    let legacy = Pod {
+        metadata: ObjectMeta {
+            name: Some("legacy".into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            restart_policy: Some("Never".into()),
+            containers: vec![container("app"), container("remora-proxy")],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    };
+    api.create(&PostParams::default(), &legacy).await?;
+    let p = kubelet.start(&ns, "legacy").await?;
+    assert_eq!(phase(&p).as_deref(), Some("Running"));
+    assert_eq!(
+        p.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+        Some("fake-node-1")
+    );
+    let p = kubelet.exit(&ns, "legacy", "app", 0).await?;
+    assert_eq!(
+        phase(&p).as_deref(),
+        Some("Running"),
+        "the sidecar holds it"
+    );
+    let p = kubelet.exit(&ns, "legacy", "remora-proxy", 0).await?;
+    assert_eq!(phase(&p).as_deref(), Some("Succeeded"));
+
+    // Native: the sidecar is an init container with restartPolicy Always.
+    let mut sidecar = container("remora-proxy");
+    sidecar.restart_policy = Some("Always".into());
+    let native = Pod {
+        metadata: ObjectMeta {
+            name: Some("native".into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            restart_policy: Some("Never".into()),
+            init_containers: Some(vec![sidecar]),
+            containers: vec![container("app")],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    };
+    api.create(&PostParams::default(), &native).await?;
+    kubelet.start(&ns, "native").await?;
+    let p = kubelet.exit(&ns, "native", "app", 1).await?;
+    assert_eq!(phase(&p).as_deref(), Some("Failed"));
+    let sidecar_state = p
+        .status
+        .and_then(|s| s.init_container_statuses)
+        .and_then(|v| v.into_iter().next())
+        .and_then(|c| c.state);
+    assert!(sidecar_state.is_some_and(|s| s.terminated.is_some()));
+
+    // Always: an exited container is restarted, the pod keeps running.
+    let always = Pod {
+        metadata: ObjectMeta {
+            name: Some("always".into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(pod_spec()),
+        ..Pod::default()
+    };
+    api.create(&PostParams::default(), &always).await?;
+    kubelet.start(&ns, "always").await?;
+    let p = kubelet.exit(&ns, "always", "app", 0).await?;
+    assert_eq!(phase(&p).as_deref(), Some("Running"));
+    let restarts = p
+        .status
+        .and_then(|s| s.container_statuses)
+        .and_then(|v| v.into_iter().next())
+        .map(|c| c.restart_count);
+    assert_eq!(restarts, Some(1));
+    assert!(matches!(
+        kubelet.exit(&ns, "always", "nope", 0).await,
+        Err(e2e::controlplane::Error::NoSuchContainer { .. })
+    ));
+
+    // A controller sees it: the ReplicaSet counts ready pods.
+    let labels = BTreeMap::from([("app".to_owned(), "rs".to_owned())]);
+    let rs = ReplicaSet {
+        metadata: ObjectMeta {
+            name: Some("rs".into()),
+            ..ObjectMeta::default()
+        },
+        spec: ReplicaSetSpec {
+            replicas: Some(2),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..LabelSelector::default()
+            },
+            template: Some(PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(pod_spec()),
+            }),
+            ..ReplicaSetSpec::default()
+        },
+        ..ReplicaSet::default()
+    };
+    let rs_api: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns);
+    let rs = rs_api.create(&PostParams::default(), &rs).await?;
+    let rs_uid = rs.metadata.uid.context("replicaset has no uid")?;
+    let names = wait_until("2 Pods of the ReplicaSet", DEADLINE, || {
+        let api = api.clone();
+        let rs_uid = rs_uid.clone();
+        async move {
+            let names: Vec<String> = api
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .filter(|p| controlled_by(&p.metadata, &rs_uid))
+                .filter_map(|p| p.metadata.name)
+                .collect();
+            Ok::<_, kube::Error>((names.len() == 2).then_some(names))
+        }
+    })
+    .await?;
+    for n in &names {
+        kubelet.start(&ns, n).await?;
+    }
+    wait_until("the ReplicaSet to count 2 ready pods", DEADLINE, || {
+        let rs_api = rs_api.clone();
+        async move {
+            let rs = rs_api.get("rs").await?;
+            let ready = rs.status.and_then(|s| s.ready_replicas).unwrap_or(0);
+            Ok::<_, kube::Error>((ready == 2).then_some(()))
+        }
+    })
+    .await?;
+    cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }

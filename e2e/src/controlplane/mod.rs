@@ -7,6 +7,7 @@
 //! `scripts/build-k8s.sh`; `REMORA_E2E_KUBECONFIG` points the same tests at an
 //! existing cluster (kind) instead. See `e2e/README.md`.
 
+pub mod kubelet;
 mod pki;
 mod process;
 
@@ -23,6 +24,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use tokio::sync::OnceCell;
 
+pub use kubelet::FakeKubelet;
 pub use pki::PkiFiles;
 use process::{Janitor, Proc};
 
@@ -101,6 +103,8 @@ pub enum Error {
         last: String,
         log: String,
     },
+    #[error("pod {pod} has no container {container} in its status")]
+    NoSuchContainer { pod: String, container: String },
     #[error("timed out after {timeout:?} waiting for {what}")]
     Timeout { what: String, timeout: Duration },
     #[error("the shared control plane failed to start: {0}")]
