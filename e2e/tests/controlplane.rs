@@ -383,6 +383,8 @@ async fn fake_kubelet_runs_and_completes_pods() -> anyhow::Result<()> {
     };
     api.create(&PostParams::default(), &native).await?;
     kubelet.start(&ns, "native").await?;
+    let p = kubelet.exit(&ns, "native", "remora-proxy", 137).await?;
+    assert_eq!(phase(&p).as_deref(), Some("Running"), "sidecar restarted");
     let p = kubelet.exit(&ns, "native", "app", 1).await?;
     assert_eq!(phase(&p).as_deref(), Some("Failed"));
     let sidecar_state = p

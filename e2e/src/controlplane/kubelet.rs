@@ -131,12 +131,7 @@ impl FakeKubelet {
             ready: true,
             started: Some(true),
             restart_count: 0,
-            state: Some(ContainerState {
-                running: Some(ContainerStateRunning {
-                    started_at: Some(now.clone()),
-                }),
-                ..ContainerState::default()
-            }),
+            state: Some(running_state(&now)),
             ..ContainerStatus::default()
         };
         let init: Vec<ContainerStatus> = spec
@@ -165,7 +160,8 @@ impl FakeKubelet {
     /// otherwise it stays terminated, and once every regular container has
     /// terminated the pod is `Succeeded` (all exit 0) or `Failed`, with its
     /// native sidecars stopped too. A Legacy sidecar is a regular container,
-    /// so the pod keeps `Running` until it exits as well.
+    /// so the pod keeps `Running` until it exits as well. A native sidecar
+    /// (`container` among the init containers) is always restarted.
     pub async fn exit(
         &self,
         namespace: &str,
@@ -182,6 +178,18 @@ impl FakeKubelet {
             .unwrap_or_else(|| "Always".into());
         let mut status = current.status.unwrap_or_default();
         let now = Time(Timestamp::now());
+        // A native sidecar's own restartPolicy Always wins over the pod's.
+        if let Some(cs) = status
+            .init_container_statuses
+            .iter_mut()
+            .flatten()
+            .find(|c| c.name == container)
+        {
+            cs.restart_count += 1;
+            cs.last_state = Some(terminated(exit_code, &now));
+            cs.state = Some(running_state(&now));
+            return self.patch_status(&api, pod, &status).await;
+        }
         let statuses = status.container_statuses.get_or_insert_with(Vec::new);
         let Some(cs) = statuses.iter_mut().find(|c| c.name == container) else {
             return Err(Error::NoSuchContainer {
@@ -193,12 +201,7 @@ impl FakeKubelet {
         if restart {
             cs.restart_count += 1;
             cs.last_state = Some(terminated(exit_code, &now));
-            cs.state = Some(ContainerState {
-                running: Some(ContainerStateRunning {
-                    started_at: Some(now.clone()),
-                }),
-                ..ContainerState::default()
-            });
+            cs.state = Some(running_state(&now));
         } else {
             cs.ready = false;
             cs.started = Some(false);
@@ -250,6 +253,15 @@ impl std::fmt::Debug for FakeKubelet {
 /// An init container with `restartPolicy: Always`: a native sidecar.
 fn is_native_sidecar(c: &Container) -> bool {
     c.restart_policy.as_deref() == Some("Always")
+}
+
+fn running_state(now: &Time) -> ContainerState {
+    ContainerState {
+        running: Some(ContainerStateRunning {
+            started_at: Some(now.clone()),
+        }),
+        ..ContainerState::default()
+    }
 }
 
 fn terminated(exit_code: i32, now: &Time) -> ContainerState {
