@@ -83,7 +83,7 @@ build_k8s() {
     echo ")"
   } >>go.mod
   local n
-  n=$(grep -c "=> k8s.io/.* $STAGING_VERSION" go.mod)
+  n=$(grep -c "=> k8s.io/.* $STAGING_VERSION" go.mod || true)
   ((n > 0)) || { echo "build-k8s: found no staging replace lines in $gomod" >&2; exit 1; }
   log "pinned $n staging modules to $STAGING_VERSION"
   nice -n "$NICE" go get "k8s.io/kubernetes@$K8S_VERSION" \
