@@ -172,7 +172,8 @@ async fn bad_writes_keep_the_last_good_certificate() -> Result<()> {
         now - Duration::from_secs(7200),
         now - Duration::from_secs(3600),
     );
-    let cases: Vec<(&str, Box<dyn Fn()>)> = vec![
+    type Case<'a> = (&'static str, Box<dyn Fn() + 'a>);
+    let cases: Vec<Case> = vec![
         (
             "garbage PEM",
             Box::new(|| std::fs::write(rig.certs.join("cert-chain.pem"), "not a pem").unwrap()),
