@@ -454,3 +454,74 @@ async fn push_fans_out_to_100_streams() -> Result<()> {
     rig.handle.join().await?;
     Ok(())
 }
+
+fn run_config(args: &[&str]) -> Result<remora_agent::config::RunConfig> {
+    use clap::Parser;
+    use remora_agent::config::{Cli, Command};
+    let mut argv = vec!["remora-agent", "run"];
+    argv.extend_from_slice(args);
+    match Cli::try_parse_from(argv)?.command {
+        Command::Run(cfg) => Ok(*cfg),
+        other => Err(anyhow!("not run: {other:?}")),
+    }
+}
+
+#[tokio::test]
+async fn start_from_run_config_with_and_without_a_source() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let certs = tmp.path().join("certs");
+    let root = ca("root");
+    write_certs(&certs, &root.leaf(), &root.pem);
+
+    // --cert-dir: file source, readiness held until Envoy fetched both secrets.
+    let sock = tmp.path().join("a").join("sds.sock");
+    let cfg = run_config(&[
+        "--cert-dir",
+        certs.to_str().unwrap(),
+        "--sds-socket",
+        sock.to_str().unwrap(),
+    ])?;
+    let readiness = Readiness::new();
+    let mut registry = Registry::default();
+    let cancel = CancellationToken::new();
+    let handle = sds::start(&cfg, &readiness, &mut registry, cancel.clone()).await?;
+    wait_for("waiting-for-Envoy reason", DEADLINE, || async {
+        readiness
+            .pending()
+            .into_iter()
+            .find(|(n, r)| n == sds::READINESS_GUARD && r.contains("default and ROOTCA"))
+    })
+    .await?;
+    let ch = channel(sock.clone()).await?;
+    let mut s = Sub::open(&ch, &["default", "ROOTCA"]).await?;
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        got.extend(names(&s.next().await?));
+    }
+    wait_for("ready", DEADLINE, || async {
+        readiness.is_ready().then_some(())
+    })
+    .await?;
+    cancel.cancel();
+    handle.join().await?;
+
+    // No certificate flags: no guard, file-root: names still work.
+    let sock = tmp.path().join("b").join("sds.sock");
+    let cfg = run_config(&["--sds-socket", sock.to_str().unwrap()])?;
+    let readiness = Readiness::new();
+    let mut registry = Registry::default();
+    let cancel = CancellationToken::new();
+    let handle = sds::start(&cfg, &readiness, &mut registry, cancel.clone()).await?;
+    assert!(handle.bundles().is_none());
+    assert!(readiness.is_ready());
+    let ch = channel(sock).await?;
+    let root_name = format!("file-root:{}", certs.join("root-cert.pem").display());
+    let r = SecretDiscoveryServiceClient::new(ch)
+        .fetch_secrets(req(&[&root_name], "", "", None))
+        .await?
+        .into_inner();
+    assert_eq!(names(&r), vec![root_name]);
+    cancel.cancel();
+    handle.join().await?;
+    Ok(())
+}
