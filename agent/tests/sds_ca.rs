@@ -151,8 +151,16 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
     let client2 = connector(&root2.pem, &root2.leaf());
     // Trusts the new root (so the server cert verifies) but presents an old-root cert.
     let old_root_client = connector(&root2.pem, &root1_client);
+    let root2_pem = root2.pem.clone();
     *ca_impl.signer.lock().unwrap() = Arc::new(root2);
-    let third = rig.serial_other_than(&second).await?;
+    // (A renewal already in flight may still come from the old root: wait for the new one.)
+    let third = wait_for("a certificate from the new root", DEADLINE, || async {
+        rig.handle
+            .current()
+            .filter(|b| b.roots_pem.trim() == root2_pem.trim())
+            .map(|b| b.serial.clone())
+    })
+    .await?;
     wait_serial(port, &client2, &third).await?;
     assert!(
         roundtrip(port, &old_root_client).await.is_err(),

@@ -215,7 +215,7 @@ impl SdsService {
                     }
                     // Take everything else that is ready too, so a bundle change is one response.
                     let mut batch = vec![res];
-                    while let Some(Some((n2, Some(r2)))) = subs.next().now_or_never_ready() {
+                    while let Some(Some((n2, Some(r2)))) = futures::FutureExt::now_or_never(subs.next()) {
                         if sent.get(&n2) != Some(&r2.version) && !batch.iter().any(|b| b.name == n2) {
                             batch.push(r2);
                         }
@@ -234,14 +234,6 @@ impl SdsService {
         self.metrics.streams.dec();
     }
 }
-
-/// Poll a future once: `Some(output)` if it is ready now.
-trait NowOrNever: std::future::Future + Sized {
-    fn now_or_never_ready(self) -> Option<Self::Output> {
-        futures::FutureExt::now_or_never(self)
-    }
-}
-impl<F: std::future::Future> NowOrNever for F {}
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
