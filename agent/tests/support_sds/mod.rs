@@ -323,6 +323,8 @@ pub fn connector(root_pem: &str, leaf: &Leaf) -> TlsConnector {
 pub async fn roundtrip(port: u16, tls: &TlsConnector) -> Result<(TlsStream<TcpStream>, String)> {
     let fut = async {
         let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+        // Without this, Nagle + delayed ACK add ~40 ms to the TLS 1.3 client-auth flight.
+        tcp.set_nodelay(true)?;
         let mut s = tls.connect(ServerName::try_from("localhost")?, tcp).await?;
         let serial = s
             .get_ref()
