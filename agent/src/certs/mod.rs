@@ -257,6 +257,8 @@ pub struct BundleSender {
     /// Why the source has nothing good to serve yet (or last failure), for readiness.
     status: watch::Sender<Option<String>>,
     metrics: CertMetrics,
+    /// The last failure logged, so a retry loop logs a repeated error once.
+    last_error: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 /// The subscribing end.
@@ -268,6 +270,7 @@ impl BundleSender {
             bundle: watch::channel(None).0,
             status: watch::channel(Some("certificate source starting".into())).0,
             metrics,
+            last_error: Arc::default(),
         }
     }
     pub fn subscribe(&self) -> BundleReceiver {
@@ -300,18 +303,29 @@ impl BundleSender {
                 .set(i64::try_from(secs).unwrap_or(i64::MAX));
         }
         self.status.send_if_modified(|s| s.take().is_some());
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
         changed
     }
     /// Report a failure. The last good bundle stays; the reason shows in
     /// readiness only while nothing good was ever published.
     pub fn fail(&self, source: &str, err: &CertError) {
         self.metrics.failures.inc();
+        let reason = format!("{source}: {err}");
+        let repeated = {
+            let mut last = self.last_error.lock().unwrap_or_else(|p| p.into_inner());
+            let same = last.as_deref() == Some(reason.as_str());
+            *last = Some(reason.clone());
+            same
+        };
         let have = self.bundle.borrow().is_some();
-        if have {
-            tracing::warn!(source, error = %err, "certificate update rejected; keeping the last good certificate");
-        } else {
-            tracing::warn!(source, error = %err, "no usable certificate yet");
-            let reason = format!("{source}: {err}");
+        match (have, repeated) {
+            (_, true) => tracing::debug!(source, error = %err, "certificate source still failing"),
+            (true, false) => {
+                tracing::warn!(source, error = %err, "certificate update rejected; keeping the last good certificate")
+            }
+            (false, false) => tracing::warn!(source, error = %err, "no usable certificate yet"),
+        }
+        if !have {
             self.status.send_if_modified(|s| {
                 if s.as_deref() == Some(reason.as_str()) {
                     return false;
