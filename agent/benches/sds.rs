@@ -248,6 +248,8 @@ async fn bench() -> Result<()> {
     let fan = fan_out(&socket, &certs, &root, 10).await?;
     let rss_after_fanout = rss_kib(pid, "VmRSS:");
     let hwm = rss_kib(pid, "VmHWM:");
+    // Anonymous (heap, stacks) vs file-backed (the binary's touched pages, libs).
+    let (anon, file) = (rss_kib(pid, "RssAnon:"), rss_kib(pid, "RssFile:"));
 
     // Key + CSR generation per issuance in CA mode (fresh key every renewal).
     let mut keygen = Vec::new();
@@ -311,6 +313,11 @@ async fn bench() -> Result<()> {
         hwm as f64 / 1024.0
     );
 
+    println!(
+        "| SDS process RSS split after 100 streams (anon / file-backed) | | {:.1} / {:.1} MiB | | | |",
+        anon as f64 / 1024.0,
+        file as f64 / 1024.0
+    );
     for (name, k) in &keygen {
         println!(
             "| CA mode: {name} key + CSR generation | 5 | {:.1} ms | {:.1} ms | {:.1} ms | |",
@@ -326,7 +333,7 @@ async fn bench() -> Result<()> {
         "rotation_rewrite_ms": { "n": rewrite.len(), "median": r.median, "p90": r.p90, "max": r.max, "samples": rewrite },
         "rotation_symlink_swap_ms": { "n": swap.len(), "median": s.median, "p90": s.p90, "max": s.max, "samples": swap },
         "fanout_100_streams_ms": { "n": fan.len(), "median": f.median, "p90": f.p90, "max": f.max, "samples": fan },
-        "sds_process_rss_kib": { "envoy_connected": rss_with_envoy, "after_100_streams": rss_after_fanout, "peak": hwm },
+        "sds_process_rss_kib": { "envoy_connected": rss_with_envoy, "after_100_streams": rss_after_fanout, "peak": hwm, "anon_after_100_streams": anon, "file_after_100_streams": file },
         "keygen_ms": keygen.iter().map(|(n, k)| (n.to_string(), json!({ "n": 5, "median": k.median, "p90": k.p90, "max": k.max }))).collect::<serde_json::Map<_, _>>(),
         "goal": { "rotation_median_ms": 150, "rss_mib": 8 }
     });
