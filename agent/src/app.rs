@@ -2,6 +2,7 @@
 //! the supervisor, the servers, the signal and input watchers.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +18,7 @@ use crate::envoy::process;
 use crate::lifecycle::LiveSettings;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
+use crate::sds::{self, SdsHandle};
 use crate::servers;
 use crate::supervisor::{Control, ExitReason, Supervisor, SupervisorHandle};
 use crate::telemetry::LogLevelHandle;
@@ -42,6 +44,8 @@ pub enum AppError {
     PortInUse { what: String, port: u16 },
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
+    #[error(transparent)]
+    Sds(#[from] sds::SdsError),
 }
 
 /// A built agent, ready to run.
@@ -55,6 +59,8 @@ pub struct App {
     readiness: Readiness,
     metrics: Metrics,
     log: LogLevelHandle,
+    sds: SdsHandle,
+    shutdown: CancellationToken,
 }
 
 /// Check everything that can be checked before Envoy starts, so bad input
@@ -63,10 +69,15 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
     let cfg = Arc::new(cfg);
     tracing::info!(config = %cfg.redacted(), "remora-agent starting");
     let envoy_bin = process::resolve_binary(&cfg.envoy_bin)?;
-    std::fs::create_dir_all(&cfg.run_dir).map_err(|source| AppError::RunDir {
-        path: cfg.run_dir.clone(),
-        source,
-    })?;
+    // 0750: the SDS socket lives here (the mode applies only if we create it).
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o750)
+        .create(&cfg.run_dir)
+        .map_err(|source| AppError::RunDir {
+            path: cfg.run_dir.clone(),
+            source,
+        })?;
     if let Some(p) = &cfg.bootstrap_override {
         bootstrap::read_override(p)?;
     }
@@ -85,7 +96,17 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
     let mut registry = Registry::with_prefix("remora_agent");
     let metrics = Metrics::new(&mut registry);
     let readiness = Readiness::new();
-    let extras = Extras::default();
+    let shutdown = CancellationToken::new();
+    // SDS always runs, so xDS-delivered configs can use `default`, `ROOTCA` and
+    // `file-*` secrets; a certificate source (and its readiness guard) only
+    // when one is configured. It is up before Envoy asks for secrets.
+    let sds = sds::start(&cfg, &readiness, &mut registry, shutdown.clone()).await?;
+    let extras = Extras {
+        clusters: vec![sds::bootstrap::sds_cluster(&sds.socket)],
+        inbound_transport_socket: cfg
+            .inbound_tls
+            .then(|| sds::bootstrap::inbound_tls_transport_socket(&cfg.inbound_tls_san)),
+    };
     let (supervisor, handle) = Supervisor::new(
         cfg.clone(),
         envoy_bin,
@@ -105,6 +126,8 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         readiness,
         metrics,
         log,
+        sds,
+        shutdown,
     })
 }
 
@@ -149,7 +172,7 @@ async fn check_envoy_ports(cfg: &RunConfig) -> Result<(), AppError> {
 impl App {
     /// Run until the agent should exit.
     pub async fn run(self) -> Result<ExitReason, AppError> {
-        let shutdown = CancellationToken::new();
+        let shutdown = self.shutdown.clone();
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn(servers::serve(
             self.health,
@@ -178,8 +201,13 @@ impl App {
         let reason = self.supervisor.run().await;
         shutdown.cancel();
         // Servers finish their in-flight answers; bounded so exit is never held up.
-        let _ =
-            tokio::time::timeout(Duration::from_secs(1), futures::future::join_all(tasks)).await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            futures::future::join_all(tasks).await;
+            if let Err(e) = self.sds.join().await {
+                tracing::warn!(error = %e, "SDS did not stop cleanly");
+            }
+        })
+        .await;
         Ok(reason)
     }
 }

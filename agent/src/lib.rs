@@ -1,8 +1,10 @@
 //! remora-agent: generates Envoy's bootstrap, starts and supervises Envoy,
-//! reports readiness, and drains Envoy gracefully on termination.
+//! serves workload certificates over SDS, reports readiness, and drains
+//! Envoy gracefully on termination.
 
 pub mod app;
 pub mod bootstrap;
+pub mod certs;
 pub mod cli;
 pub mod config;
 pub mod drain;
@@ -11,6 +13,7 @@ pub mod http_client;
 pub mod lifecycle;
 pub mod metrics;
 pub mod readiness;
+pub mod sds;
 pub mod servers;
 pub mod supervisor;
 pub mod telemetry;

@@ -1,0 +1,678 @@
+//! CA mode: a client of Istio's `IstioCertificateService/CreateCertificate`.
+//!
+//! A fresh key and CSR (rcgen) per issuance, URI SAN
+//! `spiffe://<trust-domain>/ns/<ns>/sa/<sa>`. Renewal at a fraction of the
+//! lifetime (default 50%, minus jitter so a fleet does not renew in step); a
+//! failed call is retried with exponential backoff while the current cert
+//! keeps being served. The root is the last element of the returned chain, so
+//! a CA root change reaches `ROOTCA` on the next issuance.
+
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::time::{Duration, SystemTime};
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use rand::Rng;
+use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, SanType, string::Ia5String};
+use remora_proto::istio::v1::auth::IstioCertificateRequest;
+use remora_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
+use tokio_util::sync::CancellationToken;
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+
+use super::{BundleSender, CertBundle, CertError, CertSource, validate_bundle};
+use crate::config::{KeyType, RunConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaError {
+    #[error("key generation: {0}")]
+    Key(String),
+    #[error("CSR: {0}")]
+    Csr(String),
+    #[error("bearer token {path}: {reason}")]
+    Token { path: PathBuf, reason: String },
+    #[error("CA call failed: {code:?}: {message}")]
+    Rpc { code: tonic::Code, message: String },
+    #[error("CA returned an empty certificate chain")]
+    EmptyChain,
+    #[error("CA address {0:?}: {1}")]
+    Address(String, String),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Something that signs CSRs: the real gRPC CA client, or a fake in tests.
+pub trait Issuer: Send + Sync + 'static {
+    /// Returns the PEM chain, leaf first, root last.
+    fn issue(
+        &self,
+        csr_pem: String,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Vec<String>, CaError>> + Send;
+}
+
+/// When to renew and how to back off.
+#[derive(Debug, Clone)]
+pub struct RenewPolicy {
+    /// Renew after this fraction of the lifetime (0..1).
+    pub fraction: f64,
+    /// Renew up to this fraction of the lifetime earlier, at random.
+    pub jitter: f64,
+    pub min_backoff: Duration,
+    pub max_backoff: Duration,
+}
+
+impl Default for RenewPolicy {
+    fn default() -> Self {
+        Self {
+            fraction: 0.5,
+            jitter: 0.05,
+            min_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RenewPolicy {
+    /// Delay from `now` until renewal of `b`; `u` in [0,1) picks the jitter.
+    pub fn renew_delay(&self, b: &CertBundle, now: SystemTime, u: f64) -> Duration {
+        let lifetime = b.lifetime();
+        let frac = (self.fraction - self.jitter * u.clamp(0.0, 1.0)).clamp(0.0, 1.0);
+        let at = b.not_before + lifetime.mul_f64(frac);
+        at.duration_since(now).unwrap_or_default()
+    }
+
+    fn backoff(&self) -> impl Iterator<Item = Duration> + Send + use<> {
+        ExponentialBuilder::default()
+            .with_min_delay(self.min_backoff)
+            .with_max_delay(self.max_backoff)
+            .with_factor(2.0)
+            .without_max_times()
+            .build()
+    }
+}
+
+/// The workload identity requested from the CA.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub trust_domain: String,
+    pub namespace: String,
+    pub service_account: String,
+    pub key_type: KeyType,
+    pub ttl: Duration,
+}
+
+impl Identity {
+    pub fn spiffe_id(&self) -> String {
+        format!(
+            "spiffe://{}/ns/{}/sa/{}",
+            self.trust_domain, self.namespace, self.service_account
+        )
+    }
+
+    /// A new key and a PEM CSR for it.
+    pub fn key_and_csr(&self) -> Result<(KeyPair, String), CaError> {
+        let key = match self.key_type {
+            KeyType::EcdsaP256 => KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
+                .map_err(|e| CaError::Key(e.to_string()))?,
+            // ring (the crypto backend here) signs RSA but cannot generate
+            // RSA keys: the `rsa` crate generates, ring signs.
+            KeyType::Rsa2048 => {
+                use rsa::pkcs8::EncodePrivateKey;
+                let k = rsa::RsaPrivateKey::new(&mut rsa::rand_core::OsRng, 2048)
+                    .map_err(|e| CaError::Key(e.to_string()))?;
+                let der = k.to_pkcs8_der().map_err(|e| CaError::Key(e.to_string()))?;
+                KeyPair::from_pkcs8_der_and_sign_algo(
+                    &rustls::pki_types::PrivatePkcs8KeyDer::from(der.as_bytes()),
+                    &rcgen::PKCS_RSA_SHA256,
+                )
+                .map_err(|e| CaError::Key(e.to_string()))?
+            }
+        };
+        let mut p = CertificateParams::default();
+        p.distinguished_name = DistinguishedName::new();
+        p.distinguished_name
+            .push(DnType::OrganizationName, self.trust_domain.clone());
+        let uri = Ia5String::try_from(self.spiffe_id()).map_err(|e| CaError::Csr(e.to_string()))?;
+        p.subject_alt_names = vec![SanType::URI(uri)];
+        let csr = p
+            .serialize_request(&key)
+            .and_then(|r| r.pem())
+            .map_err(|e| CaError::Csr(e.to_string()))?;
+        Ok((key, csr))
+    }
+}
+
+/// Turn a CA answer into a validated bundle: the last element is the root.
+pub fn bundle_from_chain(
+    chain: Vec<String>,
+    key_pem: String,
+    fallback_roots: Option<&str>,
+) -> Result<CertBundle, CertError> {
+    let mut parts: Vec<String> = chain
+        .into_iter()
+        .map(|c| c.trim().to_string())
+        .filter(|c| !c.is_empty())
+        .collect();
+    let roots = match (parts.len(), fallback_roots) {
+        (0, _) => return Err(CaError::EmptyChain.into()),
+        (1, Some(r)) => r.to_string(),
+        (1, None) => parts[0].clone(),
+        _ => parts.pop().unwrap_or_default(),
+    };
+    let chain_pem = parts.join("\n") + "\n";
+    let roots_pem = roots.trim().to_string() + "\n";
+    validate_bundle(chain_pem, key_pem, roots_pem, SystemTime::now())
+}
+
+/// Write the bundle as files for apps, each one atomically (temp + rename).
+pub fn write_output(dir: &Path, b: &CertBundle) -> Result<(), CertError> {
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    let werr = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| CertError::Write { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(werr(dir))?;
+    for (name, content, mode) in [
+        (super::CERT_CHAIN_FILE, &b.chain_pem, 0o644),
+        (super::KEY_FILE, &b.key_pem, 0o600),
+        (super::ROOT_CERT_FILE, &b.roots_pem, 0o644),
+    ] {
+        let path = dir.join(name);
+        // NamedTempFile starts at 0600, so the key is never readable by others.
+        let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(werr(dir))?;
+        tmp.write_all(content.as_bytes()).map_err(werr(&path))?;
+        tmp.as_file().sync_all().map_err(werr(&path))?;
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(mode))
+            .map_err(werr(&path))?;
+        tmp.persist(&path).map_err(|e| CertError::Write {
+            path: path.clone(),
+            source: e.error,
+        })?;
+    }
+    Ok(())
+}
+
+/// Issue, publish, sleep until renewal; on failure back off. Runs until cancelled.
+pub async fn run_renewal<I: Issuer>(
+    issuer: I,
+    ident: Identity,
+    policy: RenewPolicy,
+    fallback_roots: Option<String>,
+    output_dir: Option<PathBuf>,
+    out: BundleSender,
+    cancel: CancellationToken,
+) {
+    let source = "CA";
+    let mut backoff = policy.backoff();
+    loop {
+        let result = async {
+            // Key generation is CPU work (seconds for RSA): keep it off the runtime's threads.
+            let id = ident.clone();
+            let (key, csr) = tokio::task::spawn_blocking(move || id.key_and_csr())
+                .await
+                .map_err(|e| CaError::Key(e.to_string()))??;
+            let chain = issuer.issue(csr, ident.ttl).await?;
+            bundle_from_chain(chain, key.serialize_pem(), fallback_roots.as_deref())
+        }
+        .await;
+        let wait = match result {
+            Ok(b) => {
+                backoff = policy.backoff();
+                let delay = policy.renew_delay(&b, SystemTime::now(), rand::rng().random());
+                if let Some(dir) = &output_dir
+                    && let Err(e) = write_output(dir, &b)
+                {
+                    out.fail(source, &e);
+                }
+                tracing::info!(serial = %b.serial, renew_in = ?delay, "workload certificate issued");
+                out.publish(b);
+                delay
+            }
+            Err(e) => {
+                out.fail(source, &e);
+                let d = backoff.next().unwrap_or(policy.max_backoff);
+                if let Some(cur) = out.current()
+                    && cur.not_after <= SystemTime::now()
+                {
+                    tracing::error!(serial = %cur.serial, "workload certificate expired and the CA is unreachable");
+                }
+                d
+            }
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// The real CA over gRPC.
+#[derive(Debug, Clone)]
+pub struct GrpcIssuer {
+    client: IstioCertificateServiceClient<Channel>,
+    token_path: PathBuf,
+    cluster_id: String,
+}
+
+impl GrpcIssuer {
+    /// `address` is `host:port` (TLS, verified by `ca_root_pem`) or an
+    /// explicit `http://host:port` for a plaintext CA (local testing only).
+    pub fn new(
+        address: &str,
+        ca_root_pem: Option<&str>,
+        token_path: PathBuf,
+        cluster_id: String,
+    ) -> Result<Self, CaError> {
+        let bad = |e: &dyn std::fmt::Display| CaError::Address(address.to_string(), e.to_string());
+        let plaintext = address.starts_with("http://");
+        let url = if plaintext || address.starts_with("https://") {
+            address.to_string()
+        } else {
+            format!("https://{address}")
+        };
+        let mut ep = Endpoint::from_shared(url.clone())
+            .map_err(|e| bad(&e))?
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(Duration::from_secs(15));
+        if !plaintext {
+            let root = ca_root_pem.ok_or_else(|| {
+                CaError::Config("--ca-root-cert is required to verify the CA over TLS".into())
+            })?;
+            let uri: http::Uri = url.parse().map_err(|e| bad(&e))?;
+            let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
+            ep = ep
+                .tls_config(
+                    ClientTlsConfig::new()
+                        .ca_certificate(Certificate::from_pem(root))
+                        .domain_name(host),
+                )
+                .map_err(|e| bad(&e))?;
+        }
+        Ok(Self {
+            client: IstioCertificateServiceClient::new(ep.connect_lazy()),
+            token_path,
+            cluster_id,
+        })
+    }
+
+    async fn token(&self) -> Result<String, CaError> {
+        let terr = |reason: String| CaError::Token {
+            path: self.token_path.clone(),
+            reason,
+        };
+        // Read on every call: projected service-account tokens rotate.
+        let t = tokio::fs::read_to_string(&self.token_path)
+            .await
+            .map_err(|e| terr(e.to_string()))?;
+        let t = t.trim();
+        if t.is_empty() {
+            return Err(terr("empty".into()));
+        }
+        Ok(t.to_string())
+    }
+}
+
+impl Issuer for GrpcIssuer {
+    async fn issue(&self, csr_pem: String, ttl: Duration) -> Result<Vec<String>, CaError> {
+        let token = self.token().await?;
+        let mut req = tonic::Request::new(IstioCertificateRequest {
+            csr: csr_pem,
+            validity_duration: i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX),
+            metadata: None,
+        });
+        // The error never echoes the value: it is a credential.
+        let auth =
+            MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| CaError::Token {
+                path: self.token_path.clone(),
+                reason: "contains characters not allowed in a header".into(),
+            })?;
+        req.metadata_mut().insert("authorization", auth);
+        if let Ok(v) = MetadataValue::try_from(self.cluster_id.as_str()) {
+            req.metadata_mut().insert("clusterid", v);
+        }
+        let resp = self
+            .client
+            .clone()
+            .create_certificate(req)
+            .await
+            .map_err(|s| CaError::Rpc {
+                code: s.code(),
+                message: s.message().to_string(),
+            })?;
+        Ok(resp.into_inner().cert_chain)
+    }
+}
+
+/// CA mode as a [`CertSource`].
+#[derive(Debug, Clone)]
+pub struct CaSource {
+    pub address: String,
+    pub ca_root_pem: Option<String>,
+    pub token_path: PathBuf,
+    pub cluster_id: String,
+    pub identity: Identity,
+    pub policy: RenewPolicy,
+    pub output_dir: Option<PathBuf>,
+}
+
+impl CaSource {
+    pub fn from_config(address: &str, cfg: &RunConfig) -> Result<Self, CertError> {
+        let ca_root_pem = match &cfg.ca_root_cert {
+            Some(p) => Some(super::file::read(p)?),
+            None => None,
+        };
+        let or_default = |s: &str| {
+            if s.is_empty() {
+                "default".to_string()
+            } else {
+                s.to_string()
+            }
+        };
+        Ok(Self {
+            address: address.to_string(),
+            ca_root_pem,
+            token_path: cfg.token_path.clone(),
+            cluster_id: cfg.cluster_id.clone(),
+            identity: Identity {
+                trust_domain: cfg.trust_domain.clone(),
+                namespace: or_default(&cfg.pod_namespace),
+                service_account: or_default(&cfg.service_account),
+                key_type: cfg.key_type,
+                ttl: cfg.cert_ttl,
+            },
+            policy: RenewPolicy::default(),
+            output_dir: cfg.output_certs.clone(),
+        })
+    }
+}
+
+impl CertSource for CaSource {
+    fn describe(&self) -> String {
+        format!("CA at {}", self.address)
+    }
+
+    fn run(
+        self: Box<Self>,
+        out: BundleSender,
+        cancel: CancellationToken,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let issuer = match GrpcIssuer::new(
+                &self.address,
+                self.ca_root_pem.as_deref(),
+                self.token_path.clone(),
+                self.cluster_id.clone(),
+            ) {
+                Ok(i) => i,
+                Err(e) => {
+                    // A config error does not fix itself: report it and wait for shutdown.
+                    out.fail("CA", &e.into());
+                    cancel.cancelled().await;
+                    return;
+                }
+            };
+            run_renewal(
+                issuer,
+                self.identity,
+                self.policy,
+                None,
+                self.output_dir,
+                out,
+                cancel,
+            )
+            .await;
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::CertMetrics;
+    use super::*;
+    use rcgen::{BasicConstraints, CertificateSigningRequestParams, IsCa, Issuer as RcIssuer};
+    use std::sync::{Arc, Mutex};
+    use tokio::time::Instant;
+
+    /// A CA double whose answers are scripted: `fail` makes calls error.
+    struct FakeCa {
+        issuer: RcIssuer<'static, KeyPair>,
+        root_pem: String,
+        fail: Arc<Mutex<bool>>,
+        calls: Arc<Mutex<Vec<Instant>>>,
+        lifetime: Duration,
+    }
+
+    fn fake_ca(lifetime: Duration) -> FakeCa {
+        let mut p = CertificateParams::default();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let key = KeyPair::generate().expect("key");
+        let root = p.self_signed(&key).expect("root");
+        FakeCa {
+            issuer: RcIssuer::new(p, key),
+            root_pem: root.pem(),
+            fail: Arc::default(),
+            calls: Arc::default(),
+            lifetime,
+        }
+    }
+
+    impl Issuer for FakeCa {
+        async fn issue(&self, csr_pem: String, _ttl: Duration) -> Result<Vec<String>, CaError> {
+            self.calls.lock().expect("lock").push(Instant::now());
+            if *self.fail.lock().expect("lock") {
+                return Err(CaError::Rpc {
+                    code: tonic::Code::Unavailable,
+                    message: "down".into(),
+                });
+            }
+            let mut csr = CertificateSigningRequestParams::from_pem(&csr_pem).expect("csr");
+            // Wall-clock validity, exactly `lifetime` long, starting now.
+            let now = SystemTime::now();
+            csr.params.not_before = now.into();
+            csr.params.not_after = (now + self.lifetime).into();
+            let leaf = csr.signed_by(&self.issuer).expect("sign");
+            Ok(vec![leaf.pem(), self.root_pem.clone()])
+        }
+    }
+
+    fn ident() -> Identity {
+        Identity {
+            trust_domain: "cluster.local".into(),
+            namespace: "ns1".into(),
+            service_account: "sa1".into(),
+            key_type: KeyType::EcdsaP256,
+            ttl: Duration::from_secs(3600),
+        }
+    }
+
+    #[test]
+    fn csr_carries_spiffe_uri() {
+        let (_, csr) = ident().key_and_csr().expect("csr");
+        let parsed = CertificateSigningRequestParams::from_pem(&csr).expect("parse");
+        let uris: Vec<String> = parsed
+            .params
+            .subject_alt_names
+            .iter()
+            .filter_map(|s| match s {
+                SanType::URI(u) => Some(u.as_str().to_string()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            uris,
+            vec!["spiffe://cluster.local/ns/ns1/sa/sa1".to_string()]
+        );
+    }
+
+    #[test]
+    fn rsa_2048_key_and_csr() {
+        let mut rsa = ident();
+        rsa.key_type = KeyType::Rsa2048;
+        let (key, csr) = rsa.key_and_csr().expect("rsa csr");
+        assert!(key.serialize_pem().contains("PRIVATE KEY"));
+        let parsed = CertificateSigningRequestParams::from_pem(&csr).expect("parse");
+        assert_eq!(parsed.public_key.algorithm(), &rcgen::PKCS_RSA_SHA256);
+        // The key works end to end: a CA signs it and the bundle validates.
+        let ca = fake_ca(Duration::from_secs(1000));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("rt");
+        let chain = rt
+            .block_on(ca.issue(csr, Duration::from_secs(1)))
+            .expect("issue");
+        bundle_from_chain(chain, key.serialize_pem(), None).expect("valid bundle");
+    }
+
+    #[test]
+    fn renew_delay_is_half_life_minus_jitter() {
+        let now = SystemTime::now();
+        let b = CertBundle {
+            chain_pem: String::new(),
+            key_pem: String::new(),
+            roots_pem: String::new(),
+            not_before: now,
+            not_after: now + Duration::from_secs(1000),
+            serial: String::new(),
+        };
+        let p = RenewPolicy::default();
+        assert_eq!(p.renew_delay(&b, now, 0.0), Duration::from_secs(500));
+        assert_eq!(p.renew_delay(&b, now, 1.0), Duration::from_secs(450));
+        // Past the renewal point: renew at once.
+        assert_eq!(
+            p.renew_delay(&b, now + Duration::from_secs(600), 0.0),
+            Duration::ZERO
+        );
+    }
+
+    fn spawn(ca: FakeCa, policy: RenewPolicy) -> (BundleSender, CancellationToken) {
+        let out = BundleSender::new(CertMetrics::default());
+        let cancel = CancellationToken::new();
+        tokio::spawn(run_renewal(
+            ca,
+            ident(),
+            policy,
+            None,
+            None,
+            out.clone(),
+            cancel.clone(),
+        ));
+        (out, cancel)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renews_at_half_life() {
+        let ca = fake_ca(Duration::from_secs(1000));
+        let calls = ca.calls.clone();
+        let policy = RenewPolicy {
+            jitter: 0.0,
+            ..RenewPolicy::default()
+        };
+        let start = Instant::now();
+        let (out, cancel) = spawn(ca, policy);
+        let mut rx = out.subscribe();
+        rx.wait_for(|b| b.is_some()).await.expect("first");
+        let first = out.current().expect("bundle").serial.clone();
+        // Auto-advancing paused time jumps straight to the renewal.
+        rx.changed().await.expect("renewed");
+        let second = out.current().expect("bundle").serial.clone();
+        assert_ne!(first, second);
+        let c = calls.lock().expect("lock").clone();
+        assert_eq!(c.len(), 2);
+        let gap = c[1] - start;
+        // Wall-clock time moves a little while tokio's is paused; allow for it.
+        assert!(
+            gap >= Duration::from_secs(495) && gap <= Duration::from_secs(500),
+            "{gap:?}"
+        );
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_back_off_exponentially_and_keep_serving() {
+        let ca = fake_ca(Duration::from_secs(1000));
+        let calls = ca.calls.clone();
+        let fail = ca.fail.clone();
+        let policy = RenewPolicy {
+            jitter: 0.0,
+            ..RenewPolicy::default()
+        };
+        let (out, cancel) = spawn(ca, policy);
+        let mut rx = out.subscribe();
+        rx.wait_for(|b| b.is_some()).await.expect("first");
+        let good = out.current().expect("bundle");
+        *fail.lock().expect("lock") = true;
+        // Let the renewal and 5 retries happen.
+        while calls.lock().expect("lock").len() < 7 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let c = calls.lock().expect("lock").clone();
+        let gaps: Vec<u64> = c
+            .windows(2)
+            .skip(1)
+            .map(|w| (w[1] - w[0]).as_secs())
+            .collect();
+        assert_eq!(gaps, vec![1, 2, 4, 8, 16], "exponential backoff");
+        assert_eq!(out.current(), Some(good), "last good bundle kept");
+        assert!(out.status().borrow().is_none(), "readiness does not flap");
+        // Recovery: the next retry succeeds and backoff resets.
+        *fail.lock().expect("lock") = false;
+        rx.changed().await.expect("recovered");
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn backoff_is_capped() {
+        let ca = fake_ca(Duration::from_secs(1000));
+        let calls = ca.calls.clone();
+        *ca.fail.lock().expect("lock") = true;
+        let policy = RenewPolicy {
+            max_backoff: Duration::from_secs(10),
+            ..RenewPolicy::default()
+        };
+        let (out, cancel) = spawn(ca, policy);
+        while calls.lock().expect("lock").len() < 8 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let c = calls.lock().expect("lock").clone();
+        let last = (c[7] - c[6]).as_secs();
+        assert_eq!(last, 10);
+        assert!(out.current().is_none());
+        assert!(
+            out.status()
+                .borrow()
+                .as_deref()
+                .is_some_and(|s| s.contains("Unavailable"))
+        );
+        cancel.cancel();
+    }
+
+    #[test]
+    fn chain_split_and_output_files() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("rt");
+        let ca = fake_ca(Duration::from_secs(1000));
+        let (key, csr) = ident().key_and_csr().expect("csr");
+        let chain = rt
+            .block_on(ca.issue(csr, Duration::from_secs(1)))
+            .expect("issue");
+        let b = bundle_from_chain(chain, key.serialize_pem(), None).expect("bundle");
+        assert_eq!(b.roots_pem.trim(), ca.root_pem.trim());
+        assert!(bundle_from_chain(vec![], String::new(), None).is_err());
+        let tmp = tempfile::tempdir().expect("tmp");
+        let dir = tmp.path().join("out");
+        write_output(&dir, &b).expect("write");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.join("key.pem"))
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let loaded = super::super::file::load_dir(&dir).expect("reload");
+        assert_eq!(loaded, b);
+    }
+}
