@@ -99,6 +99,27 @@ struct ServeArgs {
     /// How long to wait for the first listing of the cluster before serving.
     #[arg(long, env = "REMORA_SYNC_TIMEOUT", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
     sync_timeout: Duration,
+    /// Make and share our own CA and serving certificate (in --tls-secret)
+    /// and patch its CA into --webhook-config, instead of reading --tls-cert/--tls-key.
+    #[arg(long, env = "REMORA_SELF_SIGNED", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    self_signed: bool,
+    /// Secret (in the operator's namespace) holding the self-managed CA and certificate.
+    #[arg(long, env = "REMORA_TLS_SECRET", default_value = "remora-injector-tls")]
+    tls_secret: String,
+    /// Service name the API server calls the webhook by (the certificate's names).
+    #[arg(long, env = "REMORA_SERVICE_NAME", default_value = "remora-injector")]
+    service_name: String,
+    /// MutatingWebhookConfiguration whose caBundle is kept current.
+    #[arg(long, env = "REMORA_WEBHOOK_CONFIG", default_value = "remora-injector")]
+    webhook_config: String,
+    /// Where the self-managed certificate files are written (a writable emptyDir).
+    #[arg(
+        long,
+        env = "REMORA_SELF_SIGNED_DIR",
+        default_value = "/var/run/remora-injector/tls"
+    )]
+    self_signed_dir: PathBuf,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]
     log_level: String,
@@ -213,12 +234,30 @@ fn inject(args: InjectArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let cert = ReloadingCert::load(args.tls_cert.clone(), args.tls_key.clone())?;
-    let _reloader = cert.spawn_reloader(args.cert_reload_interval);
-    let tls = Arc::new(cert.server_config()?);
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API")?;
+    let (cert_path, key_path) = if args.self_signed {
+        let bundle = remora_injector::ca::ensure_secret(
+            &client,
+            &args.operator_namespace,
+            &args.tls_secret,
+            &args.service_name,
+        )
+        .await?;
+        tokio::spawn(remora_injector::ca::keep_ca_bundle(
+            client.clone(),
+            args.webhook_config.clone(),
+            bundle.ca_pem.clone(),
+            Duration::from_secs(60),
+        ));
+        remora_injector::ca::write_files(&args.self_signed_dir, &bundle)?
+    } else {
+        (args.tls_cert.clone(), args.tls_key.clone())
+    };
+    let cert = ReloadingCert::load(cert_path, key_path)?;
+    let _reloader = cert.spawn_reloader(args.cert_reload_interval);
+    let tls = Arc::new(cert.server_config()?);
     let view = remora_injector::cluster::start(client, args.sync_timeout).await?;
     let state = Arc::new(AppState {
         injector: Injector {

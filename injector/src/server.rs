@@ -19,7 +19,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
-use crate::webhook::{AdmissionOutcome, Injector, unreadable};
+use crate::webhook::{AdmissionOutcome, Injector, encode_review, unreadable};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -126,7 +126,7 @@ async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
             AdmissionOutcome::Invalid,
         ),
     };
-    let body = match serde_json::to_vec(&review) {
+    let body = match encode_review(review) {
         Ok(b) => b,
         Err(e) => {
             state

@@ -251,6 +251,10 @@ async fn https_round_trip_keep_alive_health_and_metrics() -> anyhow::Result<()> 
         let v: Value = serde_json::from_slice(&body)?;
         assert_eq!(v["response"]["allowed"], true);
         assert_eq!(v["response"]["patchType"], "JSONPatch");
+        assert!(v["response"]["patch"].is_string(), "base64 on the wire");
+        let mut p = pod();
+        json_patch::patch(&mut p, &patch_of(&v["response"]))?;
+        assert_eq!(p["spec"]["initContainers"][0]["name"], "remora-proxy");
     }
     // Garbage and an oversized body still get a 200 with a review.
     let (status, body) = conn
@@ -333,6 +337,40 @@ async fn serving_certificate_is_reloaded_without_restart() -> anyhow::Result<()>
     }
     assert!(
         remora_injector::client::connect(server.addr, "localhost", &server.ca)
+            .await
+            .is_err()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn self_managed_ca_serves_the_service_name() -> anyhow::Result<()> {
+    use remora_injector::ca;
+    let bundle = ca::generate(&ca::service_names("remora-injector", "remora-system"))?;
+    let dir = tempfile::tempdir()?;
+    let (cert, key) = ca::write_files(dir.path(), &bundle)?;
+    let tls = Arc::new(ReloadingCert::load(cert, key)?.server_config()?);
+    let state = Arc::new(AppState {
+        injector: injector(),
+        metrics: Metrics::new(),
+        max_body_bytes: 1 << 20,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(serve_tls(
+        listener,
+        tls,
+        router(state),
+        std::future::pending(),
+    ));
+    // The API server trusts the CA (caBundle) and checks the service's DNS name.
+    let mut conn =
+        remora_injector::client::connect(addr, "remora-injector.remora-system.svc", &bundle.ca_pem)
+            .await?;
+    let (status, _) = conn.request(http::Method::GET, "/healthz", vec![]).await?;
+    assert_eq!(status.as_u16(), 200);
+    assert!(
+        remora_injector::client::connect(addr, "elsewhere.example", &bundle.ca_pem)
             .await
             .is_err()
     );
