@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -99,7 +99,14 @@ where
 
 /// Start the reflectors; waits (up to `sync_timeout`) for the first listing
 /// so that the first admissions already see the SidecarLifecycles.
-pub async fn start(client: Client, sync_timeout: Duration) -> Result<KubeView, ClusterError> {
+/// With `status_period`, also watch pods (metadata only) and keep every
+/// SidecarLifecycle's status current.
+pub async fn start(
+    client: Client,
+    operator_namespace: &str,
+    sync_timeout: Duration,
+    status_period: Option<Duration>,
+) -> Result<KubeView, ClusterError> {
     let apiserver = client
         .apiserver_version()
         .await
@@ -128,6 +135,26 @@ pub async fn start(client: Client, sync_timeout: Duration) -> Result<KubeView, C
         .reflect(w)
         .touched_objects(),
     );
+    if let Some(period) = status_period {
+        let (pods, w) = reflector::store::<PartialObjectMeta<Pod>>();
+        drive(
+            "pods",
+            watcher(
+                Api::<PartialObjectMeta<Pod>>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .reflect(w)
+            .touched_objects(),
+        );
+        tokio::spawn(crate::status::run(
+            client.clone(),
+            lifecycles.clone(),
+            pods,
+            operator_namespace.to_string(),
+            period,
+        ));
+    }
     let (nodes, w) = reflector::store::<Node>();
     let native = Arc::new(AtomicBool::new(apiserver.is_some_and(supports_native)));
     {

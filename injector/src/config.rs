@@ -4,7 +4,6 @@
 //! Everything here is pure: the layers come from an in-memory store.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
@@ -259,24 +258,6 @@ impl LifecycleEntry {
 
     fn label(&self, layer: &str) -> String {
         format!("{layer}:{}/{}", self.namespace, self.name)
-    }
-}
-
-/// Where the resolver reads `SidecarLifecycle`s from: a reflector's store in
-/// the operator, a plain list in tests and offline injection.
-pub trait LifecycleSource: Send + Sync {
-    fn lifecycles(&self) -> Vec<Arc<SidecarLifecycle>>;
-}
-
-impl LifecycleSource for Vec<SidecarLifecycle> {
-    fn lifecycles(&self) -> Vec<Arc<SidecarLifecycle>> {
-        self.iter().cloned().map(Arc::new).collect()
-    }
-}
-
-impl LifecycleSource for kube::runtime::reflector::Store<SidecarLifecycle> {
-    fn lifecycles(&self) -> Vec<Arc<SidecarLifecycle>> {
-        self.state()
     }
 }
 

@@ -8,5 +8,6 @@ pub mod config;
 pub mod mutate;
 pub mod offline;
 pub mod server;
+pub mod status;
 pub mod tls;
 pub mod webhook;

@@ -120,6 +120,9 @@ struct ServeArgs {
         default_value = "/var/run/remora-injector/tls"
     )]
     self_signed_dir: PathBuf,
+    /// How often SidecarLifecycle statuses are recomputed; 0 turns the status controller off.
+    #[arg(long, env = "REMORA_STATUS_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "15s")]
+    status_interval: Duration,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]
     log_level: String,
@@ -258,7 +261,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cert = ReloadingCert::load(cert_path, key_path)?;
     let _reloader = cert.spawn_reloader(args.cert_reload_interval);
     let tls = Arc::new(cert.server_config()?);
-    let view = remora_injector::cluster::start(client, args.sync_timeout).await?;
+    let status_period = (!args.status_interval.is_zero()).then_some(args.status_interval);
+    let view = remora_injector::cluster::start(
+        client,
+        &args.operator_namespace,
+        args.sync_timeout,
+        status_period,
+    )
+    .await?;
     let state = Arc::new(AppState {
         injector: Injector {
             chart: args.proxy.chart(args.default_mode),
