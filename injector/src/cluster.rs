@@ -15,7 +15,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use remora_crds::SidecarLifecycle;
 
-use crate::config::LifecycleEntry;
+use crate::config::{ChartDefaults, LifecycleEntry};
 use crate::webhook::ClusterView;
 
 /// Native sidecars (restartable init containers) are on by default from here.
@@ -103,6 +103,7 @@ where
 /// SidecarLifecycle's status current.
 pub async fn start(
     client: Client,
+    chart: ChartDefaults,
     operator_namespace: &str,
     sync_timeout: Duration,
     status_period: Option<Duration>,
@@ -151,6 +152,7 @@ pub async fn start(
             client.clone(),
             lifecycles.clone(),
             pods,
+            chart,
             operator_namespace.to_string(),
             period,
         ));

@@ -264,6 +264,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let status_period = (!args.status_interval.is_zero()).then_some(args.status_interval);
     let view = remora_injector::cluster::start(
         client,
+        args.proxy.chart(args.default_mode),
         &args.operator_namespace,
         args.sync_timeout,
         status_period,

@@ -15,8 +15,10 @@ use kube::runtime::reflector::Store;
 use kube::{Api, Client};
 use remora_crds::{SidecarLifecycle, SidecarLifecycleStatus, condition};
 
-use crate::config::LifecycleEntry;
-use crate::mutate::STATUS_ANNOTATION;
+use remora_agent::lifecycle::{LIFECYCLE_ANNOTATION, LifecycleAnnotation};
+
+use crate::config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
+use crate::mutate::{STATUS_ANNOTATION, lifecycle_annotation};
 
 /// What the status needs to know about a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -263,11 +265,32 @@ pub fn compute(
     }
 }
 
-/// Recompute every status every `period` and patch the ones that changed.
+/// The `remora.dev/lifecycle` a running pod should now carry: its startup
+/// and shutdown settings from `cfg`, its mode and drain deadline unchanged
+/// (both are fixed for the pod's life). `None` when nothing changes or the
+/// current value is unreadable (that pod is left alone).
+pub fn refreshed_lifecycle(current: &str, cfg: &EffectiveConfig) -> Option<String> {
+    let old: LifecycleAnnotation = serde_json::from_str(current).ok()?;
+    let fresh = lifecycle_annotation(cfg, cfg.mode, Duration::ZERO);
+    let new = LifecycleAnnotation {
+        startup: fresh.startup,
+        shutdown: fresh.shutdown,
+        ..old.clone()
+    };
+    if new == old {
+        return None;
+    }
+    serde_json::to_string(&new).ok()
+}
+
+/// Every `period`: recompute every status and patch the ones that changed,
+/// and bring the lifecycle annotation of running injected pods up to date
+/// (the agent reads it at drain time, so a change reaches them live).
 pub async fn run(
     client: Client,
     lifecycles: Store<SidecarLifecycle>,
     pods: Store<PartialObjectMeta<Pod>>,
+    chart: ChartDefaults,
     operator_ns: String,
     period: Duration,
 ) {
@@ -302,6 +325,36 @@ pub async fn run(
                 .await
             {
                 tracing::warn!(resource = %format!("{}/{}", e.namespace, e.name), error = %err, "cannot update status");
+            }
+        }
+        for p in pods.state() {
+            let ann = p.metadata.annotations.clone().unwrap_or_default();
+            let Some(current) = ann.get(LIFECYCLE_ANNOTATION) else {
+                continue;
+            };
+            if !ann.contains_key(STATUS_ANNOTATION) {
+                continue;
+            }
+            let ns = p.metadata.namespace.clone().unwrap_or_default();
+            let labels = p.metadata.labels.clone().unwrap_or_default();
+            let cfg = resolve(&chart, &entries, &operator_ns, &ns, &labels, &ann);
+            let Some(fresh) = refreshed_lifecycle(current, &cfg) else {
+                continue;
+            };
+            let name = p.metadata.name.clone().unwrap_or_default();
+            let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+            let patch = Patch::Merge(
+                serde_json::json!({"metadata": {"annotations": {LIFECYCLE_ANNOTATION: fresh}}}),
+            );
+            match api
+                .patch_metadata(&name, &PatchParams::default(), &patch)
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(pod = %format!("{ns}/{name}"), "lifecycle annotation updated")
+                }
+                Err(err) => tracing::warn!(pod = %format!("{ns}/{name}"), error = %err,
+                    "cannot update the lifecycle annotation"),
             }
         }
     }
@@ -370,6 +423,24 @@ mod tests {
         assert_eq!(get(&s, "Conflicted").status, "True");
         assert!(get(&s, "Conflicted").message.contains("old"));
         assert_eq!(get(&s, "Accepted").status, "True");
+    }
+
+    #[test]
+    fn running_pods_get_new_drain_settings_but_keep_mode_and_deadline() {
+        let mut cfg = EffectiveConfig::from_defaults(&ChartDefaults::default());
+        let current = r#"{"mode":"Legacy","startup":{"holdApplicationUntilProxyStarts":true,"timeout":"1m"},"shutdown":{"drainDuration":"45s","terminationDrainDuration":"5s","exitOnZeroActiveConnections":false,"minimumDrainDuration":"5s"},"drainDeadline":"55s"}"#;
+        assert_eq!(refreshed_lifecycle(current, &cfg), None, "unchanged");
+        cfg.exit_on_zero_active_connections = true;
+        cfg.mode = remora_crds::SidecarMode::Native;
+        let fresh = refreshed_lifecycle(current, &cfg).expect("changed");
+        let l: LifecycleAnnotation = serde_json::from_str(&fresh).expect("json");
+        assert_eq!(l.mode.as_deref(), Some("Legacy"));
+        assert_eq!(l.drain_deadline.as_deref(), Some("55s"));
+        assert_eq!(
+            l.shutdown.and_then(|s| s.exit_on_zero_active_connections),
+            Some(true)
+        );
+        assert_eq!(refreshed_lifecycle("{broken", &cfg), None);
     }
 
     #[test]
