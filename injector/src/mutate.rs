@@ -282,6 +282,13 @@ pub fn mutate(
         m => m,
     };
 
+    let restart = spec["restartPolicy"].as_str().unwrap_or("Always");
+    if mode == SidecarMode::Legacy && restart != "Always" {
+        warnings.push(format!(
+            "remora: Legacy mode with restartPolicy {restart}: the sidecar keeps running after the \
+             application exits, so the pod does not complete; Native mode does not have this problem"
+        ));
+    }
     let grace = spec["terminationGracePeriodSeconds"]
         .as_i64()
         .unwrap_or(DEFAULT_GRACE_SECONDS);

@@ -366,3 +366,20 @@ fn strange_but_valid_pods() {
         );
     }
 }
+
+#[test]
+fn legacy_job_pods_get_a_completion_warning() {
+    let ns = enabled();
+    let mut p = pod();
+    p["spec"]["restartPolicy"] = json!("Never");
+    let (_, _, warnings) = apply(&p, &target("shop", &ns, false), &cfg(SidecarMode::Auto));
+    assert!(
+        warnings.iter().any(|w| w.contains("restartPolicy Never")),
+        "{warnings:?}"
+    );
+    let (_, _, warnings) = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Auto));
+    assert!(
+        !warnings.iter().any(|w| w.contains("restartPolicy")),
+        "Native is fine: {warnings:?}"
+    );
+}
