@@ -15,6 +15,10 @@ use remora_injector::server::{AppState, Metrics, router, serve_tls};
 use remora_injector::tls::ReloadingCert;
 use remora_injector::webhook::Injector;
 
+// The webhook allocates and frees many small JSON values per request.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "remora-injector",

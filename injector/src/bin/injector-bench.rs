@@ -29,6 +29,10 @@ use remora_injector::tls::{ReloadingCert, self_signed};
 use remora_injector::webhook::{Injector, StaticView, encode_review};
 use serde_json::{Value, json};
 
+// The webhook allocates and frees many small JSON values per request.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(name = "injector-bench")]
 struct Args {
