@@ -308,3 +308,116 @@ async fn status_controller_writes_status_and_refreshes_pods() -> anyhow::Result<
     );
     Ok(())
 }
+
+/// A read-only fake for the reflectors: lists answer with fixed objects,
+/// watches stay open and silent.
+async fn start_lister(nodes: &[&str], apiserver_minor: &str) -> anyhow::Result<kube::Client> {
+    use axum::extract::{Query, Request};
+    use std::collections::HashMap;
+
+    fn list_or_watch(q: &HashMap<String, String>, list: Value) -> Response {
+        if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
+            let never = futures::stream::pending::<Result<Bytes, std::io::Error>>();
+            return Response::new(axum::body::Body::from_stream(never));
+        }
+        axum::Json(list).into_response()
+    }
+    let node_items: Vec<Value> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, v)| json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": format!("n{i}"), "resourceVersion": "1"},
+            "status": {"nodeInfo": {"kubeletVersion": v, "architecture": "amd64", "bootID": "", "containerRuntimeVersion": "",
+                "kernelVersion": "", "kubeProxyVersion": "", "machineID": "", "operatingSystem": "linux", "osImage": "", "systemUUID": ""}}}))
+        .collect();
+    let nodes_list = json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {"resourceVersion": "1"}, "items": node_items});
+    let ns_list = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList", "metadata": {"resourceVersion": "1"},
+        "items": [{"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": {"name": "shop", "resourceVersion": "1", "labels": {"remora.dev/inject": "enabled"}}}]});
+    let slc_list = json!({"apiVersion": "remora.dev/v1alpha1", "kind": "SidecarLifecycleList", "metadata": {"resourceVersion": "1"},
+        "items": [{"apiVersion": "remora.dev/v1alpha1", "kind": "SidecarLifecycle",
+            "metadata": {"name": "default", "namespace": "remora-system", "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"shutdown": {"terminationDrainDuration": "2s"}}}]});
+    let version = json!({"major": "1", "minor": apiserver_minor, "gitVersion": format!("v1.{apiserver_minor}.0"),
+        "gitCommit": "", "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.24",
+        "compiler": "gc", "platform": "linux/amd64"});
+    let app = Router::new()
+        .route("/version", get(move || async move { axum::Json(version) }))
+        .route(
+            "/api/v1/nodes",
+            get(move |Query(q): Query<HashMap<String, String>>| async move {
+                list_or_watch(&q, nodes_list)
+            }),
+        )
+        .route(
+            "/api/v1/namespaces",
+            get(move |Query(q): Query<HashMap<String, String>>| async move {
+                list_or_watch(&q, ns_list)
+            }),
+        )
+        .route(
+            "/apis/remora.dev/v1alpha1/sidecarlifecycles",
+            get(move |Query(q): Query<HashMap<String, String>>| async move {
+                list_or_watch(&q, slc_list)
+            }),
+        )
+        .fallback(|r: Request| async move { status(404, &format!("NotFound {}", r.uri())) });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok(kube::Client::try_from(kube::Config::new(
+        format!("http://{addr}").parse()?,
+    ))?)
+}
+
+async fn wait_native(view: &remora_injector::cluster::KubeView, want: bool) {
+    use remora_injector::webhook::ClusterView;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while view.native_sidecars() != want {
+        assert!(
+            Instant::now() < deadline,
+            "native_sidecars never became {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> {
+    use remora_injector::webhook::ClusterView;
+    // New API server, but one old kubelet: Auto must mean Legacy.
+    let client = start_lister(&["v1.31.2", "v1.28.9"], "31").await?;
+    let view = remora_injector::cluster::start(
+        client,
+        remora_injector::config::ChartDefaults::default(),
+        "remora-system",
+        Duration::from_secs(10),
+        None,
+    )
+    .await?;
+    let entries = view.lifecycles();
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].namespace, "remora-system");
+    assert_eq!(
+        view.namespace_labels("shop")
+            .and_then(|l| l.get("remora.dev/inject").cloned())
+            .as_deref(),
+        Some("enabled")
+    );
+    assert_eq!(view.namespace_labels("absent"), None);
+    wait_native(&view, false).await;
+
+    // Old API server, every kubelet new: the nodes win, Auto means Native.
+    let client = start_lister(&["v1.30.0", "v1.29.1-eks-1"], "28").await?;
+    let view = remora_injector::cluster::start(
+        client,
+        remora_injector::config::ChartDefaults::default(),
+        "remora-system",
+        Duration::from_secs(10),
+        None,
+    )
+    .await?;
+    wait_native(&view, true).await;
+    Ok(())
+}
