@@ -1,1 +1,481 @@
-//! Remora CRD types. Filled in by the injector issue.
+//! Remora's CRD types and the generator of their YAML.
+//!
+//! `SidecarLifecycle` (`remora.dev/v1alpha1`, namespaced, short name `slc`)
+//! tunes how injected sidecars start and stop. Every lifecycle field is
+//! optional on purpose: an unset field inherits from the weaker layer
+//! (chart defaults < cluster default < namespace-wide < workload < pod
+//! annotations), so the schema carries no `default` for them — an API-server
+//! default would silently override the weaker layers. The built-in defaults
+//! are named in each field's description and live in [`defaults`].
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Serialize};
+
+/// API group of Remora's CRDs.
+pub const GROUP: &str = "remora.dev";
+/// Served and stored version.
+pub const VERSION: &str = "v1alpha1";
+
+/// The built-in defaults (the weakest layer, "chart defaults").
+pub mod defaults {
+    pub const HOLD_APPLICATION_UNTIL_PROXY_STARTS: bool = true;
+    pub const STARTUP_TIMEOUT: &str = "60s";
+    pub const DRAIN_DURATION: &str = "45s";
+    pub const TERMINATION_DRAIN_DURATION: &str = "5s";
+    pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: bool = false;
+    pub const MINIMUM_DRAIN_DURATION: &str = "5s";
+    pub const CONCURRENCY: i32 = 2;
+    pub const LOG_LEVEL: &str = "warning";
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CrdError {
+    #[error("cannot render the CRD as YAML: {0}")]
+    Yaml(String),
+}
+
+/// Spec of a `SidecarLifecycle`: how the Remora sidecar of the selected pods
+/// starts and stops.
+// Several `printcolumn(type_ = ...)` entries look like duplicates to clippy.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "remora.dev",
+    version = "v1alpha1",
+    kind = "SidecarLifecycle",
+    plural = "sidecarlifecycles",
+    singular = "sidecarlifecycle",
+    shortname = "slc",
+    category = "remora",
+    namespaced,
+    status = "SidecarLifecycleStatus",
+    derive = "PartialEq",
+    derive = "Default",
+    doc = "SidecarLifecycle tunes how Remora's Envoy sidecar starts and stops in the selected pods: the startup hold, the drain on termination, and the proxy's resources. Without a selector it applies to the whole namespace; in the operator's namespace without a selector it is the cluster default.",
+    printcolumn(
+        name = "Mode",
+        type_ = "string",
+        description = "Sidecar mode (Auto, Legacy or Native)",
+        json_path = ".spec.mode"
+    ),
+    printcolumn(
+        name = "Drain",
+        type_ = "string",
+        description = "Envoy listener drain duration",
+        json_path = ".spec.shutdown.drainDuration"
+    ),
+    printcolumn(
+        name = "ExitOnZero",
+        type_ = "boolean",
+        description = "Stop as soon as no connection is left",
+        json_path = ".spec.shutdown.exitOnZeroActiveConnections"
+    ),
+    printcolumn(
+        name = "Matched",
+        type_ = "integer",
+        description = "Pods this resource currently applies to",
+        json_path = ".status.matchedPods"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SidecarLifecycleSpec {
+    /// Pods this resource applies to, by label. Absent: every pod of the
+    /// namespace (in the operator's namespace: every pod of the cluster, as the
+    /// cluster default). When two selectors of a namespace match one pod, the
+    /// older resource wins and the other reports the condition Conflicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<WorkloadSelector>,
+    /// How the sidecar is injected. Legacy: first regular container, with a
+    /// postStart hold and a preStop drain. Native: a restartable init
+    /// container (Kubernetes >= 1.29). Auto: Native where every node supports
+    /// it, else Legacy. Default when no layer sets it: Auto.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<SidecarMode>,
+    /// How the application waits for the proxy at startup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub startup: Option<StartupSpec>,
+    /// How the proxy drains and stops when the pod terminates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shutdown: Option<ShutdownSpec>,
+    /// Envoy's own settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<ProxySpec>,
+    /// What happens to running pods when this resource changes. Manual: only
+    /// new pods get the new settings (drain settings still reach running pods
+    /// through the lifecycle annotation). Automatic: the controller restarts
+    /// the matched workloads. Default: Manual.
+    #[serde(default = "default_rollout_policy")]
+    pub rollout_policy: RolloutPolicy,
+}
+
+fn default_rollout_policy() -> RolloutPolicy {
+    RolloutPolicy::Manual
+}
+
+/// Label selector of the pods a `SidecarLifecycle` applies to.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadSelector {
+    /// The pod must carry every one of these labels with the same value. An
+    /// empty map selects every pod of the namespace.
+    #[serde(default)]
+    #[schemars(extend("maxProperties" = 64))]
+    pub match_labels: BTreeMap<String, String>,
+}
+
+impl WorkloadSelector {
+    /// Whether a pod with these labels is selected.
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.match_labels
+            .iter()
+            .all(|(k, v)| labels.get(k).is_some_and(|l| l == v))
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+pub enum SidecarMode {
+    /// Native where the cluster supports it, else Legacy.
+    #[default]
+    Auto,
+    /// The sidecar is the first regular container.
+    Legacy,
+    /// The sidecar is an init container with `restartPolicy: Always`.
+    Native,
+}
+
+impl SidecarMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "Auto",
+            Self::Legacy => "Legacy",
+            Self::Native => "Native",
+        }
+    }
+}
+
+impl std::str::FromStr for SidecarMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "legacy" => Ok(Self::Legacy),
+            "native" => Ok(Self::Native),
+            _ => Err(format!("{s:?} is not a mode (Auto, Legacy, Native)")),
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum RolloutPolicy {
+    /// New settings apply to new pods only.
+    #[default]
+    Manual,
+    /// The controller restarts matched workloads to apply new settings.
+    Automatic,
+}
+
+/// Startup ordering of the application and its proxy.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StartupSpec {
+    /// Hold the application's containers until the proxy is ready. Default: true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_application_until_proxy_starts: Option<bool>,
+    /// How long the proxy may take to become ready (the postStart wait in
+    /// Legacy mode, the startup probe's budget in Native mode). Default: 60s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<DurationString>,
+}
+
+/// Graceful shutdown of the proxy when its pod terminates.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new(
+    "!has(self.minimumDrainDuration) || !has(self.drainDuration) || duration(self.minimumDrainDuration) <= duration(self.drainDuration)"
+).message("minimumDrainDuration must not exceed drainDuration: Envoy's listeners close after drainDuration"))]
+#[x_kube(validation = kube::core::Rule::new(
+    "!has(self.terminationDrainDuration) || !has(self.drainDuration) || duration(self.terminationDrainDuration) <= duration(self.drainDuration)"
+).message("terminationDrainDuration must not exceed drainDuration: Envoy's listeners close after drainDuration"))]
+pub struct ShutdownSpec {
+    /// How long Envoy's inbound listeners drain (Envoy `--drain-time-s`):
+    /// they keep accepting and answer with `connection: close`. Default: 45s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_duration: Option<DurationString>,
+    /// Without exitOnZeroActiveConnections: how long the proxy keeps running
+    /// after draining starts. Default: 5s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub termination_drain_duration: Option<DurationString>,
+    /// Stop the proxy as soon as no downstream connection is left, after
+    /// minimumDrainDuration. Default: false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_on_zero_active_connections: Option<bool>,
+    /// With exitOnZeroActiveConnections: always drain at least this long.
+    /// It must fit in the pod's terminationGracePeriodSeconds (the injector
+    /// warns otherwise). Default: 5s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minimum_drain_duration: Option<DurationString>,
+}
+
+/// Envoy process settings.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxySpec {
+    /// Envoy worker threads; 0 means one per CPU. Default: 2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 256))]
+    pub concurrency: Option<i32>,
+    /// Envoy's log level. Default: warning.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_level: Option<LogLevel>,
+    /// Compute resources of the sidecar container. Default: requests
+    /// cpu 100m, memory 128Mi; limits memory 1Gi.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+}
+
+// Each variant is documented: the schema then lists the values in a way
+// kube's rewriter turns into a plain enum without a `null` entry.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    /// Everything.
+    Trace,
+    /// Debugging detail.
+    Debug,
+    /// Informational messages.
+    Info,
+    /// Warnings and worse (the default).
+    Warning,
+    /// Errors and worse.
+    Error,
+    /// Critical errors only.
+    Critical,
+    /// Nothing.
+    Off,
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Trace => "trace",
+            Self::Debug => "debug",
+            Self::Info => "info",
+            Self::Warning => "warning",
+            Self::Error => "error",
+            Self::Critical => "critical",
+            Self::Off => "off",
+        }
+    }
+}
+
+impl std::str::FromStr for LogLevel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|_| {
+            format!("{s:?} is not a log level (trace, debug, info, warning, error, critical, off)")
+        })
+    }
+}
+
+/// A duration such as `45s`, `1m30s` or `250ms`: whole numbers with the units
+/// h, m, s, ms — the format both CEL's `duration()` and the agent accept.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[serde(transparent)]
+pub struct DurationString(pub String);
+
+/// The format of a [`DurationString`]; kept in the schema and checked here.
+pub const DURATION_PATTERN: &str = "^([0-9]+(h|m|s|ms))+$";
+
+impl DurationString {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Parse to a std duration, accepting exactly what the schema accepts.
+    pub fn parse(&self) -> Result<std::time::Duration, String> {
+        parse_duration(&self.0)
+    }
+}
+
+impl std::fmt::Display for DurationString {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Parse `45s`, `1m30s`, `250ms` (the schema's [`DURATION_PATTERN`]).
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let bad = || format!("{s:?} is not a duration like 45s, 1m30s or 250ms");
+    if s.is_empty() || s.len() > 32 {
+        return Err(bad());
+    }
+    let mut total: u128 = 0;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        if digits == 0 {
+            return Err(bad());
+        }
+        let n: u128 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let (unit_ms, len) = if rest.starts_with("ms") {
+            (1, 2)
+        } else if rest.starts_with('h') {
+            (3_600_000, 1)
+        } else if rest.starts_with('m') {
+            (60_000, 1)
+        } else if rest.starts_with('s') {
+            (1_000, 1)
+        } else {
+            return Err(bad());
+        };
+        rest = &rest[len..];
+        total = n
+            .checked_mul(unit_ms)
+            .and_then(|v| total.checked_add(v))
+            .ok_or_else(bad)?;
+    }
+    let ms = u64::try_from(total).map_err(|_| bad())?;
+    Ok(std::time::Duration::from_millis(ms))
+}
+
+/// Render a duration in the schema's format (`1m30s`, `250ms`, `0s`).
+pub fn format_duration(d: std::time::Duration) -> String {
+    let ms = d.as_millis();
+    if ms == 0 {
+        return "0s".into();
+    }
+    let (h, rem) = (ms / 3_600_000, ms % 3_600_000);
+    let (m, rem) = (rem / 60_000, rem % 60_000);
+    let (s, ms) = (rem / 1000, rem % 1000);
+    let mut out = String::new();
+    for (n, unit) in [(h, "h"), (m, "m"), (s, "s"), (ms, "ms")] {
+        if n > 0 {
+            out.push_str(&format!("{n}{unit}"));
+        }
+    }
+    out
+}
+
+impl JsonSchema for DurationString {
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn schema_name() -> Cow<'static, str> {
+        "DurationString".into()
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "type": "string",
+            "pattern": DURATION_PATTERN,
+            "maxLength": 32,
+            "x-kubernetes-validations": [{
+                "rule": "duration(self) >= duration('0s') && duration(self) <= duration('24h')",
+                "message": "must be a duration between 0s and 24h, e.g. 45s, 1m30s or 250ms"
+            }]
+        })
+    }
+}
+
+/// Observed state of a `SidecarLifecycle`, written by the controller.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SidecarLifecycleStatus {
+    /// The metadata.generation the controller last acted on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// How many pods this resource currently applies to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matched_pods: Option<i32>,
+    /// Accepted (the spec is valid), Conflicted (an older resource selects the
+    /// same pods and wins), Applied (matched pods run with these settings).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// Condition types reported in `status.conditions`.
+pub mod condition {
+    pub const ACCEPTED: &str = "Accepted";
+    pub const CONFLICTED: &str = "Conflicted";
+    pub const APPLIED: &str = "Applied";
+}
+
+/// Every CRD this crate defines.
+pub fn crds()
+-> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
+    vec![SidecarLifecycle::crd()]
+}
+
+/// The CRDs as multi-document YAML, as committed under `charts/remora/crds/`.
+pub fn crd_yaml() -> Result<String, CrdError> {
+    let mut out = String::new();
+    for crd in crds() {
+        out.push_str("---\n");
+        out.push_str(&serde_saphyr::to_string(&crd).map_err(|e| CrdError::Yaml(e.to_string()))?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_round_trip() {
+        for (s, d) in [
+            ("45s", Duration::from_secs(45)),
+            ("1m30s", Duration::from_secs(90)),
+            ("250ms", Duration::from_millis(250)),
+            ("1h", Duration::from_secs(3600)),
+            ("0s", Duration::ZERO),
+        ] {
+            assert_eq!(parse_duration(s), Ok(d), "{s}");
+            assert_eq!(parse_duration(&format_duration(d)), Ok(d));
+        }
+        for bad in [
+            "",
+            "45",
+            "-1s",
+            "1.5s",
+            "s",
+            "1d",
+            "1 s",
+            "99999999999999999999999h",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn selector_matches_all_labels() {
+        let sel = WorkloadSelector {
+            match_labels: [("app".to_string(), "web".to_string())].into(),
+        };
+        let mut labels = BTreeMap::new();
+        assert!(!sel.matches(&labels));
+        labels.insert("app".into(), "web".into());
+        labels.insert("tier".into(), "x".into());
+        assert!(sel.matches(&labels));
+        assert!(WorkloadSelector::default().matches(&BTreeMap::new()));
+    }
+}

@@ -1,0 +1,227 @@
+//! The operator's in-memory view of the cluster: reflectors over
+//! SidecarLifecycles, Namespaces (labels only) and Nodes (kubelet versions,
+//! which decide `Auto` mode). Admissions read these stores, never the API.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::core::PartialObjectMeta;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use remora_crds::SidecarLifecycle;
+
+use crate::config::{ChartDefaults, LifecycleEntry};
+use crate::webhook::ClusterView;
+
+/// Native sidecars (restartable init containers) are on by default from here.
+pub const NATIVE_SIDECAR_MINOR: u32 = 29;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cannot read the API server's version: {0}")]
+    Version(#[source] kube::Error),
+}
+
+/// `v1.29.3`, `v1.30.0-eks-1234` → (1, 29); `None` when unreadable.
+pub fn parse_kube_version(v: &str) -> Option<(u32, u32)> {
+    let v = v.trim().trim_start_matches('v');
+    let mut parts = v.split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor: String = parts
+        .next()?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    Some((major, minor.parse().ok()?))
+}
+
+fn supports_native(v: (u32, u32)) -> bool {
+    v.0 > 1 || (v.0 == 1 && v.1 >= NATIVE_SIDECAR_MINOR)
+}
+
+/// Whether these kubelets all run native sidecars; with no node in sight,
+/// the API server's version decides.
+pub fn native_supported(kubelet_versions: &[String], apiserver: Option<(u32, u32)>) -> bool {
+    if kubelet_versions.is_empty() {
+        return apiserver.is_some_and(supports_native);
+    }
+    kubelet_versions
+        .iter()
+        .all(|v| parse_kube_version(v).is_some_and(supports_native))
+}
+
+pub struct KubeView {
+    lifecycles: Store<SidecarLifecycle>,
+    namespaces: Store<PartialObjectMeta<Namespace>>,
+    native: Arc<AtomicBool>,
+}
+
+impl ClusterView for KubeView {
+    fn lifecycles(&self) -> Vec<LifecycleEntry> {
+        self.lifecycles
+            .state()
+            .iter()
+            .map(|r| LifecycleEntry::from_resource(r))
+            .collect()
+    }
+
+    fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
+        let key = reflector::ObjectRef::<PartialObjectMeta<Namespace>>::new(namespace);
+        self.namespaces
+            .get(&key)
+            .map(|n| n.metadata.labels.clone().unwrap_or_default())
+    }
+
+    fn native_sidecars(&self) -> bool {
+        self.native.load(Ordering::Relaxed)
+    }
+}
+
+fn drive<S, T>(what: &'static str, stream: S)
+where
+    S: Stream<Item = Result<T, watcher::Error>> + Send + 'static,
+    T: Send,
+{
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(ev) = stream.next().await {
+            if let Err(e) = ev {
+                tracing::warn!(watch = what, error = %e, "watch error; retrying");
+            }
+        }
+    });
+}
+
+/// Start the reflectors; waits (up to `sync_timeout`) for the first listing
+/// so that the first admissions already see the SidecarLifecycles.
+/// With `status_period`, also watch pods (metadata only) and keep every
+/// SidecarLifecycle's status current.
+pub async fn start(
+    client: Client,
+    chart: ChartDefaults,
+    operator_namespace: &str,
+    sync_timeout: Duration,
+    status_period: Option<Duration>,
+) -> Result<KubeView, ClusterError> {
+    let apiserver = client
+        .apiserver_version()
+        .await
+        .map_err(ClusterError::Version)?;
+    let apiserver = parse_kube_version(&format!("v{}.{}", apiserver.major, apiserver.minor));
+
+    let (lifecycles, w) = reflector::store();
+    drive(
+        "sidecarlifecycles",
+        watcher(
+            Api::<SidecarLifecycle>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(w)
+        .touched_objects(),
+    );
+    let (namespaces, w) = reflector::store();
+    drive(
+        "namespaces",
+        watcher(
+            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(w)
+        .touched_objects(),
+    );
+    if let Some(period) = status_period {
+        let (pods, w) = reflector::store::<PartialObjectMeta<Pod>>();
+        drive(
+            "pods",
+            watcher(
+                Api::<PartialObjectMeta<Pod>>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .reflect(w)
+            .touched_objects(),
+        );
+        tokio::spawn(crate::status::run(
+            client.clone(),
+            lifecycles.clone(),
+            pods,
+            chart,
+            operator_namespace.to_string(),
+            period,
+        ));
+    }
+    let (nodes, w) = reflector::store::<Node>();
+    let native = Arc::new(AtomicBool::new(apiserver.is_some_and(supports_native)));
+    {
+        let native = Arc::clone(&native);
+        let nodes = nodes.clone();
+        // Re-evaluated on every node event: a new old node turns Auto to Legacy.
+        let stream = watcher(Api::<Node>::all(client), watcher::Config::default())
+            .default_backoff()
+            .reflect(w)
+            .map(move |ev| {
+                let versions: Vec<String> = nodes
+                    .state()
+                    .iter()
+                    .filter_map(|n| {
+                        n.status
+                            .as_ref()
+                            .and_then(|s| s.node_info.as_ref())
+                            .map(|i| i.kubelet_version.clone())
+                    })
+                    .collect();
+                let now = native_supported(&versions, apiserver);
+                if native.swap(now, Ordering::Relaxed) != now {
+                    tracing::info!(
+                        native_sidecars = now,
+                        nodes = versions.len(),
+                        "Auto mode changed"
+                    );
+                }
+                ev
+            });
+        drive("nodes", stream);
+    }
+    let ready = async {
+        let _ = lifecycles.wait_until_ready().await;
+        let _ = namespaces.wait_until_ready().await;
+    };
+    if tokio::time::timeout(sync_timeout, ready).await.is_err() {
+        tracing::warn!("stores not synced in time; serving with what is known");
+    }
+    Ok(KubeView {
+        lifecycles,
+        namespaces,
+        native,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions() {
+        assert_eq!(parse_kube_version("v1.29.3"), Some((1, 29)));
+        assert_eq!(parse_kube_version("v1.30.0-eks-1234"), Some((1, 30)));
+        assert_eq!(parse_kube_version("1.28+"), Some((1, 28)));
+        assert_eq!(parse_kube_version("garbage"), None);
+        let v = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(native_supported(&v(&["v1.29.0", "v1.31.2"]), None));
+        assert!(!native_supported(
+            &v(&["v1.29.0", "v1.28.9"]),
+            Some((1, 31))
+        ));
+        assert!(!native_supported(&v(&["weird"]), Some((1, 31))));
+        assert!(native_supported(&[], Some((1, 30))));
+        assert!(!native_supported(&[], Some((1, 28))));
+        assert!(!native_supported(&[], None));
+    }
+}

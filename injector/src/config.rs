@@ -1,0 +1,565 @@
+//! The effective sidecar configuration of one pod, resolved from its layers,
+//! weakest first: chart defaults < cluster default < namespace-wide <
+//! workload (selector; the oldest matching resource wins) < pod annotations.
+//! Everything here is pure: the layers come from an in-memory store.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use remora_agent::lifecycle::{
+    DRAIN_DURATION_ANNOTATION, EXIT_ON_ZERO_ANNOTATION, MINIMUM_DRAIN_DURATION_ANNOTATION,
+    TERMINATION_DRAIN_DURATION_ANNOTATION,
+};
+use remora_crds::{
+    LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode, defaults, parse_duration,
+};
+use serde::Serialize;
+
+/// Pod annotation choosing the sidecar mode (DESIGN.md).
+pub const MODE_ANNOTATION: &str = "remora.dev/sidecar-mode";
+pub const HOLD_ANNOTATION: &str = "remora.dev/hold-application-until-proxy-starts";
+pub const STARTUP_TIMEOUT_ANNOTATION: &str = "remora.dev/startup-timeout";
+pub const CONCURRENCY_ANNOTATION: &str = "remora.dev/concurrency";
+pub const LOG_LEVEL_ANNOTATION: &str = "remora.dev/log-level";
+
+/// The defaults the chart (or the command line) gives; the weakest layer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChartDefaults {
+    pub image: String,
+    pub image_pull_policy: String,
+    pub mode: SidecarMode,
+    pub resources: ResourceRequirements,
+}
+
+impl Default for ChartDefaults {
+    fn default() -> Self {
+        Self {
+            image: "ghcr.io/remora/remora-agent:latest".into(),
+            image_pull_policy: "IfNotPresent".into(),
+            mode: SidecarMode::Auto,
+            resources: default_resources(),
+        }
+    }
+}
+
+/// requests cpu 100m / memory 128Mi, limit memory 1Gi: Envoy with a small
+/// config fits, and no CPU limit avoids throttling the data path.
+pub fn default_resources() -> ResourceRequirements {
+    let q = |s: &str| Quantity(s.to_string());
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_string(), q("100m")),
+            ("memory".to_string(), q("128Mi")),
+        ])),
+        limits: Some(BTreeMap::from([("memory".to_string(), q("1Gi"))])),
+        ..Default::default()
+    }
+}
+
+/// Every setting of the sidecar, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EffectiveConfig {
+    pub image: String,
+    pub image_pull_policy: String,
+    pub mode: SidecarMode,
+    pub hold_application_until_proxy_starts: bool,
+    pub startup_timeout: Duration,
+    pub drain_duration: Duration,
+    pub termination_drain_duration: Duration,
+    pub exit_on_zero_active_connections: bool,
+    pub minimum_drain_duration: Duration,
+    pub concurrency: i32,
+    pub log_level: LogLevel,
+    pub resources: ResourceRequirements,
+    /// Which layers contributed, weakest first (for the status annotation).
+    pub sources: Vec<String>,
+    /// Problems met while resolving (bad annotation values); they become warnings.
+    #[serde(skip)]
+    pub problems: Vec<String>,
+}
+
+impl EffectiveConfig {
+    pub fn from_defaults(d: &ChartDefaults) -> Self {
+        let dur = |s: &str| parse_duration(s).unwrap_or_default();
+        Self {
+            image: d.image.clone(),
+            image_pull_policy: d.image_pull_policy.clone(),
+            mode: d.mode,
+            hold_application_until_proxy_starts: defaults::HOLD_APPLICATION_UNTIL_PROXY_STARTS,
+            startup_timeout: dur(defaults::STARTUP_TIMEOUT),
+            drain_duration: dur(defaults::DRAIN_DURATION),
+            termination_drain_duration: dur(defaults::TERMINATION_DRAIN_DURATION),
+            exit_on_zero_active_connections: defaults::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
+            minimum_drain_duration: dur(defaults::MINIMUM_DRAIN_DURATION),
+            concurrency: defaults::CONCURRENCY,
+            log_level: LogLevel::Warning,
+            resources: d.resources.clone(),
+            sources: vec!["defaults".into()],
+            problems: Vec::new(),
+        }
+    }
+
+    /// Overlay the fields a `SidecarLifecycle` sets. A duration the schema
+    /// should have refused is reported and skipped.
+    pub fn apply_spec(&mut self, spec: &SidecarLifecycleSpec, source: &str) {
+        let mut problems = Vec::new();
+        let mut set = |name: &str, v: &Option<remora_crds::DurationString>, slot: &mut Duration| {
+            if let Some(v) = v {
+                match v.parse() {
+                    Ok(d) => *slot = d,
+                    Err(e) => problems.push(format!("{source}: {name}: {e}")),
+                }
+            }
+        };
+        if let Some(m) = spec.mode {
+            self.mode = m;
+        }
+        if let Some(s) = &spec.startup {
+            if let Some(h) = s.hold_application_until_proxy_starts {
+                self.hold_application_until_proxy_starts = h;
+            }
+            set("startup.timeout", &s.timeout, &mut self.startup_timeout);
+        }
+        if let Some(s) = &spec.shutdown {
+            set(
+                "shutdown.drainDuration",
+                &s.drain_duration,
+                &mut self.drain_duration,
+            );
+            set(
+                "shutdown.terminationDrainDuration",
+                &s.termination_drain_duration,
+                &mut self.termination_drain_duration,
+            );
+            set(
+                "shutdown.minimumDrainDuration",
+                &s.minimum_drain_duration,
+                &mut self.minimum_drain_duration,
+            );
+            if let Some(b) = s.exit_on_zero_active_connections {
+                self.exit_on_zero_active_connections = b;
+            }
+        }
+        if let Some(p) = &spec.proxy {
+            if let Some(c) = p.concurrency {
+                self.concurrency = c.clamp(0, 256);
+            }
+            if let Some(l) = p.log_level {
+                self.log_level = l;
+            }
+            if let Some(r) = &p.resources {
+                self.resources = r.clone();
+            }
+        }
+        self.problems.extend(problems);
+        self.sources.push(source.to_string());
+    }
+
+    /// Overlay the pod's own `remora.dev/<kebab-case-field>` annotations, the
+    /// strongest layer. Bad values are reported and skipped.
+    pub fn apply_annotations(&mut self, ann: &BTreeMap<String, String>) {
+        let before = self.clone();
+        let mut problems = Vec::new();
+        let mut dur = |key: &str, slot: &mut Duration| {
+            if let Some(raw) = ann.get(key) {
+                match parse_duration(raw.trim()) {
+                    Ok(d) => *slot = d,
+                    Err(e) => problems.push(format!("annotation {key}: {e}")),
+                }
+            }
+        };
+        dur(STARTUP_TIMEOUT_ANNOTATION, &mut self.startup_timeout);
+        dur(DRAIN_DURATION_ANNOTATION, &mut self.drain_duration);
+        dur(
+            TERMINATION_DRAIN_DURATION_ANNOTATION,
+            &mut self.termination_drain_duration,
+        );
+        dur(
+            MINIMUM_DRAIN_DURATION_ANNOTATION,
+            &mut self.minimum_drain_duration,
+        );
+        let mut boolean = |key: &str, slot: &mut bool| {
+            if let Some(raw) = ann.get(key) {
+                match remora_agent::config::parse_bool(raw.trim()) {
+                    Ok(b) => *slot = b,
+                    Err(e) => problems.push(format!("annotation {key}: {e}")),
+                }
+            }
+        };
+        boolean(
+            HOLD_ANNOTATION,
+            &mut self.hold_application_until_proxy_starts,
+        );
+        boolean(
+            EXIT_ON_ZERO_ANNOTATION,
+            &mut self.exit_on_zero_active_connections,
+        );
+        if let Some(raw) = ann.get(MODE_ANNOTATION) {
+            match raw.trim().parse::<SidecarMode>() {
+                Ok(m) => self.mode = m,
+                Err(e) => problems.push(format!("annotation {MODE_ANNOTATION}: {e}")),
+            }
+        }
+        if let Some(raw) = ann.get(CONCURRENCY_ANNOTATION) {
+            match raw.trim().parse::<i32>() {
+                Ok(c) if (0..=256).contains(&c) => self.concurrency = c,
+                _ => problems.push(format!(
+                    "annotation {CONCURRENCY_ANNOTATION}: {raw:?} is not a number from 0 to 256"
+                )),
+            }
+        }
+        if let Some(raw) = ann.get(LOG_LEVEL_ANNOTATION) {
+            match raw.trim().parse::<LogLevel>() {
+                Ok(l) => self.log_level = l,
+                Err(e) => problems.push(format!("annotation {LOG_LEVEL_ANNOTATION}: {e}")),
+            }
+        }
+        self.problems.extend(problems);
+        let mut after = self.clone();
+        after.sources = before.sources.clone();
+        after.problems = before.problems.clone();
+        if after != before {
+            self.sources.push("pod-annotations".into());
+        }
+    }
+}
+
+/// A `SidecarLifecycle` as the resolver sees it: where it lives, how old it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LifecycleEntry {
+    pub namespace: String,
+    pub name: String,
+    /// RFC 3339 creation time; `None` counts as newest.
+    pub created: Option<String>,
+    pub spec: SidecarLifecycleSpec,
+}
+
+impl LifecycleEntry {
+    pub fn from_resource(r: &SidecarLifecycle) -> Self {
+        Self {
+            namespace: r.metadata.namespace.clone().unwrap_or_default(),
+            name: r.metadata.name.clone().unwrap_or_default(),
+            created: r
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.to_string()),
+            spec: r.spec.clone(),
+        }
+    }
+
+    fn age_key(&self) -> (bool, Option<String>, &str) {
+        // Sorts oldest first; unknown creation times last; name breaks ties.
+        (self.created.is_none(), self.created.clone(), &self.name)
+    }
+
+    fn label(&self, layer: &str) -> String {
+        format!("{layer}:{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Resolve the effective config of a pod. `operator_namespace` holds the
+/// cluster default (a resource without selector there).
+pub fn resolve(
+    chart: &ChartDefaults,
+    entries: &[LifecycleEntry],
+    operator_namespace: &str,
+    pod_namespace: &str,
+    pod_labels: &BTreeMap<String, String>,
+    pod_annotations: &BTreeMap<String, String>,
+) -> EffectiveConfig {
+    let mut cfg = EffectiveConfig::from_defaults(chart);
+    let oldest = |pred: &dyn Fn(&LifecycleEntry) -> bool| {
+        entries
+            .iter()
+            .filter(|e| pred(e))
+            .min_by(|a, b| a.age_key().cmp(&b.age_key()))
+    };
+    if let Some(e) = oldest(&|e| e.namespace == operator_namespace && e.spec.selector.is_none()) {
+        cfg.apply_spec(&e.spec, &e.label("cluster"));
+    }
+    if pod_namespace != operator_namespace
+        && let Some(e) = oldest(&|e| e.namespace == pod_namespace && e.spec.selector.is_none())
+    {
+        cfg.apply_spec(&e.spec, &e.label("namespace"));
+    }
+    if let Some(e) = oldest(&|e| {
+        e.namespace == pod_namespace
+            && e.spec
+                .selector
+                .as_ref()
+                .is_some_and(|s| s.matches(pod_labels))
+    }) {
+        cfg.apply_spec(&e.spec, &e.label("workload"));
+    }
+    cfg.apply_annotations(pod_annotations);
+    cfg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use remora_crds::{DurationString, ShutdownSpec, WorkloadSelector};
+
+    fn entry(
+        ns: &str,
+        name: &str,
+        created: &str,
+        sel: Option<&[(&str, &str)]>,
+        drain: &str,
+    ) -> LifecycleEntry {
+        LifecycleEntry {
+            namespace: ns.into(),
+            name: name.into(),
+            created: Some(created.into()),
+            spec: SidecarLifecycleSpec {
+                selector: sel.map(|s| WorkloadSelector {
+                    match_labels: s
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                }),
+                shutdown: Some(ShutdownSpec {
+                    termination_drain_duration: Some(DurationString::new(drain)),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        }
+    }
+
+    fn labels(l: &[(&str, &str)]) -> BTreeMap<String, String> {
+        l.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// One row per rule: which layers exist, and which value must win.
+    #[test]
+    fn precedence_table() {
+        let cluster = entry(
+            "remora-system",
+            "default",
+            "2026-01-01T00:00:00Z",
+            None,
+            "1s",
+        );
+        let other_ns_default = entry("other", "default", "2026-01-01T00:00:00Z", None, "9s");
+        let ns = entry("shop", "ns", "2026-01-02T00:00:00Z", None, "2s");
+        let ns_newer = entry("shop", "ns-newer", "2026-01-05T00:00:00Z", None, "8s");
+        let wl_old = entry(
+            "shop",
+            "web-old",
+            "2026-01-03T00:00:00Z",
+            Some(&[("app", "web")]),
+            "3s",
+        );
+        let wl_new = entry(
+            "shop",
+            "web-new",
+            "2026-01-04T00:00:00Z",
+            Some(&[("app", "web")]),
+            "4s",
+        );
+        let wl_other = entry(
+            "shop",
+            "db",
+            "2026-01-01T00:00:00Z",
+            Some(&[("app", "db")]),
+            "7s",
+        );
+        let ann = |v: &str| labels(&[(TERMINATION_DRAIN_DURATION_ANNOTATION, v)]);
+
+        struct Row {
+            what: &'static str,
+            entries: Vec<LifecycleEntry>,
+            ns: &'static str,
+            labels: BTreeMap<String, String>,
+            annotations: BTreeMap<String, String>,
+            want: u64,
+        }
+        let web = labels(&[("app", "web")]);
+        let rows = vec![
+            Row {
+                what: "chart defaults only",
+                entries: vec![],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 5,
+            },
+            Row {
+                what: "other namespace's default is ignored",
+                entries: vec![other_ns_default.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 5,
+            },
+            Row {
+                what: "cluster default beats chart",
+                entries: vec![cluster.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 1,
+            },
+            Row {
+                what: "namespace beats cluster",
+                entries: vec![cluster.clone(), ns.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 2,
+            },
+            Row {
+                what: "older namespace-wide wins",
+                entries: vec![ns_newer.clone(), ns.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 2,
+            },
+            Row {
+                what: "workload beats namespace",
+                entries: vec![cluster.clone(), ns.clone(), wl_old.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 3,
+            },
+            Row {
+                what: "older workload wins on overlap",
+                entries: vec![wl_new.clone(), wl_old.clone(), ns.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 3,
+            },
+            Row {
+                what: "non-matching selector is ignored",
+                entries: vec![ns.clone(), wl_other.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 2,
+            },
+            Row {
+                what: "pod annotation beats everything",
+                entries: vec![cluster.clone(), ns.clone(), wl_old.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: ann("6s"),
+                want: 6,
+            },
+            Row {
+                what: "bad annotation is skipped",
+                entries: vec![cluster.clone(), ns.clone(), wl_old.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: ann("soon"),
+                want: 3,
+            },
+            Row {
+                what: "pod in the operator namespace gets the default once",
+                entries: vec![cluster.clone()],
+                ns: "remora-system",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 1,
+            },
+        ];
+        for row in rows {
+            let cfg = resolve(
+                &ChartDefaults::default(),
+                &row.entries,
+                "remora-system",
+                row.ns,
+                &row.labels,
+                &row.annotations,
+            );
+            assert_eq!(
+                cfg.termination_drain_duration,
+                Duration::from_secs(row.want),
+                "{}: {:?}",
+                row.what,
+                cfg.sources
+            );
+        }
+    }
+
+    #[test]
+    fn layers_merge_field_by_field() {
+        let mut cluster = entry(
+            "remora-system",
+            "default",
+            "2026-01-01T00:00:00Z",
+            None,
+            "1s",
+        );
+        if let Some(s) = cluster.spec.shutdown.as_mut() {
+            s.exit_on_zero_active_connections = Some(true);
+        }
+        let ns = entry("shop", "ns", "2026-01-02T00:00:00Z", None, "2s");
+        let cfg = resolve(
+            &ChartDefaults::default(),
+            &[cluster, ns],
+            "remora-system",
+            "shop",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        assert!(
+            cfg.exit_on_zero_active_connections,
+            "inherited from the cluster default"
+        );
+        assert_eq!(cfg.termination_drain_duration, Duration::from_secs(2));
+        assert_eq!(cfg.drain_duration, Duration::from_secs(45), "chart default");
+        assert_eq!(
+            cfg.sources,
+            [
+                "defaults",
+                "cluster:remora-system/default",
+                "namespace:shop/ns"
+            ]
+        );
+    }
+
+    #[test]
+    fn annotations_cover_every_field() {
+        let ann = labels(&[
+            (MODE_ANNOTATION, "native"),
+            (HOLD_ANNOTATION, "false"),
+            (STARTUP_TIMEOUT_ANNOTATION, "2m"),
+            (DRAIN_DURATION_ANNOTATION, "10s"),
+            (MINIMUM_DRAIN_DURATION_ANNOTATION, "250ms"),
+            (EXIT_ON_ZERO_ANNOTATION, "true"),
+            (CONCURRENCY_ANNOTATION, "4"),
+            (LOG_LEVEL_ANNOTATION, "debug"),
+        ]);
+        let cfg = resolve(
+            &ChartDefaults::default(),
+            &[],
+            "remora-system",
+            "shop",
+            &BTreeMap::new(),
+            &ann,
+        );
+        assert_eq!(cfg.mode, SidecarMode::Native);
+        assert!(!cfg.hold_application_until_proxy_starts);
+        assert_eq!(cfg.startup_timeout, Duration::from_secs(120));
+        assert_eq!(cfg.drain_duration, Duration::from_secs(10));
+        assert_eq!(cfg.minimum_drain_duration, Duration::from_millis(250));
+        assert!(cfg.exit_on_zero_active_connections);
+        assert_eq!(cfg.concurrency, 4);
+        assert_eq!(cfg.log_level, LogLevel::Debug);
+        assert!(cfg.problems.is_empty(), "{:?}", cfg.problems);
+        assert_eq!(
+            cfg.sources.last().map(String::as_str),
+            Some("pod-annotations")
+        );
+    }
+}

@@ -1,0 +1,13 @@
+//! remora-injector: the mutating webhook that injects Remora's sidecar, its
+//! effective-config resolution, and offline (GitOps) injection.
+
+pub mod ca;
+pub mod client;
+pub mod cluster;
+pub mod config;
+pub mod mutate;
+pub mod offline;
+pub mod server;
+pub mod status;
+pub mod tls;
+pub mod webhook;

@@ -1,0 +1,616 @@
+//! The injection itself: a pure function from a pod (as JSON), where it
+//! lives and its effective config to a JSON Patch. No I/O.
+//!
+//! The pod stays a `serde_json::Value` on purpose: a typed round trip would
+//! drop fields this build does not know, and the patch is built from explicit
+//! `add` operations, never a diff, so nothing of the user's pod is rewritten.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource,
+    EmptyDirVolumeSource, EnvVar, EnvVarSource, ExecAction, HTTPGetAction, Lifecycle,
+    LifecycleHandler, ObjectFieldSelector, Probe, SeccompProfile, SecurityContext, Volume,
+    VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use remora_agent::lifecycle::{
+    LIFECYCLE_ANNOTATION, LifecycleAnnotation, ShutdownAnnotation, StartupAnnotation,
+};
+use remora_crds::{SidecarMode, format_duration};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::config::EffectiveConfig;
+
+pub const PROXY_CONTAINER: &str = "remora-proxy";
+pub const STATUS_ANNOTATION: &str = "remora.dev/status";
+pub const INJECT_LABEL: &str = "remora.dev/inject";
+pub const RUN_VOLUME: &str = "remora-run";
+pub const PODINFO_VOLUME: &str = "remora-podinfo";
+pub const RUN_DIR: &str = "/var/run/remora";
+pub const PODINFO_DIR: &str = "/etc/remora/podinfo";
+pub const PROXY_UID: i64 = 1337;
+pub const HEALTH_PORT: i32 = 15021;
+pub const READY_PATH: &str = "/healthz/ready";
+/// terminationGracePeriodSeconds when the pod does not say.
+pub const DEFAULT_GRACE_SECONDS: i64 = 30;
+/// Namespaces never injected, whatever their labels say.
+pub const SYSTEM_NAMESPACES: [&str; 3] = ["kube-system", "kube-public", "kube-node-lease"];
+/// Ports the sidecar binds in the pod's network namespace.
+pub const SIDECAR_PORTS: [(i64, &str); 5] = [
+    (15000, "Envoy admin"),
+    (15006, "the inbound listener"),
+    (15020, "the agent's admin"),
+    (15021, "health checks"),
+    (15090, "Envoy's Prometheus stats"),
+];
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MutateError {
+    #[error("the object is not a JSON object")]
+    NotAnObject,
+    #[error("{0} is not of the expected shape")]
+    BadField(&'static str),
+    #[error("spec.containers is missing or empty")]
+    NoContainers,
+}
+
+/// Who is asking: the webhook follows the selection labels; offline
+/// injection was asked for explicitly and only honours opt-outs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Selection {
+    Webhook,
+    Offline,
+}
+
+/// Where the pod is going.
+#[derive(Debug, Clone)]
+pub struct Target<'a> {
+    pub namespace: &'a str,
+    pub namespace_labels: &'a BTreeMap<String, String>,
+    /// Whether the cluster runs native sidecars (every kubelet >= 1.29).
+    pub native_sidecars: bool,
+    pub selection: Selection,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SkipReason {
+    NotSelected,
+    OptedOut,
+    HostNetwork,
+    SystemNamespace,
+    AlreadyInjected,
+    NameConflict,
+}
+
+impl SkipReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::NotSelected => "not-selected",
+            Self::OptedOut => "opted-out",
+            Self::HostNetwork => "host-network",
+            Self::SystemNamespace => "system-namespace",
+            Self::AlreadyInjected => "already-injected",
+            Self::NameConflict => "name-conflict",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Injected(SidecarMode),
+    Skipped(SkipReason),
+}
+
+/// The result of [`mutate`]: the patch (empty when skipped) and what the
+/// user should hear about.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mutation {
+    pub patch: Patch,
+    pub outcome: Outcome,
+    pub warnings: Vec<String>,
+}
+
+impl Mutation {
+    fn skipped(reason: SkipReason, warnings: Vec<String>) -> Self {
+        Self {
+            patch: Patch(Vec::new()),
+            outcome: Outcome::Skipped(reason),
+            warnings,
+        }
+    }
+}
+
+/// What the injector records in `remora.dev/status`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct InjectionStatus {
+    pub version: &'static str,
+    pub mode: SidecarMode,
+    pub containers: Vec<&'static str>,
+    pub init_containers: Vec<&'static str>,
+    pub volumes: Vec<&'static str>,
+    pub config_hash: String,
+    pub sources: Vec<String>,
+}
+
+/// The labels and annotations of a pod (or pod template), ignoring values
+/// that are not strings.
+pub fn pod_meta(pod: &Value) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+    let map = |v: &Value| -> BTreeMap<String, String> {
+        v.as_object()
+            .map(|o| {
+                o.iter()
+                    .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    (
+        map(&pod["metadata"]["labels"]),
+        map(&pod["metadata"]["annotations"]),
+    )
+}
+
+/// The drain deadline handed to the agent: the grace period minus a margin
+/// (a sixth of it, between 1s and 5s) so the agent stops Envoy and exits
+/// before the kubelet's SIGKILL. 30s gives 25s.
+pub fn drain_deadline(grace_seconds: i64) -> Duration {
+    let grace = Duration::from_secs(u64::try_from(grace_seconds).unwrap_or(0));
+    let margin = (grace / 6).clamp(Duration::from_secs(1), Duration::from_secs(5));
+    grace.saturating_sub(margin)
+}
+
+fn names(list: &Value) -> Vec<&str> {
+    list.as_array()
+        .map(|a| a.iter().filter_map(|c| c["name"].as_str()).collect())
+        .unwrap_or_default()
+}
+
+fn ptr(tokens: &[&str]) -> PointerBuf {
+    PointerBuf::from_tokens(tokens.iter().copied())
+}
+
+fn add(tokens: &[&str], value: Value) -> PatchOperation {
+    PatchOperation::Add(AddOperation {
+        path: ptr(tokens),
+        value,
+    })
+}
+
+/// Decide and build the injection of one pod.
+pub fn mutate(
+    pod: &Value,
+    target: &Target<'_>,
+    cfg: &EffectiveConfig,
+) -> Result<Mutation, MutateError> {
+    if !pod.is_object() {
+        return Err(MutateError::NotAnObject);
+    }
+    let meta = &pod["metadata"];
+    if !(meta.is_null() || meta.is_object()) {
+        return Err(MutateError::BadField("metadata"));
+    }
+    let spec = &pod["spec"];
+    if !spec.is_object() {
+        return Err(MutateError::BadField("spec"));
+    }
+    let containers = spec["containers"]
+        .as_array()
+        .filter(|c| !c.is_empty())
+        .ok_or(MutateError::NoContainers)?;
+    for (key, what) in [
+        ("initContainers", "spec.initContainers"),
+        ("volumes", "spec.volumes"),
+    ] {
+        if !(spec[key].is_null() || spec[key].is_array()) {
+            return Err(MutateError::BadField(what));
+        }
+    }
+    if !(meta["annotations"].is_null() || meta["annotations"].is_object()) {
+        return Err(MutateError::BadField("metadata.annotations"));
+    }
+    let (labels, annotations) = pod_meta(pod);
+
+    // Selection. The pod's "false" always wins.
+    if labels.get(INJECT_LABEL).map(String::as_str) == Some("false") {
+        return Ok(Mutation::skipped(SkipReason::OptedOut, vec![]));
+    }
+    if annotations.contains_key(STATUS_ANNOTATION) {
+        return Ok(Mutation::skipped(SkipReason::AlreadyInjected, vec![]));
+    }
+    if SYSTEM_NAMESPACES.contains(&target.namespace) {
+        return Ok(Mutation::skipped(SkipReason::SystemNamespace, vec![]));
+    }
+    if spec["hostNetwork"].as_bool() == Some(true) {
+        return Ok(Mutation::skipped(SkipReason::HostNetwork, vec![]));
+    }
+    let selected = labels.get(INJECT_LABEL).map(String::as_str) == Some("true")
+        || target
+            .namespace_labels
+            .get(INJECT_LABEL)
+            .map(String::as_str)
+            == Some("enabled");
+    if target.selection == Selection::Webhook && !selected {
+        return Ok(Mutation::skipped(SkipReason::NotSelected, vec![]));
+    }
+    let init_names = names(&spec["initContainers"]);
+    let container_names = names(&spec["containers"]);
+    if container_names.contains(&PROXY_CONTAINER) || init_names.contains(&PROXY_CONTAINER) {
+        return Ok(Mutation::skipped(
+            SkipReason::NameConflict,
+            vec![format!(
+                "remora: not injected: the pod already has a container named {PROXY_CONTAINER}"
+            )],
+        ));
+    }
+    let volume_names = names(&spec["volumes"]);
+    if let Some(v) = [RUN_VOLUME, PODINFO_VOLUME]
+        .into_iter()
+        .find(|v| volume_names.contains(v))
+    {
+        return Ok(Mutation::skipped(
+            SkipReason::NameConflict,
+            vec![format!(
+                "remora: not injected: the pod already has a volume named {v}"
+            )],
+        ));
+    }
+
+    let mut warnings: Vec<String> = cfg
+        .problems
+        .iter()
+        .map(|p| format!("remora: ignored {p}"))
+        .collect();
+    let mode = match cfg.mode {
+        SidecarMode::Auto if target.native_sidecars => SidecarMode::Native,
+        SidecarMode::Auto => SidecarMode::Legacy,
+        SidecarMode::Native if !target.native_sidecars => {
+            warnings.push(
+                "remora: Native mode asked for, but not every node runs Kubernetes >= 1.29; \
+                 injected in Legacy mode"
+                    .into(),
+            );
+            SidecarMode::Legacy
+        }
+        m => m,
+    };
+
+    let restart = spec["restartPolicy"].as_str().unwrap_or("Always");
+    if mode == SidecarMode::Legacy && restart != "Always" {
+        warnings.push(format!(
+            "remora: Legacy mode with restartPolicy {restart}: the sidecar keeps running after the \
+             application exits, so the pod does not complete; Native mode does not have this problem"
+        ));
+    }
+    let grace = spec["terminationGracePeriodSeconds"]
+        .as_i64()
+        .unwrap_or(DEFAULT_GRACE_SECONDS);
+    let deadline = drain_deadline(grace);
+    let (needed, what) = if cfg.exit_on_zero_active_connections {
+        (cfg.minimum_drain_duration, "minimumDrainDuration")
+    } else {
+        (cfg.termination_drain_duration, "terminationDrainDuration")
+    };
+    if needed > deadline {
+        warnings.push(format!(
+            "remora: {what} {} does not fit terminationGracePeriodSeconds {grace}: the drain will be \
+             cut at {}",
+            format_duration(needed),
+            format_duration(deadline)
+        ));
+    }
+    for c in containers
+        .iter()
+        .chain(spec["initContainers"].as_array().into_iter().flatten())
+    {
+        for p in c["ports"].as_array().into_iter().flatten() {
+            let port = p["containerPort"].as_i64().unwrap_or(0);
+            if let Some((_, use_)) = SIDECAR_PORTS.iter().find(|(sp, _)| *sp == port) {
+                warnings.push(format!(
+                    "remora: container {} uses port {port}, which the sidecar uses for {use_}",
+                    c["name"].as_str().unwrap_or("?")
+                ));
+            }
+        }
+    }
+
+    let lifecycle = lifecycle_annotation(cfg, mode, deadline);
+    let container = proxy_container(cfg, mode, deadline);
+    let status = InjectionStatus {
+        version: env!("CARGO_PKG_VERSION"),
+        mode,
+        containers: if mode == SidecarMode::Legacy {
+            vec![PROXY_CONTAINER]
+        } else {
+            vec![]
+        },
+        init_containers: if mode == SidecarMode::Native {
+            vec![PROXY_CONTAINER]
+        } else {
+            vec![]
+        },
+        volumes: vec![RUN_VOLUME, PODINFO_VOLUME],
+        config_hash: config_hash(&container, &lifecycle),
+        sources: cfg.sources.clone(),
+    };
+    let lifecycle_json = serde_json::to_string(&lifecycle).unwrap_or_default();
+    let status_json = serde_json::to_string(&status).unwrap_or_default();
+
+    let mut ops = Vec::new();
+    if meta.is_null() {
+        ops.push(add(&["metadata"], json!({})));
+    }
+    if meta["annotations"].is_null() {
+        ops.push(add(
+            &["metadata", "annotations"],
+            json!({ STATUS_ANNOTATION: status_json, LIFECYCLE_ANNOTATION: lifecycle_json }),
+        ));
+    } else {
+        ops.push(add(
+            &["metadata", "annotations", STATUS_ANNOTATION],
+            Value::String(status_json),
+        ));
+        ops.push(add(
+            &["metadata", "annotations", LIFECYCLE_ANNOTATION],
+            Value::String(lifecycle_json),
+        ));
+    }
+    let volumes = [run_volume(), podinfo_volume()].map(|v| to_json(&v));
+    if spec["volumes"].is_null() {
+        ops.push(add(&["spec", "volumes"], Value::Array(volumes.to_vec())));
+    } else {
+        for v in volumes {
+            ops.push(add(&["spec", "volumes", "-"], v));
+        }
+    }
+    let container = to_json(&container);
+    match mode {
+        SidecarMode::Native if spec["initContainers"].is_null() => {
+            ops.push(add(&["spec", "initContainers"], json!([container])));
+        }
+        // Before the user's init containers, so they can reach the network.
+        SidecarMode::Native => ops.push(add(&["spec", "initContainers", "0"], container)),
+        _ => ops.push(add(&["spec", "containers", "0"], container)),
+    }
+    Ok(Mutation {
+        patch: Patch(ops),
+        outcome: Outcome::Injected(mode),
+        warnings,
+    })
+}
+
+/// Serializing these plain k8s structs cannot fail; null rather than a panic if it did.
+fn to_json<T: Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+fn config_hash(container: &Container, lifecycle: &LifecycleAnnotation) -> String {
+    let mut h = Sha256::new();
+    h.update(serde_json::to_vec(container).unwrap_or_default());
+    h.update(serde_json::to_vec(lifecycle).unwrap_or_default());
+    let digest = h.finalize();
+    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
+}
+
+/// The effective lifecycle in the agent's wire shape.
+pub fn lifecycle_annotation(
+    cfg: &EffectiveConfig,
+    mode: SidecarMode,
+    deadline: Duration,
+) -> LifecycleAnnotation {
+    LifecycleAnnotation {
+        mode: Some(mode.as_str().to_string()),
+        startup: Some(StartupAnnotation {
+            hold_application_until_proxy_starts: Some(cfg.hold_application_until_proxy_starts),
+            timeout: Some(format_duration(cfg.startup_timeout)),
+        }),
+        shutdown: Some(ShutdownAnnotation {
+            drain_duration: Some(format_duration(cfg.drain_duration)),
+            termination_drain_duration: Some(format_duration(cfg.termination_drain_duration)),
+            exit_on_zero_active_connections: Some(cfg.exit_on_zero_active_connections),
+            minimum_drain_duration: Some(format_duration(cfg.minimum_drain_duration)),
+        }),
+        drain_deadline: Some(format_duration(deadline)),
+    }
+}
+
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn env(name: &str, value: String) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value),
+        ..Default::default()
+    }
+}
+
+fn ready_probe() -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(READY_PATH.into()),
+            port: IntOrString::Int(HEALTH_PORT),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn exec(cmd: &[&str]) -> LifecycleHandler {
+    LifecycleHandler {
+        exec: Some(ExecAction {
+            command: Some(cmd.iter().map(|s| s.to_string()).collect()),
+        }),
+        ..Default::default()
+    }
+}
+
+/// The `remora-proxy` container for the chosen (concrete) mode.
+pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Duration) -> Container {
+    let d = format_duration;
+    let startup_timeout = d(cfg.startup_timeout);
+    let env = vec![
+        field_env("POD_NAME", "metadata.name"),
+        field_env("POD_NAMESPACE", "metadata.namespace"),
+        field_env("INSTANCE_IP", "status.podIP"),
+        field_env("SERVICE_ACCOUNT", "spec.serviceAccountName"),
+        env("REMORA_CONCURRENCY", cfg.concurrency.to_string()),
+        env("REMORA_LOG_LEVEL", cfg.log_level.as_str().to_string()),
+        env("REMORA_DRAIN_DURATION", d(cfg.drain_duration)),
+        env(
+            "REMORA_TERMINATION_DRAIN_DURATION",
+            d(cfg.termination_drain_duration),
+        ),
+        env(
+            "REMORA_EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
+            cfg.exit_on_zero_active_connections.to_string(),
+        ),
+        env(
+            "REMORA_MINIMUM_DRAIN_DURATION",
+            d(cfg.minimum_drain_duration),
+        ),
+        env("REMORA_DRAIN_DEADLINE", d(deadline)),
+        env("REMORA_RUN_DIR", RUN_DIR.into()),
+        env(
+            "REMORA_ANNOTATIONS_FILE",
+            format!("{PODINFO_DIR}/annotations"),
+        ),
+    ];
+    let mut c = Container {
+        name: PROXY_CONTAINER.into(),
+        image: Some(cfg.image.clone()),
+        image_pull_policy: Some(cfg.image_pull_policy.clone()),
+        command: Some(vec!["remora-agent".into()]),
+        args: Some(vec!["run".into()]),
+        env: Some(env),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("remora-health".into()),
+                container_port: HEALTH_PORT,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some("remora-stats".into()),
+                container_port: 15090,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+        ]),
+        readiness_probe: Some(Probe {
+            period_seconds: Some(2),
+            timeout_seconds: Some(1),
+            failure_threshold: Some(3),
+            ..ready_probe()
+        }),
+        resources: Some(cfg.resources.clone()),
+        security_context: Some(SecurityContext {
+            run_as_user: Some(PROXY_UID),
+            run_as_group: Some(PROXY_UID),
+            run_as_non_root: Some(true),
+            read_only_root_filesystem: Some(true),
+            allow_privilege_escalation: Some(false),
+            privileged: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Default::default()
+            }),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: RUN_VOLUME.into(),
+                mount_path: RUN_DIR.into(),
+                ..Default::default()
+            },
+            VolumeMount {
+                name: PODINFO_VOLUME.into(),
+                mount_path: PODINFO_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+        ]),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        ..Default::default()
+    };
+    match mode {
+        SidecarMode::Native => {
+            c.restart_policy = Some("Always".into());
+            if cfg.hold_application_until_proxy_starts {
+                // The kubelet starts the next container only once this probe
+                // passes: its budget (period x threshold) is startup.timeout.
+                let secs = cfg.startup_timeout.as_secs().max(1);
+                c.startup_probe = Some(Probe {
+                    period_seconds: Some(1),
+                    timeout_seconds: Some(1),
+                    failure_threshold: Some(i32::try_from(secs).unwrap_or(i32::MAX)),
+                    ..ready_probe()
+                });
+            }
+        }
+        _ => {
+            c.lifecycle = Some(Lifecycle {
+                // The kubelet runs the next container only after this hook
+                // returns: that is what holds the application.
+                post_start: cfg
+                    .hold_application_until_proxy_starts
+                    .then(|| exec(&["remora-agent", "wait", "--timeout", &startup_timeout])),
+                pre_stop: Some(exec(&["remora-agent", "drain", "--timeout", &d(deadline)])),
+                ..Default::default()
+            });
+        }
+    }
+    c
+}
+
+fn run_volume() -> Volume {
+    Volume {
+        name: RUN_VOLUME.into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            medium: Some("Memory".into()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn podinfo_volume() -> Volume {
+    Volume {
+        name: PODINFO_VOLUME.into(),
+        downward_api: Some(DownwardAPIVolumeSource {
+            items: Some(vec![DownwardAPIVolumeFile {
+                path: "annotations".into(),
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.annotations".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,192 @@
+//! The HTTPS server: `POST /inject`, `/healthz`, `/metrics`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use crate::webhook::{AdmissionOutcome, Injector, encode_review, unreadable};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("accept: {0}")]
+    Accept(#[source] std::io::Error),
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// The injector's own metrics registry.
+pub struct Metrics {
+    registry: Registry,
+    admissions: Family<OutcomeLabels, Counter>,
+    latency: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("remora_injector");
+        let admissions = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "admissions",
+            "Admission reviews answered, by outcome",
+            admissions.clone(),
+        );
+        // 50µs .. ~1.6s
+        let latency = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
+        registry.register(
+            "admission_duration_seconds",
+            "Time to answer one admission review, body read included",
+            latency.clone(),
+        );
+        Self {
+            registry,
+            admissions,
+            latency,
+        }
+    }
+
+    pub fn observe(&self, outcome: AdmissionOutcome, took: Duration) {
+        self.admissions
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .inc();
+        self.latency.observe(took.as_secs_f64());
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+pub struct AppState {
+    pub injector: Injector,
+    pub metrics: Metrics,
+    pub max_body_bytes: usize,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/inject", post(inject))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let start = Instant::now();
+    let (review, outcome) = match axum::body::to_bytes(req.into_body(), state.max_body_bytes).await
+    {
+        Ok(body) => state.injector.review(&body),
+        Err(e) => (
+            unreadable(
+                String::new(),
+                &format!(
+                    "request body unreadable or over {} bytes: {e}",
+                    state.max_body_bytes
+                ),
+            ),
+            AdmissionOutcome::Invalid,
+        ),
+    };
+    let body = match encode_review(review) {
+        Ok(b) => b,
+        Err(e) => {
+            state
+                .metrics
+                .observe(AdmissionOutcome::Error, start.elapsed());
+            return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();
+        }
+    };
+    state.metrics.observe(outcome, start.elapsed());
+    if outcome != AdmissionOutcome::Injected {
+        tracing::debug!(outcome = outcome.as_str(), "admission answered");
+    }
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from(body),
+    )
+        .into_response()
+}
+
+/// Serve `app` over TLS on `listener` until `shutdown` resolves.
+pub async fn serve_tls(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), ServerError> {
+    let acceptor = TlsAcceptor::from(tls);
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => r.map_err(ServerError::Accept)?,
+            () = &mut shutdown => return Ok(()),
+        };
+        let _ = stream.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let app = app.clone();
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream))
+                .await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let svc = TowerToHyperService::new(app);
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(30))
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(tls), svc)
+                .await
+            {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}

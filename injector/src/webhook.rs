@@ -1,0 +1,242 @@
+//! The admission handler: AdmissionReview bytes in, AdmissionReview out.
+//! Whatever comes in, the answer is a valid review that allows the pod;
+//! when the injector cannot help it says why in a warning.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::{ChartDefaults, LifecycleEntry, resolve};
+use crate::mutate::{Outcome, Selection, Target, mutate, pod_meta};
+
+/// What the handler reads about the cluster; kept in memory (reflectors in
+/// the operator, fixed values in tests), never an API call per admission.
+pub trait ClusterView: Send + Sync {
+    /// Every `SidecarLifecycle` of the cluster.
+    fn lifecycles(&self) -> Vec<LifecycleEntry>;
+    /// The labels of a namespace; `None` when unknown.
+    fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>>;
+    /// Whether every node runs native sidecars (kubelet >= 1.29).
+    fn native_sidecars(&self) -> bool;
+}
+
+/// A fixed view, for tests and benchmarks.
+#[derive(Debug, Clone, Default)]
+pub struct StaticView {
+    pub lifecycles: Vec<LifecycleEntry>,
+    pub namespaces: BTreeMap<String, BTreeMap<String, String>>,
+    pub native_sidecars: bool,
+}
+
+impl ClusterView for StaticView {
+    fn lifecycles(&self) -> Vec<LifecycleEntry> {
+        self.lifecycles.clone()
+    }
+    fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
+        self.namespaces.get(namespace).cloned()
+    }
+    fn native_sidecars(&self) -> bool {
+        self.native_sidecars
+    }
+}
+
+/// How one admission ended, for metrics and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdmissionOutcome {
+    Injected,
+    Skipped,
+    Ignored,
+    Invalid,
+    Error,
+}
+
+impl AdmissionOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Injected => "injected",
+            Self::Skipped => "skipped",
+            Self::Ignored => "ignored",
+            Self::Invalid => "invalid",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// The injector's admission logic, shared by the server's handlers.
+pub struct Injector {
+    pub chart: ChartDefaults,
+    pub operator_namespace: String,
+    pub view: Arc<dyn ClusterView>,
+}
+
+/// A review answering a request that could not be read: allowed, with the
+/// reason as a warning, and the uid if it could be found at all.
+pub fn unreadable(uid: String, reason: &str) -> AdmissionReview<DynamicObject> {
+    let mut resp = AdmissionResponse::invalid(reason);
+    resp.allowed = true;
+    resp.uid = uid;
+    resp.result.message = format!("remora: not injected: {reason}");
+    resp.warnings = Some(vec![truncate(format!("remora: not injected: {reason}"))]);
+    resp.into_review()
+}
+
+/// Kubernetes truncates long warnings; keep them readable.
+fn truncate(mut s: String) -> String {
+    if s.len() > 240 {
+        let mut cut = 237;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push_str("...");
+    }
+    s
+}
+
+impl Injector {
+    /// Answer one AdmissionReview body.
+    pub fn review(&self, body: &[u8]) -> (AdmissionReview<DynamicObject>, AdmissionOutcome) {
+        let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => {
+                // Find the uid leniently so the API server can match the answer.
+                let uid = serde_json::from_slice::<Value>(body)
+                    .ok()
+                    .and_then(|v| v["request"]["uid"].as_str().map(str::to_string))
+                    .unwrap_or_default();
+                return (
+                    unreadable(uid, &format!("unreadable AdmissionReview: {e}")),
+                    AdmissionOutcome::Invalid,
+                );
+            }
+        };
+        let req: AdmissionRequest<DynamicObject> = match review.try_into() {
+            Ok(r) => r,
+            Err(_) => {
+                return (
+                    unreadable(String::new(), "the AdmissionReview has no request"),
+                    AdmissionOutcome::Invalid,
+                );
+            }
+        };
+        let (resp, outcome) = self.admit(&req);
+        (resp.into_review(), outcome)
+    }
+
+    fn admit(
+        &self,
+        req: &AdmissionRequest<DynamicObject>,
+    ) -> (AdmissionResponse, AdmissionOutcome) {
+        let resp = AdmissionResponse::from(req);
+        if !req.kind.group.is_empty() || req.kind.kind != "Pod" {
+            let msg = format!(
+                "remora: not injected: {}/{} is not a Pod",
+                req.kind.group, req.kind.kind
+            );
+            return (with_message(resp, msg, false), AdmissionOutcome::Ignored);
+        }
+        if req.operation != Operation::Create || req.sub_resource.is_some() {
+            return (resp, AdmissionOutcome::Ignored);
+        }
+        let Some(obj) = &req.object else {
+            return (
+                with_message(
+                    resp,
+                    "remora: not injected: no object in the request".into(),
+                    true,
+                ),
+                AdmissionOutcome::Invalid,
+            );
+        };
+        let pod = match serde_json::to_value(obj) {
+            Ok(v) => v,
+            Err(e) => {
+                return (
+                    with_message(resp, format!("remora: not injected: {e}"), true),
+                    AdmissionOutcome::Invalid,
+                );
+            }
+        };
+        let namespace = req
+            .namespace
+            .clone()
+            .or_else(|| pod["metadata"]["namespace"].as_str().map(str::to_string))
+            .unwrap_or_else(|| "default".into());
+        let ns_labels = self.view.namespace_labels(&namespace).unwrap_or_default();
+        let (labels, annotations) = pod_meta(&pod);
+        let cfg = resolve(
+            &self.chart,
+            &self.view.lifecycles(),
+            &self.operator_namespace,
+            &namespace,
+            &labels,
+            &annotations,
+        );
+        let target = Target {
+            namespace: &namespace,
+            namespace_labels: &ns_labels,
+            native_sidecars: self.view.native_sidecars(),
+            selection: Selection::Webhook,
+        };
+        let m = match mutate(&pod, &target, &cfg) {
+            Ok(m) => m,
+            Err(e) => {
+                return (
+                    with_message(resp, format!("remora: not injected: {e}"), true),
+                    AdmissionOutcome::Invalid,
+                );
+            }
+        };
+        let outcome = match m.outcome {
+            Outcome::Injected(_) => AdmissionOutcome::Injected,
+            Outcome::Skipped(_) => AdmissionOutcome::Skipped,
+        };
+        let mut resp = resp;
+        if !m.warnings.is_empty() {
+            resp.warnings = Some(m.warnings.into_iter().map(truncate).collect());
+        }
+        if m.patch.0.is_empty() {
+            return (resp, outcome);
+        }
+        // kube's AdmissionResponse takes the Patch type of its own json-patch
+        // version; the JSON form is the same, so convert through it.
+        let patched = serde_json::to_value(&m.patch)
+            .and_then(serde_json::from_value)
+            .map_err(|e| e.to_string())
+            .and_then(|p| resp.clone().with_patch(p).map_err(|e| e.to_string()));
+        match patched {
+            Ok(r) => (r, outcome),
+            Err(e) => (
+                with_message(resp, format!("remora: not injected: {e}"), true),
+                AdmissionOutcome::Error,
+            ),
+        }
+    }
+}
+
+/// Serialize a review for the wire. The patch goes out as base64, the way
+/// Go encodes `[]byte` (kube would write an array of numbers, which the API
+/// server also reads, at about three times the size).
+pub fn encode_review(mut review: AdmissionReview<DynamicObject>) -> serde_json::Result<Vec<u8>> {
+    let patch = review.response.as_mut().and_then(|r| r.patch.take());
+    let mut v = serde_json::to_value(&review)?;
+    if let Some(p) = patch {
+        v["response"]["patch"] = serde_json::to_value(k8s_openapi::ByteString(p))?;
+    }
+    serde_json::to_vec(&v)
+}
+
+fn with_message(mut resp: AdmissionResponse, msg: String, warn: bool) -> AdmissionResponse {
+    if warn {
+        resp.warnings
+            .get_or_insert_with(Vec::new)
+            .push(truncate(msg.clone()));
+    }
+    resp.result.message = msg;
+    resp
+}

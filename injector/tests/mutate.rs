@@ -1,0 +1,385 @@
+//! `mutate`: selection, the pod the patch gives, warnings, idempotency.
+
+use std::collections::BTreeMap;
+
+use remora_agent::lifecycle::{LIFECYCLE_ANNOTATION, LifecycleAnnotation};
+use remora_crds::SidecarMode;
+use remora_injector::config::{ChartDefaults, EffectiveConfig};
+use remora_injector::mutate::{
+    Outcome, STATUS_ANNOTATION, Selection, SkipReason, Target, drain_deadline, mutate,
+};
+use serde_json::{Value, json};
+use std::time::Duration;
+
+fn cfg(mode: SidecarMode) -> EffectiveConfig {
+    let mut c = EffectiveConfig::from_defaults(&ChartDefaults::default());
+    c.mode = mode;
+    c
+}
+
+fn enabled() -> BTreeMap<String, String> {
+    BTreeMap::from([("remora.dev/inject".to_string(), "enabled".to_string())])
+}
+
+fn target<'a>(ns: &'a str, labels: &'a BTreeMap<String, String>, native: bool) -> Target<'a> {
+    Target {
+        namespace: ns,
+        namespace_labels: labels,
+        native_sidecars: native,
+        selection: Selection::Webhook,
+    }
+}
+
+fn pod() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "web", "labels": {"app": "web"}},
+        "spec": {
+            "initContainers": [{"name": "migrate", "image": "m"}],
+            "containers": [{"name": "app", "image": "a", "ports": [{"containerPort": 8080}]}]
+        }
+    })
+}
+
+fn apply(pod: &Value, t: &Target<'_>, c: &EffectiveConfig) -> (Value, Outcome, Vec<String>) {
+    let m = mutate(pod, t, c).expect("mutate");
+    let mut out = pod.clone();
+    json_patch::patch(&mut out, &m.patch).expect("the patch applies cleanly");
+    (out, m.outcome, m.warnings)
+}
+
+#[test]
+fn legacy_patch_gives_the_expected_pod() {
+    let ns = enabled();
+    let (out, outcome, warnings) = apply(
+        &pod(),
+        &target("shop", &ns, true),
+        &cfg(SidecarMode::Legacy),
+    );
+    assert_eq!(outcome, Outcome::Injected(SidecarMode::Legacy));
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let c = &out["spec"]["containers"];
+    assert_eq!(c[0]["name"], "remora-proxy");
+    assert_eq!(c[1]["name"], "app");
+    assert_eq!(
+        out["spec"]["initContainers"].as_array().map(Vec::len),
+        Some(1)
+    );
+    assert_eq!(
+        c[0]["lifecycle"]["postStart"]["exec"]["command"],
+        json!(["remora-agent", "wait", "--timeout", "1m"])
+    );
+    assert_eq!(
+        c[0]["lifecycle"]["preStop"]["exec"]["command"],
+        json!(["remora-agent", "drain", "--timeout", "25s"])
+    );
+    assert_eq!(
+        c[0]["readinessProbe"]["httpGet"],
+        json!({"path": "/healthz/ready", "port": 15021})
+    );
+    let sc = &c[0]["securityContext"];
+    assert_eq!(sc["runAsUser"], 1337);
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+    let env: BTreeMap<&str, &Value> = c[0]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| Some((e["name"].as_str()?, e)))
+        .collect();
+    for (name, path) in [
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+        ("INSTANCE_IP", "status.podIP"),
+        ("SERVICE_ACCOUNT", "spec.serviceAccountName"),
+    ] {
+        assert_eq!(env[name]["valueFrom"]["fieldRef"]["fieldPath"], path);
+    }
+    assert_eq!(env["REMORA_DRAIN_DEADLINE"]["value"], "25s");
+    let vols = &out["spec"]["volumes"];
+    assert_eq!(vols[0]["name"], "remora-run");
+    assert_eq!(
+        vols[1]["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"],
+        "metadata.annotations"
+    );
+    let mounts = &c[0]["volumeMounts"];
+    assert_eq!(mounts[1]["mountPath"], "/etc/remora/podinfo");
+    assert_eq!(mounts[0]["mountPath"], "/var/run/remora");
+    // The lifecycle annotation is the agent's own wire type.
+    let ann = out["metadata"]["annotations"][LIFECYCLE_ANNOTATION]
+        .as_str()
+        .expect("lifecycle");
+    let l: LifecycleAnnotation = serde_json::from_str(ann).expect("agent parses it");
+    assert_eq!(l.mode.as_deref(), Some("Legacy"));
+    assert_eq!(l.drain_deadline.as_deref(), Some("25s"));
+    let status: Value = serde_json::from_str(
+        out["metadata"]["annotations"][STATUS_ANNOTATION]
+            .as_str()
+            .expect("status"),
+    )
+    .expect("json");
+    assert_eq!(status["mode"], "Legacy");
+    assert!(
+        status["configHash"]
+            .as_str()
+            .is_some_and(|h| h.starts_with("sha256:"))
+    );
+}
+
+#[test]
+fn native_goes_first_among_init_containers_with_a_startup_probe() {
+    let ns = enabled();
+    let mut c = cfg(SidecarMode::Auto);
+    c.startup_timeout = Duration::from_secs(90);
+    let (out, outcome, _) = apply(&pod(), &target("shop", &ns, true), &c);
+    assert_eq!(outcome, Outcome::Injected(SidecarMode::Native));
+    let init = &out["spec"]["initContainers"];
+    assert_eq!(init[0]["name"], "remora-proxy");
+    assert_eq!(init[0]["restartPolicy"], "Always");
+    assert_eq!(init[1]["name"], "migrate");
+    let probe = &init[0]["startupProbe"];
+    assert_eq!(probe["httpGet"]["port"], 15021);
+    let budget = probe["periodSeconds"].as_i64().unwrap_or(0)
+        * probe["failureThreshold"].as_i64().unwrap_or(0);
+    assert_eq!(budget, 90);
+    assert!(init[0]["lifecycle"].is_null());
+    assert_eq!(out["spec"]["containers"][0]["name"], "app");
+}
+
+#[test]
+fn auto_without_native_support_is_legacy_and_native_falls_back_with_a_warning() {
+    let ns = enabled();
+    let (_, outcome, _) = apply(&pod(), &target("shop", &ns, false), &cfg(SidecarMode::Auto));
+    assert_eq!(outcome, Outcome::Injected(SidecarMode::Legacy));
+    let (_, outcome, warnings) = apply(
+        &pod(),
+        &target("shop", &ns, false),
+        &cfg(SidecarMode::Native),
+    );
+    assert_eq!(outcome, Outcome::Injected(SidecarMode::Legacy));
+    assert!(
+        warnings.iter().any(|w| w.contains("Native")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn pod_without_annotations_volumes_or_init_containers() {
+    let ns = enabled();
+    let bare = json!({"spec": {"containers": [{"name": "app"}]}});
+    for mode in [SidecarMode::Legacy, SidecarMode::Native] {
+        let (out, outcome, _) = apply(&bare, &target("shop", &ns, true), &cfg(mode));
+        assert_eq!(outcome, Outcome::Injected(mode));
+        assert!(out["metadata"]["annotations"][STATUS_ANNOTATION].is_string());
+        assert_eq!(out["spec"]["volumes"].as_array().map(Vec::len), Some(2));
+    }
+}
+
+#[test]
+fn selection_rules() {
+    let none = BTreeMap::new();
+    let on = enabled();
+    let with_label = |v: &str| {
+        let mut p = pod();
+        p["metadata"]["labels"]["remora.dev/inject"] = json!(v);
+        p
+    };
+    let host_net = {
+        let mut p = pod();
+        p["spec"]["hostNetwork"] = json!(true);
+        p
+    };
+    let named_proxy = {
+        let mut p = pod();
+        p["spec"]["containers"][0]["name"] = json!("remora-proxy");
+        p
+    };
+    let injected = {
+        let mut p = pod();
+        p["metadata"]["annotations"] = json!({STATUS_ANNOTATION: "{}"});
+        p
+    };
+    type Row<'a> = (
+        &'a str,
+        Value,
+        &'a str,
+        &'a BTreeMap<String, String>,
+        Option<SkipReason>,
+    );
+    let rows: Vec<Row<'_>> = vec![
+        ("namespace enabled", pod(), "shop", &on, None),
+        ("pod label true", with_label("true"), "shop", &none, None),
+        (
+            "neither",
+            pod(),
+            "shop",
+            &none,
+            Some(SkipReason::NotSelected),
+        ),
+        (
+            "pod false beats namespace",
+            with_label("false"),
+            "shop",
+            &on,
+            Some(SkipReason::OptedOut),
+        ),
+        (
+            "kube-system",
+            with_label("true"),
+            "kube-system",
+            &on,
+            Some(SkipReason::SystemNamespace),
+        ),
+        (
+            "kube-public",
+            pod(),
+            "kube-public",
+            &on,
+            Some(SkipReason::SystemNamespace),
+        ),
+        (
+            "kube-node-lease",
+            pod(),
+            "kube-node-lease",
+            &on,
+            Some(SkipReason::SystemNamespace),
+        ),
+        (
+            "hostNetwork",
+            host_net,
+            "shop",
+            &on,
+            Some(SkipReason::HostNetwork),
+        ),
+        (
+            "already injected",
+            injected,
+            "shop",
+            &on,
+            Some(SkipReason::AlreadyInjected),
+        ),
+        (
+            "user container named remora-proxy",
+            named_proxy,
+            "shop",
+            &on,
+            Some(SkipReason::NameConflict),
+        ),
+    ];
+    for (what, p, ns, labels, want) in rows {
+        let m = mutate(&p, &target(ns, labels, true), &cfg(SidecarMode::Legacy)).expect(what);
+        match want {
+            None => assert!(
+                matches!(m.outcome, Outcome::Injected(_)),
+                "{what}: {:?}",
+                m.outcome
+            ),
+            Some(r) => {
+                assert_eq!(m.outcome, Outcome::Skipped(r), "{what}");
+                assert!(m.patch.0.is_empty(), "{what}: a skipped pod gets no patch");
+            }
+        }
+    }
+}
+
+#[test]
+fn inject_twice_equals_once() {
+    let ns = enabled();
+    for mode in [SidecarMode::Legacy, SidecarMode::Native] {
+        let (once, _, _) = apply(&pod(), &target("shop", &ns, true), &cfg(mode));
+        let m = mutate(&once, &target("shop", &ns, true), &cfg(mode)).expect("mutate");
+        assert_eq!(m.outcome, Outcome::Skipped(SkipReason::AlreadyInjected));
+        assert!(m.patch.0.is_empty());
+    }
+}
+
+#[test]
+fn warnings_for_grace_period_and_ports() {
+    let ns = enabled();
+    let mut p = pod();
+    p["spec"]["terminationGracePeriodSeconds"] = json!(5);
+    p["spec"]["containers"][0]["ports"] =
+        json!([{"containerPort": 15021}, {"containerPort": 15090}]);
+    let (_, outcome, warnings) = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Legacy));
+    assert!(matches!(outcome, Outcome::Injected(_)));
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("terminationDrainDuration") && w.contains("5")),
+        "{warnings:?}"
+    );
+    assert!(warnings.iter().any(|w| w.contains("15021")), "{warnings:?}");
+    assert!(warnings.iter().any(|w| w.contains("15090")), "{warnings:?}");
+
+    let mut c = cfg(SidecarMode::Legacy);
+    c.exit_on_zero_active_connections = true;
+    c.minimum_drain_duration = Duration::from_secs(40);
+    let (_, _, warnings) = apply(&pod(), &target("shop", &ns, true), &c);
+    assert!(
+        warnings.iter().any(|w| w.contains("minimumDrainDuration")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn drain_deadline_keeps_a_margin() {
+    assert_eq!(drain_deadline(30), Duration::from_secs(25));
+    assert_eq!(drain_deadline(120), Duration::from_secs(115));
+    assert_eq!(drain_deadline(6), Duration::from_secs(5));
+    assert_eq!(drain_deadline(1), Duration::ZERO);
+    assert_eq!(drain_deadline(0), Duration::ZERO);
+    assert_eq!(drain_deadline(-5), Duration::ZERO);
+}
+
+#[test]
+fn strange_but_valid_pods() {
+    let ns = enabled();
+    let existing_hooks = json!({"spec": {"containers": [{"name": "app", "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}}}],
+        "ephemeralContainers": [{"name": "debug", "image": "busybox"}]}});
+    let (out, outcome, _) = apply(
+        &existing_hooks,
+        &target("shop", &ns, true),
+        &cfg(SidecarMode::Legacy),
+    );
+    assert!(matches!(outcome, Outcome::Injected(_)));
+    assert_eq!(
+        out["spec"]["containers"][1]["lifecycle"]["preStop"]["exec"]["command"],
+        json!(["sleep", "5"])
+    );
+    assert_eq!(out["spec"]["ephemeralContainers"][0]["name"], "debug");
+    // Shapes that cannot be injected are errors, never panics.
+    for bad in [
+        json!(null),
+        json!([]),
+        json!({"spec": {"containers": []}}),
+        json!({"spec": {"containers": "x"}}),
+        json!({"spec": {"containers": [{}], "volumes": 3}}),
+        json!({"metadata": 1, "spec": {"containers": [{}]}}),
+        json!({"metadata": {"annotations": []}, "spec": {"containers": [{}]}}),
+    ] {
+        assert!(
+            mutate(&bad, &target("shop", &ns, true), &cfg(SidecarMode::Legacy)).is_err(),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
+fn legacy_job_pods_get_a_completion_warning() {
+    let ns = enabled();
+    let mut p = pod();
+    p["spec"]["restartPolicy"] = json!("Never");
+    let (_, _, warnings) = apply(&p, &target("shop", &ns, false), &cfg(SidecarMode::Auto));
+    assert!(
+        warnings.iter().any(|w| w.contains("restartPolicy Never")),
+        "{warnings:?}"
+    );
+    let (_, _, warnings) = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Auto));
+    assert!(
+        !warnings.iter().any(|w| w.contains("restartPolicy")),
+        "Native is fine: {warnings:?}"
+    );
+}

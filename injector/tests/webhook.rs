@@ -1,0 +1,378 @@
+//! The admission handler and the HTTPS server.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
+use remora_injector::config::{ChartDefaults, LifecycleEntry};
+use remora_injector::server::{AppState, Metrics, router, serve_tls};
+use remora_injector::tls::{ReloadingCert, self_signed};
+use remora_injector::webhook::{AdmissionOutcome, Injector, StaticView};
+use serde_json::{Value, json};
+
+fn view() -> StaticView {
+    StaticView {
+        lifecycles: vec![LifecycleEntry {
+            namespace: "shop".into(),
+            name: "web".into(),
+            created: Some("2026-01-01T00:00:00Z".into()),
+            spec: SidecarLifecycleSpec {
+                selector: Some(WorkloadSelector {
+                    match_labels: BTreeMap::from([("app".into(), "web".into())]),
+                }),
+                shutdown: Some(ShutdownSpec {
+                    termination_drain_duration: Some(DurationString::new("3s")),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        }],
+        namespaces: BTreeMap::from([(
+            "shop".to_string(),
+            BTreeMap::from([("remora.dev/inject".to_string(), "enabled".to_string())]),
+        )]),
+        native_sidecars: true,
+    }
+}
+
+fn injector() -> Injector {
+    Injector {
+        chart: ChartDefaults::default(),
+        operator_namespace: "remora-system".into(),
+        view: Arc::new(view()),
+    }
+}
+
+pub fn review(kind: &str, group: &str, object: Value) -> Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "0df28fbd-5f5f-4d4f-8c0e-6e5a2b7c9a11",
+            "kind": {"group": group, "version": "v1", "kind": kind},
+            "resource": {"group": group, "version": "v1", "resource": "pods"},
+            "namespace": "shop",
+            "operation": "CREATE",
+            "userInfo": {"username": "test"},
+            "object": object,
+            "dryRun": false
+        }
+    })
+}
+
+pub fn pod() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "web-", "namespace": "shop", "labels": {"app": "web"}},
+        "spec": {"containers": [{"name": "app", "image": "example/web:1", "ports": [{"containerPort": 15000}]}]}
+    })
+}
+
+fn response(body: &Value) -> &Value {
+    &body["response"]
+}
+
+fn decode_patch(resp: &Value) -> Option<json_patch::Patch> {
+    use base64_free::decode;
+    let raw = resp["patch"].as_str()?;
+    serde_json::from_slice(&decode(raw)?).ok()
+}
+
+/// The patch travels as base64 (Go's []byte); a tiny decoder keeps the test
+/// free of another dependency.
+mod base64_free {
+    pub fn decode(s: &str) -> Option<Vec<u8>> {
+        const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = Vec::new();
+        let (mut acc, mut bits) = (0u32, 0);
+        for c in s.bytes().filter(|c| *c != b'=') {
+            acc = (acc << 6) | A.iter().position(|a| *a == c)? as u32;
+            bits += 6;
+            if bits >= 8 {
+                bits -= 8;
+                out.push((acc >> bits) as u8);
+            }
+        }
+        Some(out)
+    }
+}
+
+fn patch_of(resp: &Value) -> json_patch::Patch {
+    if let Some(p) = decode_patch(resp) {
+        return p;
+    }
+    // kube may serialize the bytes as an array of numbers.
+    let bytes: Vec<u8> = serde_json::from_value(resp["patch"].clone()).expect("patch bytes");
+    serde_json::from_slice(&bytes).expect("patch JSON")
+}
+
+#[test]
+fn pod_review_is_patched_with_warnings() {
+    let body = serde_json::to_vec(&review("Pod", "", pod())).expect("json");
+    let (rev, outcome) = injector().review(&body);
+    assert_eq!(outcome, AdmissionOutcome::Injected);
+    let v = serde_json::to_value(&rev).expect("json");
+    let resp = response(&v);
+    assert_eq!(resp["uid"], "0df28fbd-5f5f-4d4f-8c0e-6e5a2b7c9a11");
+    assert_eq!(resp["allowed"], true);
+    assert_eq!(resp["patchType"], "JSONPatch");
+    assert!(
+        resp["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|w| w.as_str().is_some_and(|w| w.contains("15000"))),
+        "{resp}"
+    );
+    let mut p = pod();
+    json_patch::patch(&mut p, &patch_of(resp)).expect("applies");
+    assert_eq!(p["spec"]["initContainers"][0]["name"], "remora-proxy");
+    let env = p["spec"]["initContainers"][0]["env"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        env.contains(&json!({"name": "REMORA_TERMINATION_DRAIN_DURATION", "value": "3s"})),
+        "workload SidecarLifecycle applied"
+    );
+}
+
+#[test]
+fn bad_inputs_always_get_a_valid_allowing_review() {
+    let inj = injector();
+    let huge = {
+        let containers: Vec<Value> = (0..5000)
+            .map(|i| json!({"name": format!("c{i}"), "image": "x"}))
+            .collect();
+        let mut p = pod();
+        p["spec"]["containers"] = Value::Array(containers);
+        serde_json::to_vec(&review("Pod", "", p)).expect("json")
+    };
+    let cases: Vec<(&str, Vec<u8>, AdmissionOutcome)> = vec![
+        ("empty body", vec![], AdmissionOutcome::Invalid),
+        ("not JSON", b"{not json".to_vec(), AdmissionOutcome::Invalid),
+        ("binary", vec![0xff, 0xfe, 0x00, 0x01], AdmissionOutcome::Invalid),
+        ("no request", br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#.to_vec(), AdmissionOutcome::Invalid),
+        ("request of the wrong shape", br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"u1","kind":7}}"#.to_vec(), AdmissionOutcome::Invalid),
+        ("a Deployment", serde_json::to_vec(&review("Deployment", "apps", json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}}))).unwrap_or_default(), AdmissionOutcome::Ignored),
+        ("a pod without containers", serde_json::to_vec(&review("Pod", "", json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {}}))).unwrap_or_default(), AdmissionOutcome::Invalid),
+        ("a pod whose spec is a string", serde_json::to_vec(&review("Pod", "", json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": "x"}))).unwrap_or_default(), AdmissionOutcome::Invalid),
+        ("a huge pod", huge, AdmissionOutcome::Injected),
+    ];
+    for (what, body, want) in cases {
+        let (rev, outcome) = inj.review(&body);
+        assert_eq!(outcome, want, "{what}");
+        let v = serde_json::to_value(&rev).expect("serializes");
+        assert_eq!(v["kind"], "AdmissionReview", "{what}");
+        assert_eq!(v["apiVersion"], "admission.k8s.io/v1", "{what}");
+        assert_eq!(v["response"]["allowed"], true, "{what}: {v}");
+        if want == AdmissionOutcome::Invalid {
+            assert!(
+                v["response"]["status"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty()),
+                "{what}: {v}"
+            );
+        }
+    }
+    // The uid is found even when the rest of the request is unreadable.
+    let (rev, _) = inj.review(br#"{"request":{"uid":"u1","kind":7}}"#);
+    assert_eq!(
+        serde_json::to_value(&rev).expect("json")["response"]["uid"],
+        "u1"
+    );
+}
+
+#[test]
+fn update_and_unselected_namespaces_are_left_alone() {
+    let mut r = review("Pod", "", pod());
+    r["request"]["operation"] = json!("UPDATE");
+    let (_, outcome) = injector().review(&serde_json::to_vec(&r).expect("json"));
+    assert_eq!(outcome, AdmissionOutcome::Ignored);
+    let mut r = review("Pod", "", pod());
+    r["request"]["namespace"] = json!("elsewhere");
+    let (rev, outcome) = injector().review(&serde_json::to_vec(&r).expect("json"));
+    assert_eq!(outcome, AdmissionOutcome::Skipped);
+    assert!(serde_json::to_value(&rev).expect("json")["response"]["patch"].is_null());
+}
+
+struct Server {
+    addr: std::net::SocketAddr,
+    ca: String,
+    dir: tempfile::TempDir,
+    cert: Arc<ReloadingCert>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+async fn start_server() -> anyhow::Result<Server> {
+    let dir = tempfile::tempdir()?;
+    let (cert_pem, key_pem) = self_signed(&["localhost".into()])?;
+    std::fs::write(dir.path().join("tls.crt"), &cert_pem)?;
+    std::fs::write(dir.path().join("tls.key"), &key_pem)?;
+    let cert = ReloadingCert::load(dir.path().join("tls.crt"), dir.path().join("tls.key"))?;
+    let tls = Arc::new(cert.server_config()?);
+    let state = Arc::new(AppState {
+        injector: injector(),
+        metrics: Metrics::new(),
+        max_body_bytes: 1 << 20,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_tls(listener, tls, router(state), async move {
+        let _ = rx.await;
+    }));
+    Ok(Server {
+        addr,
+        ca: cert_pem,
+        dir,
+        cert,
+        stop: Some(tx),
+    })
+}
+
+#[tokio::test]
+async fn https_round_trip_keep_alive_health_and_metrics() -> anyhow::Result<()> {
+    let mut server = start_server().await?;
+    let mut conn = remora_injector::client::connect(server.addr, "localhost", &server.ca).await?;
+    let (status, body) = conn.request(http::Method::GET, "/healthz", vec![]).await?;
+    assert_eq!((status.as_u16(), body.as_slice()), (200, b"ok".as_slice()));
+    for _ in 0..3 {
+        let (status, body) = conn
+            .request(
+                http::Method::POST,
+                "/inject",
+                serde_json::to_vec(&review("Pod", "", pod()))?,
+            )
+            .await?;
+        assert_eq!(status.as_u16(), 200);
+        let v: Value = serde_json::from_slice(&body)?;
+        assert_eq!(v["response"]["allowed"], true);
+        assert_eq!(v["response"]["patchType"], "JSONPatch");
+        assert!(v["response"]["patch"].is_string(), "base64 on the wire");
+        let mut p = pod();
+        json_patch::patch(&mut p, &patch_of(&v["response"]))?;
+        assert_eq!(p["spec"]["initContainers"][0]["name"], "remora-proxy");
+    }
+    // Garbage and an oversized body still get a 200 with a review.
+    let (status, body) = conn
+        .request(http::Method::POST, "/inject", b"nonsense".to_vec())
+        .await?;
+    assert_eq!(status.as_u16(), 200);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body)?["response"]["allowed"],
+        true
+    );
+    let mut big = serde_json::to_vec(&review("Pod", "", pod()))?;
+    big.resize(2 << 20, b' ');
+    let mut conn2 = remora_injector::client::connect(server.addr, "localhost", &server.ca).await?;
+    let (status, body) = conn2.request(http::Method::POST, "/inject", big).await?;
+    assert_eq!(status.as_u16(), 200);
+    let v: Value = serde_json::from_slice(&body)?;
+    assert_eq!(v["response"]["allowed"], true);
+    assert!(
+        v["response"]["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("bytes")),
+        "{v}"
+    );
+
+    let (_, metrics) = conn.request(http::Method::GET, "/metrics", vec![]).await?;
+    let metrics = String::from_utf8(metrics)?;
+    assert!(
+        metrics.contains(r#"remora_injector_admissions_total{outcome="injected"} 3"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"remora_injector_admissions_total{outcome="invalid"} 2"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("remora_injector_admission_duration_seconds_bucket"),
+        "{metrics}"
+    );
+    if let Some(stop) = server.stop.take() {
+        let _ = stop.send(());
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn serving_certificate_is_reloaded_without_restart() -> anyhow::Result<()> {
+    let server = start_server().await?;
+    let _reloader = server.cert.spawn_reloader(Duration::from_millis(50));
+    // A new certificate from another (self-signed) issuer: only its PEM is trusted after the swap.
+    let (new_cert, new_key) = self_signed(&["localhost".into()])?;
+    assert!(
+        remora_injector::client::connect(server.addr, "localhost", &new_cert)
+            .await
+            .is_err()
+    );
+    // Write the key first, then the cert; the reloader keeps the old pair while they mismatch.
+    std::fs::write(server.dir.path().join("tls.key.tmp"), &new_key)?;
+    std::fs::write(server.dir.path().join("tls.crt.tmp"), &new_cert)?;
+    std::fs::rename(
+        server.dir.path().join("tls.key.tmp"),
+        server.dir.path().join("tls.key"),
+    )?;
+    std::fs::rename(
+        server.dir.path().join("tls.crt.tmp"),
+        server.dir.path().join("tls.crt"),
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if remora_injector::client::connect(server.addr, "localhost", &new_cert)
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new certificate was never served"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        remora_injector::client::connect(server.addr, "localhost", &server.ca)
+            .await
+            .is_err()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn self_managed_ca_serves_the_service_name() -> anyhow::Result<()> {
+    use remora_injector::ca;
+    let bundle = ca::generate(&ca::service_names("remora-injector", "remora-system"))?;
+    let dir = tempfile::tempdir()?;
+    let (cert, key) = ca::write_files(dir.path(), &bundle)?;
+    let tls = Arc::new(ReloadingCert::load(cert, key)?.server_config()?);
+    let state = Arc::new(AppState {
+        injector: injector(),
+        metrics: Metrics::new(),
+        max_body_bytes: 1 << 20,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(serve_tls(
+        listener,
+        tls,
+        router(state),
+        std::future::pending(),
+    ));
+    // The API server trusts the CA (caBundle) and checks the service's DNS name.
+    let mut conn =
+        remora_injector::client::connect(addr, "remora-injector.remora-system.svc", &bundle.ca_pem)
+            .await?;
+    let (status, _) = conn.request(http::Method::GET, "/healthz", vec![]).await?;
+    assert_eq!(status.as_u16(), 200);
+    assert!(
+        remora_injector::client::connect(addr, "elsewhere.example", &bundle.ca_pem)
+            .await
+            .is_err()
+    );
+    Ok(())
+}
