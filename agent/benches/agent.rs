@@ -4,6 +4,8 @@
 
 #[path = "../tests/support/mod.rs"]
 mod support;
+#[path = "../tests/support_sds/mod.rs"]
+mod support_sds;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -76,6 +78,7 @@ fn main() {
     let mut agent_start = Vec::new();
     let mut envoy_start = Vec::new();
     let mut exit_latency = Vec::new();
+    let mut rss_sds = Vec::new();
     let mut wait_latency = Vec::new();
 
     for _ in 0..RUNS {
@@ -138,8 +141,27 @@ fn main() {
         exit_latency.push(closed.elapsed().as_secs_f64() * 1e3);
     }
 
+    for _ in 0..RUNS {
+        // With a certificate source: SDS serving the workload cert to an mTLS listener.
+        let root = support_sds::ca("bench root");
+        let certs = tempfile::tempdir().expect("tempdir");
+        support_sds::write_certs(certs.path(), &root.leaf(), &root.pem);
+        let agent = Agent::builder()
+            .arg("--inbound-tls")
+            .arg(format!("--cert-dir={}", certs.path().display()))
+            .start();
+        std::thread::sleep(Duration::from_millis(200));
+        rss_sds.push(rss_kib(agent.pid()) as f64 / 1024.0);
+    }
+
     let rows = [
         ("agent RSS once ready", "MiB", median(rss.clone()), 8.0),
+        (
+            "agent RSS once ready, SDS serving file certs (mTLS)",
+            "MiB",
+            median(rss_sds.clone()),
+            8.0,
+        ),
         (
             "agent exec→ready minus Envoy exec→LIVE",
             "ms",
@@ -193,6 +215,7 @@ fn main() {
         "runs": RUNS,
         "envoy": "1.40.0",
         "rss_mib": {"median": median(rss.clone()), "samples": rss, "goal": 8.0},
+        "rss_with_sds_certs_mib": {"median": median(rss_sds.clone()), "samples": rss_sds, "goal": 8.0},
         "startup_overhead_ms": {
             "median": median(agent_start.clone()) - median(envoy_start.clone()),
             "agent_exec_to_ready_ms": agent_start,
