@@ -1,0 +1,172 @@
+//! The Helm chart against the real kube-apiserver: `helm template` renders
+//! it, the CRDs are installed for real, and every other rendered object is
+//! applied with server-side dry-run, so the API server's own validation
+//! (schemas, CEL rules of the SidecarLifecycle CRD, webhook configuration
+//! and RBAC rules, pod template validation) judges it.
+
+use anyhow::Context;
+use e2e::controlplane::ControlPlane;
+use kube::api::{DynamicObject, Patch, PatchParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::{Discovery, Scope};
+use kube::{Api, Client};
+use serde_json::Value;
+
+/// Kinds whose API the local control plane does not have: cert-manager's
+/// (Certificate, Issuer), rendered with certMode=certManager. Only these are
+/// skipped, and the test says how many it skipped.
+const ABSENT_GROUPS: &[&str] = &["cert-manager.io"];
+
+/// Renders the chart with `sets` into `ns`, installs its CRDs, dry-runs the
+/// rest; returns (applied kinds, skipped kinds).
+async fn dry_run_chart(
+    client: &Client,
+    release: &str,
+    ns: &str,
+    sets: &[&str],
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+    let objects = e2e::chart::render(release, ns, sets)?;
+    anyhow::ensure!(!objects.is_empty(), "helm rendered nothing");
+    // The chart's crds/ (rendered first with --include-crds) for real.
+    e2e::chart::install_crds(client).await?;
+    let discovery = Discovery::new(client.clone()).run().await?;
+    let mut applied = Vec::new();
+    let mut skipped = Vec::new();
+    for obj in &objects {
+        let api_version = obj["apiVersion"].as_str().context("no apiVersion")?;
+        let kind = obj["kind"].as_str().context("no kind")?;
+        let name = obj["metadata"]["name"].as_str().context("no name")?;
+        if kind == "CustomResourceDefinition" {
+            continue;
+        }
+        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+        if ABSENT_GROUPS.contains(&group) {
+            skipped.push(kind.to_owned());
+            continue;
+        }
+        let gvk = GroupVersionKind::gvk(group, version, kind);
+        let (ar, caps) = discovery
+            .resolve_gvk(&gvk)
+            .with_context(|| format!("the API server does not serve {api_version} {kind}"))?;
+        let api: Api<DynamicObject> = match caps.scope {
+            Scope::Namespaced => {
+                let obj_ns = obj["metadata"]["namespace"].as_str().unwrap_or(ns);
+                assert_eq!(obj_ns, ns, "{kind}/{name} outside the release namespace");
+                Api::namespaced_with(client.clone(), ns, &ar)
+            }
+            Scope::Cluster => Api::all_with(client.clone(), &ar),
+        };
+        let dynobj: DynamicObject = serde_json::from_value(obj.clone())?;
+        api.patch(
+            name,
+            &PatchParams::apply("remora-e2e").dry_run(),
+            &Patch::Apply(&dynobj),
+        )
+        .await
+        .with_context(|| {
+            format!(
+                "the API server refused {kind}/{name}:\n{}",
+                serde_json::to_string_pretty(obj).unwrap_or_default()
+            )
+        })?;
+        applied.push(kind.to_owned());
+    }
+    Ok((applied, skipped))
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str) -> anyhow::Result<&'a Value> {
+    e2e::chart::find(objects, kind, None).with_context(|| format!("no {kind} rendered"))
+}
+
+#[tokio::test]
+async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart").await?;
+    let (mut applied, skipped) = dry_run_chart(&client, "remora", &ns, &[]).await?;
+    applied.sort();
+    assert_eq!(
+        applied,
+        [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "MutatingWebhookConfiguration",
+            "PodDisruptionBudget",
+            "Role",
+            "RoleBinding",
+            "Service",
+            "ServiceAccount",
+            "SidecarLifecycle",
+        ]
+    );
+    assert!(skipped.is_empty(), "{skipped:?}");
+
+    // What the issue asks of the rendered objects.
+    let objects = e2e::chart::render("remora", &ns, &[])?;
+    let dep = find(&objects, "Deployment")?;
+    assert_eq!(dep["spec"]["replicas"], 2);
+    let pod = &dep["spec"]["template"]["spec"];
+    assert!(pod["affinity"]["podAntiAffinity"].is_object(), "{pod:#}");
+    let sc = &pod["containers"][0]["securityContext"];
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["capabilities"]["drop"][0], "ALL");
+    assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+    let mwc = find(&objects, "MutatingWebhookConfiguration")?;
+    let hooks = mwc["webhooks"].as_array().context("no webhooks")?;
+    assert_eq!(hooks.len(), 2);
+    for h in hooks {
+        assert_eq!(h["failurePolicy"], "Fail");
+        assert_eq!(h["sideEffects"], "None");
+        assert_eq!(h["reinvocationPolicy"], "IfNeeded");
+        assert_eq!(h["admissionReviewVersions"][0], "v1");
+        assert!(h["timeoutSeconds"].as_i64().is_some_and(|t| t <= 10));
+        let excluded = &h["namespaceSelector"]["matchExpressions"][0];
+        assert_eq!(excluded["operator"], "NotIn");
+        let values: Vec<&str> = excluded["values"]
+            .as_array()
+            .context("values")?
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert!(
+            values.contains(&"kube-system") && values.contains(&ns.as_str()),
+            "{values:?}"
+        );
+    }
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart-cm").await?;
+    let sets = ["certMode=certManager", "webhook.failurePolicy=Ignore"];
+    let (applied, mut skipped) = dry_run_chart(&client, "remora", &ns, &sets).await?;
+    assert!(applied.contains(&"MutatingWebhookConfiguration".to_owned()));
+    skipped.sort();
+    // cert-manager is not installed here: its two kinds are all that is skipped.
+    assert_eq!(skipped, ["Certificate", "Issuer"]);
+
+    let objects = e2e::chart::render("remora", &ns, &sets)?;
+    let mwc = find(&objects, "MutatingWebhookConfiguration")?;
+    assert_eq!(
+        mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+        format!("{ns}/remora-injector")
+    );
+    assert_eq!(mwc["webhooks"][0]["failurePolicy"], "Ignore");
+    let cert = find(&objects, "Certificate")?;
+    assert_eq!(cert["spec"]["secretName"], "remora-injector-tls");
+    let dep = find(&objects, "Deployment")?;
+    let vol = &dep["spec"]["template"]["spec"]["volumes"][0];
+    assert_eq!(vol["secret"]["secretName"], "remora-injector-tls");
+    // No self-managed Secret, so no RBAC on Secrets.
+    let role = find(&objects, "Role")?;
+    assert!(!role.to_string().contains("secrets"), "{role:#}");
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
