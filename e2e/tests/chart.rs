@@ -4,13 +4,21 @@
 //! (schemas, CEL rules of the SidecarLifecycle CRD, webhook configuration
 //! and RBAC rules, pod template validation) judges it.
 
+use std::time::Duration;
+
 use anyhow::Context;
-use e2e::controlplane::ControlPlane;
-use kube::api::{DynamicObject, Patch, PatchParams};
-use kube::core::GroupVersionKind;
+use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::injector::{Injector, Options};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
 use kube::discovery::{Discovery, Scope};
 use kube::{Api, Client};
 use serde_json::Value;
+
+const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Kinds whose API the local control plane does not have: cert-manager's
 /// (Certificate, Issuer), rendered with certMode=certManager. Only these are
@@ -167,6 +175,168 @@ async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<(
     // No self-managed Secret, so no RBAC on Secrets.
     let role = find(&objects, "Role")?;
     assert!(!role.to_string().contains("secrets"), "{role:#}");
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+/// The chart's RBAC is enough for `remora-injector serve` in selfManaged
+/// mode: the injector runs as the chart's ServiceAccount (a real token from
+/// TokenRequest), lists and watches what it needs, creates its TLS Secret,
+/// patches its CA into the chart's webhook configuration and writes
+/// SidecarLifecycle status, with no request refused.
+#[tokio::test]
+async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let Some(pki) = cp.pki() else {
+        // A real cluster's CA is not at hand as a file; the rest of the
+        // chart tests still run there.
+        eprintln!("not a local control plane: RBAC test not run");
+        return Ok(());
+    };
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart-rbac").await?;
+    // The namespace as release name: cluster-scoped objects (ClusterRole,
+    // webhook configuration) do not collide with other tests'.
+    let release = ns.clone();
+    let objects = e2e::chart::render(&release, &ns, &["webhook.failurePolicy=Ignore"])?;
+    e2e::chart::install_crds(&client).await?;
+    let discovery = Discovery::new(client.clone()).run().await?;
+    let name = format!("{release}-remora-injector");
+    let mut cluster_scoped = Vec::new();
+    for obj in &objects {
+        let kind = obj["kind"].as_str().context("no kind")?;
+        if !matches!(
+            kind,
+            "ServiceAccount"
+                | "ClusterRole"
+                | "ClusterRoleBinding"
+                | "Role"
+                | "RoleBinding"
+                | "SidecarLifecycle"
+                | "MutatingWebhookConfiguration"
+        ) {
+            continue;
+        }
+        let mut obj = obj.clone();
+        if kind == "MutatingWebhookConfiguration" {
+            // Select nothing but this (excluded) namespace: never called.
+            for w in obj["webhooks"].as_array_mut().into_iter().flatten() {
+                if let Some(exprs) = w["namespaceSelector"]["matchExpressions"].as_array_mut() {
+                    exprs.push(serde_json::json!({
+                        "key": "kubernetes.io/metadata.name", "operator": "In", "values": [ns]}));
+                }
+            }
+        }
+        let api_version = obj["apiVersion"].as_str().context("no apiVersion")?;
+        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+        let (ar, caps) = discovery
+            .resolve_gvk(&GroupVersionKind::gvk(group, version, kind))
+            .with_context(|| format!("{api_version} {kind} not served"))?;
+        let api: Api<DynamicObject> = match caps.scope {
+            Scope::Namespaced => Api::namespaced_with(client.clone(), &ns, &ar),
+            Scope::Cluster => Api::all_with(client.clone(), &ar),
+        };
+        let obj_name = obj["metadata"]["name"]
+            .as_str()
+            .context("no name")?
+            .to_owned();
+        let dynobj: DynamicObject = serde_json::from_value(obj.clone())?;
+        api.patch(
+            &obj_name,
+            &PatchParams::apply("remora-e2e").force(),
+            &Patch::Apply(&dynobj),
+        )
+        .await
+        .with_context(|| format!("applying {kind}/{obj_name}"))?;
+        if caps.scope == Scope::Cluster {
+            cluster_scoped.push((api, obj_name));
+        }
+    }
+
+    let tr = Api::<ServiceAccount>::namespaced(client.clone(), &ns)
+        .create_token_request(
+            &name,
+            &PostParams::default(),
+            &TokenRequest {
+                spec: Some(TokenRequestSpec {
+                    expiration_seconds: Some(3600),
+                    ..TokenRequestSpec::default()
+                }),
+                ..TokenRequest::default()
+            },
+        )
+        .await?;
+    let token = tr.status.context("TokenRequest has no status")?.token;
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("injector.kubeconfig");
+    let kc = serde_json::json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "e2e", "cluster": {
+            "server": cp.server_url(),
+            "certificate-authority": pki.ca_cert}}],
+        "users": [{"name": "injector", "user": {"token": token}}],
+        "contexts": [{"name": "injector", "context": {"cluster": "e2e", "user": "injector"}}],
+        "current-context": "injector",
+    });
+    std::fs::write(&kubeconfig, serde_json::to_vec(&kc)?)?;
+
+    let tls_dir = dir.path().join("tls");
+    let mut options = Options::new(&ns);
+    options.args = vec![
+        "--self-signed".into(),
+        "--tls-secret".into(),
+        format!("{name}-tls"),
+        "--service-name".into(),
+        name.clone(),
+        "--webhook-config".into(),
+        name.clone(),
+        "--self-signed-dir".into(),
+        tls_dir.display().to_string(),
+        "--status-interval".into(),
+        "1s".into(),
+    ];
+    let injector = Injector::start(&kubeconfig, options).await?;
+    let log = || injector.log_tail();
+
+    // Its Secret, its caBundle, a status written.
+    let secret = Api::<Secret>::namespaced(client.clone(), &ns)
+        .get(&format!("{name}-tls"))
+        .await
+        .with_context(log)?;
+    assert!(secret.data.is_some_and(|d| !d.is_empty()));
+    let mwc_api = Api::<MutatingWebhookConfiguration>::all(client.clone());
+    wait_until("caBundle patched by the injector", DEADLINE, || async {
+        let mwc = mwc_api.get(&name).await?;
+        let all = mwc.webhooks.unwrap_or_default().iter().all(|w| {
+            w.client_config
+                .ca_bundle
+                .as_ref()
+                .is_some_and(|b| !b.0.is_empty())
+        });
+        Ok::<_, kube::Error>(all.then_some(()))
+    })
+    .await
+    .with_context(log)?;
+    let gvk = GroupVersionKind::gvk("remora.dev", "v1alpha1", "SidecarLifecycle");
+    let slc: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ns, &ApiResource::from_gvk(&gvk));
+    let slc_name = format!("{release}-remora-default");
+    wait_until("the cluster default's status", DEADLINE, || async {
+        let o = slc.get(&slc_name).await?;
+        Ok::<_, kube::Error>(o.data["status"]["observedGeneration"].as_i64().map(|_| ()))
+    })
+    .await
+    .with_context(log)?;
+    let text = injector.log_tail();
+    assert!(
+        !text.to_lowercase().contains("forbidden"),
+        "the injector was refused something:\n{text}"
+    );
+
+    drop(injector);
+    for (api, n) in cluster_scoped {
+        api.delete(&n, &Default::default()).await?;
+    }
     cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }
