@@ -15,9 +15,12 @@ use e2e::controlplane::{ControlPlane, wait_until};
 use e2e::injector::{Injector, Options};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
-use kube::api::{DeleteParams, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, PodTemplateSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+use kube::api::{
+    DeleteParams, DynamicObject, ListParams, ObjectMeta, Patch, PatchParams, PostParams,
+};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client};
 use serde_json::json;
@@ -416,5 +419,51 @@ async fn webhook_down_fail_refuses_and_ignore_admits_uninjected() -> anyhow::Res
             .contains_key("remora.dev/status")
     );
 
+    s.cleanup().await
+}
+
+/// With kube-controller-manager: the pods a Deployment's ReplicaSet creates
+/// go through the webhook like any other.
+#[tokio::test]
+async fn deployment_pods_are_injected() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    anyhow::ensure!(cp.has_controller_manager(), "needs kube-controller-manager");
+    let s = Setup::new("deploy", "Fail").await?;
+    let labels = BTreeMap::from([("app".to_owned(), "web".to_owned())]);
+    let template = pod("unused", &[("app", "web")], &[]);
+    let deploy = Deployment {
+        metadata: ObjectMeta {
+            name: Some("web".into()),
+            ..ObjectMeta::default()
+        },
+        spec: DeploymentSpec {
+            replicas: Some(2),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: template.spec,
+            },
+            ..DeploymentSpec::default()
+        },
+        ..Deployment::default()
+    };
+    Api::<Deployment>::namespaced(s.client.clone(), &s.enabled)
+        .create(&PostParams::default(), &deploy)
+        .await?;
+    let api = s.pods(&s.enabled);
+    let pods = wait_until("two pods of the Deployment", DEADLINE, || async {
+        let list = api.list(&ListParams::default().labels("app=web")).await?;
+        Ok::<_, kube::Error>((list.items.len() == 2).then_some(list.items))
+    })
+    .await?;
+    for p in &pods {
+        assert!(sidecar(p).is_some(), "{:?}", p.spec);
+    }
     s.cleanup().await
 }
