@@ -74,6 +74,18 @@ pub fn chart_dir() -> PathBuf {
 /// --set k=v...`, as one JSON value per rendered object (in helm's order:
 /// CRDs first).
 pub fn render(release: &str, namespace: &str, sets: &[&str]) -> Result<Vec<Value>, Error> {
+    render_with(release, namespace, sets, None)
+}
+
+/// [`render`], and with a kubeconfig `--dry-run=server`: helm then talks to
+/// that cluster, so the templates' `lookup` sees what is installed (as on
+/// `helm upgrade`).
+pub fn render_with(
+    release: &str,
+    namespace: &str,
+    sets: &[&str],
+    kubeconfig: Option<&Path>,
+) -> Result<Vec<Value>, Error> {
     let helm = helm_bin()?;
     let mut cmd = Command::new(&helm);
     cmd.arg("template")
@@ -82,6 +94,9 @@ pub fn render(release: &str, namespace: &str, sets: &[&str]) -> Result<Vec<Value
         .arg("--namespace")
         .arg(namespace)
         .arg("--include-crds");
+    if let Some(k) = kubeconfig {
+        cmd.arg("--dry-run=server").arg("--kubeconfig").arg(k);
+    }
     for s in sets {
         cmd.arg("--set").arg(s);
     }

@@ -333,6 +333,23 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         "the injector was refused something:\n{text}"
     );
 
+    // What `helm upgrade` would render now keeps the injector's caBundle
+    // (the template looks it up), so an upgrade never blanks it, which with
+    // failurePolicy Fail would refuse pods until the injector patched it again.
+    let live = mwc_api.get(&name).await?;
+    let ca = live
+        .webhooks
+        .unwrap_or_default()
+        .first()
+        .and_then(|w| w.client_config.ca_bundle.clone())
+        .context("no caBundle")?;
+    let upgrade = e2e::chart::render_with(&release, &ns, &[], Some(cp.kubeconfig()))?;
+    let rendered: MutatingWebhookConfiguration =
+        serde_json::from_value(find(&upgrade, "MutatingWebhookConfiguration")?.clone())?;
+    for w in rendered.webhooks.unwrap_or_default() {
+        assert_eq!(w.client_config.ca_bundle.as_ref(), Some(&ca), "{}", w.name);
+    }
+
     drop(injector);
     for (api, n) in cluster_scoped {
         api.delete(&n, &Default::default()).await?;
