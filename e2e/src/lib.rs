@@ -1,6 +1,8 @@
-//! End-to-end harness: a test app, a load generator, and (later) the control
-//! plane and the kubelet-emulating pod runner.
+//! End-to-end harness: a test app, a load generator, the control plane,
+//! the injector as a process, and the chart rendered by helm.
 
+pub mod chart;
 pub mod controlplane;
 pub mod envoy;
+pub mod injector;
 pub mod load;

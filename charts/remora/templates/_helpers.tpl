@@ -1,0 +1,59 @@
+{{/* Base name of every object: the release name, with "remora" once. */}}
+{{- define "remora.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 54 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 54 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The injector's Deployment, Service, ServiceAccount, webhook configuration. */}}
+{{- define "remora.injector" -}}
+{{- printf "%s-injector" (include "remora.fullname" .) -}}
+{{- end -}}
+
+{{- define "remora.tlsSecret" -}}
+{{- printf "%s-tls" (include "remora.injector" .) -}}
+{{- end -}}
+
+{{- define "remora.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/part-of: remora
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "remora.selectorLabels" -}}
+app.kubernetes.io/name: remora-injector
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* repository:tag or repository@digest. */}}
+{{- define "remora.image" -}}
+{{- $img := index . 0 -}}{{- $tag := index . 1 -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "remora.injectorImage" -}}
+{{- include "remora.image" (list .Values.image.injector (.Values.image.injector.tag | default .Chart.AppVersion)) -}}
+{{- end -}}
+
+{{- define "remora.proxyImage" -}}
+{{- $tag := .Values.image.proxy.tag | default (printf "%s-envoy-%s" .Chart.AppVersion .Values.image.proxy.envoyVersion) -}}
+{{- include "remora.image" (list .Values.image.proxy $tag) -}}
+{{- end -}}
+
+{{/*
+Namespaces never sent to the webhook: the configured system namespaces and
+the release namespace (so the injector's own pods start while it is down,
+with failurePolicy Fail).
+*/}}
+{{- define "remora.excludedNamespaces" -}}
+{{- $ns := concat .Values.webhook.excludeNamespaces (list .Release.Namespace) | uniq -}}
+{{- toJson $ns -}}
+{{- end -}}

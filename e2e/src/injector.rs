@@ -1,0 +1,307 @@
+//! Runs `remora-injector serve` as a real process against a control plane,
+//! listening on 127.0.0.1 with a certificate made for that address, so that
+//! the API server can call it through a webhook's `clientConfig.url`
+//! (a Service would need kube-proxy and a pod network, which the local
+//! control plane does not have).
+
+use std::fs::File;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+
+/// Where a prebuilt injector can be named explicitly.
+pub const ENV_INJECTOR_BIN: &str = "REMORA_INJECTOR_BIN";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "remora-injector not found at {0}: build it (`cargo build -p remora-injector`, which \
+         `cargo test --workspace` does) or set {ENV_INJECTOR_BIN}"
+    )]
+    MissingBinary(PathBuf),
+    #[error("generating certificates: {0}")]
+    Certs(#[from] rcgen::Error),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("remora-injector exited during startup ({status}); its log ends with:\n{log}")]
+    Exited { status: String, log: String },
+    #[error("remora-injector not listening on {addr} after {timeout:?}; its log ends with:\n{log}")]
+    NotListening {
+        addr: SocketAddr,
+        timeout: Duration,
+        log: String,
+    },
+}
+
+fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let context = context.into();
+    move |source| Error::Io { context, source }
+}
+
+/// The injector binary: `$REMORA_INJECTOR_BIN`, else next to the test
+/// binary's directory (`target/<profile>/remora-injector`; test binaries
+/// live in `target/<profile>/deps`).
+pub fn injector_bin() -> Result<PathBuf, Error> {
+    if let Some(p) = std::env::var_os(ENV_INJECTOR_BIN).filter(|v| !v.is_empty()) {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(Error::MissingBinary(p))
+        };
+    }
+    let exe = std::env::current_exe().map_err(io("locating the test binary"))?;
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let p = dir.join("remora-injector");
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(Error::MissingBinary(p))
+    }
+}
+
+/// How to start the injector.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// `POD_NAMESPACE`: where its cluster default SidecarLifecycle lives. A
+    /// test namespace keeps parallel tests apart.
+    pub operator_namespace: String,
+    /// `--default-mode` (no nodes run here, so `Auto` has no kubelet to ask).
+    pub default_mode: String,
+    /// More `serve` flags.
+    pub args: Vec<String>,
+    /// How long to wait for it to list the cluster and listen.
+    pub start_timeout: Duration,
+}
+
+impl Options {
+    pub fn new(operator_namespace: &str) -> Self {
+        Self {
+            operator_namespace: operator_namespace.to_owned(),
+            default_mode: "Legacy".to_owned(),
+            args: Vec::new(),
+            start_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A running `remora-injector serve`. Stopped (SIGTERM, then SIGKILL) when
+/// dropped; a watchdog `sh` holding a pipe from this process kills it if the
+/// test process dies without dropping it (panic=abort, SIGKILL).
+#[derive(Debug)]
+pub struct Injector {
+    child: Child,
+    watchdog: Option<(Child, ChildStdin)>,
+    addr: SocketAddr,
+    ca_pem: String,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Injector {
+    /// Starts the injector with `kubeconfig` and waits until it listens
+    /// (it binds only after its first listing of the cluster).
+    pub async fn start(kubeconfig: &Path, options: Options) -> Result<Self, Error> {
+        let bin = injector_bin()?;
+        let dir = tempfile::Builder::new()
+            .prefix("remora-injector-")
+            .tempdir()
+            .map_err(io("creating a temp dir"))?;
+        let (ca_pem, cert_pem, key_pem) = loopback_certs()?;
+        let cert = dir.path().join("tls.crt");
+        let key = dir.path().join("tls.key");
+        std::fs::write(&cert, cert_pem).map_err(io("writing tls.crt"))?;
+        std::fs::write(&key, key_pem).map_err(io("writing tls.key"))?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let log = dir.path().join("injector.log");
+        let out = File::create(&log).map_err(io("creating injector.log"))?;
+        let err = out.try_clone().map_err(io("cloning the log file"))?;
+        let child = Command::new(&bin)
+            .arg("serve")
+            .arg("--listen")
+            .arg(addr.to_string())
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
+            .arg("--default-mode")
+            .arg(&options.default_mode)
+            .arg("--log-level")
+            .arg("info,remora_injector=debug")
+            .args(&options.args)
+            .env("KUBECONFIG", kubeconfig)
+            .env("POD_NAMESPACE", &options.operator_namespace)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(io(format!("starting {}", bin.display())))?;
+        let watchdog = spawn_watchdog(child.id())?;
+        let mut me = Self {
+            child,
+            watchdog: Some(watchdog),
+            addr,
+            ca_pem,
+            log,
+            _dir: dir,
+        };
+        me.wait_listening(options.start_timeout).await?;
+        Ok(me)
+    }
+
+    async fn wait_listening(&mut self, timeout: Duration) -> Result<(), Error> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self
+                .child
+                .try_wait()
+                .map_err(io("polling remora-injector"))?
+            {
+                return Err(Error::Exited {
+                    status: status.to_string(),
+                    log: self.log_tail(),
+                });
+            }
+            if TcpStream::connect_timeout(&self.addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(Error::NotListening {
+                    addr: self.addr,
+                    timeout,
+                    log: self.log_tail(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The webhook URL for `clientConfig.url`.
+    pub fn url(&self) -> String {
+        format!("https://{}/inject", self.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The CA (PEM) that signed the serving certificate, for `caBundle`.
+    pub fn ca_pem(&self) -> &str {
+        &self.ca_pem
+    }
+
+    /// The end of the injector's log (JSON lines), for failure messages.
+    pub fn log_tail(&self) -> String {
+        log_tail(&self.log, 6000)
+    }
+
+    /// Stops the injector: SIGTERM, then SIGKILL after `grace`. Waits for it.
+    pub fn stop(&mut self, grace: Duration) {
+        // The watchdog first, so it can never signal a reused pid later.
+        if let Some((mut w, stdin)) = self.watchdog.take() {
+            let _ = w.kill();
+            let _ = w.wait();
+            drop(stdin);
+        }
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+        let deadline = std::time::Instant::now() + grace;
+        while std::time::Instant::now() < deadline {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Injector {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(5));
+    }
+}
+
+/// An `sh` that waits for end-of-file on a pipe whose only writer is this
+/// process, then kills `pid`: the injector never outlives the test process.
+fn spawn_watchdog(pid: u32) -> Result<(Child, ChildStdin), Error> {
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "read _ ; kill -TERM {pid} 2>/dev/null; sleep 3; kill -KILL {pid} 2>/dev/null"
+        ))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(io("starting the injector's watchdog (sh)"))?;
+    let stdin = child
+        .stdin
+        .take()
+        .ok_or_else(|| io("the watchdog's stdin")(std::io::ErrorKind::BrokenPipe.into()))?;
+    Ok((child, stdin))
+}
+
+/// A CA and a serving certificate for 127.0.0.1 signed by it: (CA, cert, key) PEM.
+pub fn loopback_certs() -> Result<(String, String, String), Error> {
+    let ca_key = KeyPair::generate()?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "remora-e2e-webhook-ca");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let ca = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate()?;
+    // The API server dials the IP of clientConfig.url: it must be an IP SAN.
+    let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "remora-injector-e2e");
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    let cert = params.signed_by(&key, &ca)?;
+    Ok((ca_cert.pem(), cert.pem(), key.serialize_pem()))
+}
+
+/// A port the kernel just handed out on 127.0.0.1 (released again, so a
+/// race with another process is possible but unlikely).
+pub fn free_port() -> Result<u16, Error> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(io("binding 127.0.0.1:0"))?;
+    Ok(l.local_addr().map_err(io("reading a bound port"))?.port())
+}
+
+/// The last `max` bytes of a log file (lossy UTF-8), for error messages.
+fn log_tail(path: &Path, max: usize) -> String {
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            let start = bytes.len().saturating_sub(max);
+            String::from_utf8_lossy(&bytes[start..]).into_owned()
+        }
+        Err(e) => format!("(cannot read {}: {e})", path.display()),
+    }
+}

@@ -1,0 +1,359 @@
+//! The Helm chart against the real kube-apiserver: `helm template` renders
+//! it, the CRDs are installed for real, and every other rendered object is
+//! applied with server-side dry-run, so the API server's own validation
+//! (schemas, CEL rules of the SidecarLifecycle CRD, webhook configuration
+//! and RBAC rules, pod template validation) judges it.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::injector::{Injector, Options};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use kube::discovery::{Discovery, Scope};
+use kube::{Api, Client};
+use serde_json::Value;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Kinds whose API the local control plane does not have: cert-manager's
+/// (Certificate, Issuer), rendered with certMode=certManager. Only these are
+/// skipped, and the test says how many it skipped.
+const ABSENT_GROUPS: &[&str] = &["cert-manager.io"];
+
+/// Renders the chart with `sets` into `ns`, installs its CRDs, dry-runs the
+/// rest; returns (applied kinds, skipped kinds).
+async fn dry_run_chart(
+    client: &Client,
+    release: &str,
+    ns: &str,
+    sets: &[&str],
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+    let objects = e2e::chart::render(release, ns, sets)?;
+    anyhow::ensure!(!objects.is_empty(), "helm rendered nothing");
+    // The chart's crds/ (rendered first with --include-crds) for real.
+    e2e::chart::install_crds(client).await?;
+    let discovery = Discovery::new(client.clone()).run().await?;
+    let mut applied = Vec::new();
+    let mut skipped = Vec::new();
+    for obj in &objects {
+        let api_version = obj["apiVersion"].as_str().context("no apiVersion")?;
+        let kind = obj["kind"].as_str().context("no kind")?;
+        let name = obj["metadata"]["name"].as_str().context("no name")?;
+        if kind == "CustomResourceDefinition" {
+            continue;
+        }
+        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+        if ABSENT_GROUPS.contains(&group) {
+            skipped.push(kind.to_owned());
+            continue;
+        }
+        let gvk = GroupVersionKind::gvk(group, version, kind);
+        let (ar, caps) = discovery
+            .resolve_gvk(&gvk)
+            .with_context(|| format!("the API server does not serve {api_version} {kind}"))?;
+        let api: Api<DynamicObject> = match caps.scope {
+            Scope::Namespaced => {
+                let obj_ns = obj["metadata"]["namespace"].as_str().unwrap_or(ns);
+                assert_eq!(obj_ns, ns, "{kind}/{name} outside the release namespace");
+                Api::namespaced_with(client.clone(), ns, &ar)
+            }
+            Scope::Cluster => Api::all_with(client.clone(), &ar),
+        };
+        let dynobj: DynamicObject = serde_json::from_value(obj.clone())?;
+        api.patch(
+            name,
+            &PatchParams::apply("remora-e2e").dry_run(),
+            &Patch::Apply(&dynobj),
+        )
+        .await
+        .with_context(|| {
+            format!(
+                "the API server refused {kind}/{name}:\n{}",
+                serde_json::to_string_pretty(obj).unwrap_or_default()
+            )
+        })?;
+        applied.push(kind.to_owned());
+    }
+    Ok((applied, skipped))
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str) -> anyhow::Result<&'a Value> {
+    e2e::chart::find(objects, kind, None).with_context(|| format!("no {kind} rendered"))
+}
+
+#[tokio::test]
+async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart").await?;
+    let (mut applied, skipped) = dry_run_chart(&client, "remora", &ns, &[]).await?;
+    applied.sort();
+    assert_eq!(
+        applied,
+        [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "MutatingWebhookConfiguration",
+            "PodDisruptionBudget",
+            "Role",
+            "RoleBinding",
+            "Service",
+            "ServiceAccount",
+            "SidecarLifecycle",
+        ]
+    );
+    assert!(skipped.is_empty(), "{skipped:?}");
+
+    // What the issue asks of the rendered objects.
+    let objects = e2e::chart::render("remora", &ns, &[])?;
+    let dep = find(&objects, "Deployment")?;
+    assert_eq!(dep["spec"]["replicas"], 2);
+    let pod = &dep["spec"]["template"]["spec"];
+    assert!(pod["affinity"]["podAntiAffinity"].is_object(), "{pod:#}");
+    let sc = &pod["containers"][0]["securityContext"];
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["capabilities"]["drop"][0], "ALL");
+    assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+    let mwc = find(&objects, "MutatingWebhookConfiguration")?;
+    let hooks = mwc["webhooks"].as_array().context("no webhooks")?;
+    assert_eq!(hooks.len(), 2);
+    for h in hooks {
+        assert_eq!(h["failurePolicy"], "Fail");
+        assert_eq!(h["sideEffects"], "None");
+        assert_eq!(h["reinvocationPolicy"], "IfNeeded");
+        assert_eq!(h["admissionReviewVersions"][0], "v1");
+        assert!(h["timeoutSeconds"].as_i64().is_some_and(|t| t <= 10));
+        let excluded = &h["namespaceSelector"]["matchExpressions"][0];
+        assert_eq!(excluded["operator"], "NotIn");
+        let values: Vec<&str> = excluded["values"]
+            .as_array()
+            .context("values")?
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert!(
+            values.contains(&"kube-system") && values.contains(&ns.as_str()),
+            "{values:?}"
+        );
+    }
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart-cm").await?;
+    let sets = ["certMode=certManager", "webhook.failurePolicy=Ignore"];
+    let (applied, mut skipped) = dry_run_chart(&client, "remora", &ns, &sets).await?;
+    assert!(applied.contains(&"MutatingWebhookConfiguration".to_owned()));
+    skipped.sort();
+    // cert-manager is not installed here: its two kinds are all that is skipped.
+    assert_eq!(skipped, ["Certificate", "Issuer"]);
+
+    let objects = e2e::chart::render("remora", &ns, &sets)?;
+    let mwc = find(&objects, "MutatingWebhookConfiguration")?;
+    assert_eq!(
+        mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+        format!("{ns}/remora-injector")
+    );
+    assert_eq!(mwc["webhooks"][0]["failurePolicy"], "Ignore");
+    let cert = find(&objects, "Certificate")?;
+    assert_eq!(cert["spec"]["secretName"], "remora-injector-tls");
+    let dep = find(&objects, "Deployment")?;
+    let vol = &dep["spec"]["template"]["spec"]["volumes"][0];
+    assert_eq!(vol["secret"]["secretName"], "remora-injector-tls");
+    // No self-managed Secret, so no RBAC on Secrets.
+    let role = find(&objects, "Role")?;
+    assert!(!role.to_string().contains("secrets"), "{role:#}");
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+/// The chart's RBAC is enough for `remora-injector serve` in selfManaged
+/// mode: the injector runs as the chart's ServiceAccount (a real token from
+/// TokenRequest), lists and watches what it needs, creates its TLS Secret,
+/// patches its CA into the chart's webhook configuration and writes
+/// SidecarLifecycle status, with no request refused.
+#[tokio::test]
+async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let Some(pki) = cp.pki() else {
+        // A real cluster's CA is not at hand as a file; the rest of the
+        // chart tests still run there.
+        eprintln!("not a local control plane: RBAC test not run");
+        return Ok(());
+    };
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart-rbac").await?;
+    // The namespace as release name: cluster-scoped objects (ClusterRole,
+    // webhook configuration) do not collide with other tests'.
+    let release = ns.clone();
+    let objects = e2e::chart::render(&release, &ns, &["webhook.failurePolicy=Ignore"])?;
+    e2e::chart::install_crds(&client).await?;
+    let discovery = Discovery::new(client.clone()).run().await?;
+    let name = format!("{release}-remora-injector");
+    let mut cluster_scoped = Vec::new();
+    for obj in &objects {
+        let kind = obj["kind"].as_str().context("no kind")?;
+        if !matches!(
+            kind,
+            "ServiceAccount"
+                | "ClusterRole"
+                | "ClusterRoleBinding"
+                | "Role"
+                | "RoleBinding"
+                | "SidecarLifecycle"
+                | "MutatingWebhookConfiguration"
+        ) {
+            continue;
+        }
+        let mut obj = obj.clone();
+        if kind == "MutatingWebhookConfiguration" {
+            // Select nothing but this (excluded) namespace: never called.
+            for w in obj["webhooks"].as_array_mut().into_iter().flatten() {
+                if let Some(exprs) = w["namespaceSelector"]["matchExpressions"].as_array_mut() {
+                    exprs.push(serde_json::json!({
+                        "key": "kubernetes.io/metadata.name", "operator": "In", "values": [ns]}));
+                }
+            }
+        }
+        let api_version = obj["apiVersion"].as_str().context("no apiVersion")?;
+        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+        let (ar, caps) = discovery
+            .resolve_gvk(&GroupVersionKind::gvk(group, version, kind))
+            .with_context(|| format!("{api_version} {kind} not served"))?;
+        let api: Api<DynamicObject> = match caps.scope {
+            Scope::Namespaced => Api::namespaced_with(client.clone(), &ns, &ar),
+            Scope::Cluster => Api::all_with(client.clone(), &ar),
+        };
+        let obj_name = obj["metadata"]["name"]
+            .as_str()
+            .context("no name")?
+            .to_owned();
+        let dynobj: DynamicObject = serde_json::from_value(obj.clone())?;
+        api.patch(
+            &obj_name,
+            &PatchParams::apply("remora-e2e").force(),
+            &Patch::Apply(&dynobj),
+        )
+        .await
+        .with_context(|| format!("applying {kind}/{obj_name}"))?;
+        if caps.scope == Scope::Cluster {
+            cluster_scoped.push((api, obj_name));
+        }
+    }
+
+    let tr = Api::<ServiceAccount>::namespaced(client.clone(), &ns)
+        .create_token_request(
+            &name,
+            &PostParams::default(),
+            &TokenRequest {
+                spec: Some(TokenRequestSpec {
+                    expiration_seconds: Some(3600),
+                    ..TokenRequestSpec::default()
+                }),
+                ..TokenRequest::default()
+            },
+        )
+        .await?;
+    let token = tr.status.context("TokenRequest has no status")?.token;
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("injector.kubeconfig");
+    let kc = serde_json::json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "e2e", "cluster": {
+            "server": cp.server_url(),
+            "certificate-authority": pki.ca_cert}}],
+        "users": [{"name": "injector", "user": {"token": token}}],
+        "contexts": [{"name": "injector", "context": {"cluster": "e2e", "user": "injector"}}],
+        "current-context": "injector",
+    });
+    std::fs::write(&kubeconfig, serde_json::to_vec(&kc)?)?;
+
+    let tls_dir = dir.path().join("tls");
+    let mut options = Options::new(&ns);
+    options.args = vec![
+        "--self-signed".into(),
+        "--tls-secret".into(),
+        format!("{name}-tls"),
+        "--service-name".into(),
+        name.clone(),
+        "--webhook-config".into(),
+        name.clone(),
+        "--self-signed-dir".into(),
+        tls_dir.display().to_string(),
+        "--status-interval".into(),
+        "1s".into(),
+    ];
+    let injector = Injector::start(&kubeconfig, options).await?;
+    let log = || injector.log_tail();
+
+    // Its Secret, its caBundle, a status written.
+    let secret = Api::<Secret>::namespaced(client.clone(), &ns)
+        .get(&format!("{name}-tls"))
+        .await
+        .with_context(log)?;
+    assert!(secret.data.is_some_and(|d| !d.is_empty()));
+    let mwc_api = Api::<MutatingWebhookConfiguration>::all(client.clone());
+    wait_until("caBundle patched by the injector", DEADLINE, || async {
+        let mwc = mwc_api.get(&name).await?;
+        let all = mwc.webhooks.unwrap_or_default().iter().all(|w| {
+            w.client_config
+                .ca_bundle
+                .as_ref()
+                .is_some_and(|b| !b.0.is_empty())
+        });
+        Ok::<_, kube::Error>(all.then_some(()))
+    })
+    .await
+    .with_context(log)?;
+    let gvk = GroupVersionKind::gvk("remora.dev", "v1alpha1", "SidecarLifecycle");
+    let slc: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ns, &ApiResource::from_gvk(&gvk));
+    let slc_name = format!("{release}-remora-default");
+    wait_until("the cluster default's status", DEADLINE, || async {
+        let o = slc.get(&slc_name).await?;
+        Ok::<_, kube::Error>(o.data["status"]["observedGeneration"].as_i64().map(|_| ()))
+    })
+    .await
+    .with_context(log)?;
+    let text = injector.log_tail();
+    assert!(
+        !text.to_lowercase().contains("forbidden"),
+        "the injector was refused something:\n{text}"
+    );
+
+    // What `helm upgrade` would render now keeps the injector's caBundle
+    // (the template looks it up), so an upgrade never blanks it, which with
+    // failurePolicy Fail would refuse pods until the injector patched it again.
+    let live = mwc_api.get(&name).await?;
+    let ca = live
+        .webhooks
+        .unwrap_or_default()
+        .first()
+        .and_then(|w| w.client_config.ca_bundle.clone())
+        .context("no caBundle")?;
+    let upgrade = e2e::chart::render_with(&release, &ns, &[], Some(cp.kubeconfig()))?;
+    let rendered: MutatingWebhookConfiguration =
+        serde_json::from_value(find(&upgrade, "MutatingWebhookConfiguration")?.clone())?;
+    for w in rendered.webhooks.unwrap_or_default() {
+        assert_eq!(w.client_config.ca_bundle.as_ref(), Some(&ca), "{}", w.name);
+    }
+
+    drop(injector);
+    for (api, n) in cluster_scoped {
+        api.delete(&n, &Default::default()).await?;
+    }
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}

@@ -1,0 +1,469 @@
+//! The injector behind the real kube-apiserver: the CRD and its CEL rules,
+//! and `remora-injector serve` called as a mutating webhook.
+//!
+//! The webhook configuration is the chart's own (`helm template`), with
+//! `clientConfig.service` swapped for `clientConfig.url` to the injector
+//! running as a local process (no Service network here) and, so that tests
+//! running in parallel on one API server do not see each other's webhooks,
+//! one more namespaceSelector term: the test's own namespaces.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Context;
+use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::injector::{Injector, Options};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, PodTemplateSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+use kube::api::{
+    DeleteParams, DynamicObject, ListParams, ObjectMeta, Patch, PatchParams, PostParams,
+};
+use kube::core::{ApiResource, GroupVersionKind};
+use kube::{Api, Client};
+use serde_json::json;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const PROXY: &str = "remora-proxy";
+
+/// The sidecar, wherever the mode put it.
+fn sidecar(pod: &Pod) -> Option<(&'static str, &Container)> {
+    let spec = pod.spec.as_ref()?;
+    if let Some(c) = spec.containers.iter().find(|c| c.name == PROXY) {
+        return Some(("containers", c));
+    }
+    spec.init_containers
+        .iter()
+        .flatten()
+        .find(|c| c.name == PROXY)
+        .map(|c| ("initContainers", c))
+}
+
+fn pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Pod {
+    let map = |kv: &[(&str, &str)]| {
+        (!kv.is_empty()).then(|| {
+            kv.iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect::<BTreeMap<_, _>>()
+        })
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: map(labels),
+            annotations: map(annotations),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "app".into(),
+                image: Some("registry.invalid/app:1".into()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
+async fn label_namespace(client: &Client, ns: &str, key: &str, value: &str) -> anyhow::Result<()> {
+    Api::<Namespace>::all(client.clone())
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {key: value}}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The chart's MutatingWebhookConfiguration, pointed at `injector` and
+/// limited to `namespaces`.
+fn webhook_config(
+    name: &str,
+    injector: &Injector,
+    namespaces: &[&str],
+    failure_policy: &str,
+) -> anyhow::Result<MutatingWebhookConfiguration> {
+    let objects = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &[&format!("webhook.failurePolicy={failure_policy}")],
+    )?;
+    let rendered = e2e::chart::find(&objects, "MutatingWebhookConfiguration", None)
+        .context("the chart renders no MutatingWebhookConfiguration")?;
+    let mut mwc: MutatingWebhookConfiguration = serde_json::from_value(rendered.clone())?;
+    mwc.metadata.name = Some(name.to_owned());
+    anyhow::ensure!(mwc.webhooks.as_ref().is_some_and(|w| w.len() == 2));
+    for w in mwc.webhooks.iter_mut().flatten() {
+        w.client_config.service = None;
+        w.client_config.url = Some(injector.url());
+        w.client_config.ca_bundle = Some(ByteString(injector.ca_pem().as_bytes().to_vec()));
+        let sel = w.namespace_selector.get_or_insert_with(Default::default);
+        sel.match_expressions
+            .get_or_insert_with(Vec::new)
+            .push(LabelSelectorRequirement {
+                key: "kubernetes.io/metadata.name".into(),
+                operator: "In".into(),
+                values: Some(namespaces.iter().map(|s| (*s).to_owned()).collect()),
+            });
+    }
+    Ok(mwc)
+}
+
+/// A test's world: namespaces (the first labelled `remora.dev/inject=enabled`,
+/// the second not), the injector, the chart's webhook configuration.
+struct Setup {
+    client: Client,
+    enabled: String,
+    plain: String,
+    injector: Injector,
+    mwc: String,
+}
+
+impl Setup {
+    async fn new(prefix: &str, failure_policy: &str) -> anyhow::Result<Self> {
+        let cp = ControlPlane::shared().await?;
+        let client = cp.client()?;
+        e2e::chart::install_crds(&client).await?;
+        let enabled = cp
+            .create_namespace(&client, &format!("{prefix}-on"))
+            .await?;
+        let plain = cp
+            .create_namespace(&client, &format!("{prefix}-off"))
+            .await?;
+        // Before the injector starts: its first listing then has the label.
+        label_namespace(&client, &enabled, "remora.dev/inject", "enabled").await?;
+        // Its operator namespace is the test's, so a cluster default
+        // SidecarLifecycle of another test never reaches it.
+        let injector = Injector::start(cp.kubeconfig(), Options::new(&enabled)).await?;
+        let mwc = format!("remora-e2e-{enabled}");
+        let config = webhook_config(&mwc, &injector, &[&enabled, &plain], failure_policy)?;
+        Api::<MutatingWebhookConfiguration>::all(client.clone())
+            .create(&PostParams::default(), &config)
+            .await?;
+        let me = Self {
+            client,
+            enabled,
+            plain,
+            injector,
+            mwc,
+        };
+        me.wait_effective().await?;
+        Ok(me)
+    }
+
+    /// The API server picks a new webhook configuration up asynchronously:
+    /// dry-run creates (which run mutating webhooks; the configuration says
+    /// sideEffects None) until one comes back injected.
+    async fn wait_effective(&self) -> anyhow::Result<()> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.enabled);
+        let dry = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        let probe = pod("probe", &[], &[]);
+        let res = wait_until("the webhook configuration in force", DEADLINE, || async {
+            let p = api.create(&dry, &probe).await?;
+            Ok::<_, kube::Error>(sidecar(&p).map(|_| ()))
+        })
+        .await;
+        res.with_context(|| format!("injector log:\n{}", self.injector.log_tail()))
+    }
+
+    fn pods(&self, ns: &str) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), ns)
+    }
+
+    async fn cleanup(self) -> anyhow::Result<()> {
+        Api::<MutatingWebhookConfiguration>::all(self.client.clone())
+            .delete(&self.mwc, &DeleteParams::default())
+            .await?;
+        let cp = ControlPlane::shared().await?;
+        cp.delete_namespace(&self.client, &self.enabled).await?;
+        cp.delete_namespace(&self.client, &self.plain).await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn crd_rejects_invalid_lifecycles_with_readable_messages() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    e2e::chart::install_crds(&client).await?;
+    let ns = cp.create_namespace(&client, "cel").await?;
+    let gvk = GroupVersionKind::gvk("remora.dev", "v1alpha1", "SidecarLifecycle");
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ns, &ApiResource::from_gvk(&gvk));
+    let slc = |name: &str, spec: serde_json::Value| -> anyhow::Result<DynamicObject> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "remora.dev/v1alpha1",
+            "kind": "SidecarLifecycle",
+            "metadata": {"name": name},
+            "spec": spec,
+        }))?)
+    };
+
+    let ok = api
+        .create(
+            &PostParams::default(),
+            &slc(
+                "good",
+                json!({
+                    "selector": {"matchLabels": {"app": "web"}},
+                    "mode": "Native",
+                    "shutdown": {"drainDuration": "1m30s", "terminationDrainDuration": "10s",
+                                 "exitOnZeroActiveConnections": true, "minimumDrainDuration": "5s"},
+                    "startup": {"holdApplicationUntilProxyStarts": true, "timeout": "30s"},
+                    "proxy": {"concurrency": 4, "logLevel": "info"},
+                }),
+            )?,
+        )
+        .await?;
+    // Defaulted by the schema.
+    assert_eq!(ok.data["spec"]["rolloutPolicy"], "Manual", "{ok:?}");
+
+    // (spec, what the message must say)
+    let cases = [
+        (
+            json!({"shutdown": {"drainDuration": "25h"}}),
+            vec![
+                "spec.shutdown.drainDuration",
+                "must be a duration between 0s and 24h",
+            ],
+        ),
+        (
+            json!({"shutdown": {"drainDuration": "10s", "minimumDrainDuration": "20s"}}),
+            vec![
+                "spec.shutdown",
+                "minimumDrainDuration must not exceed drainDuration",
+            ],
+        ),
+        (
+            json!({"shutdown": {"drainDuration": "10s", "terminationDrainDuration": "1m"}}),
+            vec![
+                "spec.shutdown",
+                "terminationDrainDuration must not exceed drainDuration",
+            ],
+        ),
+        (
+            json!({"startup": {"timeout": "soon"}}),
+            vec!["spec.startup.timeout", "should match"],
+        ),
+        (
+            json!({"mode": "Sometimes"}),
+            vec!["spec.mode", "Unsupported value: \"Sometimes\""],
+        ),
+        (
+            json!({"proxy": {"concurrency": 1000}}),
+            vec!["spec.proxy.concurrency", "less than or equal to 256"],
+        ),
+    ];
+    for (i, (spec, want)) in cases.into_iter().enumerate() {
+        let name = format!("bad-{i}");
+        let err = api
+            .create(&PostParams::default(), &slc(&name, spec.clone())?)
+            .await
+            .expect_err(&format!("{spec} must be refused"));
+        let kube::Error::Api(status) = err else {
+            anyhow::bail!("{spec}: not an API error: {err}");
+        };
+        assert_eq!(status.code, 422, "{spec}: {status:?}");
+        for w in want {
+            assert!(
+                status.message.contains(w),
+                "{spec}: message lacks {w:?}: {}",
+                status.message
+            );
+        }
+    }
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn pods_come_back_injected_in_legacy_and_native_mode() -> anyhow::Result<()> {
+    let s = Setup::new("modes", "Fail").await?;
+    let api = s.pods(&s.enabled);
+
+    let legacy = api
+        .create(
+            &PostParams::default(),
+            &pod("legacy", &[], &[("remora.dev/sidecar-mode", "Legacy")]),
+        )
+        .await?;
+    // What the API server stored (it validated the injected spec).
+    let legacy = api
+        .get(&legacy.metadata.name.clone().unwrap_or_default())
+        .await?;
+    let spec = legacy.spec.as_ref().context("no spec")?;
+    assert_eq!(spec.containers[0].name, PROXY, "{spec:?}");
+    assert_eq!(spec.containers[1].name, "app");
+    let lc = spec.containers[0]
+        .lifecycle
+        .as_ref()
+        .context("no lifecycle on the Legacy sidecar")?;
+    assert!(lc.post_start.is_some(), "postStart hold: {lc:?}");
+    assert!(lc.pre_stop.is_some(), "preStop drain: {lc:?}");
+    let ann = legacy.metadata.annotations.clone().unwrap_or_default();
+    assert!(ann.contains_key("remora.dev/status"), "{ann:?}");
+    assert!(ann.contains_key("remora.dev/lifecycle"), "{ann:?}");
+
+    let native = api
+        .create(
+            &PostParams::default(),
+            &pod("native", &[], &[("remora.dev/sidecar-mode", "Native")]),
+        )
+        .await?;
+    let native = api
+        .get(&native.metadata.name.clone().unwrap_or_default())
+        .await?;
+    let (place, c) = sidecar(&native).context("Native pod not injected")?;
+    assert_eq!(place, "initContainers");
+    assert_eq!(c.restart_policy.as_deref(), Some("Always"));
+    assert!(c.startup_probe.is_some(), "{c:?}");
+    let spec = native.spec.as_ref().context("no spec")?;
+    assert!(spec.containers.iter().all(|c| c.name != PROXY), "{spec:?}");
+
+    s.cleanup().await
+}
+
+#[tokio::test]
+async fn opt_out_and_namespace_selection() -> anyhow::Result<()> {
+    let s = Setup::new("select", "Fail").await?;
+    let pp = PostParams::default();
+
+    // Labelled namespace: every pod, but "false" on the pod wins.
+    let on = s.pods(&s.enabled);
+    let p = on.create(&pp, &pod("default", &[], &[])).await?;
+    assert!(sidecar(&p).is_some(), "labelled namespace: {p:?}");
+    let p = on
+        .create(
+            &pp,
+            &pod("opted-out", &[("remora.dev/inject", "false")], &[]),
+        )
+        .await?;
+    assert!(sidecar(&p).is_none(), "opted out: {:?}", p.spec);
+
+    // Unlabelled namespace: only pods labelled "true".
+    let off = s.pods(&s.plain);
+    let p = off.create(&pp, &pod("plain", &[], &[])).await?;
+    assert!(sidecar(&p).is_none(), "unlabelled namespace: {:?}", p.spec);
+    let p = off
+        .create(&pp, &pod("opted-in", &[("remora.dev/inject", "true")], &[]))
+        .await?;
+    assert!(sidecar(&p).is_some(), "opted in: {:?}", p.spec);
+
+    s.cleanup().await
+}
+
+#[tokio::test]
+async fn webhook_down_fail_refuses_and_ignore_admits_uninjected() -> anyhow::Result<()> {
+    let mut s = Setup::new("down", "Fail").await?;
+    let api = s.pods(&s.enabled);
+    let pp = PostParams::default();
+    s.injector.stop(Duration::from_secs(10));
+
+    // failurePolicy Fail: refused, saying which webhook and why.
+    let err = api
+        .create(&pp, &pod("refused", &[], &[]))
+        .await
+        .expect_err("with the injector down and Fail, the pod must be refused");
+    let kube::Error::Api(status) = err else {
+        anyhow::bail!("not an API error: {err}");
+    };
+    assert!(
+        status
+            .message
+            .contains("failed calling webhook \"namespace.inject.remora.dev\""),
+        "{status:?}"
+    );
+    assert!(status.message.contains(&s.injector.url()), "{status:?}");
+    // Pods the webhook does not select are not affected.
+    s.pods(&s.plain)
+        .create(&pp, &pod("unselected", &[], &[]))
+        .await?;
+
+    // failurePolicy Ignore: created, without a sidecar.
+    let mwc_api = Api::<MutatingWebhookConfiguration>::all(s.client.clone());
+    let mut mwc = mwc_api.get(&s.mwc).await?;
+    for w in mwc.webhooks.iter_mut().flatten() {
+        w.failure_policy = Some("Ignore".into());
+    }
+    mwc_api.replace(&s.mwc, &pp, &mwc).await?;
+    let created = wait_until("failurePolicy Ignore in force", DEADLINE, || {
+        let api = api.clone();
+        async move {
+            match api
+                .create(&PostParams::default(), &pod("admitted", &[], &[]))
+                .await
+            {
+                Ok(p) => Ok(Some(p)),
+                // Still the old configuration.
+                Err(kube::Error::Api(e)) if e.message.contains("failed calling webhook") => {
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            }
+        }
+    })
+    .await?;
+    assert!(sidecar(&created).is_none(), "{:?}", created.spec);
+    assert!(
+        !created
+            .metadata
+            .annotations
+            .unwrap_or_default()
+            .contains_key("remora.dev/status")
+    );
+
+    s.cleanup().await
+}
+
+/// With kube-controller-manager: the pods a Deployment's ReplicaSet creates
+/// go through the webhook like any other.
+#[tokio::test]
+async fn deployment_pods_are_injected() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    anyhow::ensure!(cp.has_controller_manager(), "needs kube-controller-manager");
+    let s = Setup::new("deploy", "Fail").await?;
+    let labels = BTreeMap::from([("app".to_owned(), "web".to_owned())]);
+    let template = pod("unused", &[("app", "web")], &[]);
+    let deploy = Deployment {
+        metadata: ObjectMeta {
+            name: Some("web".into()),
+            ..ObjectMeta::default()
+        },
+        spec: DeploymentSpec {
+            replicas: Some(2),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: template.spec,
+            },
+            ..DeploymentSpec::default()
+        },
+        ..Deployment::default()
+    };
+    Api::<Deployment>::namespaced(s.client.clone(), &s.enabled)
+        .create(&PostParams::default(), &deploy)
+        .await?;
+    let api = s.pods(&s.enabled);
+    let pods = wait_until("two pods of the Deployment", DEADLINE, || async {
+        let list = api.list(&ListParams::default().labels("app=web")).await?;
+        Ok::<_, kube::Error>((list.items.len() == 2).then_some(list.items))
+    })
+    .await?;
+    for p in &pods {
+        assert!(sidecar(p).is_some(), "{:?}", p.spec);
+    }
+    s.cleanup().await
+}
