@@ -36,6 +36,15 @@ pub const RUN_DIR: &str = "/var/run/remora";
 pub const PODINFO_DIR: &str = "/etc/remora/podinfo";
 pub const PROXY_UID: i64 = 1337;
 pub const HEALTH_PORT: i32 = 15021;
+/// The sidecar's default inbound listener (static mode); Services target it
+/// by number or by the port name `remora-inbound`.
+pub const INBOUND_PORT: i32 = 15006;
+/// Pod annotation listing the inbound listeners, `PORT:APP_PORT,...` (the
+/// agent's `--inbound`); without it, the first TCP port of the first app
+/// container is served on 15006.
+pub const INBOUND_ANNOTATION: &str = "remora.dev/inbound";
+/// Pod annotation listing outbound listeners, `PORT:HOST:PORT,...` (the agent's `--outbound`).
+pub const OUTBOUND_ANNOTATION: &str = "remora.dev/outbound";
 pub const READY_PATH: &str = "/healthz/ready";
 /// terminationGracePeriodSeconds when the pod does not say.
 pub const DEFAULT_GRACE_SECONDS: i64 = 30;
@@ -322,7 +331,8 @@ pub fn mutate(
     }
 
     let lifecycle = lifecycle_annotation(cfg, mode, deadline);
-    let container = proxy_container(cfg, mode, deadline);
+    let mut container = proxy_container(cfg, mode, deadline);
+    plumb_traffic(&mut container, &annotations, containers, &mut warnings);
     let status = InjectionStatus {
         version: env!("CARGO_PKG_VERSION"),
         mode,
@@ -384,6 +394,84 @@ pub fn mutate(
         outcome: Outcome::Injected(mode),
         warnings,
     })
+}
+
+/// Give the sidecar its static-mode listeners: inbound from the pod's
+/// `remora.dev/inbound` annotation or, by default, 15006 in front of the first
+/// TCP port of the first app container; outbound from `remora.dev/outbound`.
+/// Entries the agent would refuse are dropped with a warning, so a typo never
+/// gives a sidecar that cannot start.
+fn plumb_traffic(
+    container: &mut Container,
+    annotations: &BTreeMap<String, String>,
+    app_containers: &[Value],
+    warnings: &mut Vec<String>,
+) {
+    use remora_agent::config::{InboundSpec, OutboundSpec};
+    let valid = |key: &str,
+                 raw: &str,
+                 ok: &dyn Fn(&str) -> Result<u16, String>,
+                 warnings: &mut Vec<String>| {
+        let mut kept = Vec::new();
+        let mut ports = Vec::new();
+        for item in raw.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            match ok(item) {
+                Ok(port) => {
+                    kept.push(item.to_string());
+                    ports.push(port);
+                }
+                Err(e) => warnings.push(format!("remora: ignored {key} entry {item:?}: {e}")),
+            }
+        }
+        (kept.join(","), ports)
+    };
+    let inbound_port = |item: &str| {
+        item.parse::<InboundSpec>()
+            .map(|s| s.port.unwrap_or(INBOUND_PORT as u16))
+    };
+    let (inbound, inbound_ports) = match annotations.get(INBOUND_ANNOTATION) {
+        Some(raw) => valid(INBOUND_ANNOTATION, raw, &inbound_port, warnings),
+        None => {
+            let app_port = app_containers
+                .first()
+                .and_then(|c| c["ports"].as_array())
+                .into_iter()
+                .flatten()
+                .filter(|p| p["protocol"].as_str().unwrap_or("TCP") == "TCP")
+                .filter_map(|p| p["containerPort"].as_u64())
+                .find(|p| (1..=65535).contains(p) && *p != INBOUND_PORT as u64);
+            match app_port {
+                Some(p) => (format!("{INBOUND_PORT}:{p}"), vec![INBOUND_PORT as u16]),
+                None => (String::new(), vec![]),
+            }
+        }
+    };
+    let outbound_port = |item: &str| item.parse::<OutboundSpec>().map(|s| s.port);
+    let (outbound, _) = annotations
+        .get(OUTBOUND_ANNOTATION)
+        .map(|raw| valid(OUTBOUND_ANNOTATION, raw, &outbound_port, warnings))
+        .unwrap_or_default();
+    let vars = container.env.get_or_insert_with(Vec::new);
+    if !inbound.is_empty() {
+        vars.push(env("REMORA_INBOUND", inbound));
+    }
+    if !outbound.is_empty() {
+        vars.push(env("REMORA_OUTBOUND", outbound));
+    }
+    let ports = container.ports.get_or_insert_with(Vec::new);
+    for (i, port) in inbound_ports.into_iter().enumerate() {
+        ports.push(ContainerPort {
+            // Port names are at most 15 characters.
+            name: Some(if i == 0 {
+                "remora-inbound".into()
+            } else {
+                format!("remora-in-{i}")
+            }),
+            container_port: i32::from(port),
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        });
+    }
 }
 
 /// Serializing these plain k8s structs cannot fail; null rather than a panic if it did.

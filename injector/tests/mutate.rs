@@ -383,3 +383,83 @@ fn legacy_job_pods_get_a_completion_warning() {
         "Native is fine: {warnings:?}"
     );
 }
+
+fn proxy_env(out: &Value) -> BTreeMap<String, String> {
+    out["spec"]["containers"][0]["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .filter_map(|e| {
+            Some((
+                e["name"].as_str()?.to_string(),
+                e["value"].as_str()?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+#[test]
+fn traffic_defaults_to_the_first_app_port_on_15006() {
+    let ns = enabled();
+    let (out, _, warnings) = apply(
+        &pod(),
+        &target("shop", &ns, false),
+        &cfg(SidecarMode::Legacy),
+    );
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let env = proxy_env(&out);
+    assert_eq!(
+        env.get("REMORA_INBOUND").map(String::as_str),
+        Some("15006:8080")
+    );
+    assert!(!env.contains_key("REMORA_OUTBOUND"));
+    let ports = &out["spec"]["containers"][0]["ports"];
+    assert!(
+        ports
+            .as_array()
+            .expect("ports")
+            .iter()
+            .any(|p| p["name"] == "remora-inbound" && p["containerPort"] == 15006),
+        "{ports}"
+    );
+
+    // No app port: no inbound listener.
+    let mut bare = pod();
+    bare["spec"]["containers"][0]
+        .as_object_mut()
+        .expect("container")
+        .remove("ports");
+    let (out, _, _) = apply(
+        &bare,
+        &target("shop", &ns, false),
+        &cfg(SidecarMode::Legacy),
+    );
+    assert!(!proxy_env(&out).contains_key("REMORA_INBOUND"));
+}
+
+#[test]
+fn traffic_annotations_are_validated_entry_by_entry() {
+    let ns = enabled();
+    let mut p = pod();
+    p["metadata"]["annotations"] = json!({
+        "remora.dev/inbound": "15006:8080, 15007:9090, nonsense",
+        "remora.dev/outbound": "15001:api.internal:443,15002:noport"
+    });
+    let (out, _, warnings) = apply(&p, &target("shop", &ns, false), &cfg(SidecarMode::Legacy));
+    let env = proxy_env(&out);
+    assert_eq!(env["REMORA_INBOUND"], "15006:8080,15007:9090");
+    assert_eq!(env["REMORA_OUTBOUND"], "15001:api.internal:443");
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings.iter().any(|w| w.contains("nonsense")));
+    assert!(warnings.iter().any(|w| w.contains("15002:noport")));
+    let names: Vec<&str> = out["spec"]["containers"][0]["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert!(
+        names.contains(&"remora-inbound") && names.contains(&"remora-in-1"),
+        "{names:?}"
+    );
+}
