@@ -4,3 +4,4 @@
 pub mod controlplane;
 pub mod envoy;
 pub mod load;
+pub mod podrunner;
