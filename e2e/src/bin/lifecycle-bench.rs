@@ -347,6 +347,9 @@ async fn rolling(mode: &str, args: &Args, upstream: u16) -> anyhow::Result<ModeR
     for p in pods.drain(..) {
         run.stop_pod(p).await?;
     }
+    if std::env::var_os("REMORA_E2E_KEEP").is_some() {
+        eprintln!("pod directories kept in {}", base.keep().display());
+    }
     Ok(report(mode, args, args.cycles, &run, &samples))
 }
 

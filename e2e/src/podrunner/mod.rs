@@ -83,6 +83,9 @@ pub fn free_port() -> std::io::Result<u16> {
         .port())
 }
 
+/// Binary, args and env of a container on this host.
+type LocalCommand = (PathBuf, Vec<String>, Vec<(String, String)>);
+
 struct Running {
     name: String,
     spec: ContainerSpec,
@@ -328,10 +331,7 @@ impl Pod {
     }
 
     /// The command, args and env a container runs with on this host.
-    fn local_command(
-        &self,
-        c: &ContainerSpec,
-    ) -> Result<(PathBuf, Vec<String>, Vec<(String, String)>), PodError> {
+    fn local_command(&self, c: &ContainerSpec) -> Result<LocalCommand, PodError> {
         let mut env: Vec<(String, String)> = c
             .env
             .iter()
