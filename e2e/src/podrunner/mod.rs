@@ -615,9 +615,16 @@ impl Pod {
         }
     }
 
+    /// SIGTERM goes to the container's main process only (PID 1 in a real
+    /// container: the agent, which stops Envoy itself); SIGKILL to the whole
+    /// process group, as the runtime kills the container's cgroup.
     fn signal(&self, name: &str, sig: Signal) {
-        if let Some(pgid) = self.pid(name).filter(|p| *p > 0) {
-            let _ = killpg(Pid::from_raw(pgid), sig);
+        if let Some(pid) = self.pid(name).filter(|p| *p > 0) {
+            let _ = if sig == Signal::SIGKILL {
+                killpg(Pid::from_raw(pid), sig)
+            } else {
+                nix::sys::signal::kill(Pid::from_raw(pid), sig)
+            };
         }
     }
 
