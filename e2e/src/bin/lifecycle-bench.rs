@@ -191,13 +191,23 @@ impl Run {
             .await
             .with_context(|| format!("starting {name}"))?;
         self.service.track(&pod, 15006);
-        anyhow::ensure!(
-            self.service
-                .wait_endpoint(&name, true, Duration::from_secs(30))
-                .await,
-            "{name} never became an endpoint; logs in {}",
-            pod.dir.display()
-        );
+        if !self
+            .service
+            .wait_endpoint(&name, true, Duration::from_secs(30))
+            .await
+        {
+            let mut logs = String::new();
+            for c in ["remora-proxy", "remora-proxy.hooks", "envoy", "app"] {
+                let text = std::fs::read_to_string(pod.log_path(c)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(8).collect();
+                logs.push_str(&format!("--- {c}\n"));
+                for l in tail.into_iter().rev() {
+                    logs.push_str(l);
+                    logs.push('\n');
+                }
+            }
+            anyhow::bail!("{name} never became an endpoint; last log lines:\n{logs}");
+        }
         self.events.insert(name, (Some(self.epoch.elapsed()), None));
         self.logs.push(pod.log_path("app"));
         Ok(pod)

@@ -75,12 +75,33 @@ pub struct RunnerOptions {
     pub base_dir: PathBuf,
 }
 
-/// Free port on loopback (bound then released: a race with other processes
-/// is possible and shows up as a container failing to bind).
+/// A free port below the kernel's ephemeral range (32768+ by default), so
+/// that the load generator's outgoing connections, which take ephemeral
+/// local ports, never grab a port between its pick here and the
+/// container's bind. Checked free on 0.0.0.0; ports are handed out once per
+/// process, from a base that differs between processes.
 pub fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 20000;
+    const SPAN: u32 = 12000;
+    let _ = NEXT.compare_exchange(
+        0,
+        std::process::id().wrapping_mul(7919) % SPAN + 1,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let port = u16::try_from(LOW + n % SPAN).unwrap_or(0);
+        if port != 0 && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        "no free port in 20000-31999",
+    ))
 }
 
 /// Binary, args and env of a container on this host.
