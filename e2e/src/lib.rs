@@ -6,3 +6,4 @@ pub mod controlplane;
 pub mod envoy;
 pub mod injector;
 pub mod load;
+pub mod podrunner;

@@ -21,6 +21,8 @@ pub struct Sample {
     /// `None`: the request failed (connection refused/reset, timeout).
     pub status: Option<u16>,
     pub error: Option<String>,
+    /// The endpoint (pod) the request went to, for balanced runs.
+    pub pod: Option<String>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -94,6 +96,77 @@ pub async fn run(url: String, rate: u32, stop: Arc<AtomicBool>) -> Vec<Sample> {
                 latency: sent.elapsed(),
                 status,
                 error,
+                pod: None,
+            });
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+    let mut v = std::mem::take(&mut *samples.lock().await);
+    v.sort_by_key(|s| s.at);
+    v
+}
+
+/// Send `rate` requests a second, round-robin over `endpoints()` as read at
+/// each request (a client-side balanced Service), until `stop` is set. With no
+/// endpoint, the request fails at once ("no endpoint"). Idle keep-alive
+/// connections are closed after `idle`. Sample times are since `epoch`.
+pub async fn run_balanced<F>(
+    endpoints: F,
+    rate: u32,
+    idle: Duration,
+    epoch: Instant,
+    stop: Arc<AtomicBool>,
+) -> Vec<Sample>
+where
+    F: Fn() -> Vec<(String, std::net::SocketAddr)>,
+{
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    // The pool only evicts idle connections when it has a timer.
+    let client: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .pool_idle_timeout(idle)
+        .build(connector);
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let start = epoch;
+    let period = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut next = 0usize;
+    while !stop.load(Ordering::SeqCst) {
+        tick.tick().await;
+        let eps = endpoints();
+        let target = (!eps.is_empty()).then(|| eps[next % eps.len()].clone());
+        next = next.wrapping_add(1);
+        let client = client.clone();
+        let samples = samples.clone();
+        tasks.spawn(async move {
+            let sent = Instant::now();
+            let (status, error, pod) = match target {
+                None => (None, Some("no endpoint".to_string()), None),
+                Some((pod, addr)) => {
+                    let res = tokio::time::timeout(Duration::from_secs(10), async {
+                        let uri: hyper::Uri = format!("http://{addr}/").parse()?;
+                        let resp = client.get(uri).await?;
+                        let status = resp.status().as_u16();
+                        resp.into_body().collect().await?;
+                        anyhow::Ok(status)
+                    })
+                    .await;
+                    match res {
+                        Ok(Ok(s)) => (Some(s), None, Some(pod)),
+                        Ok(Err(e)) => (None, Some(format!("{e:#}")), Some(pod)),
+                        Err(_) => (None, Some("timeout".into()), Some(pod)),
+                    }
+                }
+            };
+            samples.lock().await.push(Sample {
+                at: sent.duration_since(start),
+                latency: sent.elapsed(),
+                status,
+                error,
+                pod,
             });
         });
     }

@@ -27,12 +27,34 @@ struct Args {
     /// URL called once during shutdown (e.g. through the sidecar's outbound listener).
     #[arg(long)]
     shutdown_call: Option<String>,
+    /// URL called once at startup, before the port opens (an app fetching its
+    /// config through the sidecar: fails when the app starts before Envoy).
+    #[arg(long)]
+    startup_call: Option<String>,
+    /// After SIGTERM, keep serving this long before closing the listener (what a
+    /// well-behaved app does so that endpoint removal can catch up).
+    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "0s")]
+    shutdown_delay: Duration,
+}
+
+/// One call to `url`; logs a line the pod runner's reports parse
+/// (`test-app: <what> call <url>: <status>` or `... failed: <error>`).
+async fn call(what: &str, url: &str) {
+    let client = remora_agent::http_client::HttpClient::new(Duration::from_secs(2));
+    match client.get(url).await {
+        Ok(r) if r.status == 200 => eprintln!("test-app: {what} call {url}: {}", r.status),
+        Ok(r) => eprintln!("test-app: {what} call {url} failed: status {}", r.status),
+        Err(e) => eprintln!("test-app: {what} call {url} failed: {e}"),
+    }
 }
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut term = signal(SignalKind::terminate())?;
+    if let Some(url) = &args.startup_call {
+        call("startup", url).await;
+    }
     tokio::select! {
         _ = tokio::time::sleep(args.startup_delay) => {}
         _ = term.recv() => return Ok(()),
@@ -53,16 +75,16 @@ async fn main() -> anyhow::Result<()> {
     let listener =
         tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], args.port))).await?;
     let shutdown_call = args.shutdown_call.clone();
+    let shutdown_delay = args.shutdown_delay;
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             let _ = term.recv().await;
+            // Still serving here: the call and the delay run before the listener closes.
+            let keep_serving = tokio::time::sleep(shutdown_delay);
             if let Some(url) = shutdown_call {
-                let client = remora_agent::http_client::HttpClient::new(Duration::from_secs(2));
-                match client.get(&url).await {
-                    Ok(r) => eprintln!("test-app: shutdown call {url}: {}", r.status),
-                    Err(e) => eprintln!("test-app: shutdown call {url} failed: {e}"),
-                }
+                call("shutdown", &url).await;
             }
+            keep_serving.await;
         })
         .await?;
     eprintln!(

@@ -1,0 +1,531 @@
+//! Rolling replacements of real pods (pod runner + remora-agent + real Envoy +
+//! test-app) under steady load, per sidecar mode; counts every lost request.
+//!
+//! `cargo run -p e2e --release --bin lifecycle-bench -- --cycles 50`
+//! (needs `cargo build --release -p remora-agent -p remora-injector` first).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use e2e::envoy::{envoy_bin, sibling_bin};
+use e2e::load::{self, Sample};
+use e2e::podrunner::{Pod, PodSpec, RunnerOptions, Service, children};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::json;
+use tokio::time::Instant;
+
+const MODES: [&str; 4] = [
+    "baseline",
+    "remora-legacy",
+    "remora-native",
+    "remora-legacy-exit-on-zero",
+];
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Rolling replacements per mode.
+    #[arg(long, default_value_t = 50)]
+    cycles: u32,
+    /// Requests per second, spread over the ready pods.
+    #[arg(long, default_value_t = 300)]
+    rate: u32,
+    /// Modes to run (default: all).
+    #[arg(long, value_delimiter = ',')]
+    modes: Vec<String>,
+    /// Endpoint propagation lag (readiness/termination → load balancer).
+    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "300ms")]
+    endpoint_lag: Duration,
+    /// Upper bound of the probe periods (spec periods are 1-2 s).
+    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "200ms")]
+    probe_period: Duration,
+    /// Skip the Envoy-crash and hot-restart scenarios.
+    #[arg(long)]
+    no_extras: bool,
+    /// JSON report.
+    #[arg(long, default_value = "bench/results/lifecycle.json")]
+    out: PathBuf,
+    /// SVG plot of failures over time (skipped when empty).
+    #[arg(long, default_value = "bench/results/lifecycle.svg")]
+    svg: String,
+}
+
+/// The test app's pod template, before injection. The app starts slower than
+/// Envoy (300 ms), fetches config through the sidecar's outbound listener at
+/// startup, keeps serving 1 s after SIGTERM and calls out during shutdown.
+fn app_container() -> &'static str {
+    r#"      - name: app
+        image: remora/test-app:dev
+        command: [test-app]
+        args:
+          - --port=8080
+          - --startup-delay=300ms
+          - --delay=5ms
+          - --shutdown-delay=1s
+          - --startup-call=http://127.0.0.1:15001/
+          - --shutdown-call=http://127.0.0.1:15001/
+        ports: [{containerPort: 8080}]
+        readinessProbe:
+          httpGet: {port: 8080, path: /}
+          periodSeconds: 1
+"#
+}
+
+fn deployment(annotations: &str, extra_container: &str) -> String {
+    format!(
+        r#"apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: web
+  namespace: bench
+spec:
+  selector: {{matchLabels: {{app: web}}}}
+  template:
+    metadata:
+      labels: {{app: web, remora.dev/inject: "true"}}
+      annotations:
+{annotations}    spec:
+      terminationGracePeriodSeconds: 10
+      containers:
+{extra_container}{app}"#,
+        app = app_container()
+    )
+}
+
+/// The pod spec for a mode: Remora modes go through `remora-injector inject`.
+fn pod_yaml(mode: &str) -> anyhow::Result<String> {
+    let mut ann = String::from(
+        "        remora.dev/termination-drain-duration: 1s\n        remora.dev/drain-duration: 3s\n",
+    );
+    if mode == "baseline" {
+        // A plain Envoy sidecar: no ordering, no hold, no hooks; Envoy gets
+        // SIGTERM with everything else and exits at once.
+        let envoy = r#"      - name: envoy
+        image: envoyproxy/envoy:v1.40.0
+        readinessProbe:
+          httpGet: {port: 15000, path: /ready}
+          periodSeconds: 1
+"#;
+        return Ok(deployment("        bench: baseline\n", envoy));
+    }
+    if mode == "remora-legacy-exit-on-zero" {
+        ann.push_str(
+            "        remora.dev/exit-on-zero-active-connections: \"true\"\n        remora.dev/minimum-drain-duration: 500ms\n",
+        );
+    }
+    let inj_mode = if mode == "remora-native" {
+        "Native"
+    } else {
+        "Legacy"
+    };
+    let mut child = std::process::Command::new(sibling_bin("remora-injector")?)
+        .args(["inject", "-f", "-", "--mode", inj_mode])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(deployment(&ann, "").as_bytes())?;
+    let out = child.wait_with_output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "remora-injector inject failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+#[derive(Default, Clone, serde::Serialize)]
+struct ModeReport {
+    mode: String,
+    cycles: u32,
+    rate: u32,
+    sent: usize,
+    failed: usize,
+    failed_at_start: usize,
+    failed_at_stop: usize,
+    failed_other: usize,
+    inbound_sent: usize,
+    inbound_failed: usize,
+    outbound_calls: usize,
+    outbound_failed_at_start: usize,
+    outbound_failed_at_stop: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+    shutdown_p50_ms: f64,
+    shutdown_max_ms: f64,
+    /// Seconds (since the load started) of each failed request.
+    failure_times_s: Vec<f64>,
+    errors: BTreeMap<String, usize>,
+}
+
+struct Run {
+    opts: RunnerOptions,
+    spec: PodSpec,
+    service: Service,
+    epoch: Instant,
+    /// pod name → (ready at, stop requested at), since `epoch`.
+    events: BTreeMap<String, (Option<Duration>, Option<Duration>)>,
+    logs: Vec<PathBuf>,
+    shutdowns: Vec<Duration>,
+    serial: u32,
+}
+
+impl Run {
+    async fn start_pod(&mut self) -> anyhow::Result<Arc<Pod>> {
+        self.serial += 1;
+        let mut spec = self.spec.clone();
+        spec.name = format!("web-{}", self.serial);
+        let name = spec.name.clone();
+        let pod = Pod::start(spec, &self.opts)
+            .await
+            .with_context(|| format!("starting {name}"))?;
+        self.service.track(&pod, 15006);
+        if !self
+            .service
+            .wait_endpoint(&name, true, Duration::from_secs(30))
+            .await
+        {
+            let mut logs = String::new();
+            for c in ["remora-proxy", "remora-proxy.hooks", "envoy", "app"] {
+                let text = std::fs::read_to_string(pod.log_path(c)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(8).collect();
+                logs.push_str(&format!("--- {c}\n"));
+                for l in tail.into_iter().rev() {
+                    logs.push_str(l);
+                    logs.push('\n');
+                }
+            }
+            anyhow::bail!("{name} never became an endpoint; last log lines:\n{logs}");
+        }
+        self.events.insert(name, (Some(self.epoch.elapsed()), None));
+        self.logs.push(pod.log_path("app"));
+        Ok(pod)
+    }
+
+    fn stop_pod(&mut self, pod: Arc<Pod>) -> tokio::task::JoinHandle<Duration> {
+        if let Some(e) = self.events.get_mut(&pod.spec.name) {
+            e.1 = Some(self.epoch.elapsed());
+        }
+        tokio::spawn(async move { pod.stop().await.duration })
+    }
+}
+
+fn options(args: &Args, base: &std::path::Path, upstream: u16) -> anyhow::Result<RunnerOptions> {
+    Ok(RunnerOptions {
+        agent_bin: sibling_bin("remora-agent")?,
+        envoy_bin: envoy_bin()?,
+        images: vec![("test-app".into(), sibling_bin("test-app")?)],
+        inbound: vec![(15006, 8080)],
+        outbound_upstream: Some(([127, 0, 0, 1], upstream).into()),
+        max_probe_period: args.probe_period,
+        base_dir: base.to_path_buf(),
+    })
+}
+
+/// What the app's own log says about its outbound calls: (calls, failed at
+/// start, failed at stop).
+fn outbound_calls(logs: &[PathBuf]) -> (usize, usize, usize) {
+    let (mut calls, mut start, mut stop) = (0, 0, 0);
+    for l in logs {
+        let text = std::fs::read_to_string(l).unwrap_or_default();
+        for line in text.lines() {
+            let failed = line.contains(" failed");
+            if line.starts_with("test-app: startup call") {
+                calls += 1;
+                start += usize::from(failed);
+            } else if line.starts_with("test-app: shutdown call") {
+                calls += 1;
+                stop += usize::from(failed);
+            }
+        }
+    }
+    (calls, start, stop)
+}
+
+fn report(mode: &str, args: &Args, cycles: u32, run: &Run, samples: &[Sample]) -> ModeReport {
+    let s = load::summarize(samples);
+    let (mut at_start, mut at_stop, mut other) = (0, 0, 0);
+    let mut errors = BTreeMap::new();
+    let mut times = Vec::new();
+    for x in samples.iter().filter(|x| x.status != Some(200)) {
+        times.push(x.at.as_secs_f64());
+        let err = x
+            .error
+            .clone()
+            .unwrap_or_else(|| format!("status {}", x.status.unwrap_or(0)));
+        *errors.entry(err).or_insert(0) += 1;
+        let ev = x.pod.as_ref().and_then(|p| run.events.get(p));
+        match ev {
+            Some((_, Some(stop))) if x.at + Duration::from_millis(50) >= *stop => at_stop += 1,
+            Some((Some(ready), _)) if x.at <= *ready + Duration::from_secs(2) => at_start += 1,
+            _ => other += 1,
+        }
+    }
+    let (calls, out_start, out_stop) = outbound_calls(&run.logs);
+    let mut sd: Vec<f64> = run
+        .shutdowns
+        .iter()
+        .map(|d| d.as_secs_f64() * 1e3)
+        .collect();
+    sd.sort_by(|a, b| a.total_cmp(b));
+    ModeReport {
+        mode: mode.into(),
+        cycles,
+        rate: args.rate,
+        sent: s.sent + calls,
+        failed: s.failed + out_start + out_stop,
+        failed_at_start: at_start + out_start,
+        failed_at_stop: at_stop + out_stop,
+        failed_other: other,
+        inbound_sent: s.sent,
+        inbound_failed: s.failed,
+        outbound_calls: calls,
+        outbound_failed_at_start: out_start,
+        outbound_failed_at_stop: out_stop,
+        p50_ms: s.p50_ms,
+        p99_ms: s.p99_ms,
+        shutdown_p50_ms: sd.get(sd.len() / 2).copied().unwrap_or(0.0),
+        shutdown_max_ms: sd.last().copied().unwrap_or(0.0),
+        failure_times_s: times,
+        errors,
+    }
+}
+
+/// Two replicas, then `cycles` rolling replacements: start a new pod, wait
+/// until it is an endpoint, stop the oldest (the next cycle's start overlaps
+/// that stop; two stops never overlap).
+async fn rolling(mode: &str, args: &Args, upstream: u16) -> anyhow::Result<ModeReport> {
+    let base = tempfile::Builder::new().prefix("remora-pods-").tempdir()?;
+    let spec = PodSpec::from_yaml(&pod_yaml(mode)?)?;
+    let mut run = Run {
+        opts: options(args, base.path(), upstream)?,
+        spec,
+        service: Service::new(args.endpoint_lag),
+        epoch: Instant::now(),
+        events: BTreeMap::new(),
+        logs: Vec::new(),
+        shutdowns: Vec::new(),
+        serial: 0,
+    };
+    let mut pods = std::collections::VecDeque::new();
+    for _ in 0..2 {
+        pods.push_back(run.start_pod().await?);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let svc = run.service.clone();
+    let load = tokio::spawn(load::run_balanced(
+        move || svc.snapshot(),
+        args.rate,
+        Duration::from_secs(1),
+        run.epoch,
+        stop.clone(),
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut stopping: Option<tokio::task::JoinHandle<Duration>> = None;
+    let result = async {
+        for _ in 0..args.cycles {
+            let new = run.start_pod().await?;
+            if let Some(h) = stopping.take() {
+                run.shutdowns.push(h.await?);
+            }
+            if let Some(old) = pods.pop_front() {
+                stopping = Some(run.stop_pod(old));
+            }
+            pods.push_back(new);
+        }
+        if let Some(h) = stopping.take() {
+            run.shutdowns.push(h.await?);
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let samples = load.await?;
+    result?;
+    for p in pods.drain(..) {
+        run.stop_pod(p).await?;
+    }
+    if std::env::var_os("REMORA_E2E_KEEP").is_some() {
+        eprintln!("pod directories kept in {}", base.keep().display());
+    }
+    Ok(report(mode, args, args.cycles, &run, &samples))
+}
+
+/// Disruptions of a running Remora pod under load: `kill -9` of Envoy (the
+/// agent restarts it) or SIGHUP to the agent (hot restart).
+async fn disrupt(kind: &str, args: &Args, upstream: u16, times: u32) -> anyhow::Result<ModeReport> {
+    let base = tempfile::Builder::new().prefix("remora-pods-").tempdir()?;
+    let spec = PodSpec::from_yaml(&pod_yaml("remora-legacy")?)?;
+    let mut run = Run {
+        opts: options(args, base.path(), upstream)?,
+        spec,
+        service: Service::new(args.endpoint_lag),
+        epoch: Instant::now(),
+        events: BTreeMap::new(),
+        logs: Vec::new(),
+        shutdowns: Vec::new(),
+        serial: 0,
+    };
+    let pods = vec![run.start_pod().await?, run.start_pod().await?];
+    let stop = Arc::new(AtomicBool::new(false));
+    let svc = run.service.clone();
+    let load = tokio::spawn(load::run_balanced(
+        move || svc.snapshot(),
+        args.rate,
+        Duration::from_secs(1),
+        run.epoch,
+        stop.clone(),
+    ));
+    for i in 0..times {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let pod = &pods[i as usize % pods.len()];
+        let agent = pod.pid("remora-proxy").context("no agent")?;
+        match kind {
+            "envoy-crash" => {
+                for envoy in children(agent) {
+                    let _ = kill(Pid::from_raw(envoy), Signal::SIGKILL);
+                }
+            }
+            _ => {
+                let _ = kill(Pid::from_raw(agent), Signal::SIGHUP);
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    let samples = load.await?;
+    for p in pods {
+        run.stop_pod(p).await?;
+    }
+    // The pods were not replaced: every failure is "other".
+    run.events.clear();
+    Ok(report(kind, args, times, &run, &samples))
+}
+
+fn svg(reports: &[ModeReport]) -> String {
+    let max_t = reports
+        .iter()
+        .flat_map(|r| r.failure_times_s.iter().copied())
+        .fold(1.0_f64, f64::max);
+    let (w, row) = (900.0, 40.0);
+    let mut s = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">"#,
+        w + 220.0,
+        row * reports.len() as f64 + 40.0
+    );
+    s.push_str(r#"<rect width="100%" height="100%" fill="white"/>"#);
+    for (i, r) in reports.iter().enumerate() {
+        let y = 20.0 + row * i as f64 + row / 2.0;
+        s.push_str(&format!(
+            r#"<text x="5" y="{:.0}">{} ({} failed)</text><line x1="210" x2="{}" y1="{y}" y2="{y}" stroke="lightgray"/>"#,
+            y + 4.0,
+            r.mode,
+            r.failed,
+            210.0 + w
+        ));
+        for t in &r.failure_times_s {
+            s.push_str(&format!(
+                r#"<circle cx="{:.1}" cy="{y}" r="2" fill="red"/>"#,
+                210.0 + w * t / max_t
+            ));
+        }
+    }
+    s.push_str(&format!(
+        r#"<text x="210" y="{:.0}">0 s</text><text x="{:.0}" y="{:.0}">{max_t:.0} s (failed requests over time)</text></svg>"#,
+        row * reports.len() as f64 + 35.0,
+        w - 60.0,
+        row * reports.len() as f64 + 35.0
+    ));
+    s
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let modes: Vec<String> = if args.modes.is_empty() {
+        MODES.iter().map(|m| m.to_string()).collect()
+    } else {
+        args.modes.clone()
+    };
+    // The outbound upstream the apps call through their sidecars.
+    let upstream = e2e::podrunner::free_port()?;
+    let mut upstream_proc = tokio::process::Command::new(sibling_bin("test-app")?)
+        .args(["--port", &upstream.to_string(), "--delay", "1ms"])
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut reports = Vec::new();
+    for m in &modes {
+        anyhow::ensure!(MODES.contains(&m.as_str()), "unknown mode {m:?}");
+        eprintln!("running {m}: {} cycles at {} rps", args.cycles, args.rate);
+        reports.push(rolling(m, &args, upstream).await?);
+    }
+    let mut extras = Vec::new();
+    if !args.no_extras {
+        for kind in ["envoy-crash", "hot-restart"] {
+            eprintln!("running {kind}");
+            extras.push(disrupt(kind, &args, upstream, 3).await?);
+        }
+    }
+    let _ = upstream_proc.kill().await;
+
+    println!(
+        "{:<28} {:>6} {:>7} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>10} {:>10}",
+        "mode",
+        "cycles",
+        "sent",
+        "failed",
+        "start",
+        "stop",
+        "other",
+        "p50 ms",
+        "p99 ms",
+        "stop p50",
+        "stop max"
+    );
+    for r in reports.iter().chain(&extras) {
+        println!(
+            "{:<28} {:>6} {:>7} {:>7} {:>6} {:>6} {:>6} {:>8.1} {:>8.1} {:>9.0}ms {:>9.0}ms",
+            r.mode,
+            r.cycles,
+            r.sent,
+            r.failed,
+            r.failed_at_start,
+            r.failed_at_stop,
+            r.failed_other,
+            r.p50_ms,
+            r.p99_ms,
+            r.shutdown_p50_ms,
+            r.shutdown_max_ms
+        );
+    }
+    let doc = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "rate_rps": args.rate,
+        "cycles": args.cycles,
+        "endpoint_lag_ms": args.endpoint_lag.as_millis() as u64,
+        "probe_period_ms": args.probe_period.as_millis() as u64,
+        "modes": reports,
+        "disruptions": extras,
+    });
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&doc)? + "\n")?;
+    if !args.svg.is_empty() {
+        std::fs::write(&args.svg, svg(&reports))?;
+    }
+    Ok(())
+}
