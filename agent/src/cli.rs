@@ -14,7 +14,7 @@ pub async fn wait(cfg: &WaitConfig) -> i32 {
     let deadline = start + cfg.timeout;
     let mut last: String;
     loop {
-        match client.get(&cfg.url).await {
+        match client.get(&cfg.url()).await {
             Ok(r) if r.status == 200 => {
                 eprintln!("remora-agent wait: ready after {:?}", start.elapsed());
                 return 0;
@@ -37,7 +37,7 @@ pub async fn wait(cfg: &WaitConfig) -> i32 {
 /// Ask the agent to drain and wait for its report. Returns the process status.
 pub async fn drain(cfg: &DrainConfig) -> i32 {
     let client = HttpClient::new(Duration::from_secs(1));
-    let url = format!("{}/drain", cfg.admin_url.trim_end_matches('/'));
+    let url = format!("{}/drain", cfg.admin_url().trim_end_matches('/'));
     match client.post_with_timeout(&url, cfg.timeout).await {
         Ok(r) if r.status == 200 => {
             println!("{}", r.body.trim());

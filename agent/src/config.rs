@@ -471,9 +471,20 @@ pub struct WaitConfig {
     /// Timeout of a single check.
     #[arg(long, value_parser = parse_duration, default_value = "1s")]
     pub request_timeout: Duration,
-    /// Readiness URL to poll.
-    #[arg(long, default_value = "http://127.0.0.1:15021/healthz/ready")]
-    pub url: String,
+    /// Readiness URL to poll; default: the agent's health port on loopback.
+    #[arg(long, env = "REMORA_WAIT_URL")]
+    pub url: Option<String>,
+    /// Health port of the agent in this container (the hook runs with its env).
+    #[arg(long, env = "REMORA_HEALTH_PORT", default_value_t = 15021)]
+    pub health_port: u16,
+}
+
+impl WaitConfig {
+    pub fn url(&self) -> String {
+        self.url
+            .clone()
+            .unwrap_or_else(|| format!("http://127.0.0.1:{}/healthz/ready", self.health_port))
+    }
 }
 
 /// `remora-agent drain`.
@@ -482,13 +493,20 @@ pub struct DrainConfig {
     /// Give up waiting after this long (the agent goes on draining).
     #[arg(long, value_parser = parse_duration, default_value = "120s")]
     pub timeout: Duration,
-    /// The agent's admin URL.
-    #[arg(
-        long,
-        env = "REMORA_ADMIN_URL",
-        default_value = "http://127.0.0.1:15020"
-    )]
-    pub admin_url: String,
+    /// The agent's admin URL; default: its admin port on loopback.
+    #[arg(long, env = "REMORA_ADMIN_URL")]
+    pub admin_url: Option<String>,
+    /// Admin port of the agent in this container (the hook runs with its env).
+    #[arg(long, env = "REMORA_ADMIN_PORT", default_value_t = 15020)]
+    pub admin_port: u16,
+}
+
+impl DrainConfig {
+    pub fn admin_url(&self) -> String {
+        self.admin_url
+            .clone()
+            .unwrap_or_else(|| format!("http://127.0.0.1:{}", self.admin_port))
+    }
 }
 
 /// Parse the process's command line; on error clap prints the culprit and exits 2.
@@ -640,6 +658,22 @@ mod tests {
         assert!(err.contains("--drain-duration"), "{err}");
         let err = run(&["--inbound", "x:1"], &[]).unwrap_err();
         assert!(err.contains("--inbound"), "{err}");
+    }
+
+    #[test]
+    fn helpers_follow_the_ports_of_their_container() {
+        let cli = Cli::try_parse_from(["remora-agent", "wait", "--health-port", "17021"])
+            .expect("parses");
+        let Command::Wait(w) = cli.command else {
+            unreachable!()
+        };
+        assert_eq!(w.url(), "http://127.0.0.1:17021/healthz/ready");
+        let cli = Cli::try_parse_from(["remora-agent", "drain", "--admin-port", "17020"])
+            .expect("parses");
+        let Command::Drain(d) = cli.command else {
+            unreachable!()
+        };
+        assert_eq!(d.admin_url(), "http://127.0.0.1:17020");
     }
 
     #[test]
