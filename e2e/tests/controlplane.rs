@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, ENV_KUBECONFIG, FakeKubelet, Options, wait_until};
-use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, ReplicaSet, ReplicaSetSpec};
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, ReplicaSetSpec};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Pod, PodSpec, PodTemplateSpec, ServiceAccount,
@@ -109,29 +109,7 @@ async fn deployment_gets_a_replicaset_and_pods() -> anyhow::Result<()> {
     let client = cp.client()?;
     let ns = cp.create_namespace(&client, "deployment").await?;
     let labels = BTreeMap::from([("app".to_owned(), "web".to_owned())]);
-    let deploy = Deployment {
-        metadata: ObjectMeta {
-            name: Some("web".into()),
-            ..ObjectMeta::default()
-        },
-        // k8s-openapi's "latest" (v1_37) made the Deployment spec required.
-        spec: DeploymentSpec {
-            replicas: Some(2),
-            selector: LabelSelector {
-                match_labels: Some(labels.clone()),
-                ..LabelSelector::default()
-            },
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(labels),
-                    ..ObjectMeta::default()
-                }),
-                spec: Some(pod_spec()),
-            },
-            ..DeploymentSpec::default()
-        },
-        ..Deployment::default()
-    };
+    let deploy = e2e::controlplane::deployment("web", 2, labels, Some(pod_spec()));
     let deploy = Api::<Deployment>::namespaced(client.clone(), &ns)
         .create(&PostParams::default(), &deploy)
         .await?;

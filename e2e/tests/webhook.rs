@@ -15,9 +15,9 @@ use e2e::controlplane::{ControlPlane, wait_until};
 use e2e::injector::{Injector, Options};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, PodTemplateSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 use kube::api::{
     DeleteParams, DynamicObject, ListParams, ObjectMeta, Patch, PatchParams, PostParams,
 };
@@ -431,28 +431,7 @@ async fn deployment_pods_are_injected() -> anyhow::Result<()> {
     let s = Setup::new("deploy", "Fail").await?;
     let labels = BTreeMap::from([("app".to_owned(), "web".to_owned())]);
     let template = pod("unused", &[("app", "web")], &[]);
-    let deploy = Deployment {
-        metadata: ObjectMeta {
-            name: Some("web".into()),
-            ..ObjectMeta::default()
-        },
-        spec: DeploymentSpec {
-            replicas: Some(2),
-            selector: LabelSelector {
-                match_labels: Some(labels.clone()),
-                ..LabelSelector::default()
-            },
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(labels),
-                    ..ObjectMeta::default()
-                }),
-                spec: template.spec,
-            },
-            ..DeploymentSpec::default()
-        },
-        ..Deployment::default()
-    };
+    let deploy = e2e::controlplane::deployment("web", 2, labels, template.spec);
     Api::<Deployment>::namespaced(s.client.clone(), &s.enabled)
         .create(&PostParams::default(), &deploy)
         .await?;

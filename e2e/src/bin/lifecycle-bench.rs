@@ -182,6 +182,20 @@ struct Run {
 }
 
 impl Run {
+    /// A run of `mode`'s pod spec, its pods' directories under `base`.
+    fn new(mode: &str, args: &Args, base: &std::path::Path, upstream: u16) -> anyhow::Result<Self> {
+        Ok(Self {
+            opts: options(args, base, upstream)?,
+            spec: PodSpec::from_yaml(&pod_yaml(mode)?)?,
+            service: Service::new(args.endpoint_lag),
+            epoch: Instant::now(),
+            events: BTreeMap::new(),
+            logs: Vec::new(),
+            shutdowns: Vec::new(),
+            serial: 0,
+        })
+    }
+
     async fn start_pod(&mut self) -> anyhow::Result<Arc<Pod>> {
         self.serial += 1;
         let mut spec = self.spec.clone();
@@ -307,17 +321,7 @@ fn report(mode: &str, args: &Args, cycles: u32, run: &Run, samples: &[Sample]) -
 /// that stop; two stops never overlap).
 async fn rolling(mode: &str, args: &Args, upstream: u16) -> anyhow::Result<ModeReport> {
     let base = tempfile::Builder::new().prefix("remora-pods-").tempdir()?;
-    let spec = PodSpec::from_yaml(&pod_yaml(mode)?)?;
-    let mut run = Run {
-        opts: options(args, base.path(), upstream)?,
-        spec,
-        service: Service::new(args.endpoint_lag),
-        epoch: Instant::now(),
-        events: BTreeMap::new(),
-        logs: Vec::new(),
-        shutdowns: Vec::new(),
-        serial: 0,
-    };
+    let mut run = Run::new(mode, args, base.path(), upstream)?;
     let mut pods = std::collections::VecDeque::new();
     for _ in 0..2 {
         pods.push_back(run.start_pod().await?);
@@ -367,17 +371,7 @@ async fn rolling(mode: &str, args: &Args, upstream: u16) -> anyhow::Result<ModeR
 /// agent restarts it) or SIGHUP to the agent (hot restart).
 async fn disrupt(kind: &str, args: &Args, upstream: u16, times: u32) -> anyhow::Result<ModeReport> {
     let base = tempfile::Builder::new().prefix("remora-pods-").tempdir()?;
-    let spec = PodSpec::from_yaml(&pod_yaml("remora-legacy")?)?;
-    let mut run = Run {
-        opts: options(args, base.path(), upstream)?,
-        spec,
-        service: Service::new(args.endpoint_lag),
-        epoch: Instant::now(),
-        events: BTreeMap::new(),
-        logs: Vec::new(),
-        shutdowns: Vec::new(),
-        serial: 0,
-    };
+    let mut run = Run::new("remora-legacy", args, base.path(), upstream)?;
     let pods = vec![run.start_pod().await?, run.start_pod().await?];
     let stop = Arc::new(AtomicBool::new(false));
     let svc = run.service.clone();

@@ -650,6 +650,40 @@ fn sanitize(prefix: &str) -> String {
     }
 }
 
+/// A Deployment named `name` of `replicas` pods labelled `labels`, running `spec`.
+pub fn deployment(
+    name: &str,
+    replicas: i32,
+    labels: BTreeMap<String, String>,
+    spec: Option<k8s_openapi::api::core::v1::PodSpec>,
+) -> k8s_openapi::api::apps::v1::Deployment {
+    use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+    use k8s_openapi::api::core::v1::PodTemplateSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    Deployment {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..ObjectMeta::default()
+        },
+        spec: DeploymentSpec {
+            replicas: Some(replicas),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec,
+            },
+            ..DeploymentSpec::default()
+        },
+        ..Deployment::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
