@@ -405,7 +405,8 @@ pub struct SidecarLifecycleStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub matched_pods: Option<i32>,
     /// Accepted (the spec is valid), Conflicted (an older resource selects the
-    /// same pods and wins), Applied (matched pods run with these settings).
+    /// same pods and wins), Applied (matched pods run with these settings),
+    /// RestartRequired (governed pods run with settings only a restart applies).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -416,6 +417,7 @@ pub mod condition {
     pub const ACCEPTED: &str = "Accepted";
     pub const CONFLICTED: &str = "Conflicted";
     pub const APPLIED: &str = "Applied";
+    pub const RESTART_REQUIRED: &str = "RestartRequired";
 }
 
 /// Every CRD this crate defines.

@@ -82,6 +82,30 @@ pub struct EffectiveConfig {
 }
 
 impl EffectiveConfig {
+    /// A digest of the settings a running sidecar cannot take live: they are
+    /// baked into the pod spec at admission (image, mode, the startup hold,
+    /// concurrency, log level, resources). The injector records it in
+    /// `remora.dev/status`; the controller compares it with what the pod
+    /// should get now to report `RestartRequired` and roll workloads. The
+    /// requested mode is hashed (not the one `Auto` resolved to), so a node
+    /// upgrade alone never asks for a restart.
+    pub fn restart_hash(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let fields = serde_json::json!({
+            "image": self.image,
+            "imagePullPolicy": self.image_pull_policy,
+            "mode": self.mode.as_str(),
+            "hold": self.hold_application_until_proxy_starts,
+            "startupTimeout": self.startup_timeout.as_millis() as u64,
+            "concurrency": self.concurrency,
+            "logLevel": self.log_level,
+            "resources": self.resources,
+        });
+        let digest = Sha256::digest(fields.to_string().as_bytes());
+        let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        format!("sha256:{hex}")
+    }
+
     pub fn from_defaults(d: &ChartDefaults) -> Self {
         let dur = |s: &str| parse_duration(s).unwrap_or_default();
         Self {

@@ -146,6 +146,8 @@ pub struct InjectionStatus {
     pub init_containers: Vec<&'static str>,
     pub volumes: Vec<&'static str>,
     pub config_hash: String,
+    /// [`EffectiveConfig::restart_hash`] at admission.
+    pub restart_hash: String,
     pub sources: Vec<String>,
 }
 
@@ -348,6 +350,7 @@ pub fn mutate(
         },
         volumes: vec![RUN_VOLUME, PODINFO_VOLUME],
         config_hash: config_hash(&container, &lifecycle),
+        restart_hash: cfg.restart_hash(),
         sources: cfg.sources.clone(),
     };
     let lifecycle_json = serde_json::to_string(&lifecycle).unwrap_or_default();
