@@ -8,14 +8,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use remora_crds::SidecarLifecycle;
 
-use crate::config::{ChartDefaults, LifecycleEntry};
+use crate::config::LifecycleEntry;
 use crate::webhook::ClusterView;
 
 /// Native sidecars (restartable init containers) are on by default from here.
@@ -101,13 +101,7 @@ where
 /// so that the first admissions already see the SidecarLifecycles.
 /// With `status_period`, also watch pods (metadata only) and keep every
 /// SidecarLifecycle's status current.
-pub async fn start(
-    client: Client,
-    chart: ChartDefaults,
-    operator_namespace: &str,
-    sync_timeout: Duration,
-    status_period: Option<Duration>,
-) -> Result<KubeView, ClusterError> {
+pub async fn start(client: Client, sync_timeout: Duration) -> Result<KubeView, ClusterError> {
     let apiserver = client
         .apiserver_version()
         .await
@@ -136,27 +130,6 @@ pub async fn start(
         .reflect(w)
         .touched_objects(),
     );
-    if let Some(period) = status_period {
-        let (pods, w) = reflector::store::<PartialObjectMeta<Pod>>();
-        drive(
-            "pods",
-            watcher(
-                Api::<PartialObjectMeta<Pod>>::all(client.clone()),
-                watcher::Config::default(),
-            )
-            .default_backoff()
-            .reflect(w)
-            .touched_objects(),
-        );
-        tokio::spawn(crate::status::run(
-            client.clone(),
-            lifecycles.clone(),
-            pods,
-            chart,
-            operator_namespace.to_string(),
-            period,
-        ));
-    }
     let (nodes, w) = reflector::store::<Node>();
     let native = Arc::new(AtomicBool::new(apiserver.is_some_and(supports_native)));
     {

@@ -124,9 +124,13 @@ struct ServeArgs {
         default_value = "/var/run/remora-injector/tls"
     )]
     self_signed_dir: PathBuf,
-    /// How often SidecarLifecycle statuses are recomputed; 0 turns the status controller off.
-    #[arg(long, env = "REMORA_STATUS_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "15s")]
-    status_interval: Duration,
+    /// Run the SidecarLifecycle controller (status, live retuning, rollouts).
+    #[arg(long, env = "REMORA_CONTROLLER", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    controller: bool,
+    /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
+    #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
+    rollout_interval: Duration,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]
     log_level: String,
@@ -265,22 +269,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cert = ReloadingCert::load(cert_path, key_path)?;
     let _reloader = cert.spawn_reloader(args.cert_reload_interval);
     let tls = Arc::new(cert.server_config()?);
-    let status_period = (!args.status_interval.is_zero()).then_some(args.status_interval);
-    let view = remora_injector::cluster::start(
-        client,
-        args.proxy.chart(args.default_mode),
-        &args.operator_namespace,
-        args.sync_timeout,
-        status_period,
-    )
-    .await?;
+    let view = remora_injector::cluster::start(client.clone(), args.sync_timeout).await?;
+    let metrics = Metrics::new();
+    let shutdown_token = tokio_util::sync::CancellationToken::new();
+    if args.controller {
+        tokio::spawn(remora_injector::controller::run(
+            client,
+            remora_injector::controller::Settings {
+                chart: args.proxy.chart(args.default_mode),
+                operator_namespace: args.operator_namespace.clone(),
+                rollout_interval: args.rollout_interval,
+                identity: "remora-injector".into(),
+            },
+            metrics.controller.clone(),
+            shutdown_token.clone(),
+        ));
+    }
     let state = Arc::new(AppState {
         injector: Injector {
             chart: args.proxy.chart(args.default_mode),
             operator_namespace: args.operator_namespace.clone(),
             view: Arc::new(view),
         },
-        metrics: Metrics::new(),
+        metrics,
         max_body_bytes: args.max_request_bytes,
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -299,5 +310,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     serve_tls(listener, tls, router(state), shutdown).await?;
+    shutdown_token.cancel();
     Ok(())
 }

@@ -37,6 +37,8 @@ pub struct Metrics {
     registry: Registry,
     admissions: Family<OutcomeLabels, Counter>,
     latency: Histogram,
+    /// Handed to the SidecarLifecycle controller.
+    pub controller: crate::controller::ControllerMetrics,
 }
 
 impl Default for Metrics {
@@ -61,10 +63,12 @@ impl Metrics {
             "Time to answer one admission review, body read included",
             latency.clone(),
         );
+        let controller = crate::controller::ControllerMetrics::register(&mut registry);
         Self {
             registry,
             admissions,
             latency,
+            controller,
         }
     }
 

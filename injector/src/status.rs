@@ -1,58 +1,90 @@
 //! The status of each `SidecarLifecycle`: which pods it applies to, whether
-//! an older resource wins over it, and whether its pods run with it. The
-//! computation is pure; [`run`] feeds it from the reflectors and writes the
-//! status subresource when it changed.
+//! an older resource wins over it, whether its pods run with it and whether
+//! they need a restart. All of it is pure; [`crate::controller`] feeds it
+//! from its reflectors and acts on the result.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::api::{Patch, PatchParams};
 use kube::core::PartialObjectMeta;
-use kube::runtime::reflector::Store;
-use kube::{Api, Client};
-use remora_crds::{SidecarLifecycle, SidecarLifecycleStatus, condition};
+use remora_crds::{SidecarLifecycleStatus, condition};
 
-use remora_agent::lifecycle::{LIFECYCLE_ANNOTATION, LifecycleAnnotation};
+use remora_agent::lifecycle::LifecycleAnnotation;
 
 use crate::config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 use crate::mutate::{STATUS_ANNOTATION, lifecycle_annotation};
 
-/// What the status needs to know about a pod.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What the controller needs to know about a pod (all of it is metadata).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PodInfo {
     pub namespace: String,
+    pub name: String,
+    pub uid: Option<String>,
     pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
     /// The layers recorded in `remora.dev/status`; `None` when not injected.
     pub sources: Option<Vec<String>>,
+    /// `restartHash` from `remora.dev/status`, when the injector recorded one.
+    pub restart_hash: Option<String>,
+    /// The controlling owner (`kind`, `name`), e.g. a ReplicaSet.
+    pub owner: Option<(String, String)>,
 }
 
 impl PodInfo {
     pub fn from_meta(p: &PartialObjectMeta<Pod>) -> Self {
-        let sources = p
-            .metadata
-            .annotations
+        let annotations = p.metadata.annotations.clone().unwrap_or_default();
+        let status = annotations
+            .get(STATUS_ANNOTATION)
+            .map(|s| serde_json::from_str::<serde_json::Value>(s).unwrap_or_default());
+        let sources = status.as_ref().map(|v| {
+            v["sources"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|s| s.as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default()
+        });
+        let restart_hash = status
             .as_ref()
-            .and_then(|a| a.get(STATUS_ANNOTATION))
-            .map(|s| {
-                serde_json::from_str::<serde_json::Value>(s)
-                    .ok()
-                    .and_then(|v| {
-                        v["sources"].as_array().map(|a| {
-                            a.iter()
-                                .filter_map(|s| s.as_str().map(str::to_string))
-                                .collect()
-                        })
-                    })
-                    .unwrap_or_default()
-            });
+            .and_then(|v| v["restartHash"].as_str().map(str::to_string));
+        let owner = p
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .find(|o| o.controller == Some(true))
+            .map(|o| (o.kind.clone(), o.name.clone()));
         Self {
             namespace: p.metadata.namespace.clone().unwrap_or_default(),
+            name: p.metadata.name.clone().unwrap_or_default(),
+            uid: p.metadata.uid.clone(),
             labels: p.metadata.labels.clone().unwrap_or_default(),
+            annotations,
             sources,
+            restart_hash,
+            owner,
         }
+    }
+
+    /// The settings this pod should run with now.
+    pub fn effective(
+        &self,
+        chart: &ChartDefaults,
+        all: &[LifecycleEntry],
+        operator_ns: &str,
+    ) -> EffectiveConfig {
+        resolve(
+            chart,
+            all,
+            operator_ns,
+            &self.namespace,
+            &self.labels,
+            &self.annotations,
+        )
     }
 }
 
@@ -246,18 +278,7 @@ pub fn compute(
             )
         },
     ];
-    // Keep the transition time of a condition whose status did not change.
-    if let Some(prev) = previous {
-        for c in &mut conditions {
-            if let Some(p) = prev
-                .conditions
-                .iter()
-                .find(|p| p.type_ == c.type_ && p.status == c.status)
-            {
-                c.last_transition_time = p.last_transition_time.clone();
-            }
-        }
-    }
+    keep_transition_times(&mut conditions, previous);
     SidecarLifecycleStatus {
         observed_generation: generation,
         matched_pods: Some(matched),
@@ -283,79 +304,122 @@ pub fn refreshed_lifecycle(current: &str, cfg: &EffectiveConfig) -> Option<Strin
     serde_json::to_string(&new).ok()
 }
 
-/// Every `period`: recompute every status and patch the ones that changed,
-/// and bring the lifecycle annotation of running injected pods up to date
-/// (the agent reads it at drain time, so a change reaches them live).
-pub async fn run(
-    client: Client,
-    lifecycles: Store<SidecarLifecycle>,
-    pods: Store<PartialObjectMeta<Pod>>,
-    chart: ChartDefaults,
-    operator_ns: String,
-    period: Duration,
-) {
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let resources: Vec<Arc<SidecarLifecycle>> = lifecycles.state();
-        let entries: Vec<LifecycleEntry> = resources
-            .iter()
-            .map(|r| LifecycleEntry::from_resource(r))
-            .collect();
-        let pod_infos: Vec<PodInfo> = pods.state().iter().map(|p| PodInfo::from_meta(p)).collect();
-        let now = Time(k8s_openapi::jiff::Timestamp::now());
-        for (r, e) in resources.iter().zip(&entries) {
-            let status = compute(
-                e,
-                r.metadata.generation,
-                &entries,
-                &pod_infos,
-                &operator_ns,
-                r.status.as_ref(),
-                now.clone(),
-            );
-            if r.status.as_ref() == Some(&status) {
-                continue;
-            }
-            let api: Api<SidecarLifecycle> = Api::namespaced(client.clone(), &e.namespace);
-            let patch = Patch::Merge(serde_json::json!({ "status": status }));
-            if let Err(err) = api
-                .patch_status(&e.name, &PatchParams::default(), &patch)
-                .await
-            {
-                tracing::warn!(resource = %format!("{}/{}", e.namespace, e.name), error = %err, "cannot update status");
-            }
+/// Whether `entry` takes part in `pod`'s settings (at its own layer; an
+/// older resource of the same layer may still win).
+pub fn reaches(entry: &LifecycleEntry, pod: &PodInfo, operator_ns: &str) -> bool {
+    applies(entry, layer(entry, operator_ns), pod, operator_ns)
+}
+
+/// The resource that decides for `pod` whether it is restarted: the winner
+/// of the strongest layer that reaches it. Every pod has at most one.
+pub fn governor<'a>(
+    all: &'a [LifecycleEntry],
+    pod: &PodInfo,
+    operator_ns: &str,
+) -> Option<&'a LifecycleEntry> {
+    [Layer::Workload, Layer::Namespace, Layer::Cluster]
+        .into_iter()
+        .find_map(|l| {
+            all.iter()
+                .filter(|e| layer(e, operator_ns) == l && applies(e, l, pod, operator_ns))
+                .min_by_key(|e| age_key(e))
+        })
+}
+
+/// The pods a resource governs whose sidecar runs with settings that only
+/// a restart applies.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct RestartReport {
+    pub governed: usize,
+    /// Each outdated pod with the restart hash it should have.
+    pub outdated: Vec<(PodInfo, String)>,
+}
+
+pub fn restart_report(
+    entry: &LifecycleEntry,
+    all: &[LifecycleEntry],
+    pods: &[PodInfo],
+    chart: &ChartDefaults,
+    operator_ns: &str,
+) -> RestartReport {
+    let mut report = RestartReport::default();
+    for pod in pods.iter().filter(|p| p.sources.is_some()) {
+        let Some(g) = governor(all, pod, operator_ns) else {
+            continue;
+        };
+        if (g.namespace.as_str(), g.name.as_str())
+            != (entry.namespace.as_str(), entry.name.as_str())
+        {
+            continue;
         }
-        for p in pods.state() {
-            let ann = p.metadata.annotations.clone().unwrap_or_default();
-            let Some(current) = ann.get(LIFECYCLE_ANNOTATION) else {
-                continue;
-            };
-            if !ann.contains_key(STATUS_ANNOTATION) {
-                continue;
-            }
-            let ns = p.metadata.namespace.clone().unwrap_or_default();
-            let labels = p.metadata.labels.clone().unwrap_or_default();
-            let cfg = resolve(&chart, &entries, &operator_ns, &ns, &labels, &ann);
-            let Some(fresh) = refreshed_lifecycle(current, &cfg) else {
-                continue;
-            };
-            let name = p.metadata.name.clone().unwrap_or_default();
-            let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
-            let patch = Patch::Merge(
-                serde_json::json!({"metadata": {"annotations": {LIFECYCLE_ANNOTATION: fresh}}}),
-            );
-            match api
-                .patch_metadata(&name, &PatchParams::default(), &patch)
-                .await
-            {
-                Ok(_) => {
-                    tracing::info!(pod = %format!("{ns}/{name}"), "lifecycle annotation updated")
-                }
-                Err(err) => tracing::warn!(pod = %format!("{ns}/{name}"), error = %err,
-                    "cannot update the lifecycle annotation"),
-            }
+        report.governed += 1;
+        let want = pod.effective(chart, all, operator_ns).restart_hash();
+        // A pod injected before restart hashes were recorded is not judged.
+        if pod.restart_hash.as_ref().is_some_and(|h| *h != want) {
+            report.outdated.push((pod.clone(), want));
+        }
+    }
+    report
+}
+
+/// The `RestartRequired` condition for `report`.
+pub fn restart_condition(
+    report: &RestartReport,
+    automatic: bool,
+    generation: Option<i64>,
+    now: &Time,
+) -> Condition {
+    if report.outdated.is_empty() {
+        return cond(
+            condition::RESTART_REQUIRED,
+            false,
+            "PodsCurrent",
+            format!(
+                "all {} governed pods run with the current proxy settings",
+                report.governed
+            ),
+            generation,
+            now,
+        );
+    }
+    let (reason, how) = if automatic {
+        (
+            "RollingOut",
+            "rolloutPolicy Automatic: their workloads are being rolled",
+        )
+    } else {
+        (
+            "ManualRestartNeeded",
+            "rolloutPolicy Manual: restart their workloads (kubectl rollout restart)",
+        )
+    };
+    cond(
+        condition::RESTART_REQUIRED,
+        true,
+        reason,
+        format!(
+            "{} of {} governed pods run with mode, image, startup, concurrency, log level or resources that only a restart applies; {how}",
+            report.outdated.len(),
+            report.governed
+        ),
+        generation,
+        now,
+    )
+}
+
+/// Keep the transition time of each condition whose status did not change.
+pub fn keep_transition_times(
+    conditions: &mut [Condition],
+    previous: Option<&SidecarLifecycleStatus>,
+) {
+    let Some(prev) = previous else { return };
+    for c in conditions {
+        if let Some(p) = prev
+            .conditions
+            .iter()
+            .find(|p| p.type_ == c.type_ && p.status == c.status)
+        {
+            c.last_transition_time = p.last_transition_time.clone();
         }
     }
 }
@@ -382,8 +446,10 @@ mod tests {
     fn pod(ns: &str, app: &str, sources: Option<&[&str]>) -> PodInfo {
         PodInfo {
             namespace: ns.into(),
+            name: format!("{app}-1"),
             labels: BTreeMap::from([("app".to_string(), app.to_string())]),
             sources: sources.map(|s| s.iter().map(|s| s.to_string()).collect()),
+            ..PodInfo::default()
         }
     }
 
@@ -483,5 +549,79 @@ mod tests {
             later,
         );
         assert_eq!(first, second, "nothing changed, nothing to write");
+    }
+
+    #[test]
+    fn the_strongest_layer_governs_a_pod() {
+        let cluster = entry("remora-system", "default", 1, None);
+        let ns = entry("shop", "ns", 2, None);
+        let old = entry("shop", "web-old", 3, Some(("app", "web")));
+        let new = entry("shop", "web-new", 4, Some(("app", "web")));
+        let all = vec![cluster.clone(), ns.clone(), new, old];
+        let web = pod("shop", "web", Some(&[]));
+        let db = pod("shop", "db", Some(&[]));
+        let elsewhere = pod("other", "web", Some(&[]));
+        let g = |p: &PodInfo| governor(&all, p, "remora-system").map(|e| e.name.clone());
+        assert_eq!(
+            g(&web).as_deref(),
+            Some("web-old"),
+            "older workload resource"
+        );
+        assert_eq!(g(&db).as_deref(), Some("ns"));
+        assert_eq!(g(&elsewhere).as_deref(), Some("default"));
+        assert!(reaches(&ns, &web, "remora-system"));
+        assert!(!reaches(&ns, &elsewhere, "remora-system"));
+    }
+
+    #[test]
+    fn a_restart_setting_change_outdates_governed_pods_only() {
+        let chart = ChartDefaults::default();
+        let mut e = entry("shop", "web", 1, Some(("app", "web")));
+        let all = vec![e.clone()];
+        let mut current = pod("shop", "web", Some(&["workload:shop/web"]));
+        current.restart_hash = Some(
+            current
+                .effective(&chart, &all, "remora-system")
+                .restart_hash(),
+        );
+        let mut legacy = pod("shop", "web", Some(&[]));
+        legacy.restart_hash = None;
+        let other = pod("shop", "db", Some(&[]));
+        let pods = vec![current.clone(), legacy, other];
+        let r = restart_report(&e, &all, &pods, &chart, "remora-system");
+        assert_eq!((r.governed, r.outdated.len()), (2, 0));
+        assert_eq!(
+            restart_condition(&r, false, Some(1), &now()).status,
+            "False"
+        );
+
+        // Concurrency is baked into the pod spec: a change needs a restart.
+        e.spec.proxy = Some(remora_crds::ProxySpec {
+            concurrency: Some(4),
+            ..Default::default()
+        });
+        let all = vec![e.clone()];
+        let r = restart_report(&e, &all, &pods, &chart, "remora-system");
+        assert_eq!(
+            r.outdated.len(),
+            1,
+            "the pod without a recorded hash is not judged"
+        );
+        assert_ne!(Some(&r.outdated[0].1), current.restart_hash.as_ref());
+        let c = restart_condition(&r, true, Some(2), &now());
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "RollingOut")
+        );
+
+        // Drain settings are retuned live: no restart.
+        let mut live = entry("shop", "web", 1, Some(("app", "web")));
+        live.spec.shutdown = Some(remora_crds::ShutdownSpec {
+            drain_duration: Some(remora_crds::DurationString("10s".into())),
+            ..Default::default()
+        });
+        let all = vec![live.clone()];
+        let r = restart_report(&live, &all, &[current], &chart, "remora-system");
+        assert!(r.outdated.is_empty());
     }
 }

@@ -188,127 +188,6 @@ async fn ca_bundle_is_patched_into_the_webhook_configuration() -> anyhow::Result
 
 /// The status controller's loop against the same kind of fake: it writes
 /// the status subresource and refreshes a stale lifecycle annotation.
-#[tokio::test]
-async fn status_controller_writes_status_and_refreshes_pods() -> anyhow::Result<()> {
-    use k8s_openapi::api::core::v1::Pod;
-    use kube::core::{ObjectMeta, PartialObjectMeta};
-    use kube::runtime::{reflector, watcher};
-    use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycle, SidecarLifecycleSpec};
-
-    #[derive(Default)]
-    struct Seen {
-        status: Option<Value>,
-        pod_patch: Option<Value>,
-    }
-    let seen: Arc<Mutex<Seen>> = Arc::default();
-    let slc_status = "/apis/remora.dev/v1alpha1/namespaces/shop/sidecarlifecycles/tuned/status";
-    let pod_path = "/api/v1/namespaces/shop/pods/web-1";
-    let app = Router::new()
-        .route(
-            slc_status,
-            axum::routing::patch(|State(s): State<Arc<Mutex<Seen>>>, body: Bytes| async move {
-                let v: Value = serde_json::from_slice(&body).unwrap_or_default();
-                if let Ok(mut s) = s.lock() {
-                    s.status = Some(v.clone());
-                }
-                axum::Json(json!({"apiVersion": "remora.dev/v1alpha1", "kind": "SidecarLifecycle",
-                    "metadata": {"name": "tuned", "namespace": "shop"}, "spec": {}, "status": v["status"]}))
-            }),
-        )
-        .route(
-            pod_path,
-            axum::routing::patch(|State(s): State<Arc<Mutex<Seen>>>, body: Bytes| async move {
-                let v: Value = serde_json::from_slice(&body).unwrap_or_default();
-                if let Ok(mut s) = s.lock() {
-                    s.pod_patch = Some(v);
-                }
-                axum::Json(json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
-                    "metadata": {"name": "web-1", "namespace": "shop"}}))
-            }),
-        )
-        .with_state(Arc::clone(&seen));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    let client = kube::Client::try_from(kube::Config::new(format!("http://{addr}").parse()?))?;
-
-    let (slcs, mut w) = reflector::store::<SidecarLifecycle>();
-    let mut slc = SidecarLifecycle::new(
-        "tuned",
-        SidecarLifecycleSpec {
-            shutdown: Some(ShutdownSpec {
-                exit_on_zero_active_connections: Some(true),
-                termination_drain_duration: Some(DurationString::new("3s")),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-    );
-    slc.metadata.namespace = Some("shop".into());
-    slc.metadata.generation = Some(2);
-    w.apply_watcher_event(&watcher::Event::Apply(slc));
-    let (pods, mut pw) = reflector::store::<PartialObjectMeta<Pod>>();
-    let stale = r#"{"mode":"Legacy","startup":{"holdApplicationUntilProxyStarts":true,"timeout":"1m"},"shutdown":{"drainDuration":"45s","terminationDrainDuration":"5s","exitOnZeroActiveConnections":false,"minimumDrainDuration":"5s"},"drainDeadline":"25s"}"#;
-    let pod = PartialObjectMeta::<Pod> {
-        types: None,
-        metadata: ObjectMeta {
-            name: Some("web-1".into()),
-            namespace: Some("shop".into()),
-            annotations: Some(
-                [
-                    (
-                        "remora.dev/status".to_string(),
-                        r#"{"sources":["defaults","namespace:shop/tuned"]}"#.to_string(),
-                    ),
-                    ("remora.dev/lifecycle".to_string(), stale.to_string()),
-                ]
-                .into(),
-            ),
-            ..Default::default()
-        },
-        _phantom: Default::default(),
-    };
-    pw.apply_watcher_event(&watcher::Event::Apply(pod));
-
-    let task = tokio::spawn(remora_injector::status::run(
-        client,
-        slcs,
-        pods,
-        remora_injector::config::ChartDefaults::default(),
-        "remora-system".into(),
-        Duration::from_millis(50),
-    ));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let (status, pod_patch) = loop {
-        let got = seen
-            .lock()
-            .map(|s| (s.status.clone(), s.pod_patch.clone()))
-            .unwrap_or_default();
-        if let (Some(st), Some(pp)) = got {
-            break (st, pp);
-        }
-        assert!(Instant::now() < deadline, "the controller never wrote");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    task.abort();
-    assert_eq!(status["status"]["matchedPods"], 1);
-    assert_eq!(status["status"]["observedGeneration"], 2);
-    let lifecycle: Value = serde_json::from_str(
-        pod_patch["metadata"]["annotations"]["remora.dev/lifecycle"]
-            .as_str()
-            .unwrap_or("{}"),
-    )?;
-    assert_eq!(lifecycle["shutdown"]["exitOnZeroActiveConnections"], true);
-    assert_eq!(lifecycle["shutdown"]["terminationDrainDuration"], "3s");
-    assert_eq!(
-        lifecycle["drainDeadline"], "25s",
-        "fixed for the pod's life"
-    );
-    Ok(())
-}
-
 /// A read-only fake for the reflectors: lists answer with fixed objects,
 /// watches stay open and silent.
 async fn start_lister(nodes: &[&str], apiserver_minor: &str) -> anyhow::Result<kube::Client> {
@@ -388,14 +267,7 @@ async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> 
     use remora_injector::webhook::ClusterView;
     // New API server, but one old kubelet: Auto must mean Legacy.
     let client = start_lister(&["v1.31.2", "v1.28.9"], "31").await?;
-    let view = remora_injector::cluster::start(
-        client,
-        remora_injector::config::ChartDefaults::default(),
-        "remora-system",
-        Duration::from_secs(10),
-        None,
-    )
-    .await?;
+    let view = remora_injector::cluster::start(client, Duration::from_secs(10)).await?;
     let entries = view.lifecycles();
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].namespace, "remora-system");
@@ -410,14 +282,7 @@ async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> 
 
     // Old API server, every kubelet new: the nodes win, Auto means Native.
     let client = start_lister(&["v1.30.0", "v1.29.1-eks-1"], "28").await?;
-    let view = remora_injector::cluster::start(
-        client,
-        remora_injector::config::ChartDefaults::default(),
-        "remora-system",
-        Duration::from_secs(10),
-        None,
-    )
-    .await?;
+    let view = remora_injector::cluster::start(client, Duration::from_secs(10)).await?;
     wait_native(&view, true).await;
     Ok(())
 }
