@@ -83,6 +83,10 @@ pub struct Options {
     pub operator_namespace: String,
     /// `--default-mode` (no nodes run here, so `Auto` has no kubelet to ask).
     pub default_mode: String,
+    /// Run the SidecarLifecycle controller. Off unless a test needs it:
+    /// tests share one API server and each injector's controller acts on
+    /// every namespace, so several at once would fight over the same objects.
+    pub controller: bool,
     /// More `serve` flags.
     pub args: Vec<String>,
     /// How long to wait for it to list the cluster and listen.
@@ -94,6 +98,7 @@ impl Options {
         Self {
             operator_namespace: operator_namespace.to_owned(),
             default_mode: "Legacy".to_owned(),
+            controller: false,
             args: Vec::new(),
             start_timeout: Duration::from_secs(60),
         }
@@ -143,6 +148,7 @@ impl Injector {
             .arg(&options.default_mode)
             .arg("--log-level")
             .arg("info,remora_injector=debug")
+            .arg(format!("--controller={}", options.controller))
             .args(&options.args)
             .env("KUBECONFIG", kubeconfig)
             .env("POD_NAMESPACE", &options.operator_namespace)

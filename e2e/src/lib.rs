@@ -7,3 +7,4 @@ pub mod envoy;
 pub mod injector;
 pub mod load;
 pub mod podrunner;
+pub mod webhook;

@@ -282,6 +282,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
 
     let tls_dir = dir.path().join("tls");
     let mut options = Options::new(&ns);
+    options.controller = true;
     options.args = vec![
         "--self-signed".into(),
         "--tls-secret".into(),
@@ -292,8 +293,6 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         name.clone(),
         "--self-signed-dir".into(),
         tls_dir.display().to_string(),
-        "--status-interval".into(),
-        "1s".into(),
     ];
     let injector = Injector::start(&kubeconfig, options).await?;
     let log = || injector.log_tail();

@@ -1,192 +1,20 @@
 //! The injector behind the real kube-apiserver: the CRD and its CEL rules,
 //! and `remora-injector serve` called as a mutating webhook.
-//!
-//! The webhook configuration is the chart's own (`helm template`), with
-//! `clientConfig.service` swapped for `clientConfig.url` to the injector
-//! running as a local process (no Service network here) and, so that tests
-//! running in parallel on one API server do not see each other's webhooks,
-//! one more namespaceSelector term: the test's own namespaces.
+//! (`e2e::webhook` sets the webhook up.)
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, wait_until};
-use e2e::injector::{Injector, Options};
-use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
-use kube::api::{
-    DeleteParams, DynamicObject, ListParams, ObjectMeta, Patch, PatchParams, PostParams,
-};
+use kube::Api;
+use kube::api::{DynamicObject, ListParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
-use kube::{Api, Client};
 use serde_json::json;
 
-const DEADLINE: Duration = Duration::from_secs(60);
-const PROXY: &str = "remora-proxy";
-
-/// The sidecar, wherever the mode put it.
-fn sidecar(pod: &Pod) -> Option<(&'static str, &Container)> {
-    let spec = pod.spec.as_ref()?;
-    if let Some(c) = spec.containers.iter().find(|c| c.name == PROXY) {
-        return Some(("containers", c));
-    }
-    spec.init_containers
-        .iter()
-        .flatten()
-        .find(|c| c.name == PROXY)
-        .map(|c| ("initContainers", c))
-}
-
-fn pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Pod {
-    let map = |kv: &[(&str, &str)]| {
-        (!kv.is_empty()).then(|| {
-            kv.iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect::<BTreeMap<_, _>>()
-        })
-    };
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            labels: map(labels),
-            annotations: map(annotations),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            containers: vec![Container {
-                name: "app".into(),
-                image: Some("registry.invalid/app:1".into()),
-                ..Container::default()
-            }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
-}
-
-async fn label_namespace(client: &Client, ns: &str, key: &str, value: &str) -> anyhow::Result<()> {
-    Api::<Namespace>::all(client.clone())
-        .patch(
-            ns,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": {key: value}}})),
-        )
-        .await?;
-    Ok(())
-}
-
-/// The chart's MutatingWebhookConfiguration, pointed at `injector` and
-/// limited to `namespaces`.
-fn webhook_config(
-    name: &str,
-    injector: &Injector,
-    namespaces: &[&str],
-    failure_policy: &str,
-) -> anyhow::Result<MutatingWebhookConfiguration> {
-    let objects = e2e::chart::render(
-        "remora",
-        "remora-system",
-        &[&format!("webhook.failurePolicy={failure_policy}")],
-    )?;
-    let rendered = e2e::chart::find(&objects, "MutatingWebhookConfiguration", None)
-        .context("the chart renders no MutatingWebhookConfiguration")?;
-    let mut mwc: MutatingWebhookConfiguration = serde_json::from_value(rendered.clone())?;
-    mwc.metadata.name = Some(name.to_owned());
-    anyhow::ensure!(mwc.webhooks.as_ref().is_some_and(|w| w.len() == 2));
-    for w in mwc.webhooks.iter_mut().flatten() {
-        w.client_config.service = None;
-        w.client_config.url = Some(injector.url());
-        w.client_config.ca_bundle = Some(ByteString(injector.ca_pem().as_bytes().to_vec()));
-        let sel = w.namespace_selector.get_or_insert_with(Default::default);
-        sel.match_expressions
-            .get_or_insert_with(Vec::new)
-            .push(LabelSelectorRequirement {
-                key: "kubernetes.io/metadata.name".into(),
-                operator: "In".into(),
-                values: Some(namespaces.iter().map(|s| (*s).to_owned()).collect()),
-            });
-    }
-    Ok(mwc)
-}
-
-/// A test's world: namespaces (the first labelled `remora.dev/inject=enabled`,
-/// the second not), the injector, the chart's webhook configuration.
-struct Setup {
-    client: Client,
-    enabled: String,
-    plain: String,
-    injector: Injector,
-    mwc: String,
-}
-
-impl Setup {
-    async fn new(prefix: &str, failure_policy: &str) -> anyhow::Result<Self> {
-        let cp = ControlPlane::shared().await?;
-        let client = cp.client()?;
-        e2e::chart::install_crds(&client).await?;
-        let enabled = cp
-            .create_namespace(&client, &format!("{prefix}-on"))
-            .await?;
-        let plain = cp
-            .create_namespace(&client, &format!("{prefix}-off"))
-            .await?;
-        // Before the injector starts: its first listing then has the label.
-        label_namespace(&client, &enabled, "remora.dev/inject", "enabled").await?;
-        // Its operator namespace is the test's, so a cluster default
-        // SidecarLifecycle of another test never reaches it.
-        let injector = Injector::start(cp.kubeconfig(), Options::new(&enabled)).await?;
-        let mwc = format!("remora-e2e-{enabled}");
-        let config = webhook_config(&mwc, &injector, &[&enabled, &plain], failure_policy)?;
-        Api::<MutatingWebhookConfiguration>::all(client.clone())
-            .create(&PostParams::default(), &config)
-            .await?;
-        let me = Self {
-            client,
-            enabled,
-            plain,
-            injector,
-            mwc,
-        };
-        me.wait_effective().await?;
-        Ok(me)
-    }
-
-    /// The API server picks a new webhook configuration up asynchronously:
-    /// dry-run creates (which run mutating webhooks; the configuration says
-    /// sideEffects None) until one comes back injected.
-    async fn wait_effective(&self) -> anyhow::Result<()> {
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.enabled);
-        let dry = PostParams {
-            dry_run: true,
-            ..PostParams::default()
-        };
-        let probe = pod("probe", &[], &[]);
-        let res = wait_until("the webhook configuration in force", DEADLINE, || async {
-            let p = api.create(&dry, &probe).await?;
-            Ok::<_, kube::Error>(sidecar(&p).map(|_| ()))
-        })
-        .await;
-        res.with_context(|| format!("injector log:\n{}", self.injector.log_tail()))
-    }
-
-    fn pods(&self, ns: &str) -> Api<Pod> {
-        Api::namespaced(self.client.clone(), ns)
-    }
-
-    async fn cleanup(self) -> anyhow::Result<()> {
-        Api::<MutatingWebhookConfiguration>::all(self.client.clone())
-            .delete(&self.mwc, &DeleteParams::default())
-            .await?;
-        let cp = ControlPlane::shared().await?;
-        cp.delete_namespace(&self.client, &self.enabled).await?;
-        cp.delete_namespace(&self.client, &self.plain).await?;
-        Ok(())
-    }
-}
+use e2e::webhook::{DEADLINE, PROXY, Setup, pod, sidecar};
 
 #[tokio::test]
 async fn crd_rejects_invalid_lifecycles_with_readable_messages() -> anyhow::Result<()> {

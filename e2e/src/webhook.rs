@@ -1,0 +1,203 @@
+//! The injector registered as the API server's mutating webhook, for tests
+//! on the shared control plane.
+//!
+//! The webhook configuration is the chart's own (`helm template`), with
+//! `clientConfig.service` swapped for `clientConfig.url` to the injector
+//! running as a local process (no Service network here) and, so that tests
+//! running in parallel on one API server do not see each other's webhooks,
+//! one more namespaceSelector term: the test's own namespaces.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Context;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+
+use crate::controlplane::{ControlPlane, wait_until};
+use crate::injector::{Injector, Options};
+
+pub const DEADLINE: Duration = Duration::from_secs(60);
+pub const PROXY: &str = "remora-proxy";
+
+/// The sidecar, wherever the mode put it.
+pub fn sidecar(pod: &Pod) -> Option<(&'static str, &Container)> {
+    let spec = pod.spec.as_ref()?;
+    if let Some(c) = spec.containers.iter().find(|c| c.name == PROXY) {
+        return Some(("containers", c));
+    }
+    spec.init_containers
+        .iter()
+        .flatten()
+        .find(|c| c.name == PROXY)
+        .map(|c| ("initContainers", c))
+}
+
+pub fn pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Pod {
+    let map = |kv: &[(&str, &str)]| {
+        (!kv.is_empty()).then(|| {
+            kv.iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect::<BTreeMap<_, _>>()
+        })
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: map(labels),
+            annotations: map(annotations),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "app".into(),
+                image: Some("registry.invalid/app:1".into()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
+pub async fn label_namespace(
+    client: &Client,
+    ns: &str,
+    key: &str,
+    value: &str,
+) -> anyhow::Result<()> {
+    Api::<Namespace>::all(client.clone())
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {key: value}}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The chart's MutatingWebhookConfiguration, pointed at `injector` and
+/// limited to `namespaces`.
+pub fn webhook_config(
+    name: &str,
+    injector: &Injector,
+    namespaces: &[&str],
+    failure_policy: &str,
+) -> anyhow::Result<MutatingWebhookConfiguration> {
+    let objects = crate::chart::render(
+        "remora",
+        "remora-system",
+        &[&format!("webhook.failurePolicy={failure_policy}")],
+    )?;
+    let rendered = crate::chart::find(&objects, "MutatingWebhookConfiguration", None)
+        .context("the chart renders no MutatingWebhookConfiguration")?;
+    let mut mwc: MutatingWebhookConfiguration = serde_json::from_value(rendered.clone())?;
+    mwc.metadata.name = Some(name.to_owned());
+    anyhow::ensure!(mwc.webhooks.as_ref().is_some_and(|w| w.len() == 2));
+    for w in mwc.webhooks.iter_mut().flatten() {
+        w.client_config.service = None;
+        w.client_config.url = Some(injector.url());
+        w.client_config.ca_bundle = Some(ByteString(injector.ca_pem().as_bytes().to_vec()));
+        let sel = w.namespace_selector.get_or_insert_with(Default::default);
+        sel.match_expressions
+            .get_or_insert_with(Vec::new)
+            .push(LabelSelectorRequirement {
+                key: "kubernetes.io/metadata.name".into(),
+                operator: "In".into(),
+                values: Some(namespaces.iter().map(|s| (*s).to_owned()).collect()),
+            });
+    }
+    Ok(mwc)
+}
+
+/// A test's world: namespaces (the first labelled `remora.dev/inject=enabled`,
+/// the second not), the injector, the chart's webhook configuration.
+pub struct Setup {
+    pub client: Client,
+    pub enabled: String,
+    pub plain: String,
+    pub injector: Injector,
+    pub mwc: String,
+}
+
+impl Setup {
+    pub async fn new(prefix: &str, failure_policy: &str) -> anyhow::Result<Self> {
+        Self::with(prefix, failure_policy, |_| {}).await
+    }
+
+    /// As [`Setup::new`], with the injector's options adjusted by `customize`
+    /// (they start as `Options::new(<enabled namespace>)`).
+    pub async fn with(
+        prefix: &str,
+        failure_policy: &str,
+        customize: impl FnOnce(&mut Options),
+    ) -> anyhow::Result<Self> {
+        let cp = ControlPlane::shared().await?;
+        let client = cp.client()?;
+        crate::chart::install_crds(&client).await?;
+        let enabled = cp
+            .create_namespace(&client, &format!("{prefix}-on"))
+            .await?;
+        let plain = cp
+            .create_namespace(&client, &format!("{prefix}-off"))
+            .await?;
+        // Before the injector starts: its first listing then has the label.
+        label_namespace(&client, &enabled, "remora.dev/inject", "enabled").await?;
+        // Its operator namespace is the test's, so a cluster default
+        // SidecarLifecycle of another test never reaches it.
+        let mut options = Options::new(&enabled);
+        customize(&mut options);
+        let injector = Injector::start(cp.kubeconfig(), options).await?;
+        let mwc = format!("remora-e2e-{enabled}");
+        let config = webhook_config(&mwc, &injector, &[&enabled, &plain], failure_policy)?;
+        Api::<MutatingWebhookConfiguration>::all(client.clone())
+            .create(&PostParams::default(), &config)
+            .await?;
+        let me = Self {
+            client,
+            enabled,
+            plain,
+            injector,
+            mwc,
+        };
+        me.wait_effective().await?;
+        Ok(me)
+    }
+
+    /// The API server picks a new webhook configuration up asynchronously:
+    /// dry-run creates (which run mutating webhooks; the configuration says
+    /// sideEffects None) until one comes back injected.
+    pub async fn wait_effective(&self) -> anyhow::Result<()> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.enabled);
+        let dry = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        let probe = pod("probe", &[], &[]);
+        let res = wait_until("the webhook configuration in force", DEADLINE, || async {
+            let p = api.create(&dry, &probe).await?;
+            Ok::<_, kube::Error>(sidecar(&p).map(|_| ()))
+        })
+        .await;
+        res.with_context(|| format!("injector log:\n{}", self.injector.log_tail()))
+    }
+
+    pub fn pods(&self, ns: &str) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), ns)
+    }
+
+    pub async fn cleanup(self) -> anyhow::Result<()> {
+        Api::<MutatingWebhookConfiguration>::all(self.client.clone())
+            .delete(&self.mwc, &DeleteParams::default())
+            .await?;
+        let cp = ControlPlane::shared().await?;
+        cp.delete_namespace(&self.client, &self.enabled).await?;
+        cp.delete_namespace(&self.client, &self.plain).await?;
+        Ok(())
+    }
+}
