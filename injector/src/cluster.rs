@@ -14,6 +14,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use remora_crds::SidecarLifecycle;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{ChartDefaults, LifecycleEntry};
 use crate::webhook::ClusterView;
@@ -82,31 +83,34 @@ impl ClusterView for KubeView {
     }
 }
 
-fn drive<S, T>(what: &'static str, stream: S)
+fn drive<S, T>(what: &'static str, stream: S, shutdown: CancellationToken)
 where
     S: Stream<Item = Result<T, watcher::Error>> + Send + 'static,
     T: Send,
 {
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
-        while let Some(ev) = stream.next().await {
-            if let Err(e) = ev {
-                tracing::warn!(watch = what, error = %e, "watch error; retrying");
+        loop {
+            let ev = tokio::select! {
+                () = shutdown.cancelled() => return,
+                ev = stream.next() => ev,
+            };
+            match ev {
+                None => return,
+                Some(Err(e)) => tracing::warn!(watch = what, error = %e, "watch error; retrying"),
+                Some(Ok(_)) => {}
             }
         }
     });
 }
 
-/// Start the reflectors; waits (up to `sync_timeout`) for the first listing
-/// so that the first admissions already see the SidecarLifecycles.
-/// With `status_period`, also watch pods (metadata only) and keep every
-/// SidecarLifecycle's status current.
+/// Start the reflectors, which run until `shutdown`; waits (up to
+/// `sync_timeout`) for the first listing so that the first admissions
+/// already see the SidecarLifecycles.
 pub async fn start(
     client: Client,
-    chart: ChartDefaults,
-    operator_namespace: &str,
     sync_timeout: Duration,
-    status_period: Option<Duration>,
+    shutdown: CancellationToken,
 ) -> Result<KubeView, ClusterError> {
     let apiserver = client
         .apiserver_version()
@@ -124,6 +128,7 @@ pub async fn start(
         .default_backoff()
         .reflect(w)
         .touched_objects(),
+        shutdown.clone(),
     );
     let (namespaces, w) = reflector::store();
     drive(
@@ -135,28 +140,8 @@ pub async fn start(
         .default_backoff()
         .reflect(w)
         .touched_objects(),
+        shutdown.clone(),
     );
-    if let Some(period) = status_period {
-        let (pods, w) = reflector::store::<PartialObjectMeta<Pod>>();
-        drive(
-            "pods",
-            watcher(
-                Api::<PartialObjectMeta<Pod>>::all(client.clone()),
-                watcher::Config::default(),
-            )
-            .default_backoff()
-            .reflect(w)
-            .touched_objects(),
-        );
-        tokio::spawn(crate::status::run(
-            client.clone(),
-            lifecycles.clone(),
-            pods,
-            chart,
-            operator_namespace.to_string(),
-            period,
-        ));
-    }
     let (nodes, w) = reflector::store::<Node>();
     let native = Arc::new(AtomicBool::new(apiserver.is_some_and(supports_native)));
     {
@@ -187,7 +172,7 @@ pub async fn start(
                 }
                 ev
             });
-        drive("nodes", stream);
+        drive("nodes", stream, shutdown);
     }
     let ready = async {
         let _ = lifecycles.wait_until_ready().await;
@@ -201,6 +186,57 @@ pub async fn start(
         namespaces,
         native,
     })
+}
+
+impl KubeView {
+    /// The SidecarLifecycles the reflector keeps (shared, not copied).
+    pub fn lifecycle_store(&self) -> Store<SidecarLifecycle> {
+        self.lifecycles.clone()
+    }
+}
+
+/// The SidecarLifecycle status writer (leader only): watch pods (metadata
+/// only), wait up to `sync_timeout` for their first listing so that the
+/// first statuses do not count zero pods, then keep every status current
+/// every `period`, until `token` is cancelled.
+pub async fn run_status(
+    client: Client,
+    lifecycles: Store<SidecarLifecycle>,
+    chart: ChartDefaults,
+    operator_namespace: String,
+    period: Duration,
+    sync_timeout: Duration,
+    token: CancellationToken,
+) {
+    let (pods, w) = reflector::store::<PartialObjectMeta<Pod>>();
+    drive(
+        "pods",
+        watcher(
+            Api::<PartialObjectMeta<Pod>>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(w)
+        .touched_objects(),
+        token.clone(),
+    );
+    let synced = tokio::time::timeout(sync_timeout, pods.wait_until_ready());
+    tokio::select! {
+        () = token.cancelled() => return,
+        r = synced => if r.is_err() {
+            tracing::warn!("pods not listed in time; computing statuses with what is known");
+        },
+    }
+    token
+        .run_until_cancelled(crate::status::run(
+            client,
+            lifecycles,
+            pods,
+            chart,
+            operator_namespace,
+            period,
+        ))
+        .await;
 }
 
 #[cfg(test)]

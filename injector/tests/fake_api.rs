@@ -390,10 +390,8 @@ async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> 
     let client = start_lister(&["v1.31.2", "v1.28.9"], "31").await?;
     let view = remora_injector::cluster::start(
         client,
-        remora_injector::config::ChartDefaults::default(),
-        "remora-system",
         Duration::from_secs(10),
-        None,
+        tokio_util::sync::CancellationToken::new(),
     )
     .await?;
     let entries = view.lifecycles();
@@ -412,10 +410,8 @@ async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> 
     let client = start_lister(&["v1.30.0", "v1.29.1-eks-1"], "28").await?;
     let view = remora_injector::cluster::start(
         client,
-        remora_injector::config::ChartDefaults::default(),
-        "remora-system",
         Duration::from_secs(10),
-        None,
+        tokio_util::sync::CancellationToken::new(),
     )
     .await?;
     wait_native(&view, true).await;
