@@ -218,7 +218,11 @@ fn watch_signals(
             }
         };
         let first = next().await;
-        tracing::info!(signal = first, ?grace, "shutting down; a second signal aborts");
+        tracing::info!(
+            signal = first,
+            ?grace,
+            "shutting down; a second signal aborts"
+        );
         shutdown.cancel();
         let second = next().await;
         tracing::warn!(signal = second, "second signal; aborting");
@@ -339,7 +343,10 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     let (served, elected) = tokio::join!(server, controller);
     let drained = served?;
     elected?;
-    tracing::info!(forced_connections = drained.forced, "remora-injector stopped");
+    tracing::info!(
+        forced_connections = drained.forced,
+        "remora-injector stopped"
+    );
     Ok(())
 }
 
@@ -362,14 +369,16 @@ async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started
             &args.service_name,
         )
         .await?;
-        tokio::spawn(shutdown.clone().run_until_cancelled_owned(
-            crate::ca::keep_ca_bundle(
-                client.clone(),
-                args.webhook_config.clone(),
-                bundle.ca_pem.clone(),
-                Duration::from_secs(60),
-            ),
-        ));
+        tokio::spawn(
+            shutdown
+                .clone()
+                .run_until_cancelled_owned(crate::ca::keep_ca_bundle(
+                    client.clone(),
+                    args.webhook_config.clone(),
+                    bundle.ca_pem.clone(),
+                    Duration::from_secs(60),
+                )),
+        );
         crate::ca::write_files(&args.self_signed_dir, &bundle)?
     } else {
         (args.tls_cert.clone(), args.tls_key.clone())

@@ -327,7 +327,11 @@ impl<S: LeaseStore> Elector<S> {
             // The leader-only work stops before the Lease is let go, so two
             // replicas' leader work never overlaps on a graceful handover.
             token.cancel();
-            if !task_done && tokio::time::timeout(self.cfg.stop_timeout, &mut task).await.is_err() {
+            if !task_done
+                && tokio::time::timeout(self.cfg.stop_timeout, &mut task)
+                    .await
+                    .is_err()
+            {
                 tracing::warn!(identity = %id, timeout = ?self.cfg.stop_timeout,
                     "the leader-only work did not stop in time; aborted");
                 task.abort();

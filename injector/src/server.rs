@@ -245,13 +245,15 @@ pub async fn serve_tls_draining(
     draining.cancel();
     let open = conns.len();
     tracing::info!(connections = open, ?grace, "webhook server draining");
-    let drained = tokio::time::timeout(grace, async {
-        while conns.join_next().await.is_some() {}
-    })
-    .await;
+    let drained =
+        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
     let forced = if drained.is_err() {
         let n = conns.len();
-        tracing::warn!(connections = n, ?grace, "shutdown grace over; closing connections");
+        tracing::warn!(
+            connections = n,
+            ?grace,
+            "shutdown grace over; closing connections"
+        );
         conns.shutdown().await;
         n
     } else {

@@ -103,7 +103,11 @@ impl LeaseStore for InMemoryLeaseStore {
 
     async fn replace(&self, lease: Lease) -> Result<Lease, LeaderError> {
         self.check()?;
-        if self.inner.conflict_next_replace.swap(false, Ordering::SeqCst) {
+        if self
+            .inner
+            .conflict_next_replace
+            .swap(false, Ordering::SeqCst)
+        {
             return Err(LeaderError::Conflict);
         }
         let mut cur = self
@@ -144,15 +148,17 @@ fn spawn(store: &InMemoryLeaseStore, cfg: LeaderConfig) -> Candidate {
     let running = Arc::new(AtomicBool::new(false));
     let shutdown = CancellationToken::new();
     let (s, r) = (Arc::clone(&started), Arc::clone(&running));
-    let done = tokio::spawn(elector.run(shutdown.clone(), move |token: CancellationToken| {
-        s.fetch_add(1, Ordering::SeqCst);
-        let r = Arc::clone(&r);
-        async move {
-            r.store(true, Ordering::SeqCst);
-            token.cancelled().await;
-            r.store(false, Ordering::SeqCst);
-        }
-    }));
+    let done = tokio::spawn(
+        elector.run(shutdown.clone(), move |token: CancellationToken| {
+            s.fetch_add(1, Ordering::SeqCst);
+            let r = Arc::clone(&r);
+            async move {
+                r.store(true, Ordering::SeqCst);
+                token.cancelled().await;
+                r.store(false, Ordering::SeqCst);
+            }
+        }),
+    );
     Candidate {
         leading,
         started,
@@ -287,7 +293,9 @@ async fn the_holder_steps_down_at_once_when_another_took_the_lease() {
 #[tokio::test(start_paused = true)]
 async fn racing_candidates_elect_exactly_one() {
     let store = InMemoryLeaseStore::default();
-    let mut cs: Vec<Candidate> = (0..4).map(|i| spawn(&store, cfg(&format!("c{i}")))).collect();
+    let mut cs: Vec<Candidate> = (0..4)
+        .map(|i| spawn(&store, cfg(&format!("c{i}"))))
+        .collect();
     tokio::time::sleep(Duration::from_secs(60)).await;
     let leaders: Vec<usize> = cs
         .iter_mut()
@@ -351,9 +359,7 @@ async fn leader_work_that_ignores_its_token_is_aborted_after_the_stop_timeout() 
     let elector = Elector::new(store.clone(), cfg("a")).expect("valid config");
     let mut leading = elector.subscribe();
     let shutdown = CancellationToken::new();
-    let done = tokio::spawn(elector.run(shutdown.clone(), |_token| {
-        std::future::pending::<()>()
-    }));
+    let done = tokio::spawn(elector.run(shutdown.clone(), |_token| std::future::pending::<()>()));
     leading.wait_for(|l| *l).await.expect("alive");
     let start = Instant::now();
     shutdown.cancel();
@@ -371,9 +377,11 @@ async fn metrics_follow_leadership() {
         .with_metrics(metrics.clone());
     let mut leading = elector.subscribe();
     let shutdown = CancellationToken::new();
-    let done = tokio::spawn(elector.run(shutdown.clone(), |t: CancellationToken| async move {
-        t.cancelled().await
-    }));
+    let done = tokio::spawn(
+        elector.run(shutdown.clone(), |t: CancellationToken| async move {
+            t.cancelled().await
+        }),
+    );
     leading.wait_for(|l| *l).await.expect("alive");
     assert_eq!(metrics.leader.get(), 1);
     assert_eq!(metrics.transitions.get(), 1);
