@@ -247,3 +247,121 @@ async fn a_crashed_leader_is_replaced_after_the_lease_duration() -> anyhow::Resu
     cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }
+
+/// A TLS connection to the injector on which a request is half-sent: its
+/// headers announce a body that has not arrived yet.
+async fn half_sent_request(
+    inj: &Injector,
+    body: &[u8],
+) -> anyhow::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    use rustls::pki_types::pem::PemObject;
+    use tokio::io::AsyncWriteExt;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(inj.ca_pem().as_bytes()) {
+        roots.add(cert?)?;
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(inj.addr()).await?;
+    let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(rustls::pki_types::ServerName::try_from("localhost")?, tcp)
+        .await?;
+    let head = format!(
+        "POST /inject HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    tls.write_all(head.as_bytes()).await?;
+    tls.write_all(&body[..body.len() / 2]).await?;
+    tls.flush().await?;
+    Ok(tls)
+}
+
+/// Waits until the injector's log says `what`.
+async fn logged(inj: &Injector, what: &str) -> anyhow::Result<()> {
+    wait_until(what, DEADLINE, || async {
+        Ok::<_, kube::Error>(inj.log_tail().contains(what).then_some(()))
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}; log:\n{}", inj.log_tail()))
+}
+
+#[tokio::test]
+async fn sigterm_finishes_in_flight_admissions_and_a_second_signal_aborts() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    e2e::chart::install_crds(&client).await?;
+    let ns = cp.create_namespace(&client, "leader-drain").await?;
+    let mut o = options(&ns, "drain");
+    if let Some(i) = o.args.iter().position(|a| a == "--shutdown-grace") {
+        o.args[i + 1] = "60s".to_owned();
+    }
+    let review = serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "9b0e3c1e-1111-4c4c-8d8d-000000000001",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "elsewhere", "operation": "CREATE", "userInfo": {"username": "t"},
+            "object": {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+                       "spec": {"containers": [{"name": "app", "image": "app:1"}]}},
+        }
+    }))?;
+
+    // In flight at SIGTERM: answered, then the process exits 0.
+    let mut inj = Injector::start(cp.kubeconfig(), o.clone()).await?;
+    logged(&inj, "acquired the leader Lease").await?;
+    let mut conn = half_sent_request(&inj, &review).await?;
+    inj.signal(Signal::SIGTERM);
+    logged(&inj, "webhook server draining").await?;
+    // Released while the request is still in flight: the controller does
+    // not wait for the webhook's drain.
+    logged(&inj, "released the leader Lease").await?;
+    assert_eq!(
+        inj.wait_exit(Duration::ZERO).await?,
+        None,
+        "exited with a request in flight"
+    );
+    conn.write_all(&review[review.len() / 2..]).await?;
+    conn.flush().await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(DEADLINE, conn.read_to_end(&mut answer)).await??;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.contains("9b0e3c1e-1111-4c4c-8d8d-000000000001"),
+        "{answer}"
+    );
+    let status = inj.wait_exit(DEADLINE).await?;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        inj.log_tail()
+    );
+
+    // Still in flight at a second signal: exit at once, non-zero.
+    let mut inj = Injector::start(cp.kubeconfig(), o).await?;
+    let _conn = half_sent_request(&inj, &review).await?;
+    inj.signal(Signal::SIGTERM);
+    logged(&inj, "webhook server draining").await?;
+    let t0 = Instant::now();
+    inj.signal(Signal::SIGINT);
+    let status = inj.wait_exit(DEADLINE).await?;
+    println!(
+        "second signal: exited after {:?} with {status:?}",
+        t0.elapsed()
+    );
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "{status:?}\n{}",
+        inj.log_tail()
+    );
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
