@@ -326,13 +326,18 @@ impl<S: LeaseStore> Elector<S> {
 
             // The leader-only work stops before the Lease is let go, so two
             // replicas' leader work never overlaps on a graceful handover.
+            // When renewing failed, a candidate may take over a lease
+            // duration after it saw our last renewal: the work must be gone
+            // by then.
+            let stop_timeout = match why {
+                StepDown::Shutdown => self.cfg.stop_timeout,
+                StepDown::Lost => self.cfg.stop_timeout.min(
+                    (renewed + self.cfg.lease_duration).saturating_duration_since(Instant::now()),
+                ),
+            };
             token.cancel();
-            if !task_done
-                && tokio::time::timeout(self.cfg.stop_timeout, &mut task)
-                    .await
-                    .is_err()
-            {
-                tracing::warn!(identity = %id, timeout = ?self.cfg.stop_timeout,
+            if !task_done && tokio::time::timeout(stop_timeout, &mut task).await.is_err() {
+                tracing::warn!(identity = %id, timeout = ?stop_timeout,
                     "the leader-only work did not stop in time; aborted");
                 task.abort();
             }

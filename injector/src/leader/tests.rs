@@ -369,6 +369,43 @@ async fn leader_work_that_ignores_its_token_is_aborted_after_the_stop_timeout() 
 }
 
 #[tokio::test(start_paused = true)]
+async fn after_a_failed_renewal_the_work_is_aborted_before_others_may_take_over() {
+    let store = InMemoryLeaseStore::default();
+    let mut c = cfg("a");
+    // Generous on shutdown; on a lost Lease only 15 s - 10 s is safe.
+    c.stop_timeout = Duration::from_secs(60);
+    let elector = Elector::new(store.clone(), c).expect("valid config");
+    let mut leading = elector.subscribe();
+    let shutdown = CancellationToken::new();
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    /// Tells when the leader work is dropped (aborted).
+    struct OnDrop(Option<tokio::sync::oneshot::Sender<()>>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            if let Some(tx) = self.0.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+    let mut guard = Some(OnDrop(Some(stopped_tx)));
+    let _done = tokio::spawn(elector.run(shutdown.clone(), move |_token| {
+        let guard = guard.take();
+        async move {
+            let _guard = guard;
+            std::future::pending::<()>().await
+        }
+    }));
+    leading.wait_for(|l| *l).await.expect("alive");
+    let last_ok = Instant::now();
+    store.fail(true);
+    stopped_rx.await.expect("the work was dropped");
+    let gone = last_ok.elapsed();
+    // Stepped down at the renew deadline (10 s); the work got what was
+    // left of the lease duration, not the 60 s.
+    assert_eq!(gone, Duration::from_secs(15));
+}
+
+#[tokio::test(start_paused = true)]
 async fn metrics_follow_leadership() {
     let store = InMemoryLeaseStore::default();
     let metrics = LeaderMetrics::default();
