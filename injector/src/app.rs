@@ -258,10 +258,14 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
         ));
     }
     while let Some(r) = tasks.join_next().await {
-        if let Err(e) = r {
-            tracing::error!(error = %e, "a leader-only task failed");
+        match r {
+            Err(e) => tracing::error!(error = %e, "a leader-only task failed"),
+            Ok(()) if !token.is_cancelled() => tracing::warn!("a leader-only task ended early"),
+            Ok(()) => {}
         }
     }
+    // Nothing (left) to do is no reason to give up leadership.
+    token.cancelled().await;
 }
 
 /// Serve until `shutdown` is cancelled, then drain (see the module doc).

@@ -42,6 +42,8 @@ pub enum LeaderError {
     /// A store other than the API server failed (the test double).
     #[error("Lease store: {0}")]
     Store(String),
+    #[error("the Lease call did not finish in time")]
+    Timeout,
 }
 
 /// How to elect.
@@ -267,9 +269,10 @@ impl<S: LeaseStore> Elector<S> {
             // Candidate. An attempt is never abandoned half-way (a Lease
             // created but never known to be ours would block the others for
             // a lease duration); it is bounded by the renew deadline instead.
-            loop {
-                match self.attempt(Instant::now() + self.cfg.renew_deadline).await {
-                    Attempt::Leading => break,
+            let acquired_at = loop {
+                let sent = Instant::now();
+                match self.attempt(sent + self.cfg.renew_deadline).await {
+                    Attempt::Leading => break sent,
                     Attempt::HeldBy(holder) => {
                         tracing::debug!(identity = %id, %lease, %holder, "Lease held by another replica")
                     }
@@ -284,14 +287,19 @@ impl<S: LeaseStore> Elector<S> {
                     () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(self.cfg.retry_period) => {}
                 }
-            }
+            };
 
             tracing::info!(identity = %id, %lease, "acquired the leader Lease");
+            if shutdown.is_cancelled() {
+                // Acquired while shutting down: give it back untouched.
+                self.release().await;
+                return;
+            }
             self.set_leading(true);
             let token = shutdown.child_token();
             let mut task = tokio::spawn(lead(token.clone()));
             let mut task_done = false;
-            let mut renewed = Instant::now();
+            let mut renewed = acquired_at;
             let why = loop {
                 tokio::select! {
                     biased;
@@ -307,8 +315,11 @@ impl<S: LeaseStore> Elector<S> {
                     () = tokio::time::sleep(self.cfg.retry_period) => {}
                 }
                 let deadline = renewed + self.cfg.renew_deadline;
+                // The write lands after we send it, so the others' clocks
+                // start no earlier than this: count the lease from here.
+                let sent = Instant::now();
                 match self.attempt(deadline).await {
-                    Attempt::Leading => renewed = Instant::now(),
+                    Attempt::Leading => renewed = sent,
                     Attempt::HeldBy(holder) => {
                         tracing::warn!(identity = %id, %lease, %holder, "the Lease was taken over");
                         break StepDown::Lost;
@@ -360,7 +371,7 @@ impl<S: LeaseStore> Elector<S> {
         match tokio::time::timeout_at(deadline, self.try_acquire_or_renew()).await {
             Ok(Ok(a)) => a,
             Ok(Err(e)) => Attempt::Failed(e),
-            Err(_) => Attempt::Failed(LeaderError::Store("timed out".to_owned())),
+            Err(_) => Attempt::Failed(LeaderError::Timeout),
         }
     }
 
