@@ -53,15 +53,20 @@ async fn call(
     Some((status.as_u16(), String::from_utf8_lossy(&body).into_owned()))
 }
 
-/// The injector's `remora_injector_leader` gauge.
-async fn leader_gauge(inj: &Injector) -> Option<i64> {
+/// A gauge of the injector's /metrics (`name` with the trailing space).
+async fn gauge(inj: &Injector, name: &str) -> Option<i64> {
     let (status, body) = call(inj, http::Method::GET, "/metrics", Vec::new()).await?;
     if status != 200 {
         return None;
     }
     body.lines()
-        .find_map(|l| l.strip_prefix("remora_injector_leader "))
+        .find_map(|l| l.strip_prefix(name))
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// The injector's `remora_injector_leader` gauge.
+async fn leader_gauge(inj: &Injector) -> Option<i64> {
+    gauge(inj, "remora_injector_leader ").await
 }
 
 /// An AdmissionReview of a pod in a namespace the injector does not select:
@@ -281,6 +286,18 @@ async fn half_sent_request(
     Ok(tls)
 }
 
+/// Waits until the injector is inside an admission (a connection whose
+/// request has not been read yet would be closed by the drain, not finished).
+async fn in_flight(inj: &Injector) -> anyhow::Result<()> {
+    wait_until("an admission in flight", DEADLINE, || async {
+        Ok::<_, kube::Error>(
+            (gauge(inj, "remora_injector_admissions_in_flight ").await == Some(1)).then_some(()),
+        )
+    })
+    .await?;
+    Ok(())
+}
+
 /// Waits until the injector's log says `what`.
 async fn logged(inj: &Injector, what: &str) -> anyhow::Result<()> {
     wait_until(what, DEADLINE, || async {
@@ -318,6 +335,7 @@ async fn sigterm_finishes_in_flight_admissions_and_a_second_signal_aborts() -> a
     let mut inj = Injector::start(cp.kubeconfig(), o.clone()).await?;
     logged(&inj, "acquired the leader Lease").await?;
     let mut conn = half_sent_request(&inj, &review).await?;
+    in_flight(&inj).await?;
     inj.signal(Signal::SIGTERM);
     logged(&inj, "webhook server draining").await?;
     // Released while the request is still in flight: the controller does
@@ -348,6 +366,7 @@ async fn sigterm_finishes_in_flight_admissions_and_a_second_signal_aborts() -> a
     // Still in flight at a second signal: exit at once, non-zero.
     let mut inj = Injector::start(cp.kubeconfig(), o).await?;
     let _conn = half_sent_request(&inj, &review).await?;
+    in_flight(&inj).await?;
     inj.signal(Signal::SIGTERM);
     logged(&inj, "webhook server draining").await?;
     let t0 = Instant::now();

@@ -14,6 +14,7 @@ use hyper_util::service::TowerToHyperService;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -40,6 +41,7 @@ pub struct Metrics {
     registry: Registry,
     admissions: Family<OutcomeLabels, Counter>,
     latency: Histogram,
+    in_flight: Gauge,
     /// Leader election state, kept by the elector.
     pub leader: LeaderMetrics,
 }
@@ -66,12 +68,19 @@ impl Metrics {
             "Time to answer one admission review, body read included",
             latency.clone(),
         );
+        let in_flight = Gauge::default();
+        registry.register(
+            "admissions_in_flight",
+            "Admission reviews being read or answered now",
+            in_flight.clone(),
+        );
         let leader = LeaderMetrics::default();
         leader.register(&mut registry);
         Self {
             registry,
             admissions,
             latency,
+            in_flight,
             leader,
         }
     }
@@ -118,8 +127,25 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// Counts a request in flight until dropped (answered or cut off).
+struct InFlight(Gauge);
+
+impl InFlight {
+    fn new(g: &Gauge) -> Self {
+        g.inc();
+        Self(g.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let start = Instant::now();
+    let _in_flight = InFlight::new(&state.metrics.in_flight);
     let (review, outcome) = match axum::body::to_bytes(req.into_body(), state.max_body_bytes).await
     {
         Ok(body) => state.injector.review(&body),
