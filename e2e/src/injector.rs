@@ -89,6 +89,8 @@ pub struct Options {
     pub controller: bool,
     /// More `serve` flags.
     pub args: Vec<String>,
+    /// More environment variables (`POD_NAME`, say).
+    pub env: Vec<(String, String)>,
     /// How long to wait for it to list the cluster and listen.
     pub start_timeout: Duration,
 }
@@ -100,6 +102,7 @@ impl Options {
             default_mode: "Legacy".to_owned(),
             controller: false,
             args: Vec::new(),
+            env: Vec::new(),
             start_timeout: Duration::from_secs(60),
         }
     }
@@ -152,6 +155,7 @@ impl Injector {
             .args(&options.args)
             .env("KUBECONFIG", kubeconfig)
             .env("POD_NAMESPACE", &options.operator_namespace)
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -214,6 +218,43 @@ impl Injector {
     /// The end of the injector's log (JSON lines), for failure messages.
     pub fn log_tail(&self) -> String {
         log_tail(&self.log, 6000)
+    }
+
+    /// The injector's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `signal` (SIGTERM to shut it down, SIGKILL to crash it) unless
+    /// it has already exited.
+    pub fn signal(&mut self, signal: Signal) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = kill(Pid::from_raw(pid), signal);
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit; `None` if it has not.
+    pub async fn wait_exit(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<std::process::ExitStatus>, Error> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self
+                .child
+                .try_wait()
+                .map_err(io("polling remora-injector"))?
+            {
+                return Ok(Some(status));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Stops the injector: SIGTERM, then SIGKILL after `grace`. Waits for it.

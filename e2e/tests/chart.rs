@@ -11,6 +11,7 @@ use e2e::controlplane::{ControlPlane, wait_until};
 use e2e::injector::{Injector, Options};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -293,6 +294,11 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         name.clone(),
         "--self-signed-dir".into(),
         tls_dir.display().to_string(),
+        // The chart's REMORA_LEASE_NAME: its RBAC names this Lease only.
+        "--lease-name".into(),
+        name.clone(),
+        "--retry-period".into(),
+        "500ms".into(),
     ];
     let injector = Injector::start(&kubeconfig, options).await?;
     let log = || injector.log_tail();
@@ -326,6 +332,26 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     })
     .await
     .with_context(log)?;
+    // The controller runs only on the leader: it created its Lease, and
+    // renewing it (an update) is allowed too.
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let first = leases.get(&name).await.with_context(log)?;
+    assert!(
+        first
+            .spec
+            .as_ref()
+            .and_then(|s| s.holder_identity.as_ref())
+            .is_some_and(|h| !h.is_empty()),
+        "{first:?}"
+    );
+    wait_until("the Lease renewed", DEADLINE, || async {
+        let l = leases.get(&name).await?;
+        Ok::<_, kube::Error>(
+            (l.metadata.resource_version != first.metadata.resource_version).then_some(()),
+        )
+    })
+    .await
+    .with_context(log)?;
     let text = injector.log_tail();
     assert!(
         !text.to_lowercase().contains("forbidden"),
@@ -349,7 +375,14 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         assert_eq!(w.client_config.ca_bundle.as_ref(), Some(&ca), "{}", w.name);
     }
 
+    // Stopped (SIGTERM), it released the Lease with the same rights.
     drop(injector);
+    let released = leases.get(&name).await?;
+    assert_eq!(
+        released.spec.and_then(|s| s.holder_identity),
+        None,
+        "the Lease was not released"
+    );
     for (api, n) in cluster_scoped {
         api.delete(&n, &Default::default()).await?;
     }

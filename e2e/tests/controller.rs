@@ -387,5 +387,21 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     .with_context(log)?;
     event(&client, &ns, "web-new", "ConflictResolved").await?;
 
+    // Its metrics, over the injector's own TLS.
+    let mut c =
+        remora_injector::client::connect(s.injector.addr(), "localhost", s.injector.ca_pem())
+            .await?;
+    let (code, body) = c.request(http::Method::GET, "/metrics", Vec::new()).await?;
+    assert_eq!(code.as_u16(), 200);
+    let metrics = String::from_utf8_lossy(&body);
+    for m in [
+        "remora_injector_controller_reconciles_total{result=\"ok\"}",
+        "remora_injector_controller_rollouts_total 1",
+        "remora_injector_controller_pods_retuned_total",
+        "remora_injector_controller_reconcile_duration_seconds_count",
+        "remora_injector_leader 1",
+    ] {
+        assert!(metrics.contains(m), "{m} missing from:\n{metrics}");
+    }
     s.cleanup().await
 }

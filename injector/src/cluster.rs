@@ -14,6 +14,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use remora_crds::SidecarLifecycle;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::LifecycleEntry;
 use crate::webhook::ClusterView;
@@ -82,26 +83,35 @@ impl ClusterView for KubeView {
     }
 }
 
-fn drive<S, T>(what: &'static str, stream: S)
+fn drive<S, T>(what: &'static str, stream: S, shutdown: CancellationToken)
 where
     S: Stream<Item = Result<T, watcher::Error>> + Send + 'static,
     T: Send,
 {
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
-        while let Some(ev) = stream.next().await {
-            if let Err(e) = ev {
-                tracing::warn!(watch = what, error = %e, "watch error; retrying");
+        loop {
+            let ev = tokio::select! {
+                () = shutdown.cancelled() => return,
+                ev = stream.next() => ev,
+            };
+            match ev {
+                None => return,
+                Some(Err(e)) => tracing::warn!(watch = what, error = %e, "watch error; retrying"),
+                Some(Ok(_)) => {}
             }
         }
     });
 }
 
-/// Start the reflectors; waits (up to `sync_timeout`) for the first listing
-/// so that the first admissions already see the SidecarLifecycles.
-/// With `status_period`, also watch pods (metadata only) and keep every
-/// SidecarLifecycle's status current.
-pub async fn start(client: Client, sync_timeout: Duration) -> Result<KubeView, ClusterError> {
+/// Start the reflectors, which run until `shutdown`; waits (up to
+/// `sync_timeout`) for the first listing so that the first admissions
+/// already see the SidecarLifecycles.
+pub async fn start(
+    client: Client,
+    sync_timeout: Duration,
+    shutdown: CancellationToken,
+) -> Result<KubeView, ClusterError> {
     let apiserver = client
         .apiserver_version()
         .await
@@ -118,6 +128,7 @@ pub async fn start(client: Client, sync_timeout: Duration) -> Result<KubeView, C
         .default_backoff()
         .reflect(w)
         .touched_objects(),
+        shutdown.clone(),
     );
     let (namespaces, w) = reflector::store();
     drive(
@@ -129,6 +140,7 @@ pub async fn start(client: Client, sync_timeout: Duration) -> Result<KubeView, C
         .default_backoff()
         .reflect(w)
         .touched_objects(),
+        shutdown.clone(),
     );
     let (nodes, w) = reflector::store::<Node>();
     let native = Arc::new(AtomicBool::new(apiserver.is_some_and(supports_native)));
@@ -160,7 +172,7 @@ pub async fn start(client: Client, sync_timeout: Duration) -> Result<KubeView, C
                 }
                 ev
             });
-        drive("nodes", stream);
+        drive("nodes", stream, shutdown);
     }
     let ready = async {
         let _ = lifecycles.wait_until_ready().await;
@@ -174,6 +186,13 @@ pub async fn start(client: Client, sync_timeout: Duration) -> Result<KubeView, C
         namespaces,
         native,
     })
+}
+
+impl KubeView {
+    /// The SidecarLifecycles the reflector keeps (shared, not copied).
+    pub fn lifecycle_store(&self) -> Store<SidecarLifecycle> {
+        self.lifecycles.clone()
+    }
 }
 
 #[cfg(test)]

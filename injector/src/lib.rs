@@ -1,11 +1,13 @@
 //! remora-injector: the mutating webhook that injects Remora's sidecar, its
 //! effective-config resolution, and offline (GitOps) injection.
 
+pub mod app;
 pub mod ca;
 pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod controller;
+pub mod leader;
 pub mod mutate;
 pub mod offline;
 pub mod server;

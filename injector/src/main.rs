@@ -1,19 +1,13 @@
 //! remora-injector: `serve` (webhook), `inject` (offline), `crds`.
 
 use std::io::{Read, Write};
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use remora_crds::SidecarMode;
-use remora_injector::config::ChartDefaults;
+use remora_injector::app::{ProxyArgs, ServeArgs};
 use remora_injector::offline::{OfflineOptions, inject_stream, parse_lifecycle};
-use remora_injector::server::{AppState, Metrics, router, serve_tls};
-use remora_injector::tls::ReloadingCert;
-use remora_injector::webhook::Injector;
 
 // The webhook allocates and frees many small JSON values per request.
 #[global_allocator]
@@ -38,104 +32,6 @@ enum Command {
     Inject(InjectArgs),
     /// Print the CRD YAML.
     Crds,
-}
-
-#[derive(Debug, clap::Args)]
-struct ProxyArgs {
-    /// The sidecar image (it must provide `remora-agent` on PATH).
-    #[arg(
-        long,
-        env = "REMORA_PROXY_IMAGE",
-        default_value = "ghcr.io/remora/remora-agent:latest"
-    )]
-    proxy_image: String,
-    /// imagePullPolicy of the sidecar.
-    #[arg(
-        long,
-        env = "REMORA_PROXY_IMAGE_PULL_POLICY",
-        default_value = "IfNotPresent"
-    )]
-    proxy_image_pull_policy: String,
-}
-
-impl ProxyArgs {
-    fn chart(&self, mode: SidecarMode) -> ChartDefaults {
-        ChartDefaults {
-            image: self.proxy_image.clone(),
-            image_pull_policy: self.proxy_image_pull_policy.clone(),
-            mode,
-            ..ChartDefaults::default()
-        }
-    }
-}
-
-#[derive(Debug, clap::Args)]
-struct ServeArgs {
-    /// Address of the HTTPS listener.
-    #[arg(long, env = "REMORA_LISTEN", default_value = "0.0.0.0:9443")]
-    listen: SocketAddr,
-    /// PEM serving certificate chain; reloaded when it changes.
-    #[arg(
-        long,
-        env = "REMORA_TLS_CERT",
-        default_value = "/etc/remora/tls/tls.crt"
-    )]
-    tls_cert: PathBuf,
-    /// PEM private key of the serving certificate.
-    #[arg(
-        long,
-        env = "REMORA_TLS_KEY",
-        default_value = "/etc/remora/tls/tls.key"
-    )]
-    tls_key: PathBuf,
-    /// How often the certificate files are checked for a change.
-    #[arg(long, env = "REMORA_CERT_RELOAD_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "10s")]
-    cert_reload_interval: Duration,
-    /// The operator's namespace: a SidecarLifecycle without selector there is the cluster default.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "remora-system")]
-    operator_namespace: String,
-    /// Largest AdmissionReview body read.
-    #[arg(long, env = "REMORA_MAX_REQUEST_BYTES", default_value_t = 8 << 20)]
-    max_request_bytes: usize,
-    /// Mode when no SidecarLifecycle or annotation says.
-    #[arg(long, env = "REMORA_DEFAULT_MODE", default_value = "Auto")]
-    default_mode: SidecarMode,
-    /// How long to wait for the first listing of the cluster before serving.
-    #[arg(long, env = "REMORA_SYNC_TIMEOUT", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
-    sync_timeout: Duration,
-    /// Make and share our own CA and serving certificate (in --tls-secret)
-    /// and patch its CA into --webhook-config, instead of reading --tls-cert/--tls-key.
-    #[arg(long, env = "REMORA_SELF_SIGNED", default_value_t = false, action = clap::ArgAction::Set,
-          num_args = 0..=1, default_missing_value = "true")]
-    self_signed: bool,
-    /// Secret (in the operator's namespace) holding the self-managed CA and certificate.
-    #[arg(long, env = "REMORA_TLS_SECRET", default_value = "remora-injector-tls")]
-    tls_secret: String,
-    /// Service name the API server calls the webhook by (the certificate's names).
-    #[arg(long, env = "REMORA_SERVICE_NAME", default_value = "remora-injector")]
-    service_name: String,
-    /// MutatingWebhookConfiguration whose caBundle is kept current.
-    #[arg(long, env = "REMORA_WEBHOOK_CONFIG", default_value = "remora-injector")]
-    webhook_config: String,
-    /// Where the self-managed certificate files are written (a writable emptyDir).
-    #[arg(
-        long,
-        env = "REMORA_SELF_SIGNED_DIR",
-        default_value = "/var/run/remora-injector/tls"
-    )]
-    self_signed_dir: PathBuf,
-    /// Run the SidecarLifecycle controller (status, live retuning, rollouts).
-    #[arg(long, env = "REMORA_CONTROLLER", default_value_t = true, action = clap::ArgAction::Set,
-          num_args = 0..=1, default_missing_value = "true")]
-    controller: bool,
-    /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
-    #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
-    rollout_interval: Duration,
-    /// Log filter (tracing EnvFilter syntax).
-    #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]
-    log_level: String,
-    #[command(flatten)]
-    proxy: ProxyArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -188,10 +84,14 @@ fn main() -> std::process::ExitCode {
                     return std::process::ExitCode::FAILURE;
                 }
             };
-            match rt.block_on(serve(*args)) {
+            let r = rt.block_on(remora_injector::app::serve(*args));
+            // Whatever is still running (after a second signal, say) is
+            // not waited for.
+            rt.shutdown_background();
+            match r {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {
-                    tracing::error!(error = format!("{e:#}"), "remora-injector failed");
+                    tracing::error!(error = %e, "remora-injector failed");
                     std::process::ExitCode::FAILURE
                 }
             }
@@ -241,75 +141,5 @@ fn inject(args: InjectArgs) -> anyhow::Result<()> {
         .lock()
         .write_all(out.as_bytes())
         .context("writing the output")?;
-    Ok(())
-}
-
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let client = kube::Client::try_default()
-        .await
-        .context("connecting to the Kubernetes API")?;
-    let (cert_path, key_path) = if args.self_signed {
-        let bundle = remora_injector::ca::ensure_secret(
-            &client,
-            &args.operator_namespace,
-            &args.tls_secret,
-            &args.service_name,
-        )
-        .await?;
-        tokio::spawn(remora_injector::ca::keep_ca_bundle(
-            client.clone(),
-            args.webhook_config.clone(),
-            bundle.ca_pem.clone(),
-            Duration::from_secs(60),
-        ));
-        remora_injector::ca::write_files(&args.self_signed_dir, &bundle)?
-    } else {
-        (args.tls_cert.clone(), args.tls_key.clone())
-    };
-    let cert = ReloadingCert::load(cert_path, key_path)?;
-    let _reloader = cert.spawn_reloader(args.cert_reload_interval);
-    let tls = Arc::new(cert.server_config()?);
-    let view = remora_injector::cluster::start(client.clone(), args.sync_timeout).await?;
-    let metrics = Metrics::new();
-    let shutdown_token = tokio_util::sync::CancellationToken::new();
-    if args.controller {
-        tokio::spawn(remora_injector::controller::run(
-            client,
-            remora_injector::controller::Settings {
-                chart: args.proxy.chart(args.default_mode),
-                operator_namespace: args.operator_namespace.clone(),
-                rollout_interval: args.rollout_interval,
-                identity: "remora-injector".into(),
-            },
-            metrics.controller.clone(),
-            shutdown_token.clone(),
-        ));
-    }
-    let state = Arc::new(AppState {
-        injector: Injector {
-            chart: args.proxy.chart(args.default_mode),
-            operator_namespace: args.operator_namespace.clone(),
-            view: Arc::new(view),
-        },
-        metrics,
-        max_body_bytes: args.max_request_bytes,
-    });
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    tracing::info!(listen = %args.listen, "remora-injector serving");
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    let shutdown = async move {
-        tokio::select! {
-            () = shutdown => {},
-            _ = term.recv() => {},
-        }
-    };
-    serve_tls(listener, tls, router(state), shutdown).await?;
-    shutdown_token.cancel();
     Ok(())
 }

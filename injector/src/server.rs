@@ -14,11 +14,15 @@ use hyper_util::service::TowerToHyperService;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
 
+use crate::leader::LeaderMetrics;
 use crate::webhook::{AdmissionOutcome, Injector, encode_review, unreadable};
 
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +43,9 @@ pub struct Metrics {
     latency: Histogram,
     /// Handed to the SidecarLifecycle controller.
     pub controller: crate::controller::ControllerMetrics,
+    in_flight: Gauge,
+    /// Leader election state, kept by the elector.
+    pub leader: LeaderMetrics,
 }
 
 impl Default for Metrics {
@@ -64,11 +71,21 @@ impl Metrics {
             latency.clone(),
         );
         let controller = crate::controller::ControllerMetrics::register(&mut registry);
+        let in_flight = Gauge::default();
+        registry.register(
+            "admissions_in_flight",
+            "Admission reviews being read or answered now",
+            in_flight.clone(),
+        );
+        let leader = LeaderMetrics::default();
+        leader.register(&mut registry);
         Self {
             registry,
             admissions,
             latency,
             controller,
+            in_flight,
+            leader,
         }
     }
 
@@ -114,8 +131,25 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// Counts a request in flight until dropped (answered or cut off).
+struct InFlight(Gauge);
+
+impl InFlight {
+    fn new(g: &Gauge) -> Self {
+        g.inc();
+        Self(g.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let start = Instant::now();
+    let _in_flight = InFlight::new(&state.metrics.in_flight);
     let (review, outcome) = match axum::body::to_bytes(req.into_body(), state.max_body_bytes).await
     {
         Ok(body) => state.injector.review(&body),
@@ -150,47 +184,110 @@ async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
         .into_response()
 }
 
-/// Serve `app` over TLS on `listener` until `shutdown` resolves.
+/// How long in-flight requests get by default once shutdown begins.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Serve `app` over TLS on `listener` until `shutdown` resolves, then drain
+/// for up to [`DEFAULT_SHUTDOWN_GRACE`]; see [`serve_tls_draining`].
 pub async fn serve_tls(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     app: Router,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), ServerError> {
+    serve_tls_draining(listener, tls, app, shutdown, DEFAULT_SHUTDOWN_GRACE)
+        .await
+        .map(|_| ())
+}
+
+/// How a drain ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drained {
+    /// Connections still open at the deadline, closed by force.
+    pub forced: usize,
+}
+
+/// Serve `app` over TLS on `listener` until `shutdown` resolves. Then stop
+/// accepting (the listener is closed), let every connection finish the
+/// request it is in (idle keep-alive connections close at once), and after
+/// `grace` close whatever is left.
+pub async fn serve_tls_draining(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()>,
+    grace: Duration,
+) -> Result<Drained, ServerError> {
     let acceptor = TlsAcceptor::from(tls);
+    // Tells the connections to finish their request and close.
+    let draining = CancellationToken::new();
+    let mut conns = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            // Reap finished connections as we go.
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
             r = listener.accept() => r.map_err(ServerError::Accept)?,
-            () = &mut shutdown => return Ok(()),
         };
         let _ = stream.set_nodelay(true);
         let acceptor = acceptor.clone();
         let app = app.clone();
-        tokio::spawn(async move {
-            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream))
-                .await
-            {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                    return;
-                }
+        let draining = draining.clone();
+        conns.spawn(async move {
+            let handshake = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream));
+            let tls = tokio::select! {
+                // A handshake not done when draining starts carries no request yet.
+                () = draining.cancelled() => return,
+                r = handshake => match r {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "TLS handshake timed out");
+                        return;
+                    }
+                },
             };
             let svc = TowerToHyperService::new(app);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
+            let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(Duration::from_secs(30))
                 .keep_alive(true)
-                .serve_connection(TokioIo::new(tls), svc)
-                .await
-            {
+                .serve_connection(TokioIo::new(tls), svc);
+            tokio::pin!(conn);
+            let r = tokio::select! {
+                r = conn.as_mut() => r,
+                () = draining.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = r {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
         });
     }
+    drop(listener);
+    draining.cancel();
+    let open = conns.len();
+    tracing::info!(connections = open, ?grace, "webhook server draining");
+    let drained =
+        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
+    let forced = if drained.is_err() {
+        let n = conns.len();
+        tracing::warn!(
+            connections = n,
+            ?grace,
+            "shutdown grace over; closing connections"
+        );
+        conns.shutdown().await;
+        n
+    } else {
+        0
+    };
+    Ok(Drained { forced })
 }

@@ -100,23 +100,25 @@ impl ReloadingCert {
 
     /// Poll the files every `period` until the task is dropped.
     pub fn spawn_reloader(self: &Arc<Self>, period: Duration) -> tokio::task::JoinHandle<()> {
-        let me = Arc::clone(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                match me.reload_if_changed() {
-                    Ok(true) => {
-                        tracing::info!(cert = %me.cert_path.display(), "serving certificate reloaded")
-                    }
-                    Ok(false) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot reload the serving certificate; keeping the old one")
-                    }
+        tokio::spawn(Arc::clone(self).reload_every(period))
+    }
+
+    /// Poll the files every `period`, forever (drop the future to stop).
+    pub async fn reload_every(self: Arc<Self>, period: Duration) {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match self.reload_if_changed() {
+                Ok(true) => {
+                    tracing::info!(cert = %self.cert_path.display(), "serving certificate reloaded")
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot reload the serving certificate; keeping the old one")
                 }
             }
-        })
+        }
     }
 
     pub fn server_config(self: &Arc<Self>) -> Result<rustls::ServerConfig, TlsError> {

@@ -267,7 +267,12 @@ async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> 
     use remora_injector::webhook::ClusterView;
     // New API server, but one old kubelet: Auto must mean Legacy.
     let client = start_lister(&["v1.31.2", "v1.28.9"], "31").await?;
-    let view = remora_injector::cluster::start(client, Duration::from_secs(10)).await?;
+    let view = remora_injector::cluster::start(
+        client,
+        Duration::from_secs(10),
+        tokio_util::sync::CancellationToken::new(),
+    )
+    .await?;
     let entries = view.lifecycles();
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].namespace, "remora-system");
@@ -282,7 +287,12 @@ async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> 
 
     // Old API server, every kubelet new: the nodes win, Auto means Native.
     let client = start_lister(&["v1.30.0", "v1.29.1-eks-1"], "28").await?;
-    let view = remora_injector::cluster::start(client, Duration::from_secs(10)).await?;
+    let view = remora_injector::cluster::start(
+        client,
+        Duration::from_secs(10),
+        tokio_util::sync::CancellationToken::new(),
+    )
+    .await?;
     wait_native(&view, true).await;
     Ok(())
 }

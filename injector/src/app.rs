@@ -1,0 +1,411 @@
+//! `remora-injector serve`: the webhook on every replica, the controller
+//! only on the leader, and one shutdown model for both.
+//!
+//! Shutdown: one [`CancellationToken`] is cancelled by the first SIGTERM or
+//! SIGINT and handed to every long-lived task. Then the elector stops the
+//! leader-only work and releases the Lease (a standby takes over at its next
+//! try), the webhook server stops accepting and lets in-flight requests
+//! finish for up to `--shutdown-grace`, and the reflectors, certificate
+//! reloader and caBundle keeper stop. A second signal aborts at once.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::Client;
+use remora_crds::SidecarMode;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ChartDefaults;
+use crate::leader::{self, LeaderConfig, LeaderError};
+use crate::server::{AppState, Metrics, ServerError, router, serve_tls_draining};
+use crate::tls::{ReloadingCert, TlsError};
+use crate::webhook::Injector;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("connecting to the Kubernetes API: {0}")]
+    Connect(#[source] kube::Error),
+    #[error("self-managed certificate: {0}")]
+    Ca(#[from] crate::ca::CaError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Cluster(#[from] crate::cluster::ClusterError),
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("installing the signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Leader(#[from] LeaderError),
+    #[error("webhook server: {0}")]
+    Server(#[from] ServerError),
+    #[error("aborted by a second signal")]
+    Aborted,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProxyArgs {
+    /// The sidecar image (it must provide `remora-agent` on PATH).
+    #[arg(
+        long,
+        env = "REMORA_PROXY_IMAGE",
+        default_value = "ghcr.io/remora/remora-agent:latest"
+    )]
+    pub proxy_image: String,
+    /// imagePullPolicy of the sidecar.
+    #[arg(
+        long,
+        env = "REMORA_PROXY_IMAGE_PULL_POLICY",
+        default_value = "IfNotPresent"
+    )]
+    pub proxy_image_pull_policy: String,
+}
+
+impl ProxyArgs {
+    pub fn chart(&self, mode: SidecarMode) -> ChartDefaults {
+        ChartDefaults {
+            image: self.proxy_image.clone(),
+            image_pull_policy: self.proxy_image_pull_policy.clone(),
+            mode,
+            ..ChartDefaults::default()
+        }
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Address of the HTTPS listener.
+    #[arg(long, env = "REMORA_LISTEN", default_value = "0.0.0.0:9443")]
+    pub listen: SocketAddr,
+    /// PEM serving certificate chain; reloaded when it changes.
+    #[arg(
+        long,
+        env = "REMORA_TLS_CERT",
+        default_value = "/etc/remora/tls/tls.crt"
+    )]
+    pub tls_cert: PathBuf,
+    /// PEM private key of the serving certificate.
+    #[arg(
+        long,
+        env = "REMORA_TLS_KEY",
+        default_value = "/etc/remora/tls/tls.key"
+    )]
+    pub tls_key: PathBuf,
+    /// How often the certificate files are checked for a change.
+    #[arg(long, env = "REMORA_CERT_RELOAD_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "10s")]
+    pub cert_reload_interval: Duration,
+    /// The operator's namespace: a SidecarLifecycle without selector there is
+    /// the cluster default; the leader Lease lives there too.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "remora-system")]
+    pub operator_namespace: String,
+    /// Largest AdmissionReview body read.
+    #[arg(long, env = "REMORA_MAX_REQUEST_BYTES", default_value_t = 8 << 20)]
+    pub max_request_bytes: usize,
+    /// Mode when no SidecarLifecycle or annotation says.
+    #[arg(long, env = "REMORA_DEFAULT_MODE", default_value = "Auto")]
+    pub default_mode: SidecarMode,
+    /// How long to wait for the first listing of the cluster before serving.
+    #[arg(long, env = "REMORA_SYNC_TIMEOUT", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
+    pub sync_timeout: Duration,
+    /// Make and share our own CA and serving certificate (in --tls-secret)
+    /// and patch its CA into --webhook-config, instead of reading --tls-cert/--tls-key.
+    #[arg(long, env = "REMORA_SELF_SIGNED", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub self_signed: bool,
+    /// Secret (in the operator's namespace) holding the self-managed CA and certificate.
+    #[arg(long, env = "REMORA_TLS_SECRET", default_value = "remora-injector-tls")]
+    pub tls_secret: String,
+    /// Service name the API server calls the webhook by (the certificate's names).
+    #[arg(long, env = "REMORA_SERVICE_NAME", default_value = "remora-injector")]
+    pub service_name: String,
+    /// MutatingWebhookConfiguration whose caBundle is kept current.
+    #[arg(long, env = "REMORA_WEBHOOK_CONFIG", default_value = "remora-injector")]
+    pub webhook_config: String,
+    /// Where the self-managed certificate files are written (a writable emptyDir).
+    #[arg(
+        long,
+        env = "REMORA_SELF_SIGNED_DIR",
+        default_value = "/var/run/remora-injector/tls"
+    )]
+    pub self_signed_dir: PathBuf,
+    /// Run the SidecarLifecycle controller (status, live retuning, rollouts)
+    /// while leader.
+    #[arg(long, env = "REMORA_CONTROLLER", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub controller: bool,
+    /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
+    #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
+    pub rollout_interval: Duration,
+    /// Run the controller only while holding the leader Lease; false: this
+    /// replica always runs it (one replica only).
+    #[arg(long, env = "REMORA_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub leader_elect: bool,
+    /// Name of the leader Lease (in the operator's namespace).
+    #[arg(long, env = "REMORA_LEASE_NAME", default_value = leader::DEFAULT_LEASE_NAME)]
+    pub lease_name: String,
+    /// This replica's name in the Lease; default: hostname and a random suffix.
+    #[arg(long, env = "POD_NAME")]
+    pub leader_identity: Option<String>,
+    /// How long the others respect a Lease that stopped being renewed.
+    #[arg(long, env = "REMORA_LEASE_DURATION", value_parser = remora_agent::config::parse_duration, default_value = "15s")]
+    pub lease_duration: Duration,
+    /// The leader steps down when it could not renew for this long
+    /// (shorter than --lease-duration).
+    #[arg(long, env = "REMORA_RENEW_DEADLINE", value_parser = remora_agent::config::parse_duration, default_value = "10s")]
+    pub renew_deadline: Duration,
+    /// Pause between attempts to acquire or renew the Lease.
+    #[arg(long, env = "REMORA_RETRY_PERIOD", value_parser = remora_agent::config::parse_duration, default_value = "2s")]
+    pub retry_period: Duration,
+    /// After SIGTERM: how long in-flight admissions and the leader-only work
+    /// get to finish before they are cut off.
+    #[arg(long, env = "REMORA_SHUTDOWN_GRACE", value_parser = remora_agent::config::parse_duration, default_value = "10s")]
+    pub shutdown_grace: Duration,
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+    #[command(flatten)]
+    pub proxy: ProxyArgs,
+}
+
+impl ServeArgs {
+    fn leader_config(&self) -> LeaderConfig {
+        let identity = self
+            .leader_identity
+            .clone()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(leader::default_identity);
+        LeaderConfig {
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+            stop_timeout: self.shutdown_grace,
+            ..LeaderConfig::new(&self.lease_name, &self.operator_namespace, &identity)
+        }
+    }
+}
+
+/// Serve until SIGTERM/SIGINT; `Err(AppError::Aborted)` on a second signal.
+pub async fn serve(args: ServeArgs) -> Result<(), AppError> {
+    let shutdown = CancellationToken::new();
+    let abort = CancellationToken::new();
+    watch_signals(shutdown.clone(), abort.clone(), args.shutdown_grace)?;
+    tokio::select! {
+        biased;
+        () = abort.cancelled() => Err(AppError::Aborted),
+        r = run(args, shutdown) => r,
+    }
+}
+
+/// First signal: cancel `shutdown`; second: cancel `abort`.
+fn watch_signals(
+    shutdown: CancellationToken,
+    abort: CancellationToken,
+    grace: Duration,
+) -> Result<(), AppError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(AppError::Signals)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(AppError::Signals)?;
+    tokio::spawn(async move {
+        let mut next = async || {
+            tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            }
+        };
+        let first = next().await;
+        tracing::info!(
+            signal = first,
+            ?grace,
+            "shutting down; a second signal aborts"
+        );
+        shutdown.cancel();
+        let second = next().await;
+        tracing::warn!(signal = second, "second signal; aborting");
+        abort.cancel();
+    });
+    Ok(())
+}
+
+/// What the leader-only work needs.
+struct LeaderContext {
+    client: Client,
+    /// `None`: the controller is off.
+    controller: Option<crate::controller::Settings>,
+    controller_metrics: crate::controller::ControllerMetrics,
+}
+
+/// Everything only the leader runs: the one place to add leader-only tasks.
+/// Each gets `token`, cancelled when leadership ends or shutdown begins, and
+/// must return soon after (the elector aborts it after --shutdown-grace).
+async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
+    let mut tasks = JoinSet::new();
+    if let Some(settings) = &ctx.controller {
+        tasks.spawn(crate::controller::run(
+            ctx.client.clone(),
+            settings.clone(),
+            ctx.controller_metrics.clone(),
+            token.clone(),
+        ));
+    }
+    while let Some(r) = tasks.join_next().await {
+        match r {
+            Err(e) => tracing::error!(error = %e, "a leader-only task failed"),
+            Ok(()) if !token.is_cancelled() => tracing::warn!("a leader-only task ended early"),
+            Ok(()) => {}
+        }
+    }
+    // Nothing (left) to do is no reason to give up leadership.
+    token.cancelled().await;
+}
+
+/// Serve until `shutdown` is cancelled, then drain (see the module doc).
+pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), AppError> {
+    let leader_cfg = args.leader_config();
+    if args.leader_elect {
+        // Bad timings fail the start, not the first election.
+        leader_cfg.validate()?;
+    }
+    let started = tokio::select! {
+        biased;
+        () = shutdown.cancelled() => {
+            tracing::info!("shut down before serving");
+            return Ok(());
+        }
+        r = start(&args, &shutdown) => r?,
+    };
+    let Started {
+        client,
+        tls,
+        listener,
+        view,
+    } = started;
+    let chart = args.proxy.chart(args.default_mode);
+    let metrics = Metrics::new();
+    let ctx = Arc::new(LeaderContext {
+        client: client.clone(),
+        controller: args.controller.then(|| crate::controller::Settings {
+            chart: chart.clone(),
+            operator_namespace: args.operator_namespace.clone(),
+            rollout_interval: args.rollout_interval,
+            identity: leader_cfg.identity.clone(),
+        }),
+        controller_metrics: metrics.controller.clone(),
+    });
+    let state = Arc::new(AppState {
+        injector: Injector {
+            chart,
+            operator_namespace: args.operator_namespace.clone(),
+            view: Arc::new(view),
+        },
+        metrics,
+        max_body_bytes: args.max_request_bytes,
+    });
+    let leader_metrics = state.metrics.leader.clone();
+    tracing::info!(listen = %args.listen, "remora-injector serving");
+
+    let server = {
+        let shutdown = shutdown.clone();
+        let grace = args.shutdown_grace;
+        async move {
+            let r = serve_tls_draining(
+                listener,
+                tls,
+                router(state),
+                shutdown.clone().cancelled_owned(),
+                grace,
+            )
+            .await;
+            // A server that failed takes the rest down the same way.
+            shutdown.cancel();
+            r
+        }
+    };
+    let controller = async {
+        if args.leader_elect {
+            tracing::info!(identity = %leader_cfg.identity, lease = %format!("{}/{}", leader_cfg.namespace, leader_cfg.lease_name),
+                "campaigning for leadership");
+            leader::run_elected(
+                client,
+                leader_cfg,
+                Some(leader_metrics),
+                shutdown.clone(),
+                move |token| lead(Arc::clone(&ctx), token),
+            )
+            .await
+        } else {
+            lead(ctx, shutdown.child_token()).await;
+            Ok(())
+        }
+    };
+    let (served, elected) = tokio::join!(server, controller);
+    let drained = served?;
+    elected?;
+    tracing::info!(
+        forced_connections = drained.forced,
+        "remora-injector stopped"
+    );
+    Ok(())
+}
+
+struct Started {
+    client: Client,
+    tls: Arc<rustls::ServerConfig>,
+    listener: tokio::net::TcpListener,
+    view: crate::cluster::KubeView,
+}
+
+/// Everything before serving: certificates, the cluster view, the listener.
+/// The background tasks it starts stop with `shutdown`.
+async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started, AppError> {
+    let client = Client::try_default().await.map_err(AppError::Connect)?;
+    let (cert_path, key_path) = if args.self_signed {
+        let bundle = crate::ca::ensure_secret(
+            &client,
+            &args.operator_namespace,
+            &args.tls_secret,
+            &args.service_name,
+        )
+        .await?;
+        tokio::spawn(
+            shutdown
+                .clone()
+                .run_until_cancelled_owned(crate::ca::keep_ca_bundle(
+                    client.clone(),
+                    args.webhook_config.clone(),
+                    bundle.ca_pem.clone(),
+                    Duration::from_secs(60),
+                )),
+        );
+        crate::ca::write_files(&args.self_signed_dir, &bundle)?
+    } else {
+        (args.tls_cert.clone(), args.tls_key.clone())
+    };
+    let cert = ReloadingCert::load(cert_path, key_path)?;
+    tokio::spawn(
+        shutdown
+            .clone()
+            .run_until_cancelled_owned(Arc::clone(&cert).reload_every(args.cert_reload_interval)),
+    );
+    let tls = Arc::new(cert.server_config()?);
+    let view = crate::cluster::start(client.clone(), args.sync_timeout, shutdown.clone()).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| AppError::Bind {
+            addr: args.listen,
+            source,
+        })?;
+    Ok(Started {
+        client,
+        tls,
+        listener,
+        view,
+    })
+}
