@@ -5,6 +5,7 @@ pub mod ca;
 pub mod client;
 pub mod cluster;
 pub mod config;
+pub mod jobs;
 pub mod mutate;
 pub mod offline;
 pub mod server;

@@ -127,6 +127,10 @@ struct ServeArgs {
     /// How often SidecarLifecycle statuses are recomputed; 0 turns the status controller off.
     #[arg(long, env = "REMORA_STATUS_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "15s")]
     status_interval: Duration,
+    /// Ask the Legacy sidecar of a Job's pod to stop once its apps have terminated.
+    #[arg(long, env = "REMORA_STOP_COMPLETED_JOBS", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    stop_completed_jobs: bool,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]
     log_level: String,
@@ -266,6 +270,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let _reloader = cert.spawn_reloader(args.cert_reload_interval);
     let tls = Arc::new(cert.server_config()?);
     let status_period = (!args.status_interval.is_zero()).then_some(args.status_interval);
+    let jobs_shutdown = tokio_util::sync::CancellationToken::new();
+    let jobs = args.stop_completed_jobs.then(|| {
+        tokio::spawn(remora_injector::jobs::run(
+            client.clone(),
+            jobs_shutdown.clone(),
+        ))
+    });
     let view = remora_injector::cluster::start(
         client,
         args.proxy.chart(args.default_mode),
@@ -298,6 +309,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             _ = term.recv() => {},
         }
     };
-    serve_tls(listener, tls, router(state), shutdown).await?;
+    let served = serve_tls(listener, tls, router(state), shutdown).await;
+    jobs_shutdown.cancel();
+    if let Some(j) = jobs
+        // Reconciles in flight finish; bounded so that exit never waits long.
+        && let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(5), j).await
+    {
+        tracing::warn!(error = %e, "sidecar-stop controller failed");
+    }
+    served?;
     Ok(())
 }
