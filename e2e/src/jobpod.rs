@@ -238,7 +238,10 @@ fn container_env(c: &Container, ns: &str, pod: &str) -> Vec<(String, String)> {
         .iter()
         .flatten()
         .map(|e| {
-            let v = match (&e.value, e.value_from.as_ref().and_then(|f| f.field_ref.as_ref())) {
+            let v = match (
+                &e.value,
+                e.value_from.as_ref().and_then(|f| f.field_ref.as_ref()),
+            ) {
                 (Some(v), _) => v.clone(),
                 (None, Some(f)) => match f.field_path.as_str() {
                     "metadata.name" => pod.to_owned(),
@@ -398,7 +401,17 @@ pub async fn run(
     };
     let result = tokio::time::timeout(
         opts.timeout,
-        drive(&mut bridge, &sidecar, &apps, &dir, &podinfo, ns, pod, opts, stop_rx),
+        drive(
+            &mut bridge,
+            &sidecar,
+            &apps,
+            &dir,
+            &podinfo,
+            ns,
+            pod,
+            opts,
+            stop_rx,
+        ),
     )
     .await;
     match result {
@@ -435,8 +448,14 @@ async fn drive(
     let health = port()?;
     let mut env = container_env(sidecar, ns, pod);
     env.extend([
-        ("REMORA_ENVOY_BIN".into(), opts.envoy_bin.display().to_string()),
-        ("REMORA_RUN_DIR".into(), dir.join("run").display().to_string()),
+        (
+            "REMORA_ENVOY_BIN".into(),
+            opts.envoy_bin.display().to_string(),
+        ),
+        (
+            "REMORA_RUN_DIR".into(),
+            dir.join("run").display().to_string(),
+        ),
         (
             "REMORA_ANNOTATIONS_FILE".into(),
             podinfo.join("annotations").display().to_string(),
@@ -709,15 +728,12 @@ impl JobsEnv {
         let name = job.metadata.name.clone().unwrap_or_default();
         let lp = kube::api::ListParams::default().labels(&format!("job-name={name}"));
         let pods = self.pods();
-        let pod = crate::controlplane::wait_until(
-            "the Job's pod",
-            Duration::from_secs(60),
-            || async {
+        let pod =
+            crate::controlplane::wait_until("the Job's pod", Duration::from_secs(60), || async {
                 let list = pods.list(&lp).await?;
                 Ok::<_, kube::Error>(list.items.first().and_then(|p| p.metadata.name.clone()))
-            },
-        )
-        .await?;
+            })
+            .await?;
         Ok(pod)
     }
 
@@ -729,20 +745,16 @@ impl JobsEnv {
         timeout: Duration,
     ) -> Result<(), EnvError> {
         let jobs = self.jobs();
-        crate::controlplane::wait_until(
-            &format!("Job {name} to be {type_}"),
-            timeout,
-            || async {
-                let j = jobs.get(name).await?;
-                let done = j
-                    .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == type_ && c.status == "True");
-                Ok::<_, kube::Error>(done.then_some(()))
-            },
-        )
+        crate::controlplane::wait_until(&format!("Job {name} to be {type_}"), timeout, || async {
+            let j = jobs.get(name).await?;
+            let done = j
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == type_ && c.status == "True");
+            Ok::<_, kube::Error>(done.then_some(()))
+        })
         .await?;
         Ok(())
     }

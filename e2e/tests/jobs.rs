@@ -41,7 +41,12 @@ fn sidecar_place(p: &Pod) -> Option<&'static str> {
     let spec = p.spec.as_ref()?;
     if spec.containers.iter().any(|c| c.name == PROXY) {
         Some("containers")
-    } else if spec.init_containers.iter().flatten().any(|c| c.name == PROXY) {
+    } else if spec
+        .init_containers
+        .iter()
+        .flatten()
+        .any(|c| c.name == PROXY)
+    {
         Some("initContainers")
     } else {
         None
@@ -147,9 +152,15 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
         .create_job(&jobpod::job("works", "Never", "sleep 0.3; exit 0", &[]))
         .await?;
     anyhow::ensure!(sidecar_place(&pods.get(&job).await?) == Some("containers"));
-    let outcome = jobpod::run(env.client.clone(), &env.kubelet, &env.namespace, &job, &opts)
-        .await
-        .with_context(|| format!("injector log:\n{}", env.injector.log_tail()))?;
+    let outcome = jobpod::run(
+        env.client.clone(),
+        &env.kubelet,
+        &env.namespace,
+        &job,
+        &opts,
+    )
+    .await
+    .with_context(|| format!("injector log:\n{}", env.injector.log_tail()))?;
     anyhow::ensure!(
         outcome.exit_codes.get(PROXY) == Some(&0) && outcome.exit_codes.get("app") == Some(&0),
         "exit codes {:?}; agent log:\n{}",
@@ -179,7 +190,10 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
     // The controller acted on the last pod's app exit, which the API server
     // recorded after the other two pods' states: it had seen those and left
     // them alone.
-    for (name, what) in [(&native, "Native"), (&failing, "OnFailure with a failed app")] {
+    for (name, what) in [
+        (&native, "Native"),
+        (&failing, "OnFailure with a failed app"),
+    ] {
         let p = pods.get(name).await?;
         anyhow::ensure!(!has_stop(&p), "{what} pod {name} was asked to stop");
     }

@@ -76,7 +76,9 @@ pub enum Skip {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// Ask the sidecar to stop; the app containers that have terminated.
-    Stop { apps: Vec<String> },
+    Stop {
+        apps: Vec<String>,
+    },
     Leave(Skip),
 }
 
@@ -113,8 +115,7 @@ pub fn decide(pod: &Pod) -> Decision {
         _ => return Decision::Leave(Skip::RestartAlways),
     };
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    if pod.metadata.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed"))
-    {
+    if pod.metadata.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed")) {
         return Decision::Leave(Skip::NotRunning);
     }
     if annotations.contains_key(STOP_ANNOTATION) {
@@ -197,11 +198,7 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
         secondary: None,
     };
     // An Event that cannot be written does not undo the stop.
-    if let Err(e) = ctx
-        .recorder
-        .publish(&event, &pod.object_ref(&()))
-        .await
-    {
+    if let Err(e) = ctx.recorder.publish(&event, &pod.object_ref(&())).await {
         tracing::warn!(pod = %format!("{ns}/{name}"), error = %e, "cannot record the event");
     }
     Ok(Action::await_change())
@@ -337,11 +334,11 @@ mod tests {
                 name: Some("p".into()),
                 namespace: Some("ns".into()),
                 annotations: Some(annotations),
-                deletion_timestamp: c.deleting.then(|| {
+                deletion_timestamp: c.deleting.then_some(
                     k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                         k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
-                    )
-                }),
+                    ),
+                ),
                 ..Default::default()
             },
             spec: Some(PodSpec {
