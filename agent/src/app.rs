@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::bootstrap::{self, Extras};
 use crate::config::RunConfig;
 use crate::envoy::process;
-use crate::lifecycle::LiveSettings;
+use crate::lifecycle::{LiveSettings, STOP_ANNOTATION, stop_request};
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::sds::{self, SdsHandle};
@@ -25,6 +25,9 @@ use crate::telemetry::LogLevelHandle;
 
 /// How often the bootstrap's inputs are checked for changes.
 const INPUT_POLL: Duration = Duration::from_secs(1);
+/// How often the annotations file is checked for a stop request: a finished
+/// Job's pod waits on it, and reading a small file ten times a second is cheap.
+const STOP_POLL: Duration = Duration::from_millis(100);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -197,6 +200,12 @@ impl App {
             self.handle.control.clone(),
             shutdown.clone(),
         )));
+        tasks.push(tokio::spawn(watch_stop(
+            self.cfg.annotations_file.clone(),
+            STOP_POLL,
+            self.handle.control.clone(),
+            shutdown.clone(),
+        )));
 
         let reason = self.supervisor.run().await;
         shutdown.cancel();
@@ -281,5 +290,117 @@ async fn watch_inputs(
                 return;
             }
         }
+    }
+}
+
+/// Quit (stop Envoy, exit 0) once the pod's annotations carry
+/// `remora.dev/stop`: the operator sets it on a Job's pod whose app
+/// containers have all terminated, and the pod completes only when this
+/// sidecar exits too. Polling, like [`watch_inputs`], because the kubelet
+/// updates the downward-API volume by swapping a `..data` symlink. A request
+/// already there at start counts too: the operator sets it only after the
+/// apps are done and never removes it, so a sidecar (re)started afterwards
+/// has nothing left to serve.
+async fn watch_stop(
+    file: PathBuf,
+    poll: Duration,
+    control: tokio::sync::mpsc::Sender<Control>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        // Absent or unreadable (between two kubelet updates): ask again later.
+        if let Ok(text) = std::fs::read_to_string(&file)
+            && let Some(value) = stop_request(&text)
+        {
+            // The value is informational (who asked, when): any value stops.
+            let value: String = value.chars().take(200).collect();
+            tracing::info!(annotation = STOP_ANNOTATION, %value,
+                "stop requested through the pod's annotations: stopping Envoy, exiting 0");
+            let _ = control.send(Control::Quit).await;
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(poll) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Write the file the way the kubelet's atomic writer does: a new
+    /// timestamped directory, then the `..data` symlink swapped to it.
+    fn kubelet_write(dir: &std::path::Path, n: u32, text: &str) {
+        let ts = dir.join(format!("..2026_01_01_00_00_0{n}"));
+        std::fs::create_dir(&ts).expect("mkdir");
+        std::fs::write(ts.join("annotations"), text).expect("write");
+        let tmp = dir.join("..data_tmp");
+        std::os::unix::fs::symlink(ts.file_name().expect("name"), &tmp).expect("symlink");
+        std::fs::rename(&tmp, dir.join("..data")).expect("swap");
+        let link = dir.join("annotations");
+        if !link.exists() {
+            std::os::unix::fs::symlink("..data/annotations", &link).expect("symlink");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stop_annotation_sends_quit_once_it_appears() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(watch_stop(
+            dir.path().join("annotations"),
+            STOP_POLL,
+            tx,
+            shutdown.clone(),
+        ));
+        // No file, then a file without the request: nothing happens.
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        assert!(rx.try_recv().is_err());
+        kubelet_write(dir.path(), 1, "remora.dev/lifecycle=\"{}\"\n");
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        assert!(rx.try_recv().is_err());
+        kubelet_write(
+            dir.path(),
+            2,
+            "remora.dev/lifecycle=\"{}\"\nremora.dev/stop=\"not json\"\n",
+        );
+        let got = tokio::time::timeout(Duration::from_millis(150), rx.recv())
+            .await
+            .expect("within one poll");
+        assert!(matches!(got, Some(Control::Quit)), "{got:?}");
+        task.await.expect("the watcher ends after asking");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stop_present_at_start_counts_and_shutdown_ends_the_watch() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        kubelet_write(dir.path(), 1, "remora.dev/stop=\"\"\n");
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        let task = tokio::spawn(watch_stop(
+            dir.path().join("annotations"),
+            STOP_POLL,
+            tx,
+            CancellationToken::new(),
+        ));
+        assert!(matches!(rx.recv().await, Some(Control::Quit)));
+        task.await.expect("ends");
+
+        let empty = tempfile::tempdir().expect("tempdir");
+        let (tx, _rx) = tokio::sync::mpsc::channel(4);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(watch_stop(
+            empty.path().join("annotations"),
+            STOP_POLL,
+            tx,
+            shutdown.clone(),
+        ));
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(1), task)
+            .await
+            .expect("stops on shutdown")
+            .expect("no panic");
     }
 }

@@ -22,6 +22,22 @@ pub const DRAIN_DURATION_ANNOTATION: &str = "remora.dev/drain-duration";
 pub const TERMINATION_DRAIN_DURATION_ANNOTATION: &str = "remora.dev/termination-drain-duration";
 pub const EXIT_ON_ZERO_ANNOTATION: &str = "remora.dev/exit-on-zero-active-connections";
 pub const MINIMUM_DRAIN_DURATION_ANNOTATION: &str = "remora.dev/minimum-drain-duration";
+/// Set by the operator on a Legacy-mode pod of a Job (restartPolicy Never or
+/// OnFailure) once every app container has terminated: the sidecar stops
+/// Envoy and exits 0 so that the pod completes. Its presence is the request;
+/// the value (JSON, [`StopRequest`]) only says who asked and when.
+pub const STOP_ANNOTATION: &str = "remora.dev/stop";
+
+/// The value of [`STOP_ANNOTATION`] as the operator writes it. Informational:
+/// any value, even one that does not parse, is a stop request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StopRequest {
+    /// Why, e.g. `AppsCompleted`.
+    pub reason: String,
+    /// When the operator asked (RFC 3339).
+    pub at: String,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LifecycleError {
@@ -247,6 +263,19 @@ pub fn parse_annotations(text: &str) -> Result<BTreeMap<String, String>, Lifecyc
     Ok(out)
 }
 
+/// The value of [`STOP_ANNOTATION`] in a downward-API annotations file, if
+/// the line is there. Looked up line by line, apart from the rest of the
+/// file, so that a line this parser cannot read never hides a stop request
+/// (which would leave a Job's pod running forever); a value that does not
+/// unquote is returned raw: the presence of the key is what counts.
+pub fn stop_request(text: &str) -> Option<String> {
+    let prefix = format!("{STOP_ANNOTATION}=");
+    text.lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map(|v| unquote_go(v).unwrap_or_else(|_| v.to_string()))
+}
+
 /// Undo Go's `strconv.Quote`.
 fn unquote_go(s: &str) -> Result<String, String> {
     let inner = s
@@ -364,6 +393,28 @@ mod tests {
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert_eq!(s.termination_drain_duration, Duration::from_secs(7));
         assert!(!s.exit_on_zero_active_connections);
+    }
+
+    #[test]
+    fn stop_request_is_found_whatever_else_the_file_holds() {
+        let value = r#"{"reason":"AppsCompleted","at":"2026-01-01T00:00:00Z"}"#;
+        let line = format!(
+            "{STOP_ANNOTATION}={}\n",
+            serde_json::Value::String(value.into())
+        );
+        assert_eq!(stop_request(&line).as_deref(), Some(value));
+        // A line the parser refuses does not hide it.
+        let text = format!("weird=unquoted\n{line}");
+        assert!(parse_annotations(&text).is_err());
+        assert_eq!(stop_request(&text).as_deref(), Some(value));
+        // Any value is a request, even a broken one (returned raw).
+        assert_eq!(
+            stop_request("remora.dev/stop=\"\\q\"").as_deref(),
+            Some("\"\\q\"")
+        );
+        assert_eq!(stop_request("remora.dev/stop=\"\"").as_deref(), Some(""));
+        assert_eq!(stop_request("remora.dev/stopped=\"x\"\nother=\"y\""), None);
+        assert_eq!(stop_request(""), None);
     }
 
     #[test]

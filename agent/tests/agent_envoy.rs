@@ -515,3 +515,77 @@ fn metrics_record_drains() {
     agent.signal(Signal::SIGTERM);
     agent.wait_exit(Duration::from_secs(5));
 }
+
+/// The kubelet's atomic writer: a fresh `..<timestamp>` directory, a
+/// `..data_tmp` symlink to it renamed over `..data`, and `annotations` a
+/// symlink to `..data/annotations`.
+fn kubelet_write_annotations(dir: &std::path::Path, n: u32, lines: &[(&str, &str)]) {
+    let text: String = lines
+        .iter()
+        .map(|(k, v)| format!("{k}={}\n", serde_json::to_string(v).expect("quote")))
+        .collect();
+    let ts = dir.join(format!("..2026_01_01_00_00_{n:02}.000000000"));
+    std::fs::create_dir(&ts).expect("mkdir");
+    std::fs::write(ts.join("annotations"), text).expect("write");
+    let tmp = dir.join("..data_tmp");
+    std::os::unix::fs::symlink(ts.file_name().expect("name"), &tmp).expect("symlink");
+    std::fs::rename(&tmp, dir.join("..data")).expect("swap");
+    let link = dir.join("annotations");
+    if std::fs::symlink_metadata(&link).is_err() {
+        std::os::unix::fs::symlink("..data/annotations", &link).expect("symlink");
+    }
+}
+
+#[test]
+fn stop_annotation_stops_envoy_and_exits_zero() {
+    let mut agent = Agent::builder().start();
+    let dir = agent.dir.path().to_path_buf();
+    let lifecycle = (
+        "remora.dev/lifecycle",
+        r#"{"shutdown":{"terminationDrainDuration":"30s"}}"#,
+    );
+    kubelet_write_annotations(&dir, 1, &[lifecycle]);
+    let envoy = agent.envoy_pid().expect("pid");
+    // An unrelated update changes nothing.
+    kubelet_write_annotations(&dir, 2, &[lifecycle, ("other", "x")]);
+    assert!(agent.is_running());
+    kubelet_write_annotations(
+        &dir,
+        3,
+        &[
+            lifecycle,
+            (
+                "remora.dev/stop",
+                r#"{"reason":"AppsCompleted","at":"2026-01-01T00:00:03Z"}"#,
+            ),
+        ],
+    );
+    // No drain (the apps are gone): well within the 30 s drain it would take.
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    assert!(agent.log().contains("stop requested"), "{}", agent.log());
+    wait_for("Envoy gone", Duration::from_secs(5), || {
+        (!process_alive(envoy)).then_some(())
+    });
+}
+
+#[test]
+fn stop_annotation_present_at_start_exits_zero_and_leaves_no_envoy() {
+    // A sidecar (re)started after the request: the apps are done already.
+    let mut agent = Agent::builder()
+        .annotations("remora.dev/stop=\"anything\"\n")
+        .spawn();
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    // Whatever Envoy the agent had started is gone with it.
+    let bootstrap = agent.dir.path().join("run/envoy-bootstrap.json");
+    let bootstrap = bootstrap.display().to_string();
+    wait_for("no Envoy of this agent", Duration::from_secs(5), || {
+        let alive = std::fs::read_dir("/proc").ok()?.flatten().any(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&bootstrap))
+                .unwrap_or(false)
+        });
+        (!alive).then_some(())
+    });
+}

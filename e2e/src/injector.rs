@@ -220,6 +220,11 @@ impl Injector {
         log_tail(&self.log, 6000)
     }
 
+    /// The whole log, for asserting that something was logged at all.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// The injector's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -5,6 +5,7 @@ pub mod chart;
 pub mod controlplane;
 pub mod envoy;
 pub mod injector;
+pub mod jobpod;
 pub mod load;
 pub mod podrunner;
 pub mod webhook;

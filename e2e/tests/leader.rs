@@ -220,7 +220,7 @@ async fn graceful_stop_hands_the_lease_over_at_once() -> anyhow::Result<()> {
     assert_eq!(transitions, before + 1);
     // The old leader said it released the Lease.
     assert!(
-        leader.log_tail().contains("released the leader Lease"),
+        leader.log_text().contains("released the leader Lease"),
         "{}",
         leader.log_tail()
     );
@@ -301,7 +301,7 @@ async fn in_flight(inj: &Injector) -> anyhow::Result<()> {
 /// Waits until the injector's log says `what`.
 async fn logged(inj: &Injector, what: &str) -> anyhow::Result<()> {
     wait_until(what, DEADLINE, || async {
-        Ok::<_, kube::Error>(inj.log_tail().contains(what).then_some(()))
+        Ok::<_, kube::Error>(inj.log_text().contains(what).then_some(()))
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}; log:\n{}", inj.log_tail()))

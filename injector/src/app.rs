@@ -140,6 +140,11 @@ pub struct ServeArgs {
     #[arg(long, env = "REMORA_CONTROLLER", default_value_t = true, action = clap::ArgAction::Set,
           num_args = 0..=1, default_missing_value = "true")]
     pub controller: bool,
+    /// Ask the Legacy sidecar of a Job's pod to stop once its apps have
+    /// terminated (while leader).
+    #[arg(long, env = "REMORA_STOP_COMPLETED_JOBS", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub stop_completed_jobs: bool,
     /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
     #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
     pub rollout_interval: Duration,
@@ -240,6 +245,9 @@ struct LeaderContext {
     /// `None`: the controller is off.
     controller: Option<crate::controller::Settings>,
     controller_metrics: crate::controller::ControllerMetrics,
+    stop_completed_jobs: bool,
+    /// Who publishes the Events.
+    identity: String,
 }
 
 /// Everything only the leader runs: the one place to add leader-only tasks.
@@ -254,6 +262,15 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
             ctx.controller_metrics.clone(),
             token.clone(),
         ));
+    }
+    if ctx.stop_completed_jobs {
+        let (client, token) = (ctx.client.clone(), token.clone());
+        let identity = ctx.identity.clone();
+        tasks.spawn(async move {
+            if let Err(e) = crate::jobs::run(client, identity, token).await {
+                tracing::error!(error = %e, "the Jobs controller failed");
+            }
+        });
     }
     while let Some(r) = tasks.join_next().await {
         match r {
@@ -298,6 +315,8 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             identity: leader_cfg.identity.clone(),
         }),
         controller_metrics: metrics.controller.clone(),
+        stop_completed_jobs: args.stop_completed_jobs,
+        identity: leader_cfg.identity.clone(),
     });
     let state = Arc::new(AppState {
         injector: Injector {

@@ -7,6 +7,7 @@ pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod controller;
+pub mod jobs;
 pub mod leader;
 pub mod mutate;
 pub mod offline;

@@ -296,8 +296,9 @@ pub fn mutate(
     let restart = spec["restartPolicy"].as_str().unwrap_or("Always");
     if mode == SidecarMode::Legacy && restart != "Always" {
         warnings.push(format!(
-            "remora: Legacy mode with restartPolicy {restart}: the sidecar keeps running after the \
-             application exits, so the pod does not complete; Native mode does not have this problem"
+            "remora: Legacy mode with restartPolicy {restart}: the sidecar is a regular container, \
+             so the pod completes only when the operator stops it (remora.dev/stop, serve \
+             --stop-completed-jobs) after the app containers exit; Native mode does not need this"
         ));
     }
     let grace = spec["terminationGracePeriodSeconds"]

@@ -287,6 +287,7 @@ pub struct AgentBuilder {
     args: Vec<String>,
     envs: Vec<(String, String)>,
     app_delay: Duration,
+    annotations: Option<String>,
 }
 
 impl AgentBuilder {
@@ -295,7 +296,13 @@ impl AgentBuilder {
             args: Vec::new(),
             envs: Vec::new(),
             app_delay: Duration::ZERO,
+            annotations: None,
         }
+    }
+    /// The annotations file as it is before the agent starts (raw text).
+    pub fn annotations(mut self, text: &str) -> Self {
+        self.annotations = Some(text.into());
+        self
     }
     pub fn arg(mut self, a: impl Into<String>) -> Self {
         self.args.push(a.into());
@@ -321,6 +328,9 @@ impl AgentBuilder {
         let dir = tempfile::tempdir().expect("tempdir");
         let log = dir.path().join("agent.log");
         let logf = std::fs::File::create(&log).expect("log file");
+        if let Some(text) = &self.annotations {
+            std::fs::write(dir.path().join("annotations"), text).expect("annotations");
+        }
         let mut cmd = Command::new(agent_bin());
         cmd.arg("run")
             .arg("--envoy-bin")
