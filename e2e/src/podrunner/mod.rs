@@ -50,6 +50,15 @@ pub enum PodError {
     Exited { container: String, status: String },
     #[error("bootstrap for {container}: {reason}")]
     Bootstrap { container: String, reason: String },
+    #[error("volume {volume}: secret {secret:?} not found")]
+    NoSecret { volume: String, secret: String },
+    #[error("volume {volume}: writing secret {secret:?}: {source}")]
+    SecretWrite {
+        volume: String,
+        secret: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Ports a Remora sidecar uses inside the pod (DESIGN.md), remapped like the app's.
@@ -73,6 +82,96 @@ pub struct RunnerOptions {
     pub max_probe_period: Duration,
     /// Where pod directories go.
     pub base_dir: PathBuf,
+    /// The Secrets that secret volumes are filled from.
+    pub secrets: Secrets,
+}
+
+/// A Secret's data: key → content.
+pub type SecretData = BTreeMap<String, Vec<u8>>;
+
+/// Secrets by name, as the API server would hold them. Shared: a test
+/// updates a Secret here, then `Pod::sync_secrets` plays the kubelet's
+/// periodic volume sync.
+#[derive(Debug, Clone, Default)]
+pub struct Secrets(Arc<RwLock<BTreeMap<String, SecretData>>>);
+
+impl Secrets {
+    /// Create or replace a Secret's data.
+    pub fn set(&self, name: &str, data: SecretData) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), data);
+    }
+
+    pub fn get(&self, name: &str) -> Option<SecretData> {
+        self.0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+}
+
+/// The kubelet's `AtomicWriter` for secret (and configMap, projected)
+/// volumes: the files live in a timestamped directory `..<ts>`, `..data`
+/// is a symlink to it, and each key is a symlink `key -> ..data/key`. An
+/// update writes a new `..<ts>`, points `..data_tmp` at it and renames that
+/// over `..data` (one atomic step: a reader sees all old or all new
+/// files), then removes keys that went away and the old directory.
+/// Returns whether anything changed.
+pub fn atomic_write(dir: &std::path::Path, data: &SecretData) -> std::io::Result<bool> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static GENERATION: AtomicU64 = AtomicU64::new(0);
+    std::fs::create_dir_all(dir)?;
+    let data_link = dir.join("..data");
+    let old = std::fs::read_link(&data_link).ok();
+    if let Some(old) = &old {
+        let current = dir.join(old);
+        let same = data
+            .iter()
+            .all(|(k, v)| std::fs::read(current.join(k)).is_ok_and(|c| c == *v))
+            && std::fs::read_dir(&current).map_or(usize::MAX, Iterator::count) == data.len();
+        if same {
+            return Ok(false);
+        }
+    }
+    // The kubelet's name is `..2006_01_02_15_04_05.<random>`; only its
+    // uniqueness and the `..` prefix (hidden from key listings) matter.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let ts = format!(
+        "..{}_{:09}.{}",
+        now.as_secs(),
+        now.subsec_nanos(),
+        GENERATION.fetch_add(1, Ordering::SeqCst)
+    );
+    let ts_dir = dir.join(&ts);
+    std::fs::create_dir(&ts_dir)?;
+    for (k, v) in data {
+        std::fs::write(ts_dir.join(k), v)?;
+    }
+    let tmp = dir.join("..data_tmp");
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&ts, &tmp)?;
+    std::fs::rename(&tmp, &data_link)?;
+    for k in data.keys() {
+        let link = dir.join(k);
+        if std::fs::symlink_metadata(&link).is_err() {
+            std::os::unix::fs::symlink(format!("..data/{k}"), &link)?;
+        }
+    }
+    for e in std::fs::read_dir(dir)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("..") && !data.contains_key(&name) {
+            std::fs::remove_file(e.path())?;
+        }
+    }
+    if let Some(old) = old {
+        std::fs::remove_dir_all(dir.join(old))?;
+    }
+    Ok(true)
 }
 
 /// A free port below the kernel's ephemeral range (32768+ by default), so
@@ -173,6 +272,45 @@ impl Pod {
             .map(|r| r.pgid)
     }
 
+    /// Where a volume's files are on this host.
+    pub fn volume_dir(&self, volume: &str) -> PathBuf {
+        volume_dir(&self.dir, volume)
+    }
+
+    /// The kubelet's periodic sync of secret volumes: each one whose Secret
+    /// changed is updated with an atomic `..data` swap. Returns the volumes
+    /// that changed.
+    pub fn sync_secrets(&self) -> Result<Vec<String>, PodError> {
+        let mut changed = Vec::new();
+        for (volume, secret) in &self.spec.secret_volumes {
+            if write_secret(&self.dir, &self.opts.secrets, volume, secret)? {
+                changed.push(volume.clone());
+            }
+        }
+        Ok(changed)
+    }
+
+    /// The mount path of a secret volume in an env value or arg, rewritten
+    /// to the volume's directory on this host (`/etc/certs/x`,
+    /// `--cert-dir=/etc/certs`). Other volumes are not materialized, so
+    /// their paths are left alone.
+    fn remap_mounts(&self, c: &ContainerSpec, s: &str) -> String {
+        let (prefix, value) = match s.split_once('=') {
+            Some((flag, v)) if flag.starts_with('-') => (format!("{flag}="), v),
+            _ => (String::new(), s),
+        };
+        let secret = |v: &String| self.spec.secret_volumes.iter().any(|(n, _)| n == v);
+        for (volume, path) in c.mounts.iter().filter(|(v, _)| secret(v)) {
+            let path = path.trim_end_matches('/');
+            if let Some(rest) = value.strip_prefix(path)
+                && (rest.is_empty() || rest.starts_with('/'))
+            {
+                return format!("{prefix}{}{rest}", self.volume_dir(volume).display());
+            }
+        }
+        s.to_string()
+    }
+
     /// The log file of a container (stdout and stderr).
     pub fn log_path(&self, container: &str) -> PathBuf {
         self.dir.join(format!("{container}.log"))
@@ -231,6 +369,9 @@ impl Pod {
             .map(|(k, v)| format!("{k}={}\n", serde_json::Value::String(v.clone())))
             .collect();
         std::fs::write(dir.join("annotations"), annotations).map_err(io("annotations"))?;
+        for (volume, secret) in &spec.secret_volumes {
+            write_secret(&dir, &opts.secrets, volume, secret)?;
+        }
         let (serving, _) = watch::channel(false);
         let pod = Arc::new(Pod {
             spec,
@@ -358,7 +499,7 @@ impl Pod {
             .iter()
             .map(|(k, v)| {
                 let v = match v {
-                    EnvValue::Literal(s) => self.remap(s),
+                    EnvValue::Literal(s) => self.remap_mounts(c, &self.remap(s)),
                     EnvValue::Field(path) => match path.as_str() {
                         "metadata.name" => self.spec.name.clone(),
                         "metadata.namespace" => self.spec.namespace.clone(),
@@ -410,7 +551,10 @@ impl Pod {
                 command: first,
             });
         }
-        let args = args.iter().map(|a| self.remap(&expand(a, &env))).collect();
+        let args = args
+            .iter()
+            .map(|a| self.remap_mounts(c, &self.remap(&expand(a, &env))))
+            .collect();
         Ok((bin, args, env))
     }
 
@@ -740,6 +884,29 @@ impl Drop for Pod {
     }
 }
 
+fn volume_dir(pod_dir: &std::path::Path, volume: &str) -> PathBuf {
+    pod_dir.join("volumes").join(volume)
+}
+
+/// Fill (or update) a secret volume from the current Secret.
+fn write_secret(
+    pod_dir: &std::path::Path,
+    secrets: &Secrets,
+    volume: &str,
+    secret: &str,
+) -> Result<bool, PodError> {
+    // The kubelet keeps such a pod in ContainerCreating; here the start fails.
+    let data = secrets.get(secret).ok_or_else(|| PodError::NoSecret {
+        volume: volume.into(),
+        secret: secret.into(),
+    })?;
+    atomic_write(&volume_dir(pod_dir, volume), &data).map_err(|source| PodError::SecretWrite {
+        volume: volume.into(),
+        secret: secret.into(),
+        source,
+    })
+}
+
 fn describe(s: ExitStatus) -> String {
     match (s.code(), s.signal()) {
         (Some(c), _) => format!("exit {c}"),
@@ -866,4 +1033,145 @@ pub fn children(pid: i32) -> Vec<i32> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(pairs: &[(&str, &str)]) -> BTreeMap<String, Vec<u8>> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    fn entries(dir: &std::path::Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .expect("read dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn atomic_write_swaps_data_link_and_cleans_up() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let dir = tmp.path().join("certs");
+        assert!(atomic_write(&dir, &data(&[("a", "1"), ("b", "2")])).expect("write"));
+        let first = std::fs::read_link(dir.join("..data")).expect("..data");
+        assert_eq!(
+            std::fs::read_link(dir.join("a")).expect("link"),
+            PathBuf::from("..data/a")
+        );
+        assert_eq!(std::fs::read_to_string(dir.join("b")).expect("b"), "2");
+
+        // Same content: nothing is touched.
+        assert!(!atomic_write(&dir, &data(&[("a", "1"), ("b", "2")])).expect("write"));
+        assert_eq!(
+            std::fs::read_link(dir.join("..data")).expect("..data"),
+            first
+        );
+
+        // New content, a key dropped: new target, old directory and key gone.
+        assert!(atomic_write(&dir, &data(&[("a", "3")])).expect("write"));
+        let second = std::fs::read_link(dir.join("..data")).expect("..data");
+        assert_ne!(second, first);
+        assert_eq!(std::fs::read_to_string(dir.join("a")).expect("a"), "3");
+        let mut want = vec![
+            "..data".to_string(),
+            second.display().to_string(),
+            "a".into(),
+        ];
+        want.sort();
+        assert_eq!(entries(&dir), want);
+    }
+
+    #[test]
+    fn mount_paths_are_remapped_for_the_mounting_container_only() {
+        let yaml = r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: p, namespace: ns}
+spec:
+  volumes:
+    - {name: certs, secret: {secretName: tls}}
+    - {name: scratch, emptyDir: {}}
+  containers:
+    - name: proxy
+      image: remora-agent
+      args: [--cert-dir=/etc/certs, /etc/certs/key.pem, /etc/certsx]
+      env: [{name: REMORA_CERT_DIR, value: /etc/certs/}]
+      volumeMounts: [{name: certs, mountPath: /etc/certs}, {name: scratch, mountPath: /tmp/x}]
+    - name: app
+      image: app
+      args: [--cert-dir=/etc/certs]
+"#;
+        let spec = PodSpec::from_yaml(yaml).expect("spec");
+        assert_eq!(
+            spec.secret_volumes,
+            vec![("certs".to_string(), "tls".to_string())]
+        );
+        let tmp = tempfile::tempdir().expect("tmp");
+        let opts = RunnerOptions {
+            agent_bin: "remora-agent".into(),
+            envoy_bin: "envoy".into(),
+            images: Vec::new(),
+            inbound: Vec::new(),
+            outbound_upstream: None,
+            max_probe_period: Duration::from_secs(1),
+            base_dir: tmp.path().to_path_buf(),
+            secrets: Secrets::default(),
+        };
+        let pod = Pod {
+            dir: tmp.path().join("p"),
+            spec: spec.clone(),
+            ports: BTreeMap::new(),
+            created: Instant::now(),
+            opts,
+            running: Mutex::new(Vec::new()),
+            readiness: Mutex::new(BTreeMap::new()),
+            terminating: Mutex::new(false),
+            serving: watch::channel(false).0,
+            probes: Mutex::new(Vec::new()),
+            times: Mutex::new(PodTimes::default()),
+        };
+        let certs = pod.volume_dir("certs").display().to_string();
+        let (proxy, app) = (&spec.containers[0], &spec.containers[1]);
+        assert_eq!(
+            pod.remap_mounts(proxy, "--cert-dir=/etc/certs"),
+            format!("--cert-dir={certs}")
+        );
+        assert_eq!(
+            pod.remap_mounts(proxy, "/etc/certs/key.pem"),
+            format!("{certs}/key.pem")
+        );
+        assert_eq!(pod.remap_mounts(proxy, "/etc/certs/"), format!("{certs}/"));
+        assert_eq!(pod.remap_mounts(proxy, "/etc/certsx"), "/etc/certsx");
+        assert_eq!(
+            pod.remap_mounts(proxy, "/tmp/x/y"),
+            "/tmp/x/y",
+            "not a secret"
+        );
+        assert_eq!(
+            pod.remap_mounts(app, "--cert-dir=/etc/certs"),
+            "--cert-dir=/etc/certs"
+        );
+    }
+
+    #[test]
+    fn a_missing_secret_fails_the_start_and_sync_updates() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let secrets = Secrets::default();
+        let err = write_secret(tmp.path(), &secrets, "certs", "tls").expect_err("no secret");
+        assert!(matches!(err, PodError::NoSecret { .. }), "{err}");
+        secrets.set("tls", data(&[("k", "v1")]));
+        assert!(write_secret(tmp.path(), &secrets, "certs", "tls").expect("write"));
+        secrets.set("tls", data(&[("k", "v2")]));
+        assert!(write_secret(tmp.path(), &secrets, "certs", "tls").expect("write"));
+        let f = volume_dir(tmp.path(), "certs").join("k");
+        assert_eq!(std::fs::read_to_string(f).expect("k"), "v2");
+    }
 }

@@ -49,6 +49,8 @@ pub struct ContainerSpec {
     pub pre_stop: Option<Vec<String>>,
     /// An init container with `restartPolicy: Always` (a native sidecar).
     pub sidecar: bool,
+    /// `volumeMounts`: `(volume name, mountPath)`.
+    pub mounts: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone)]
@@ -59,6 +61,9 @@ pub struct PodSpec {
     pub init_containers: Vec<ContainerSpec>,
     pub containers: Vec<ContainerSpec>,
     pub grace: Duration,
+    /// Secret volumes: `(volume name, secretName)`. Other volume types are
+    /// not materialized (an `emptyDir` is the pod directory).
+    pub secret_volumes: Vec<(String, String)>,
 }
 
 impl PodSpec {
@@ -117,6 +122,17 @@ impl PodSpec {
                 .collect()
         };
         let grace = spec["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        let secret_volumes = spec["volumes"]
+            .as_array()
+            .map(|a| a.as_slice())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|v| {
+                let name = v["name"].as_str()?;
+                let secret = v["secret"]["secretName"].as_str()?;
+                Some((name.to_string(), secret.to_string()))
+            })
+            .collect();
         Ok(Self {
             name,
             namespace,
@@ -124,6 +140,7 @@ impl PodSpec {
             init_containers: list("initContainers")?,
             containers: list("containers")?,
             grace: Duration::from_secs(grace),
+            secret_volumes,
         })
     }
 
@@ -249,6 +266,18 @@ fn container(index: usize, c: &Value) -> Result<ContainerSpec, SpecError> {
         post_start: hook("postStart"),
         pre_stop: hook("preStop"),
         sidecar: c["restartPolicy"].as_str() == Some("Always"),
+        mounts: c["volumeMounts"]
+            .as_array()
+            .map(|a| a.as_slice())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|m| {
+                Some((
+                    m["name"].as_str()?.to_string(),
+                    m["mountPath"].as_str()?.to_string(),
+                ))
+            })
+            .collect(),
         name,
     })
 }
