@@ -265,6 +265,8 @@ fn options(args: &Args, base: &std::path::Path, upstream: u16) -> anyhow::Result
         max_probe_period: args.probe_period,
         base_dir: base.to_path_buf(),
         secrets: Default::default(),
+        restart_backoff: RunnerOptions::KUBELET_BACKOFF.0,
+        max_restart_backoff: RunnerOptions::KUBELET_BACKOFF.1,
     })
 }
 

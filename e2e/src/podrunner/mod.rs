@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use spec::{ContainerSpec, EnvValue, PodSpec, Probe, SpecError};
+pub use spec::{ContainerSpec, EnvValue, PodSpec, Probe, RestartPolicy, SpecError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodError {
@@ -84,6 +84,43 @@ pub struct RunnerOptions {
     pub base_dir: PathBuf,
     /// The Secrets that secret volumes are filled from.
     pub secrets: Secrets,
+    /// Container restart backoff: the first restart is immediate, the next
+    /// waits this long, then twice as long each time up to
+    /// `max_restart_backoff` (the kubelet: 10 s and 300 s).
+    pub restart_backoff: Duration,
+    pub max_restart_backoff: Duration,
+}
+
+impl RunnerOptions {
+    /// The kubelet's container restart backoff.
+    pub const KUBELET_BACKOFF: (Duration, Duration) =
+        (Duration::from_secs(10), Duration::from_secs(300));
+}
+
+/// How long the kubelet waits before restart number `level` (0-based,
+/// since the backoff was last reset): nothing for the first, then
+/// `initial`, doubling, at most `max`.
+pub fn restart_delay(level: u32, initial: Duration, max: Duration) -> Duration {
+    match level {
+        0 => Duration::ZERO,
+        n => initial
+            .checked_mul(1u32.checked_shl(n - 1).unwrap_or(u32::MAX))
+            .map_or(max, |d| d.min(max)),
+    }
+}
+
+/// What the runner knows of a container (the kubelet's containerStatuses).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerStatus {
+    pub restart_count: u32,
+    /// The last exit, as text (`exit 1`, `signal 9`).
+    pub last_exit: Option<String>,
+    /// Exited, waiting this long before its restart (CrashLoopBackOff).
+    pub backoff: Option<Duration>,
+    /// Exited and not to be restarted (restartPolicy).
+    pub terminated: bool,
+    /// Restarts since the backoff was last reset (a long enough run).
+    backoff_level: u32,
 }
 
 /// A Secret's data: key → content.
@@ -212,6 +249,7 @@ struct Running {
     child: Child,
     pgid: i32,
     env: Vec<(String, String)>,
+    started: Instant,
 }
 
 /// Times of a pod's life, relative to `Pod::created`.
@@ -243,6 +281,7 @@ pub struct Pod {
     serving: watch::Sender<bool>,
     probes: Mutex<Vec<JoinHandle<()>>>,
     times: Mutex<PodTimes>,
+    statuses: Mutex<BTreeMap<String, ContainerStatus>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -385,6 +424,7 @@ impl Pod {
             serving,
             probes: Mutex::new(Vec::new()),
             times: Mutex::new(PodTimes::default()),
+            statuses: Mutex::new(BTreeMap::new()),
         });
         // Every container counts as not ready until started (and probed).
         for c in pod.spec.init_containers.iter().chain(&pod.spec.containers) {
@@ -396,6 +436,9 @@ impl Pod {
             pod.kill_all();
             return Err(e);
         }
+        // Weak: the pod's owner decides when it goes (Drop kills it).
+        let task = tokio::spawn(Pod::restart_loop(Arc::downgrade(&pod)));
+        lock(&pod.probes).push(task);
         Ok(pod)
     }
 
@@ -668,6 +711,23 @@ impl Pod {
     }
 
     async fn spawn_container(&self, c: &ContainerSpec) -> Result<(), PodError> {
+        let env = self.launch(c)?;
+        if let Some(hook) = &c.post_start {
+            // The container counts as started only when its postStart returns.
+            let status = self.exec_hook(c, hook, &env, None).await;
+            if !status.as_ref().is_ok_and(ExitStatus::success) {
+                return Err(PodError::Hook {
+                    container: c.name.clone(),
+                    hook: "postStart",
+                    reason: status.map_or_else(|e| e.to_string(), describe),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Start a container's process (no hook); returns its env.
+    fn launch(&self, c: &ContainerSpec) -> Result<Vec<(String, String)>, PodError> {
         let (bin, args, env) = self.local_command(c)?;
         let io = |what: &str| {
             let (container, what) = (c.name.clone(), what.to_string());
@@ -697,25 +757,149 @@ impl Pod {
             .spawn()
             .map_err(io(&format!("spawn {}", bin.display())))?;
         let pgid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
-        lock(&self.running).push(Running {
+        let mut running = lock(&self.running);
+        // A restarted container replaces its exited predecessor.
+        running.retain(|r| r.name != c.name);
+        running.push(Running {
             name: c.name.clone(),
             spec: c.clone(),
             child,
             pgid,
             env: env.clone(),
+            started: Instant::now(),
         });
-        if let Some(hook) = &c.post_start {
-            // The container counts as started only when its postStart returns.
-            let status = self.exec_hook(c, hook, &env, None).await;
-            if !status.as_ref().is_ok_and(ExitStatus::success) {
-                return Err(PodError::Hook {
-                    container: c.name.clone(),
-                    hook: "postStart",
-                    reason: status.map_or_else(|e| e.to_string(), describe),
-                });
+        Ok(env)
+    }
+
+    /// A container's status: restarts, last exit, backoff.
+    pub fn status(&self, container: &str) -> ContainerStatus {
+        lock(&self.statuses)
+            .get(container)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Watch the started containers (native sidecars and regular
+    /// containers; not the completed init containers) and restart those
+    /// that exit while the pod is not terminating, as the kubelet does.
+    async fn restart_loop(pod: std::sync::Weak<Pod>) {
+        let mut handled = std::collections::HashSet::new();
+        loop {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let Some(pod) = pod.upgrade() else { return };
+            if *lock(&pod.terminating) {
+                return;
+            }
+            let exited: Vec<(ContainerSpec, ExitStatus, Duration)> = lock(&pod.running)
+                .iter_mut()
+                .filter(|r| r.spec.sidecar || pod.spec.containers.iter().any(|c| c.name == r.name))
+                .filter_map(|r| {
+                    if handled.contains(&r.pgid) {
+                        return None;
+                    }
+                    let s = r.child.try_wait().ok().flatten()?;
+                    handled.insert(r.pgid);
+                    Some((r.spec.clone(), s, r.started.elapsed()))
+                })
+                .collect();
+            for (c, status, ran) in exited {
+                pod.on_exit(c, status, ran);
             }
         }
-        Ok(())
+    }
+
+    /// A container exited on its own: not ready at once; restarted after
+    /// its backoff if the restart policy says so.
+    fn on_exit(self: &Arc<Self>, c: ContainerSpec, status: ExitStatus, ran: Duration) {
+        if lock(&self.readiness).contains_key(&c.name) {
+            self.set_ready(&c.name, false);
+        }
+        let restart = c.sidecar
+            || match self.spec.restart_policy {
+                RestartPolicy::Always => true,
+                RestartPolicy::OnFailure => !status.success(),
+                RestartPolicy::Never => false,
+            };
+        let delay = {
+            let mut statuses = lock(&self.statuses);
+            let st = statuses.entry(c.name.clone()).or_default();
+            st.last_exit = Some(describe(status));
+            if !restart {
+                st.terminated = true;
+                return;
+            }
+            // The kubelet forgets a container's backoff once it ran for
+            // twice the maximum backoff.
+            if ran > self.opts.max_restart_backoff * 2 {
+                st.backoff_level = 0;
+            }
+            let d = restart_delay(
+                st.backoff_level,
+                self.opts.restart_backoff,
+                self.opts.max_restart_backoff,
+            );
+            st.backoff_level += 1;
+            st.backoff = Some(d);
+            d
+        };
+        let pod = Arc::downgrade(self);
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            if let Some(pod) = pod.upgrade() {
+                pod.restart(&c).await;
+            }
+        });
+        lock(&self.probes).push(task);
+    }
+
+    async fn restart(&self, c: &ContainerSpec) {
+        let launched = {
+            // Under the terminating lock: once `stop` has set it, nothing
+            // starts again, and what started before is what it stops.
+            let terminating = lock(&self.terminating);
+            if *terminating {
+                return;
+            }
+            self.launch(c)
+        };
+        let env = {
+            let mut statuses = lock(&self.statuses);
+            let st = statuses.entry(c.name.clone()).or_default();
+            st.backoff = None;
+            match launched {
+                Ok(env) => {
+                    st.restart_count += 1;
+                    env
+                }
+                Err(e) => {
+                    // Not retried: a binary that cannot start now will not later.
+                    st.last_exit = Some(format!("restart failed: {e}"));
+                    st.terminated = true;
+                    return;
+                }
+            }
+        };
+        if let Some(hook) = &c.post_start {
+            let ok = self
+                .exec_hook(c, hook, &env, None)
+                .await
+                .is_ok_and(|s| s.success());
+            if !ok {
+                // The kubelet kills a container whose postStart failed; the
+                // restart loop sees the exit and backs off.
+                self.signal(&c.name, Signal::SIGKILL);
+                return;
+            }
+        }
+        if let Some(p) = c.startup.as_ref().filter(|_| c.sidecar)
+            && self.startup_probe(&c.name, p).await.is_err()
+        {
+            self.signal(&c.name, Signal::SIGKILL);
+            return;
+        }
+        if c.readiness.is_none() && lock(&self.readiness).contains_key(&c.name) {
+            self.set_ready(&c.name, true);
+        }
     }
 
     /// Run an exec hook as a local process with the container's env; hooks
@@ -1057,6 +1241,14 @@ mod tests {
     }
 
     #[test]
+    fn restart_backoff_is_immediate_then_doubles_to_the_cap() {
+        let (i, m) = RunnerOptions::KUBELET_BACKOFF;
+        let delays: Vec<u64> = (0..9).map(|l| restart_delay(l, i, m).as_secs()).collect();
+        assert_eq!(delays, vec![0, 10, 20, 40, 80, 160, 300, 300, 300]);
+        assert_eq!(restart_delay(u32::MAX, i, m), m);
+    }
+
+    #[test]
     fn atomic_write_swaps_data_link_and_cleans_up() {
         let tmp = tempfile::tempdir().expect("tmp");
         let dir = tmp.path().join("certs");
@@ -1124,6 +1316,8 @@ spec:
             max_probe_period: Duration::from_secs(1),
             base_dir: tmp.path().to_path_buf(),
             secrets: Secrets::default(),
+            restart_backoff: Duration::from_secs(10),
+            max_restart_backoff: Duration::from_secs(300),
         };
         let pod = Pod {
             dir: tmp.path().join("p"),
@@ -1137,6 +1331,7 @@ spec:
             serving: watch::channel(false).0,
             probes: Mutex::new(Vec::new()),
             times: Mutex::new(PodTimes::default()),
+            statuses: Mutex::new(BTreeMap::new()),
         };
         let certs = pod.volume_dir("certs").display().to_string();
         let (proxy, app) = (&spec.containers[0], &spec.containers[1]);

@@ -53,6 +53,16 @@ pub struct ContainerSpec {
     pub mounts: Vec<(String, String)>,
 }
 
+/// The pod's `restartPolicy`, for its regular containers (a native sidecar
+/// is always restarted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RestartPolicy {
+    #[default]
+    Always,
+    OnFailure,
+    Never,
+}
+
 #[derive(Debug, Clone)]
 pub struct PodSpec {
     pub name: String,
@@ -64,6 +74,7 @@ pub struct PodSpec {
     /// Secret volumes: `(volume name, secretName)`. Other volume types are
     /// not materialized (an `emptyDir` is the pod directory).
     pub secret_volumes: Vec<(String, String)>,
+    pub restart_policy: RestartPolicy,
 }
 
 impl PodSpec {
@@ -122,6 +133,14 @@ impl PodSpec {
                 .collect()
         };
         let grace = spec["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        let restart_policy = match spec["restartPolicy"].as_str() {
+            None | Some("Always") => RestartPolicy::Always,
+            Some("OnFailure") => RestartPolicy::OnFailure,
+            Some("Never") => RestartPolicy::Never,
+            Some(other) => {
+                return Err(SpecError::Parse(format!("unknown restartPolicy {other:?}")));
+            }
+        };
         let secret_volumes = spec["volumes"]
             .as_array()
             .map(|a| a.as_slice())
@@ -141,6 +160,7 @@ impl PodSpec {
             containers: list("containers")?,
             grace: Duration::from_secs(grace),
             secret_volumes,
+            restart_policy,
         })
     }
 
