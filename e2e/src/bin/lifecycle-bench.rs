@@ -28,6 +28,8 @@ const MODES: [&str; 4] = [
     "remora-native",
     "remora-legacy-exit-on-zero",
 ];
+/// Scenarios on a running pod pair, reported separately from the modes.
+const EXTRAS: [&str; 3] = ["envoy-crash", "hot-restart", "cert-rotation"];
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -46,9 +48,23 @@ struct Args {
     /// Upper bound of the probe periods (spec periods are 1-2 s).
     #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "200ms")]
     probe_period: Duration,
-    /// Skip the Envoy-crash and hot-restart scenarios.
+    /// Skip the extra scenarios (Envoy crash, hot restart, cert rotation).
     #[arg(long)]
     no_extras: bool,
+    /// Run only these modes and extras (e.g. `--only cert-rotation`);
+    /// overrides --modes and --no-extras.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Update the entries that ran in the existing --out JSON and keep the
+    /// others (the SVG is redrawn only when a mode ran).
+    #[arg(long)]
+    merge: bool,
+    /// cert-rotation: how many times the serving certificate is rotated.
+    #[arg(long, default_value_t = 10)]
+    rotations: u32,
+    /// cert-rotation: time between rotations.
+    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "1s")]
+    rotation_interval: Duration,
     /// JSON report.
     #[arg(long, default_value = "bench/results/lifecycle.json")]
     out: PathBuf,
@@ -145,7 +161,8 @@ fn pod_yaml(mode: &str) -> anyhow::Result<String> {
     Ok(String::from_utf8(out.stdout)?)
 }
 
-#[derive(Default, Clone, serde::Serialize)]
+#[derive(Default, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 struct ModeReport {
     mode: String,
     cycles: u32,
@@ -167,6 +184,9 @@ struct ModeReport {
     /// Seconds (since the load started) of each failed request.
     failure_times_s: Vec<f64>,
     errors: BTreeMap<String, usize>,
+    /// cert-rotation only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rotation: Option<cert_rotation::RotationReport>,
 }
 
 struct Run {
@@ -244,6 +264,9 @@ fn options(args: &Args, base: &std::path::Path, upstream: u16) -> anyhow::Result
         outbound_upstream: Some(([127, 0, 0, 1], upstream).into()),
         max_probe_period: args.probe_period,
         base_dir: base.to_path_buf(),
+        secrets: Default::default(),
+        restart_backoff: RunnerOptions::KUBELET_BACKOFF.0,
+        max_restart_backoff: RunnerOptions::KUBELET_BACKOFF.1,
     })
 }
 
@@ -313,6 +336,7 @@ fn report(mode: &str, args: &Args, cycles: u32, run: &Run, samples: &[Sample]) -
         shutdown_max_ms: sd.last().copied().unwrap_or(0.0),
         failure_times_s: times,
         errors,
+        rotation: None,
     }
 }
 
@@ -448,10 +472,33 @@ fn svg(reports: &[ModeReport]) -> String {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let modes: Vec<String> = if args.modes.is_empty() {
-        MODES.iter().map(|m| m.to_string()).collect()
+    let (modes, extras_to_run): (Vec<String>, Vec<String>) = if !args.only.is_empty() {
+        for n in &args.only {
+            anyhow::ensure!(
+                MODES.contains(&n.as_str()) || EXTRAS.contains(&n.as_str()),
+                "unknown mode or scenario {n:?} (modes: {MODES:?}, extras: {EXTRAS:?})"
+            );
+        }
+        let pick = |set: &[&str]| {
+            args.only
+                .iter()
+                .filter(|n| set.contains(&n.as_str()))
+                .cloned()
+                .collect()
+        };
+        (pick(&MODES), pick(&EXTRAS))
     } else {
-        args.modes.clone()
+        let modes = if args.modes.is_empty() {
+            MODES.iter().map(|m| m.to_string()).collect()
+        } else {
+            args.modes.clone()
+        };
+        let extras = if args.no_extras {
+            Vec::new()
+        } else {
+            EXTRAS.iter().map(|m| m.to_string()).collect()
+        };
+        (modes, extras)
     };
     // The outbound upstream the apps call through their sidecars.
     let upstream = e2e::podrunner::free_port()?;
@@ -467,11 +514,12 @@ async fn main() -> anyhow::Result<()> {
         reports.push(rolling(m, &args, upstream).await?);
     }
     let mut extras = Vec::new();
-    if !args.no_extras {
-        for kind in ["envoy-crash", "hot-restart"] {
-            eprintln!("running {kind}");
-            extras.push(disrupt(kind, &args, upstream, 3).await?);
-        }
+    for kind in &extras_to_run {
+        eprintln!("running {kind}");
+        extras.push(match kind.as_str() {
+            "cert-rotation" => cert_rotation::run(&args, upstream).await?,
+            _ => disrupt(kind, &args, upstream, 3).await?,
+        });
     }
     let _ = upstream_proc.kill().await;
 
@@ -505,8 +553,14 @@ async fn main() -> anyhow::Result<()> {
             r.shutdown_max_ms
         );
     }
-    let doc = json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
+    for r in &extras {
+        if let Some(rot) = &r.rotation {
+            println!("\n{}", rot.table());
+        }
+    }
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let mut doc = json!({
+        "command": command,
         "rate_rps": args.rate,
         "cycles": args.cycles,
         "endpoint_lag_ms": args.endpoint_lag.as_millis() as u64,
@@ -514,12 +568,470 @@ async fn main() -> anyhow::Result<()> {
         "modes": reports,
         "disruptions": extras,
     });
+    if args.merge && args.out.exists() {
+        let old = read_doc(&std::fs::read_to_string(&args.out)?)
+            .with_context(|| format!("{} is not JSON", args.out.display()))?;
+        doc = merge(old, &reports, &extras, &command)?;
+    }
     if let Some(dir) = args.out.parent() {
         std::fs::create_dir_all(dir)?;
     }
     std::fs::write(&args.out, serde_json::to_string_pretty(&doc)? + "\n")?;
-    if !args.svg.is_empty() {
-        std::fs::write(&args.svg, svg(&reports))?;
+    if !args.svg.is_empty() && !reports.is_empty() {
+        let all: Vec<ModeReport> = serde_json::from_value(doc["modes"].clone())?;
+        std::fs::write(&args.svg, svg(&all))?;
     }
     Ok(())
+}
+
+/// A results document, read so that writing it back changes nothing:
+/// serde_json's default float parsing can be one ulp off, serde-saphyr
+/// (YAML is a superset of JSON) parses floats exactly.
+fn read_doc(text: &str) -> anyhow::Result<serde_json::Value> {
+    Ok(serde_saphyr::from_str(text)?)
+}
+
+/// `old` with the entries that ran replaced (or added), and the command that
+/// produced them listed under `updates`; everything else kept as it was.
+fn merge(
+    mut old: serde_json::Value,
+    reports: &[ModeReport],
+    extras: &[ModeReport],
+    command: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let mut names = Vec::new();
+    for (key, list) in [("modes", reports), ("disruptions", extras)] {
+        if !old[key].is_array() {
+            old[key] = json!([]);
+        }
+        let arr = old[key].as_array_mut().context("array")?;
+        for r in list {
+            let v = serde_json::to_value(r)?;
+            match arr.iter_mut().find(|e| e["mode"] == r.mode.as_str()) {
+                Some(e) => *e = v,
+                None => arr.push(v),
+            }
+            names.push(r.mode.clone());
+        }
+    }
+    if !old["updates"].is_array() {
+        old["updates"] = json!([]);
+    }
+    if let Some(u) = old["updates"].as_array_mut() {
+        u.push(json!({ "command": command, "entries": names }));
+    }
+    Ok(old)
+}
+
+/// `cert-rotation`: a Legacy pod pair whose sidecars terminate inbound mTLS
+/// (`REMORA_INBOUND_TLS`) with the certificate of a Secret volume mounted at
+/// `/etc/certs` (`REMORA_CERT_DIR`). Under TLS load, the Secret is updated
+/// `--rotations` times and each pod's volume swapped the way the kubelet
+/// does (`..data` symlink); after each swap, fresh handshakes to each pod
+/// must show the new certificate.
+mod cert_rotation {
+    use std::net::SocketAddr;
+
+    use e2e::certs::Pki;
+    use e2e::load::TlsConnector;
+    use e2e::podrunner::EnvValue;
+    use http_body_util::Empty;
+    use hyper::body::Bytes;
+    use hyper_util::client::legacy::Client;
+    use rcgen::KeyPair;
+    use remora_agent::certs::DEFAULT_CERT_DIR;
+
+    use super::*;
+
+    const SECRET: &str = "web-tls";
+    const VOLUME: &str = "remora-certs";
+    /// What the client verifies the server certificate against (the
+    /// endpoints are addresses; the certificate names the Service).
+    const SERVER_NAME: &str = "web.bench.svc";
+    const SERVER_ID: &str = "spiffe://cluster.local/ns/bench/sa/default";
+    /// The load generator's identity, the only one the sidecars admit.
+    const CLIENT_ID: &str = "spiffe://cluster.local/ns/bench/sa/load";
+    /// A rotation not seen by a fresh handshake within this counts as missed.
+    const OBSERVE_DEADLINE: Duration = Duration::from_secs(10);
+    /// Fresh handshakes after the first one that saw the new certificate,
+    /// which must all see it too.
+    const CONFIRM: usize = 3;
+
+    #[derive(Default, Clone, Debug, serde::Serialize, serde::Deserialize)]
+    #[serde(default)]
+    pub struct RotationReport {
+        pub rotations: u32,
+        pub pods: u32,
+        /// `rekey` (new key pair) and `renew` (same key, new certificate).
+        pub kinds: BTreeMap<String, u32>,
+        pub swap: String,
+        /// (rotation, pod) pairs whose fresh handshakes saw the new certificate in time.
+        pub observed: u32,
+        pub expected: u32,
+        /// From the `..data` swap to the start of the first fresh handshake
+        /// that saw the new certificate.
+        pub latency_p50_ms: f64,
+        pub latency_max_ms: f64,
+        pub latencies_ms: Vec<f64>,
+        /// Fresh-connection requests (one full TLS handshake each, included in `sent`).
+        pub handshakes: usize,
+        pub handshakes_failed: usize,
+        pub handshake_p50_ms: f64,
+        /// Fresh handshakes that showed another certificate after the new one had been seen.
+        pub stale_after_seen: usize,
+        /// Envoy restarts of any kind during the load (epoch or pid changed), over all pods.
+        pub envoy_restarts: u32,
+        pub envoy_epochs: Vec<u32>,
+        /// Steady-load requests by the serial of the certificate on their
+        /// (keep-alive) connection: connections opened before a rotation
+        /// keep their certificate and keep serving.
+        pub load_requests_by_serial: BTreeMap<String, usize>,
+    }
+
+    impl RotationReport {
+        pub fn table(&self) -> String {
+            format!(
+                "{:<14} {:>9} {:>5} {:>7} {:>9} {:>9} {:>10} {:>7} {:>6} {:>8}\n{:<14} {:>9} {:>5} {:>7} {:>7.1}ms {:>7.1}ms {:>10} {:>7} {:>6} {:>8}\n({}, each a `..data` swap of the pods' Secret volume; seen: a fresh handshake \
+                 to the pod got the new certificate, timed from the swap)",
+                "scenario",
+                "rotations",
+                "pods",
+                "seen",
+                "seen p50",
+                "seen max",
+                "handshakes",
+                "failed",
+                "stale",
+                "restarts",
+                "cert-rotation",
+                self.rotations,
+                self.pods,
+                format!("{}/{}", self.observed, self.expected),
+                self.latency_p50_ms,
+                self.latency_max_ms,
+                self.handshakes,
+                self.handshakes_failed,
+                self.stale_after_seen,
+                self.envoy_restarts,
+                self.kinds
+                    .iter()
+                    .map(|(k, n)| format!("{n} {k}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            )
+        }
+    }
+
+    /// Mount the Secret into the sidecar at the contract's path and turn
+    /// on inbound mTLS, admitting only the load generator's identity.
+    fn with_certs(spec: &mut PodSpec) -> anyhow::Result<()> {
+        spec.secret_volumes.push((VOLUME.into(), SECRET.into()));
+        let sidecar = spec
+            .init_containers
+            .iter_mut()
+            .chain(spec.containers.iter_mut())
+            .find(|c| c.image.contains("remora-agent"))
+            .context("no remora-agent container in the injected spec")?;
+        sidecar
+            .mounts
+            .push((VOLUME.into(), DEFAULT_CERT_DIR.into()));
+        for (k, v) in [
+            ("REMORA_INBOUND_TLS", "true"),
+            ("REMORA_CERT_DIR", DEFAULT_CERT_DIR),
+            ("REMORA_INBOUND_TLS_SAN", CLIENT_ID),
+        ] {
+            sidecar.env.push((k.into(), EnvValue::Literal(v.into())));
+        }
+        Ok(())
+    }
+
+    /// Envoy's epoch and pid, from the agent's `/debug/config`.
+    async fn envoy_state(pod: &Pod) -> anyhow::Result<(u32, Option<u64>)> {
+        let port = pod.host_port(15020).context("no agent admin port")?;
+        let r = remora_agent::http_client::HttpClient::new(Duration::from_secs(2))
+            .get(&format!("http://127.0.0.1:{port}/debug/config"))
+            .await?;
+        let v: serde_json::Value = serde_json::from_str(&r.body)?;
+        let epoch = v["envoy"]["epoch"].as_u64().context("no Envoy epoch")?;
+        Ok((u32::try_from(epoch)?, v["envoy"]["pid"].as_u64()))
+    }
+
+    struct Observation {
+        /// Swap → start of the first fresh handshake that saw the certificate.
+        seen: Option<Duration>,
+        stale: usize,
+        samples: Vec<Sample>,
+    }
+
+    /// Fresh handshakes to `addr` until one shows `want` (or the deadline
+    /// after `since`), then `CONFIRM` more that must show it too.
+    async fn observe(
+        client: Client<TlsConnector, Empty<Bytes>>,
+        pod: String,
+        addr: SocketAddr,
+        want: u64,
+        since: Instant,
+        epoch: Instant,
+    ) -> Observation {
+        let mut o = Observation {
+            seen: None,
+            stale: 0,
+            samples: Vec::new(),
+        };
+        while o.seen.is_none() && since.elapsed() < OBSERVE_DEADLINE {
+            let s = load::get(&client, "https", &pod, addr, epoch).await;
+            let ok = s.status == Some(200);
+            if ok && s.peer == Some(want) {
+                o.seen = Some((epoch + s.at).saturating_duration_since(since));
+            }
+            o.samples.push(s);
+            if !ok {
+                // Counted as a failure; do not spin on a refused port.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        if o.seen.is_some() {
+            for _ in 0..CONFIRM {
+                let s = load::get(&client, "https", &pod, addr, epoch).await;
+                o.stale += usize::from(s.status == Some(200) && s.peer != Some(want));
+                o.samples.push(s);
+            }
+        }
+        o
+    }
+
+    fn percentile(sorted: &[f64], p: f64) -> f64 {
+        if sorted.is_empty() {
+            return 0.0;
+        }
+        let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+        sorted[i.min(sorted.len() - 1)]
+    }
+
+    pub async fn run(args: &Args, upstream: u16) -> anyhow::Result<ModeReport> {
+        let base = tempfile::Builder::new().prefix("remora-pods-").tempdir()?;
+        let mut run = Run::new("remora-legacy", args, base.path(), upstream)?;
+        with_certs(&mut run.spec)?;
+        let pki = Pki::new("remora bench workload root", CLIENT_ID)?;
+        let mut key = KeyPair::generate()?;
+        let first = pki.serving(0, &key, &[SERVER_NAME], SERVER_ID)?;
+        let mut serials =
+            std::collections::HashMap::from([(first.fingerprint, first.serial.clone())]);
+        run.opts.secrets.set(SECRET, first.files.clone());
+        let pods = vec![run.start_pod().await?, run.start_pod().await?];
+        let connector = TlsConnector::new(pki.client_config()?, SERVER_NAME)?;
+        let fresh = load::fresh_tls_client(connector.clone());
+        let addr =
+            |pod: &Pod| SocketAddr::from(([127, 0, 0, 1], pod.host_port(15006).unwrap_or(0)));
+
+        // Both pods serve the first certificate before the load starts
+        // (these handshakes are a precondition, not counted).
+        for pod in &pods {
+            let name = pod.spec.name.clone();
+            let o = observe(
+                fresh.clone(),
+                name.clone(),
+                addr(pod),
+                first.fingerprint,
+                Instant::now(),
+                run.epoch,
+            )
+            .await;
+            let last = o
+                .samples
+                .last()
+                .and_then(|s| s.error.clone())
+                .unwrap_or_default();
+            anyhow::ensure!(
+                o.seen.is_some(),
+                "{name} never served the first certificate (last error: {last})"
+            );
+        }
+        let mut before = Vec::new();
+        for pod in &pods {
+            before.push(envoy_state(pod).await?);
+        }
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let svc = run.service.clone();
+        let load = tokio::spawn(load::run_balanced_tls(
+            move || svc.snapshot(),
+            args.rate,
+            Duration::from_secs(1),
+            connector,
+            run.epoch,
+            stop.clone(),
+        ));
+        let mut rot = RotationReport {
+            rotations: args.rotations,
+            pods: u32::try_from(pods.len())?,
+            swap: "kubelet AtomicWriter: ..<ts> directory, ..data symlink renamed over, old directory removed".into(),
+            ..Default::default()
+        };
+        let mut latencies = Vec::new();
+        let mut probes = Vec::new();
+        let mut tick = tokio::time::interval(args.rotation_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        let result = async {
+            for i in 1..=args.rotations {
+                tick.tick().await;
+                // Alternate a new key pair (cert-manager's `rotationPolicy:
+                // Always`) with a renewal that keeps the key (`Never`).
+                let kind = if i % 2 == 1 {
+                    key = KeyPair::generate()?;
+                    "rekey"
+                } else {
+                    "renew"
+                };
+                *rot.kinds.entry(kind.into()).or_default() += 1;
+                let next = pki.serving(u64::from(i), &key, &[SERVER_NAME], SERVER_ID)?;
+                eprintln!("  rotation {i}: {kind}, serial {}", next.serial);
+                serials.insert(next.fingerprint, next.serial.clone());
+                run.opts.secrets.set(SECRET, next.files);
+                let mut watches = tokio::task::JoinSet::new();
+                for pod in &pods {
+                    // Each pod's kubelet syncs its volume.
+                    let swapped = Instant::now();
+                    anyhow::ensure!(
+                        !pod.sync_secrets()?.is_empty(),
+                        "{}: the Secret volume did not change",
+                        pod.spec.name
+                    );
+                    watches.spawn(observe(
+                        fresh.clone(),
+                        pod.spec.name.clone(),
+                        addr(pod),
+                        next.fingerprint,
+                        swapped,
+                        run.epoch,
+                    ));
+                }
+                while let Some(o) = watches.join_next().await {
+                    let o = o?;
+                    rot.expected += 1;
+                    if let Some(d) = o.seen {
+                        rot.observed += 1;
+                        latencies.push(d.as_secs_f64() * 1e3);
+                    }
+                    rot.stale_after_seen += o.stale;
+                    probes.extend(o.samples);
+                }
+            }
+            anyhow::Ok(())
+        }
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.store(true, Ordering::SeqCst);
+        let steady = load.await?;
+        result?;
+        for (pod, b) in pods.iter().zip(&before) {
+            let after = envoy_state(pod).await?;
+            // A hot restart bumps the epoch; a crash restart changes the pid.
+            if after != *b {
+                rot.envoy_restarts += after.0.saturating_sub(b.0).max(1);
+            }
+            rot.envoy_epochs.push(after.0);
+        }
+        for p in pods {
+            run.stop_pod(p).await?;
+        }
+        // The pods were not replaced: every failure is "other".
+        run.events.clear();
+
+        rot.latencies_ms = latencies.clone();
+        latencies.sort_by(|a, b| a.total_cmp(b));
+        rot.latency_p50_ms = percentile(&latencies, 0.5);
+        rot.latency_max_ms = latencies.last().copied().unwrap_or(0.0);
+        let hs = load::summarize(&probes);
+        rot.handshakes = hs.sent;
+        rot.handshakes_failed = hs.failed;
+        rot.handshake_p50_ms = hs.p50_ms;
+
+        for s in steady.iter().filter(|s| s.status == Some(200)) {
+            let serial = s
+                .peer
+                .and_then(|p| serials.get(&p).cloned())
+                .unwrap_or_else(|| "unknown".into());
+            *rot.load_requests_by_serial.entry(serial).or_default() += 1;
+        }
+        let mut all = steady.clone();
+        all.extend(probes);
+        all.sort_by_key(|s| s.at);
+        let mut r = report("cert-rotation", args, args.rotations, &run, &all);
+        // Latency of the steady (keep-alive) load, comparable with the other rows.
+        let s = load::summarize(&steady);
+        r.p50_ms = s.p50_ms;
+        r.p99_ms = s.p99_ms;
+        r.rotation = Some(rot);
+        Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(mode: &str, failed: usize) -> ModeReport {
+        ModeReport {
+            mode: mode.into(),
+            failed,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn merge_replaces_what_ran_and_keeps_the_rest() {
+        // A float serde_json's fast parser would round differently.
+        let text = r#"{
+  "command": "lifecycle-bench --cycles 50",
+  "cycles": 50,
+  "disruptions": [
+    {
+      "failed": 160,
+      "mode": "envoy-crash"
+    },
+    {
+      "failed": 9,
+      "mode": "cert-rotation"
+    }
+  ],
+  "modes": [
+    {
+      "cycles": 50,
+      "failed": 1606,
+      "failure_times_s": [
+        3.8782662500000002
+      ],
+      "mode": "baseline"
+    }
+  ]
+}"#;
+        let old = read_doc(text).expect("read");
+        assert_eq!(serde_json::to_string_pretty(&old).expect("JSON"), text);
+        let doc = merge(
+            old,
+            &[],
+            &[entry("cert-rotation", 0), entry("new-one", 0)],
+            "lifecycle-bench --only cert-rotation --merge",
+        )
+        .expect("merge");
+        assert_eq!(doc["command"], "lifecycle-bench --cycles 50");
+        assert_eq!(doc["cycles"], 50);
+        assert_eq!(doc["modes"][0]["failed"], 1606);
+        let d = doc["disruptions"].as_array().expect("disruptions");
+        assert_eq!(d.len(), 3);
+        assert_eq!(d[0]["failed"], 160);
+        assert_eq!(d[1]["mode"], "cert-rotation");
+        assert_eq!(d[1]["failed"], 0);
+        assert!(d[1].get("rotation").is_none(), "absent, not null");
+        assert_eq!(d[2]["mode"], "new-one");
+        assert_eq!(
+            doc["updates"][0]["entries"],
+            json!(["cert-rotation", "new-one"])
+        );
+        // The merged modes still read back for the SVG.
+        let modes: Vec<ModeReport> = serde_json::from_value(doc["modes"].clone()).expect("modes");
+        assert_eq!(modes[0].mode, "baseline");
+    }
 }

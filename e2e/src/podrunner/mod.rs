@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use spec::{ContainerSpec, EnvValue, PodSpec, Probe, SpecError};
+pub use spec::{ContainerSpec, EnvValue, PodSpec, Probe, RestartPolicy, SpecError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodError {
@@ -50,6 +50,15 @@ pub enum PodError {
     Exited { container: String, status: String },
     #[error("bootstrap for {container}: {reason}")]
     Bootstrap { container: String, reason: String },
+    #[error("volume {volume}: secret {secret:?} not found")]
+    NoSecret { volume: String, secret: String },
+    #[error("volume {volume}: writing secret {secret:?}: {source}")]
+    SecretWrite {
+        volume: String,
+        secret: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Ports a Remora sidecar uses inside the pod (DESIGN.md), remapped like the app's.
@@ -73,6 +82,133 @@ pub struct RunnerOptions {
     pub max_probe_period: Duration,
     /// Where pod directories go.
     pub base_dir: PathBuf,
+    /// The Secrets that secret volumes are filled from.
+    pub secrets: Secrets,
+    /// Container restart backoff: the first restart is immediate, the next
+    /// waits this long, then twice as long each time up to
+    /// `max_restart_backoff` (the kubelet: 10 s and 300 s).
+    pub restart_backoff: Duration,
+    pub max_restart_backoff: Duration,
+}
+
+impl RunnerOptions {
+    /// The kubelet's container restart backoff.
+    pub const KUBELET_BACKOFF: (Duration, Duration) =
+        (Duration::from_secs(10), Duration::from_secs(300));
+}
+
+/// How long the kubelet waits before restart number `level` (0-based,
+/// since the backoff was last reset): nothing for the first, then
+/// `initial`, doubling, at most `max`.
+pub fn restart_delay(level: u32, initial: Duration, max: Duration) -> Duration {
+    match level {
+        0 => Duration::ZERO,
+        n => initial
+            .checked_mul(1u32.checked_shl(n - 1).unwrap_or(u32::MAX))
+            .map_or(max, |d| d.min(max)),
+    }
+}
+
+/// What the runner knows of a container (the kubelet's containerStatuses).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerStatus {
+    pub restart_count: u32,
+    /// The last exit, as text (`exit 1`, `signal 9`).
+    pub last_exit: Option<String>,
+    /// Exited, waiting this long before its restart (CrashLoopBackOff).
+    pub backoff: Option<Duration>,
+    /// Exited and not to be restarted (restartPolicy).
+    pub terminated: bool,
+    /// Restarts since the backoff was last reset (a long enough run).
+    backoff_level: u32,
+}
+
+/// A Secret's data: key → content.
+pub type SecretData = BTreeMap<String, Vec<u8>>;
+
+/// Secrets by name, as the API server would hold them. Shared: a test
+/// updates a Secret here, then `Pod::sync_secrets` plays the kubelet's
+/// periodic volume sync.
+#[derive(Debug, Clone, Default)]
+pub struct Secrets(Arc<RwLock<BTreeMap<String, SecretData>>>);
+
+impl Secrets {
+    /// Create or replace a Secret's data.
+    pub fn set(&self, name: &str, data: SecretData) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), data);
+    }
+
+    pub fn get(&self, name: &str) -> Option<SecretData> {
+        self.0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+}
+
+/// The kubelet's `AtomicWriter` for secret (and configMap, projected)
+/// volumes: the files live in a timestamped directory `..<ts>`, `..data`
+/// is a symlink to it, and each key is a symlink `key -> ..data/key`. An
+/// update writes a new `..<ts>`, points `..data_tmp` at it and renames that
+/// over `..data` (one atomic step: a reader sees all old or all new
+/// files), then removes keys that went away and the old directory.
+/// Returns whether anything changed.
+pub fn atomic_write(dir: &std::path::Path, data: &SecretData) -> std::io::Result<bool> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static GENERATION: AtomicU64 = AtomicU64::new(0);
+    std::fs::create_dir_all(dir)?;
+    let data_link = dir.join("..data");
+    let old = std::fs::read_link(&data_link).ok();
+    if let Some(old) = &old {
+        let current = dir.join(old);
+        let same = data
+            .iter()
+            .all(|(k, v)| std::fs::read(current.join(k)).is_ok_and(|c| c == *v))
+            && std::fs::read_dir(&current).map_or(usize::MAX, Iterator::count) == data.len();
+        if same {
+            return Ok(false);
+        }
+    }
+    // The kubelet's name is `..2006_01_02_15_04_05.<random>`; only its
+    // uniqueness and the `..` prefix (hidden from key listings) matter.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let ts = format!(
+        "..{}_{:09}.{}",
+        now.as_secs(),
+        now.subsec_nanos(),
+        GENERATION.fetch_add(1, Ordering::SeqCst)
+    );
+    let ts_dir = dir.join(&ts);
+    std::fs::create_dir(&ts_dir)?;
+    for (k, v) in data {
+        std::fs::write(ts_dir.join(k), v)?;
+    }
+    let tmp = dir.join("..data_tmp");
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&ts, &tmp)?;
+    std::fs::rename(&tmp, &data_link)?;
+    for k in data.keys() {
+        let link = dir.join(k);
+        if std::fs::symlink_metadata(&link).is_err() {
+            std::os::unix::fs::symlink(format!("..data/{k}"), &link)?;
+        }
+    }
+    for e in std::fs::read_dir(dir)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("..") && !data.contains_key(&name) {
+            std::fs::remove_file(e.path())?;
+        }
+    }
+    if let Some(old) = old {
+        std::fs::remove_dir_all(dir.join(old))?;
+    }
+    Ok(true)
 }
 
 /// A free port below the kernel's ephemeral range (32768+ by default), so
@@ -113,6 +249,7 @@ struct Running {
     child: Child,
     pgid: i32,
     env: Vec<(String, String)>,
+    started: Instant,
 }
 
 /// Times of a pod's life, relative to `Pod::created`.
@@ -144,6 +281,7 @@ pub struct Pod {
     serving: watch::Sender<bool>,
     probes: Mutex<Vec<JoinHandle<()>>>,
     times: Mutex<PodTimes>,
+    statuses: Mutex<BTreeMap<String, ContainerStatus>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -171,6 +309,45 @@ impl Pod {
             .iter()
             .find(|r| r.name == container)
             .map(|r| r.pgid)
+    }
+
+    /// Where a volume's files are on this host.
+    pub fn volume_dir(&self, volume: &str) -> PathBuf {
+        volume_dir(&self.dir, volume)
+    }
+
+    /// The kubelet's periodic sync of secret volumes: each one whose Secret
+    /// changed is updated with an atomic `..data` swap. Returns the volumes
+    /// that changed.
+    pub fn sync_secrets(&self) -> Result<Vec<String>, PodError> {
+        let mut changed = Vec::new();
+        for (volume, secret) in &self.spec.secret_volumes {
+            if write_secret(&self.dir, &self.opts.secrets, volume, secret)? {
+                changed.push(volume.clone());
+            }
+        }
+        Ok(changed)
+    }
+
+    /// The mount path of a secret volume in an env value or arg, rewritten
+    /// to the volume's directory on this host (`/etc/certs/x`,
+    /// `--cert-dir=/etc/certs`). Other volumes are not materialized, so
+    /// their paths are left alone.
+    fn remap_mounts(&self, c: &ContainerSpec, s: &str) -> String {
+        let (prefix, value) = match s.split_once('=') {
+            Some((flag, v)) if flag.starts_with('-') => (format!("{flag}="), v),
+            _ => (String::new(), s),
+        };
+        let secret = |v: &String| self.spec.secret_volumes.iter().any(|(n, _)| n == v);
+        for (volume, path) in c.mounts.iter().filter(|(v, _)| secret(v)) {
+            let path = path.trim_end_matches('/');
+            if let Some(rest) = value.strip_prefix(path)
+                && (rest.is_empty() || rest.starts_with('/'))
+            {
+                return format!("{prefix}{}{rest}", self.volume_dir(volume).display());
+            }
+        }
+        s.to_string()
     }
 
     /// The log file of a container (stdout and stderr).
@@ -231,6 +408,9 @@ impl Pod {
             .map(|(k, v)| format!("{k}={}\n", serde_json::Value::String(v.clone())))
             .collect();
         std::fs::write(dir.join("annotations"), annotations).map_err(io("annotations"))?;
+        for (volume, secret) in &spec.secret_volumes {
+            write_secret(&dir, &opts.secrets, volume, secret)?;
+        }
         let (serving, _) = watch::channel(false);
         let pod = Arc::new(Pod {
             spec,
@@ -244,6 +424,7 @@ impl Pod {
             serving,
             probes: Mutex::new(Vec::new()),
             times: Mutex::new(PodTimes::default()),
+            statuses: Mutex::new(BTreeMap::new()),
         });
         // Every container counts as not ready until started (and probed).
         for c in pod.spec.init_containers.iter().chain(&pod.spec.containers) {
@@ -255,6 +436,9 @@ impl Pod {
             pod.kill_all();
             return Err(e);
         }
+        // Weak: the pod's owner decides when it goes (Drop kills it).
+        let task = tokio::spawn(Pod::restart_loop(Arc::downgrade(&pod)));
+        lock(&pod.probes).push(task);
         Ok(pod)
     }
 
@@ -358,7 +542,7 @@ impl Pod {
             .iter()
             .map(|(k, v)| {
                 let v = match v {
-                    EnvValue::Literal(s) => self.remap(s),
+                    EnvValue::Literal(s) => self.remap_mounts(c, &self.remap(s)),
                     EnvValue::Field(path) => match path.as_str() {
                         "metadata.name" => self.spec.name.clone(),
                         "metadata.namespace" => self.spec.namespace.clone(),
@@ -410,7 +594,10 @@ impl Pod {
                 command: first,
             });
         }
-        let args = args.iter().map(|a| self.remap(&expand(a, &env))).collect();
+        let args = args
+            .iter()
+            .map(|a| self.remap_mounts(c, &self.remap(&expand(a, &env))))
+            .collect();
         Ok((bin, args, env))
     }
 
@@ -524,6 +711,23 @@ impl Pod {
     }
 
     async fn spawn_container(&self, c: &ContainerSpec) -> Result<(), PodError> {
+        let env = self.launch(c)?;
+        if let Some(hook) = &c.post_start {
+            // The container counts as started only when its postStart returns.
+            let status = self.exec_hook(c, hook, &env, None).await;
+            if !status.as_ref().is_ok_and(ExitStatus::success) {
+                return Err(PodError::Hook {
+                    container: c.name.clone(),
+                    hook: "postStart",
+                    reason: status.map_or_else(|e| e.to_string(), describe),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Start a container's process (no hook); returns its env.
+    fn launch(&self, c: &ContainerSpec) -> Result<Vec<(String, String)>, PodError> {
         let (bin, args, env) = self.local_command(c)?;
         let io = |what: &str| {
             let (container, what) = (c.name.clone(), what.to_string());
@@ -553,25 +757,149 @@ impl Pod {
             .spawn()
             .map_err(io(&format!("spawn {}", bin.display())))?;
         let pgid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
-        lock(&self.running).push(Running {
+        let mut running = lock(&self.running);
+        // A restarted container replaces its exited predecessor.
+        running.retain(|r| r.name != c.name);
+        running.push(Running {
             name: c.name.clone(),
             spec: c.clone(),
             child,
             pgid,
             env: env.clone(),
+            started: Instant::now(),
         });
-        if let Some(hook) = &c.post_start {
-            // The container counts as started only when its postStart returns.
-            let status = self.exec_hook(c, hook, &env, None).await;
-            if !status.as_ref().is_ok_and(ExitStatus::success) {
-                return Err(PodError::Hook {
-                    container: c.name.clone(),
-                    hook: "postStart",
-                    reason: status.map_or_else(|e| e.to_string(), describe),
-                });
+        Ok(env)
+    }
+
+    /// A container's status: restarts, last exit, backoff.
+    pub fn status(&self, container: &str) -> ContainerStatus {
+        lock(&self.statuses)
+            .get(container)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Watch the started containers (native sidecars and regular
+    /// containers; not the completed init containers) and restart those
+    /// that exit while the pod is not terminating, as the kubelet does.
+    async fn restart_loop(pod: std::sync::Weak<Pod>) {
+        let mut handled = std::collections::HashSet::new();
+        loop {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let Some(pod) = pod.upgrade() else { return };
+            if *lock(&pod.terminating) {
+                return;
+            }
+            let exited: Vec<(ContainerSpec, ExitStatus, Duration)> = lock(&pod.running)
+                .iter_mut()
+                .filter(|r| r.spec.sidecar || pod.spec.containers.iter().any(|c| c.name == r.name))
+                .filter_map(|r| {
+                    if handled.contains(&r.pgid) {
+                        return None;
+                    }
+                    let s = r.child.try_wait().ok().flatten()?;
+                    handled.insert(r.pgid);
+                    Some((r.spec.clone(), s, r.started.elapsed()))
+                })
+                .collect();
+            for (c, status, ran) in exited {
+                pod.on_exit(c, status, ran);
             }
         }
-        Ok(())
+    }
+
+    /// A container exited on its own: not ready at once; restarted after
+    /// its backoff if the restart policy says so.
+    fn on_exit(self: &Arc<Self>, c: ContainerSpec, status: ExitStatus, ran: Duration) {
+        if lock(&self.readiness).contains_key(&c.name) {
+            self.set_ready(&c.name, false);
+        }
+        let restart = c.sidecar
+            || match self.spec.restart_policy {
+                RestartPolicy::Always => true,
+                RestartPolicy::OnFailure => !status.success(),
+                RestartPolicy::Never => false,
+            };
+        let delay = {
+            let mut statuses = lock(&self.statuses);
+            let st = statuses.entry(c.name.clone()).or_default();
+            st.last_exit = Some(describe(status));
+            if !restart {
+                st.terminated = true;
+                return;
+            }
+            // The kubelet forgets a container's backoff once it ran for
+            // twice the maximum backoff.
+            if ran > self.opts.max_restart_backoff * 2 {
+                st.backoff_level = 0;
+            }
+            let d = restart_delay(
+                st.backoff_level,
+                self.opts.restart_backoff,
+                self.opts.max_restart_backoff,
+            );
+            st.backoff_level += 1;
+            st.backoff = Some(d);
+            d
+        };
+        let pod = Arc::downgrade(self);
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            if let Some(pod) = pod.upgrade() {
+                pod.restart(&c).await;
+            }
+        });
+        lock(&self.probes).push(task);
+    }
+
+    async fn restart(&self, c: &ContainerSpec) {
+        let launched = {
+            // Under the terminating lock: once `stop` has set it, nothing
+            // starts again, and what started before is what it stops.
+            let terminating = lock(&self.terminating);
+            if *terminating {
+                return;
+            }
+            self.launch(c)
+        };
+        let env = {
+            let mut statuses = lock(&self.statuses);
+            let st = statuses.entry(c.name.clone()).or_default();
+            st.backoff = None;
+            match launched {
+                Ok(env) => {
+                    st.restart_count += 1;
+                    env
+                }
+                Err(e) => {
+                    // Not retried: a binary that cannot start now will not later.
+                    st.last_exit = Some(format!("restart failed: {e}"));
+                    st.terminated = true;
+                    return;
+                }
+            }
+        };
+        if let Some(hook) = &c.post_start {
+            let ok = self
+                .exec_hook(c, hook, &env, None)
+                .await
+                .is_ok_and(|s| s.success());
+            if !ok {
+                // The kubelet kills a container whose postStart failed; the
+                // restart loop sees the exit and backs off.
+                self.signal(&c.name, Signal::SIGKILL);
+                return;
+            }
+        }
+        if let Some(p) = c.startup.as_ref().filter(|_| c.sidecar)
+            && self.startup_probe(&c.name, p).await.is_err()
+        {
+            self.signal(&c.name, Signal::SIGKILL);
+            return;
+        }
+        if c.readiness.is_none() && lock(&self.readiness).contains_key(&c.name) {
+            self.set_ready(&c.name, true);
+        }
     }
 
     /// Run an exec hook as a local process with the container's env; hooks
@@ -740,6 +1068,29 @@ impl Drop for Pod {
     }
 }
 
+fn volume_dir(pod_dir: &std::path::Path, volume: &str) -> PathBuf {
+    pod_dir.join("volumes").join(volume)
+}
+
+/// Fill (or update) a secret volume from the current Secret.
+fn write_secret(
+    pod_dir: &std::path::Path,
+    secrets: &Secrets,
+    volume: &str,
+    secret: &str,
+) -> Result<bool, PodError> {
+    // The kubelet keeps such a pod in ContainerCreating; here the start fails.
+    let data = secrets.get(secret).ok_or_else(|| PodError::NoSecret {
+        volume: volume.into(),
+        secret: secret.into(),
+    })?;
+    atomic_write(&volume_dir(pod_dir, volume), &data).map_err(|source| PodError::SecretWrite {
+        volume: volume.into(),
+        secret: secret.into(),
+        source,
+    })
+}
+
 fn describe(s: ExitStatus) -> String {
     match (s.code(), s.signal()) {
         (Some(c), _) => format!("exit {c}"),
@@ -866,4 +1217,156 @@ pub fn children(pid: i32) -> Vec<i32> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(pairs: &[(&str, &str)]) -> BTreeMap<String, Vec<u8>> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    fn entries(dir: &std::path::Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .expect("read dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn restart_backoff_is_immediate_then_doubles_to_the_cap() {
+        let (i, m) = RunnerOptions::KUBELET_BACKOFF;
+        let delays: Vec<u64> = (0..9).map(|l| restart_delay(l, i, m).as_secs()).collect();
+        assert_eq!(delays, vec![0, 10, 20, 40, 80, 160, 300, 300, 300]);
+        assert_eq!(restart_delay(u32::MAX, i, m), m);
+    }
+
+    #[test]
+    fn atomic_write_swaps_data_link_and_cleans_up() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let dir = tmp.path().join("certs");
+        assert!(atomic_write(&dir, &data(&[("a", "1"), ("b", "2")])).expect("write"));
+        let first = std::fs::read_link(dir.join("..data")).expect("..data");
+        assert_eq!(
+            std::fs::read_link(dir.join("a")).expect("link"),
+            PathBuf::from("..data/a")
+        );
+        assert_eq!(std::fs::read_to_string(dir.join("b")).expect("b"), "2");
+
+        // Same content: nothing is touched.
+        assert!(!atomic_write(&dir, &data(&[("a", "1"), ("b", "2")])).expect("write"));
+        assert_eq!(
+            std::fs::read_link(dir.join("..data")).expect("..data"),
+            first
+        );
+
+        // New content, a key dropped: new target, old directory and key gone.
+        assert!(atomic_write(&dir, &data(&[("a", "3")])).expect("write"));
+        let second = std::fs::read_link(dir.join("..data")).expect("..data");
+        assert_ne!(second, first);
+        assert_eq!(std::fs::read_to_string(dir.join("a")).expect("a"), "3");
+        let mut want = vec![
+            "..data".to_string(),
+            second.display().to_string(),
+            "a".into(),
+        ];
+        want.sort();
+        assert_eq!(entries(&dir), want);
+    }
+
+    #[test]
+    fn mount_paths_are_remapped_for_the_mounting_container_only() {
+        let yaml = r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: p, namespace: ns}
+spec:
+  volumes:
+    - {name: certs, secret: {secretName: tls}}
+    - {name: scratch, emptyDir: {}}
+  containers:
+    - name: proxy
+      image: remora-agent
+      args: [--cert-dir=/etc/certs, /etc/certs/key.pem, /etc/certsx]
+      env: [{name: REMORA_CERT_DIR, value: /etc/certs/}]
+      volumeMounts: [{name: certs, mountPath: /etc/certs}, {name: scratch, mountPath: /tmp/x}]
+    - name: app
+      image: app
+      args: [--cert-dir=/etc/certs]
+"#;
+        let spec = PodSpec::from_yaml(yaml).expect("spec");
+        assert_eq!(
+            spec.secret_volumes,
+            vec![("certs".to_string(), "tls".to_string())]
+        );
+        let tmp = tempfile::tempdir().expect("tmp");
+        let opts = RunnerOptions {
+            agent_bin: "remora-agent".into(),
+            envoy_bin: "envoy".into(),
+            images: Vec::new(),
+            inbound: Vec::new(),
+            outbound_upstream: None,
+            max_probe_period: Duration::from_secs(1),
+            base_dir: tmp.path().to_path_buf(),
+            secrets: Secrets::default(),
+            restart_backoff: Duration::from_secs(10),
+            max_restart_backoff: Duration::from_secs(300),
+        };
+        let pod = Pod {
+            dir: tmp.path().join("p"),
+            spec: spec.clone(),
+            ports: BTreeMap::new(),
+            created: Instant::now(),
+            opts,
+            running: Mutex::new(Vec::new()),
+            readiness: Mutex::new(BTreeMap::new()),
+            terminating: Mutex::new(false),
+            serving: watch::channel(false).0,
+            probes: Mutex::new(Vec::new()),
+            times: Mutex::new(PodTimes::default()),
+            statuses: Mutex::new(BTreeMap::new()),
+        };
+        let certs = pod.volume_dir("certs").display().to_string();
+        let (proxy, app) = (&spec.containers[0], &spec.containers[1]);
+        assert_eq!(
+            pod.remap_mounts(proxy, "--cert-dir=/etc/certs"),
+            format!("--cert-dir={certs}")
+        );
+        assert_eq!(
+            pod.remap_mounts(proxy, "/etc/certs/key.pem"),
+            format!("{certs}/key.pem")
+        );
+        assert_eq!(pod.remap_mounts(proxy, "/etc/certs/"), format!("{certs}/"));
+        assert_eq!(pod.remap_mounts(proxy, "/etc/certsx"), "/etc/certsx");
+        assert_eq!(
+            pod.remap_mounts(proxy, "/tmp/x/y"),
+            "/tmp/x/y",
+            "not a secret"
+        );
+        assert_eq!(
+            pod.remap_mounts(app, "--cert-dir=/etc/certs"),
+            "--cert-dir=/etc/certs"
+        );
+    }
+
+    #[test]
+    fn a_missing_secret_fails_the_start_and_sync_updates() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let secrets = Secrets::default();
+        let err = write_secret(tmp.path(), &secrets, "certs", "tls").expect_err("no secret");
+        assert!(matches!(err, PodError::NoSecret { .. }), "{err}");
+        secrets.set("tls", data(&[("k", "v1")]));
+        assert!(write_secret(tmp.path(), &secrets, "certs", "tls").expect("write"));
+        secrets.set("tls", data(&[("k", "v2")]));
+        assert!(write_secret(tmp.path(), &secrets, "certs", "tls").expect("write"));
+        let f = volume_dir(tmp.path(), "certs").join("k");
+        assert_eq!(std::fs::read_to_string(f).expect("k"), "v2");
+    }
 }

@@ -49,6 +49,18 @@ pub struct ContainerSpec {
     pub pre_stop: Option<Vec<String>>,
     /// An init container with `restartPolicy: Always` (a native sidecar).
     pub sidecar: bool,
+    /// `volumeMounts`: `(volume name, mountPath)`.
+    pub mounts: Vec<(String, String)>,
+}
+
+/// The pod's `restartPolicy`, for its regular containers (a native sidecar
+/// is always restarted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RestartPolicy {
+    #[default]
+    Always,
+    OnFailure,
+    Never,
 }
 
 #[derive(Debug, Clone)]
@@ -59,6 +71,10 @@ pub struct PodSpec {
     pub init_containers: Vec<ContainerSpec>,
     pub containers: Vec<ContainerSpec>,
     pub grace: Duration,
+    /// Secret volumes: `(volume name, secretName)`. Other volume types are
+    /// not materialized (an `emptyDir` is the pod directory).
+    pub secret_volumes: Vec<(String, String)>,
+    pub restart_policy: RestartPolicy,
 }
 
 impl PodSpec {
@@ -117,6 +133,25 @@ impl PodSpec {
                 .collect()
         };
         let grace = spec["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        let restart_policy = match spec["restartPolicy"].as_str() {
+            None | Some("Always") => RestartPolicy::Always,
+            Some("OnFailure") => RestartPolicy::OnFailure,
+            Some("Never") => RestartPolicy::Never,
+            Some(other) => {
+                return Err(SpecError::Parse(format!("unknown restartPolicy {other:?}")));
+            }
+        };
+        let secret_volumes = spec["volumes"]
+            .as_array()
+            .map(|a| a.as_slice())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|v| {
+                let name = v["name"].as_str()?;
+                let secret = v["secret"]["secretName"].as_str()?;
+                Some((name.to_string(), secret.to_string()))
+            })
+            .collect();
         Ok(Self {
             name,
             namespace,
@@ -124,6 +159,8 @@ impl PodSpec {
             init_containers: list("initContainers")?,
             containers: list("containers")?,
             grace: Duration::from_secs(grace),
+            secret_volumes,
+            restart_policy,
         })
     }
 
@@ -249,6 +286,18 @@ fn container(index: usize, c: &Value) -> Result<ContainerSpec, SpecError> {
         post_start: hook("postStart"),
         pre_stop: hook("preStop"),
         sidecar: c["restartPolicy"].as_str() == Some("Always"),
+        mounts: c["volumeMounts"]
+            .as_array()
+            .map(|a| a.as_slice())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|m| {
+                Some((
+                    m["name"].as_str()?.to_string(),
+                    m["mountPath"].as_str()?.to_string(),
+                ))
+            })
+            .collect(),
         name,
     })
 }
