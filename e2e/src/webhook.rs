@@ -201,3 +201,19 @@ impl Setup {
         Ok(())
     }
 }
+
+/// SidecarLifecycles of `ns`, untyped (tests send what the CRD may refuse).
+pub fn lifecycles(client: &Client, ns: &str) -> Api<kube::api::DynamicObject> {
+    let gvk = kube::api::GroupVersionKind::gvk("remora.dev", "v1alpha1", "SidecarLifecycle");
+    Api::namespaced_with(client.clone(), ns, &kube::api::ApiResource::from_gvk(&gvk))
+}
+
+/// A SidecarLifecycle named `name` with `spec`.
+pub fn lifecycle(name: &str, spec: serde_json::Value) -> anyhow::Result<kube::api::DynamicObject> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "remora.dev/v1alpha1",
+        "kind": "SidecarLifecycle",
+        "metadata": {"name": name},
+        "spec": spec,
+    }))?)
+}

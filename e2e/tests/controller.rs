@@ -12,32 +12,21 @@ use std::collections::BTreeMap;
 
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, FakeKubelet, wait_until};
-use e2e::webhook::{DEADLINE, Setup, pod, sidecar};
+use e2e::webhook::{DEADLINE, Setup, lifecycles, pod, sidecar};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{
-    ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
-};
+use kube::api::{DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 
 const ROLLOUT_ANNOTATION: &str = "remora.dev/restarted-for";
 
-fn lifecycles(client: &Client, ns: &str) -> Api<DynamicObject> {
-    let gvk = GroupVersionKind::gvk("remora.dev", "v1alpha1", "SidecarLifecycle");
-    Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
-}
-
+/// A SidecarLifecycle selecting `app=<app>`.
 fn lifecycle(name: &str, app: &str, spec: Value) -> anyhow::Result<DynamicObject> {
     let mut spec = spec;
     spec["selector"] = json!({"matchLabels": {"app": app}});
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "remora.dev/v1alpha1",
-        "kind": "SidecarLifecycle",
-        "metadata": {"name": name},
-        "spec": spec,
-    }))?)
+    e2e::webhook::lifecycle(name, spec)
 }
 
 fn condition<'a>(o: &'a DynamicObject, type_: &str) -> Option<&'a Value> {

@@ -10,8 +10,7 @@ use e2e::controlplane::{ControlPlane, wait_until};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::Api;
-use kube::api::{DynamicObject, ListParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
+use kube::api::{ListParams, PostParams};
 use serde_json::json;
 
 use e2e::webhook::{DEADLINE, PROXY, Setup, pod, sidecar};
@@ -22,17 +21,8 @@ async fn crd_rejects_invalid_lifecycles_with_readable_messages() -> anyhow::Resu
     let client = cp.client()?;
     e2e::chart::install_crds(&client).await?;
     let ns = cp.create_namespace(&client, "cel").await?;
-    let gvk = GroupVersionKind::gvk("remora.dev", "v1alpha1", "SidecarLifecycle");
-    let api: Api<DynamicObject> =
-        Api::namespaced_with(client.clone(), &ns, &ApiResource::from_gvk(&gvk));
-    let slc = |name: &str, spec: serde_json::Value| -> anyhow::Result<DynamicObject> {
-        Ok(serde_json::from_value(json!({
-            "apiVersion": "remora.dev/v1alpha1",
-            "kind": "SidecarLifecycle",
-            "metadata": {"name": name},
-            "spec": spec,
-        }))?)
-    };
+    let api = e2e::webhook::lifecycles(&client, &ns);
+    let slc = e2e::webhook::lifecycle;
 
     let ok = api
         .create(
