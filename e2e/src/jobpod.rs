@@ -578,14 +578,14 @@ async fn drive(
 }
 
 /// A namespace labelled for injection, `remora-injector serve` running
-/// against it with `injector_args`, the chart's webhook configuration
-/// pointed at it (only for that namespace), and a fake node to bind pods to.
+/// against it with `injector_args` ([`crate::webhook::Setup`]), and a fake
+/// node to bind pods to.
 pub struct JobsEnv {
     pub client: Client,
     pub namespace: String,
-    pub injector: crate::injector::Injector,
     pub kubelet: FakeKubelet,
-    mwc: String,
+    /// The namespaces, the injector and its webhook configuration.
+    pub setup: crate::webhook::Setup,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -593,17 +593,9 @@ pub enum EnvError {
     #[error(transparent)]
     ControlPlane(#[from] crate::controlplane::Error),
     #[error(transparent)]
-    Injector(#[from] crate::injector::Error),
-    #[error(transparent)]
-    Chart(#[from] crate::chart::Error),
-    #[error(transparent)]
     Kube(#[from] kube::Error),
-    #[error(transparent)]
-    Json(#[from] serde_json::Error),
-    #[error("the chart renders no MutatingWebhookConfiguration")]
-    NoWebhook,
-    #[error("{0}; the injector's log ends with:\n{1}")]
-    NotEffective(crate::controlplane::Error, String),
+    #[error("setting up the injector as a webhook: {0:#}")]
+    Setup(anyhow::Error),
 }
 
 impl JobsEnv {
@@ -612,24 +604,7 @@ impl JobsEnv {
         prefix: &str,
         injector_args: &[&str],
     ) -> Result<Self, EnvError> {
-        use k8s_openapi::ByteString;
-        use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-        use k8s_openapi::api::core::v1::Namespace;
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
-        use kube::api::PostParams;
-
         let client = cp.client()?;
-        crate::chart::install_crds(&client).await?;
-        let namespace = cp.create_namespace(&client, prefix).await?;
-        Api::<Namespace>::all(client.clone())
-            .patch(
-                &namespace,
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!(
-                    {"metadata": {"labels": {"remora.dev/inject": "enabled"}}}
-                )),
-            )
-            .await?;
         // Before the injector starts, with a kubelet version: the injector's
         // `Auto`/`Native` decision reads the nodes' kubelet versions, and an
         // unversioned node would turn Native requests into Legacy.
@@ -646,67 +621,16 @@ impl JobsEnv {
                 }}})),
             )
             .await?;
-        let mut options = crate::injector::Options::new(&namespace);
-        options.args = injector_args.iter().map(|s| (*s).to_owned()).collect();
-        let injector = crate::injector::Injector::start(cp.kubeconfig(), options).await?;
-        let objects = crate::chart::render("remora", "remora-system", &[])?;
-        let rendered = crate::chart::find(&objects, "MutatingWebhookConfiguration", None)
-            .ok_or(EnvError::NoWebhook)?;
-        let mut mwc: MutatingWebhookConfiguration = serde_json::from_value(rendered.clone())?;
-        let name = format!("remora-e2e-{namespace}");
-        mwc.metadata.name = Some(name.clone());
-        for w in mwc.webhooks.iter_mut().flatten() {
-            w.client_config.service = None;
-            w.client_config.url = Some(injector.url());
-            w.client_config.ca_bundle = Some(ByteString(injector.ca_pem().as_bytes().to_vec()));
-            // Only this namespace: tests on the same API server stay apart.
-            w.namespace_selector
-                .get_or_insert_with(Default::default)
-                .match_expressions
-                .get_or_insert_with(Vec::new)
-                .push(LabelSelectorRequirement {
-                    key: "kubernetes.io/metadata.name".into(),
-                    operator: "In".into(),
-                    values: Some(vec![namespace.clone()]),
-                });
-        }
-        Api::<MutatingWebhookConfiguration>::all(client.clone())
-            .create(&PostParams::default(), &mwc)
-            .await?;
-        let env = Self {
+        let args: Vec<String> = injector_args.iter().map(|s| (*s).to_owned()).collect();
+        let setup = crate::webhook::Setup::with(prefix, "Fail", |o| o.args = args)
+            .await
+            .map_err(EnvError::Setup)?;
+        Ok(Self {
             client,
-            namespace,
-            injector,
+            namespace: setup.enabled.clone(),
             kubelet,
-            mwc: name,
-        };
-        // The API server picks a new webhook configuration up
-        // asynchronously: dry-run creates until one comes back injected.
-        let pods = env.pods();
-        let dry = PostParams {
-            dry_run: true,
-            ..PostParams::default()
-        };
-        let probe: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "probe"},
-            "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}
-        }))?;
-        let effective = crate::controlplane::wait_until(
-            "the webhook configuration in force",
-            Duration::from_secs(60),
-            || async {
-                let p = pods.create(&dry, &probe).await?;
-                let injected = p
-                    .spec
-                    .is_some_and(|s| s.containers.iter().any(|c| c.name == PROXY));
-                Ok::<_, kube::Error>(injected.then_some(()))
-            },
-        )
-        .await;
-        if let Err(e) = effective {
-            return Err(EnvError::NotEffective(e, env.injector.log_tail()));
-        }
-        Ok(env)
+            setup,
+        })
     }
 
     pub fn pods(&self) -> Api<Pod> {
@@ -759,14 +683,9 @@ impl JobsEnv {
         Ok(())
     }
 
-    /// Removes the webhook configuration and the namespace.
-    pub async fn cleanup(self, cp: &crate::controlplane::ControlPlane) -> Result<(), EnvError> {
-        use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-        Api::<MutatingWebhookConfiguration>::all(self.client.clone())
-            .delete(&self.mwc, &kube::api::DeleteParams::default())
-            .await?;
-        cp.delete_namespace(&self.client, &self.namespace).await?;
-        Ok(())
+    /// Removes the webhook configuration and the namespaces.
+    pub async fn cleanup(self, _cp: &crate::controlplane::ControlPlane) -> Result<(), EnvError> {
+        self.setup.cleanup().await.map_err(EnvError::Setup)
     }
 }
 

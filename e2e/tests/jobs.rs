@@ -160,7 +160,7 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
         &opts,
     )
     .await
-    .with_context(|| format!("injector log:\n{}", env.injector.log_tail()))?;
+    .with_context(|| format!("injector log:\n{}", env.setup.injector.log_tail()))?;
     anyhow::ensure!(
         outcome.exit_codes.get(PROXY) == Some(&0) && outcome.exit_codes.get("app") == Some(&0),
         "exit codes {:?}; agent log:\n{}",
@@ -199,6 +199,17 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
     }
     anyhow::ensure!(!failing_run.is_finished(), "the failing pod completed");
     failing_run.abort();
+
+    // Counted: exactly the one stop.
+    let inj = &env.setup.injector;
+    let mut c = remora_injector::client::connect(inj.addr(), "localhost", inj.ca_pem()).await?;
+    let (code, body) = c.request(http::Method::GET, "/metrics", Vec::new()).await?;
+    anyhow::ensure!(code.as_u16() == 200, "/metrics: {code}");
+    let metrics = String::from_utf8_lossy(&body);
+    anyhow::ensure!(
+        metrics.contains("remora_injector_jobs_sidecars_stopped_total 1\n"),
+        "{metrics}"
+    );
     env.cleanup(cp).await?;
     Ok(())
 }

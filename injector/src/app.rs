@@ -246,6 +246,7 @@ struct LeaderContext {
     controller: Option<crate::controller::Settings>,
     controller_metrics: crate::controller::ControllerMetrics,
     stop_completed_jobs: bool,
+    jobs_metrics: crate::jobs::JobsMetrics,
     /// Who publishes the Events.
     identity: String,
 }
@@ -265,9 +266,9 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
     }
     if ctx.stop_completed_jobs {
         let (client, token) = (ctx.client.clone(), token.clone());
-        let identity = ctx.identity.clone();
+        let (identity, metrics) = (ctx.identity.clone(), ctx.jobs_metrics.clone());
         tasks.spawn(async move {
-            if let Err(e) = crate::jobs::run(client, identity, token).await {
+            if let Err(e) = crate::jobs::run(client, identity, metrics, token).await {
                 tracing::error!(error = %e, "the Jobs controller failed");
             }
         });
@@ -316,6 +317,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         }),
         controller_metrics: metrics.controller.clone(),
         stop_completed_jobs: args.stop_completed_jobs,
+        jobs_metrics: metrics.jobs.clone(),
         identity: leader_cfg.identity.clone(),
     });
     let state = Arc::new(AppState {

@@ -160,9 +160,34 @@ pub fn stop_value(now: k8s_openapi::jiff::Timestamp) -> String {
     serde_json::to_string(&req).unwrap_or_default()
 }
 
+/// The Jobs controller's metrics, registered in the injector's registry.
+#[derive(Clone, Debug, Default)]
+pub struct JobsMetrics {
+    stopped: prometheus_client::metrics::counter::Counter,
+    failures: prometheus_client::metrics::counter::Counter,
+}
+
+impl JobsMetrics {
+    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+        let me = Self::default();
+        registry.register(
+            "jobs_sidecars_stopped",
+            "Legacy sidecars of completed Job pods asked to stop (remora.dev/stop)",
+            me.stopped.clone(),
+        );
+        registry.register(
+            "jobs_stop_failures",
+            "Failed attempts to set remora.dev/stop (retried)",
+            me.failures.clone(),
+        );
+        me
+    }
+}
+
 struct Ctx {
     client: Client,
     recorder: Recorder,
+    metrics: JobsMetrics,
 }
 
 async fn reconcile(pod: Arc<Pod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
@@ -184,6 +209,7 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
             pod: format!("{ns}/{name}"),
             source,
         })?;
+    ctx.metrics.stopped.inc();
     tracing::info!(pod = %format!("{ns}/{name}"), apps = ?apps,
         "app containers terminated: asked the sidecar to stop");
     let event = Event {
@@ -204,7 +230,8 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
     Ok(Action::await_change())
 }
 
-fn error_policy(_pod: Arc<Pod>, err: &JobsError, _ctx: Arc<Ctx>) -> Action {
+fn error_policy(_pod: Arc<Pod>, err: &JobsError, ctx: Arc<Ctx>) -> Action {
+    ctx.metrics.failures.inc();
     tracing::warn!(error = %err, "sidecar stop failed; retrying");
     Action::requeue(Duration::from_secs(5))
 }
@@ -215,6 +242,7 @@ fn error_policy(_pod: Arc<Pod>, err: &JobsError, _ctx: Arc<Ctx>) -> Action {
 pub async fn run(
     client: Client,
     identity: String,
+    metrics: JobsMetrics,
     shutdown: CancellationToken,
 ) -> Result<(), JobsError> {
     let api: Api<Pod> = Api::all(client.clone());
@@ -225,6 +253,7 @@ pub async fn run(
     let ctx = Arc::new(Ctx {
         recorder: Recorder::new(client.clone(), reporter),
         client,
+        metrics,
     });
     tracing::info!("stopping the sidecars of completed Job pods");
     Controller::new(api, watcher::Config::default().fields(FIELD_SELECTOR))

@@ -43,6 +43,8 @@ pub struct Metrics {
     latency: Histogram,
     /// Handed to the SidecarLifecycle controller.
     pub controller: crate::controller::ControllerMetrics,
+    /// Handed to the Jobs controller.
+    pub jobs: crate::jobs::JobsMetrics,
     in_flight: Gauge,
     /// Leader election state, kept by the elector.
     pub leader: LeaderMetrics,
@@ -71,6 +73,7 @@ impl Metrics {
             latency.clone(),
         );
         let controller = crate::controller::ControllerMetrics::register(&mut registry);
+        let jobs = crate::jobs::JobsMetrics::register(&mut registry);
         let in_flight = Gauge::default();
         registry.register(
             "admissions_in_flight",
@@ -84,6 +87,7 @@ impl Metrics {
             admissions,
             latency,
             controller,
+            jobs,
             in_flight,
             leader,
         }
