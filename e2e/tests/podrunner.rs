@@ -60,6 +60,22 @@ fn runs(pod: &Pod, name: &str) -> usize {
         .count()
 }
 
+/// Waits until `name` has started `n` times: its status counts a restart
+/// when the process is spawned, a moment before the script records the run.
+async fn wait_runs(pod: &Pod, name: &str, n: usize) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while runs(pod, name) < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{name}: {} runs, never {n}",
+            runs(pod, name)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // No more than that: a restart too many would show here.
+    assert_eq!(runs(pod, name), n);
+}
+
 #[tokio::test]
 async fn always_restarts_a_crashing_container_with_backoff_until_it_stays_up() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -85,7 +101,7 @@ async fn always_restarts_a_crashing_container_with_backoff_until_it_stays_up() {
         .await
         .expect("ready again in time")
         .expect("pod alive");
-    assert_eq!(runs(&pod, "crasher"), 4);
+    wait_runs(&pod, "crasher", 4).await;
     let report = pod.stop().await;
     assert_eq!(report.exits[0].1, "signal 15", "{report:?}");
     assert_eq!(
@@ -142,6 +158,6 @@ async fn never_and_on_failure_follow_the_policy_and_sidecars_always_restart() {
         s.restart_count == 1 && s.backoff.is_none()
     })
     .await;
-    assert_eq!(runs(&pod, "retry"), 2);
+    wait_runs(&pod, "retry", 2).await;
     pod.stop().await;
 }
