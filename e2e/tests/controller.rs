@@ -109,6 +109,7 @@ async fn replicasets(client: &Client, ns: &str, app: &str) -> kube::Result<Vec<R
 
 fn template_annotation(d: &Deployment) -> Option<String> {
     d.spec
+        .as_ref()?
         .template
         .metadata
         .as_ref()?
@@ -319,8 +320,8 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     .await?;
     assert!(rs.iter().any(|r| {
         r.spec
-            .template
             .as_ref()
+            .and_then(|s| s.template.as_ref())
             .and_then(|t| t.metadata.as_ref())
             .and_then(|m| m.annotations.as_ref())
             .and_then(|a| a.get(ROLLOUT_ANNOTATION))

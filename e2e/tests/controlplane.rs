@@ -403,7 +403,7 @@ async fn fake_kubelet_runs_and_completes_pods() -> anyhow::Result<()> {
             name: Some("rs".into()),
             ..ObjectMeta::default()
         },
-        spec: ReplicaSetSpec {
+        spec: Some(ReplicaSetSpec {
             replicas: Some(2),
             selector: LabelSelector {
                 match_labels: Some(labels.clone()),
@@ -417,7 +417,7 @@ async fn fake_kubelet_runs_and_completes_pods() -> anyhow::Result<()> {
                 spec: Some(pod_spec()),
             }),
             ..ReplicaSetSpec::default()
-        },
+        }),
         ..ReplicaSet::default()
     };
     let rs_api: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns);

@@ -665,7 +665,7 @@ pub fn deployment(
             name: Some(name.into()),
             ..ObjectMeta::default()
         },
-        spec: DeploymentSpec {
+        spec: Some(DeploymentSpec {
             replicas: Some(replicas),
             selector: LabelSelector {
                 match_labels: Some(labels.clone()),
@@ -679,7 +679,7 @@ pub fn deployment(
                 spec,
             },
             ..DeploymentSpec::default()
-        },
+        }),
         ..Deployment::default()
     }
 }
