@@ -301,6 +301,13 @@ pub fn mutate(
              --stop-completed-jobs) after the app containers exit; Native mode does not need this"
         ));
     }
+    if annotations.contains_key(remora_agent::lifecycle::STOP_ANNOTATION) {
+        warnings.push(format!(
+            "remora: {} is set at creation: the sidecar stops as soon as it starts (the operator \
+             sets this annotation on Job pods whose apps have finished; do not put it in a template)",
+            remora_agent::lifecycle::STOP_ANNOTATION
+        ));
+    }
     let grace = spec["terminationGracePeriodSeconds"]
         .as_i64()
         .unwrap_or(DEFAULT_GRACE_SECONDS);

@@ -325,6 +325,25 @@ fn warnings_for_grace_period_and_ports() {
 }
 
 #[test]
+fn a_stop_annotation_at_creation_is_warned_about() {
+    let ns = enabled();
+    let mut p = pod();
+    p["metadata"]["annotations"] = json!({"remora.dev/stop": "{}"});
+    let (_, outcome, warnings) = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Legacy));
+    assert!(matches!(outcome, Outcome::Injected(_)));
+    assert!(
+        warnings.iter().any(|w| w.contains("remora.dev/stop")),
+        "{warnings:?}"
+    );
+    let (_, _, warnings) = apply(
+        &pod(),
+        &target("shop", &ns, true),
+        &cfg(SidecarMode::Legacy),
+    );
+    assert!(!warnings.iter().any(|w| w.contains("remora.dev/stop")));
+}
+
+#[test]
 fn drain_deadline_keeps_a_margin() {
     assert_eq!(drain_deadline(30), Duration::from_secs(25));
     assert_eq!(drain_deadline(120), Duration::from_secs(115));
