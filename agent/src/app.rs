@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::bootstrap::{self, Extras};
 use crate::config::RunConfig;
 use crate::envoy::process;
-use crate::lifecycle::{LiveSettings, STOP_ANNOTATION, stop_request};
+use crate::lifecycle::{LiveSettings, STOP_ANNOTATION, runs_native, stop_request};
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::sds::{self, SdsHandle};
@@ -312,6 +312,13 @@ async fn watch_stop(
         if let Ok(text) = std::fs::read_to_string(&file)
             && let Some(value) = stop_request(&text)
         {
+            if runs_native(&text) {
+                tracing::warn!(
+                    annotation = STOP_ANNOTATION,
+                    "stop request ignored: a native sidecar is stopped by the kubelet"
+                );
+                return;
+            }
             // The value is informational (who asked, when): any value stops.
             let value: String = value.chars().take(200).collect();
             tracing::info!(annotation = STOP_ANNOTATION, %value,

@@ -276,6 +276,20 @@ pub fn stop_request(text: &str) -> Option<String> {
         .map(|v| unquote_go(v).unwrap_or_else(|_| v.to_string()))
 }
 
+/// Whether the pod's `remora.dev/lifecycle` says this sidecar is a native
+/// one (an init container with `restartPolicy: Always`): the kubelet stops
+/// those itself once the apps are done, and one that exited on its own would
+/// only be restarted. Unreadable or absent: not native.
+pub fn runs_native(text: &str) -> bool {
+    let prefix = format!("{LIFECYCLE_ANNOTATION}=");
+    text.lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| unquote_go(v).ok())
+        .and_then(|v| serde_json::from_str::<LifecycleAnnotation>(&v).ok())
+        .is_some_and(|l| l.mode.as_deref() == Some("Native"))
+}
+
 /// Undo Go's `strconv.Quote`.
 fn unquote_go(s: &str) -> Result<String, String> {
     let inner = s
@@ -393,6 +407,22 @@ mod tests {
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert_eq!(s.termination_drain_duration, Duration::from_secs(7));
         assert!(!s.exit_on_zero_active_connections);
+    }
+
+    #[test]
+    fn native_is_read_from_the_lifecycle_annotation() {
+        let line = |mode: &str| {
+            format!(
+                "{LIFECYCLE_ANNOTATION}={}\n",
+                serde_json::to_string(&format!("{{\"mode\":\"{mode}\"}}")).expect("quote")
+            )
+        };
+        assert!(runs_native(&line("Native")));
+        assert!(!runs_native(&line("Legacy")));
+        assert!(!runs_native("remora.dev/stop=\"x\"\n"));
+        assert!(!runs_native(&format!(
+            "{LIFECYCLE_ANNOTATION}=\"not json\"\n"
+        )));
     }
 
     #[test]

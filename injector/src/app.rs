@@ -256,32 +256,63 @@ struct LeaderContext {
 /// must return soon after (the elector aborts it after --shutdown-grace).
 async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
     let mut tasks = JoinSet::new();
-    if let Some(settings) = &ctx.controller {
-        tasks.spawn(crate::controller::run(
-            ctx.client.clone(),
-            settings.clone(),
-            ctx.controller_metrics.clone(),
-            token.clone(),
-        ));
+    if let Some(settings) = ctx.controller.clone() {
+        let ctx = Arc::clone(&ctx);
+        tasks.spawn(supervise("controller", token.clone(), move |token| {
+            crate::controller::run(
+                ctx.client.clone(),
+                settings.clone(),
+                ctx.controller_metrics.clone(),
+                token,
+            )
+        }));
     }
     if ctx.stop_completed_jobs {
-        let (client, token) = (ctx.client.clone(), token.clone());
-        let (identity, metrics) = (ctx.identity.clone(), ctx.jobs_metrics.clone());
-        tasks.spawn(async move {
-            if let Err(e) = crate::jobs::run(client, identity, metrics, token).await {
-                tracing::error!(error = %e, "the Jobs controller failed");
+        let ctx = Arc::clone(&ctx);
+        tasks.spawn(supervise("jobs", token.clone(), move |token| {
+            let (client, identity, metrics) = (
+                ctx.client.clone(),
+                ctx.identity.clone(),
+                ctx.jobs_metrics.clone(),
+            );
+            async move {
+                if let Err(e) = crate::jobs::run(client, identity, metrics, token).await {
+                    tracing::error!(error = %e, "the Jobs controller failed");
+                }
             }
-        });
+        }));
     }
-    while let Some(r) = tasks.join_next().await {
-        match r {
-            Err(e) => tracing::error!(error = %e, "a leader-only task failed"),
-            Ok(()) if !token.is_cancelled() => tracing::warn!("a leader-only task ended early"),
-            Ok(()) => {}
-        }
-    }
+    while tasks.join_next().await.is_some() {}
     // Nothing (left) to do is no reason to give up leadership.
     token.cancelled().await;
+}
+
+/// Run `task` until `token` is cancelled, starting it again (after a
+/// doubling delay, 1 s up to 60 s) when it ends or panics before that: a
+/// leader whose work died would otherwise hold the Lease doing nothing.
+async fn supervise<F, Fut>(name: &'static str, token: CancellationToken, task: F)
+where
+    F: Fn(CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut delay = Duration::from_secs(1);
+    loop {
+        let ended = tokio::spawn(task(token.clone())).await;
+        if token.is_cancelled() {
+            return;
+        }
+        match ended {
+            Err(e) => tracing::error!(task = name, error = %e, retry_in = ?delay,
+                "a leader-only task panicked; starting it again"),
+            Ok(()) => tracing::warn!(task = name, retry_in = ?delay,
+                "a leader-only task ended early; starting it again"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = token.cancelled() => return,
+        }
+        delay = (delay * 2).min(Duration::from_secs(60));
+    }
 }
 
 /// Serve until `shutdown` is cancelled, then drain (see the module doc).
@@ -429,4 +460,36 @@ async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started
         listener,
         view,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_task_that_dies_is_started_again_until_cancelled() {
+        let token = CancellationToken::new();
+        let starts = Arc::new(AtomicU32::new(0));
+        let task = {
+            let starts = Arc::clone(&starts);
+            move |t: CancellationToken| {
+                let n = starts.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    match n {
+                        0 => {}                            // ends early
+                        1 => panic!("test double panics"), // dies
+                        _ => t.cancelled().await,          // behaves
+                    }
+                }
+            }
+        };
+        let run = tokio::spawn(supervise("test", token.clone(), task));
+        // 1 s, then 2 s of backoff before the third start.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert_eq!(starts.load(Ordering::SeqCst), 3);
+        token.cancel();
+        run.await.expect("supervise returns on cancel");
+        assert_eq!(starts.load(Ordering::SeqCst), 3, "no start after cancel");
+    }
 }

@@ -18,7 +18,7 @@
 //! write only the difference, so a replayed or concurrent reconcile changes
 //! nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,7 +28,7 @@ use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -45,6 +45,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{ChartDefaults, LifecycleEntry};
+use crate::mutate::STATUS_ANNOTATION;
 use crate::status::{
     PodInfo, RestartReport, compute, keep_transition_times, reaches, refreshed_lifecycle,
     restart_condition, restart_report,
@@ -295,16 +296,18 @@ pub async fn run(
 ) {
     let lifecycles_api = Api::<SidecarLifecycle>::all(client.clone());
     let (pods, writer) = reflector::store();
-    let pod_stream = watcher(
-        Api::<PartialObjectMeta<Pod>>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .reflect(writer)
-    .touched_objects();
-    let controller = Controller::new(lifecycles_api.clone(), watcher::Config::default())
-        // Bursts of pod events (a rollout) fold into one reconcile.
-        .with_config(ControllerConfig::default().debounce(Duration::from_millis(200)));
+    // Finished pods neither count nor get retuned; one that finishes leaves
+    // the watch as a deletion.
+    let pod_stream = changes(
+        watcher(
+            Api::<PartialObjectMeta<Pod>>::all(client.clone()),
+            watcher::Config::default().fields(LIVE_PODS),
+        )
+        .default_backoff()
+        .reflect(writer),
+        pod_key,
+    );
+    let controller = Controller::new(lifecycles_api.clone(), watcher::Config::default());
     let lifecycles = controller.store();
     let operator_ns = settings.operator_namespace.clone();
 
@@ -339,9 +342,15 @@ pub async fn run(
             .map(|r| ObjectRef::from_obj(r.as_ref()))
             .collect::<Vec<_>>()
     };
-    let siblings = watcher(lifecycles_api, watcher::Config::default())
-        .default_backoff()
-        .touched_objects();
+    // Only spec changes (generation), creations and deletions move the
+    // siblings; a status write does not.
+    let siblings = changes(
+        watcher(lifecycles_api, watcher::Config::default()).default_backoff(),
+        |r: &SidecarLifecycle| {
+            let key = format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
+            (key, r.metadata.generation.unwrap_or_default() as u64)
+        },
+    );
 
     let ctx = Arc::new(Ctx {
         recorder: Recorder::new(
@@ -371,6 +380,57 @@ pub async fn run(
         })
         .await;
     tracing::info!("SidecarLifecycle controller stopped");
+}
+
+/// Pods still running or about to: the controller's whole view.
+const LIVE_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed";
+
+/// What of a pod decides which resources reach it and what it should carry:
+/// labels, annotations, its controlling owner. Status-only updates (most of
+/// a pod's updates) leave it unchanged.
+fn pod_key(p: &PartialObjectMeta<Pod>) -> (String, u64) {
+    use std::hash::{Hash, Hasher};
+    let key = format!(
+        "{}/{}",
+        p.metadata.namespace.as_deref().unwrap_or_default(),
+        p.metadata.name.as_deref().unwrap_or_default()
+    );
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    p.metadata.labels.hash(&mut h);
+    p.metadata.annotations.hash(&mut h);
+    for o in p.metadata.owner_references.iter().flatten() {
+        (&o.kind, &o.name, o.controller).hash(&mut h);
+    }
+    (key, h.finish())
+}
+
+/// The objects of a watch whose fingerprint (`key` gives name and
+/// fingerprint) changed since last seen, and every deletion. A relist of
+/// unchanged objects passes nothing.
+fn changes<K, S>(
+    events: S,
+    key: impl Fn(&K) -> (String, u64) + Send + 'static,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send
+where
+    K: Send + 'static,
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+{
+    let mut seen: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    events.filter_map(move |ev| {
+        let out = match ev {
+            Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                let (k, fingerprint) = key(&o);
+                (seen.insert(k, fingerprint) != Some(fingerprint)).then_some(Ok(o))
+            }
+            Ok(watcher::Event::Delete(o)) => {
+                seen.remove(&key(&o).0);
+                Some(Ok(o))
+            }
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+            Err(e) => Some(Err(e)),
+        };
+        futures::future::ready(out)
+    })
 }
 
 fn error_policy(_: Arc<SidecarLifecycle>, err: &ControllerError, _: Arc<Ctx>) -> Action {
@@ -574,32 +634,69 @@ async fn roll(
     me: &ObjectReference,
     report: &RestartReport,
 ) -> Result<Option<Duration>, ControllerError> {
-    let mut targets: BTreeMap<(String, String, String), String> = BTreeMap::new();
+    // One lookup per ReplicaSet. A failed lookup or write skips that
+    // workload only; the reconcile then fails so that it is retried.
+    let mut owners: BTreeMap<(String, String, String), Option<(String, String)>> = BTreeMap::new();
+    let mut targets: BTreeMap<(String, String, String), BTreeSet<String>> = BTreeMap::new();
+    let mut failed = None;
     for (pod, want) in &report.outdated {
-        let owner = owning_workload(ctx, pod)
-            .await
-            .map_err(|source| ControllerError::Rollout {
-                workload: format!("the owner of pod {}/{}", pod.namespace, pod.name),
-                source,
-            })?;
-        if let Some((kind, name)) = owner {
-            targets.insert((pod.namespace.clone(), kind, name), want.clone());
-        }
-    }
-    for ((ns, kind, name), want) in targets {
-        let workload = format!("{kind} {ns}/{name}");
-        let err = |source| ControllerError::Rollout {
-            workload: workload.clone(),
-            source,
-        };
-        let api = workload_api(&ctx.client, &ns, &kind);
-        let Some(obj) = api.get_opt(&name).await.map_err(err)? else {
+        let Some((owner_kind, owner_name)) = pod.owner.clone() else {
             continue;
         };
-        let asked =
-            obj.data["spec"]["template"]["metadata"]["annotations"][ROLLOUT_ANNOTATION].as_str();
-        if asked == Some(want.as_str()) {
+        let key = (pod.namespace.clone(), owner_kind, owner_name);
+        let workload = match owners.get(&key) {
+            Some(w) => w.clone(),
+            None => match owning_workload(ctx, pod).await {
+                Ok(w) => {
+                    owners.insert(key, w.clone());
+                    w
+                }
+                Err(source) => {
+                    failed = Some(ControllerError::Rollout {
+                        workload: format!("the owner of pod {}/{}", pod.namespace, pod.name),
+                        source,
+                    });
+                    continue;
+                }
+            },
+        };
+        if let Some((kind, name)) = workload {
+            targets
+                .entry((pod.namespace.clone(), kind, name))
+                .or_default()
+                .insert(want.clone());
+        }
+    }
+    for ((ns, kind, name), wants) in targets {
+        let workload = format!("{kind} {ns}/{name}");
+        // Pods of one workload that would get different settings (a selector
+        // on a per-pod label): no single rollout settles them.
+        let [want]: [String; 1] = match Vec::from_iter(wants).try_into() {
+            Ok(one) => one,
+            Err(many) => {
+                tracing::warn!(workload = %workload, hashes = ?many,
+                    "its pods would get different proxy settings; not rolled");
+                continue;
+            }
+        };
+        let api = workload_api(&ctx.client, &ns, &kind);
+        let obj = match api.get_opt(&name).await {
+            Ok(Some(obj)) => obj,
+            Ok(None) => continue,
+            Err(source) => {
+                failed = Some(ControllerError::Rollout { workload, source });
+                continue;
+            }
+        };
+        let template = &obj.data["spec"]["template"]["metadata"]["annotations"];
+        if template[ROLLOUT_ANNOTATION].as_str() == Some(want.as_str()) {
             // Already rolling to these settings; old pods are on their way out.
+            continue;
+        }
+        if template.get(STATUS_ANNOTATION).is_some() {
+            // Injected offline (`remora-injector inject`): the webhook leaves
+            // its pods as they are, so a rollout would change nothing.
+            tracing::info!(workload = %workload, "injected offline; re-run inject to apply the new settings");
             continue;
         }
         let slot = ctx
@@ -617,9 +714,13 @@ async fn roll(
             "metadata": {"name": name, "namespace": ns},
             "spec": {"template": {"metadata": {"annotations": {ROLLOUT_ANNOTATION: want}}}},
         }));
-        api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &patch)
+        if let Err(source) = api
+            .patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &patch)
             .await
-            .map_err(err)?;
+        {
+            failed = Some(ControllerError::Rollout { workload, source });
+            continue;
+        }
         ctx.metrics.rollouts.inc();
         tracing::info!(workload = %workload, restart_hash = %want, "workload rolled");
         let secondary = ObjectReference {
@@ -641,7 +742,10 @@ async fn roll(
         )
         .await;
     }
-    Ok(None)
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(None),
+    }
 }
 
 #[cfg(test)]
