@@ -594,8 +594,8 @@ pub enum EnvError {
     ControlPlane(#[from] crate::controlplane::Error),
     #[error(transparent)]
     Kube(#[from] kube::Error),
-    #[error("setting up the injector as a webhook: {0:#}")]
-    Setup(anyhow::Error),
+    #[error("setting up the injector as a webhook: {0}")]
+    Setup(#[from] crate::webhook::SetupError),
 }
 
 impl JobsEnv {
@@ -622,9 +622,7 @@ impl JobsEnv {
             )
             .await?;
         let args: Vec<String> = injector_args.iter().map(|s| (*s).to_owned()).collect();
-        let setup = crate::webhook::Setup::with(prefix, "Fail", |o| o.args = args)
-            .await
-            .map_err(EnvError::Setup)?;
+        let setup = crate::webhook::Setup::with(prefix, "Fail", |o| o.args = args).await?;
         Ok(Self {
             client,
             namespace: setup.enabled.clone(),
@@ -685,7 +683,7 @@ impl JobsEnv {
 
     /// Removes the webhook configuration and the namespaces.
     pub async fn cleanup(self, _cp: &crate::controlplane::ControlPlane) -> Result<(), EnvError> {
-        self.setup.cleanup().await.map_err(EnvError::Setup)
+        Ok(self.setup.cleanup().await?)
     }
 }
 

@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use anyhow::Context;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
@@ -23,6 +22,27 @@ use crate::controlplane::{ControlPlane, wait_until};
 use crate::injector::{Injector, Options};
 
 pub const DEADLINE: Duration = Duration::from_secs(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(transparent)]
+    ControlPlane(#[from] crate::controlplane::Error),
+    #[error(transparent)]
+    Injector(#[from] crate::injector::Error),
+    #[error(transparent)]
+    Chart(#[from] crate::chart::Error),
+    #[error(transparent)]
+    Kube(#[from] kube::Error),
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    #[error("the chart's MutatingWebhookConfiguration: {0}")]
+    Webhooks(&'static str),
+    #[error("{source}; the injector's log ends with:\n{log}")]
+    NotEffective {
+        source: crate::controlplane::Error,
+        log: String,
+    },
+}
 pub const PROXY: &str = "remora-proxy";
 
 /// The sidecar, wherever the mode put it.
@@ -70,7 +90,7 @@ pub async fn label_namespace(
     ns: &str,
     key: &str,
     value: &str,
-) -> anyhow::Result<()> {
+) -> Result<(), SetupError> {
     Api::<Namespace>::all(client.clone())
         .patch(
             ns,
@@ -88,17 +108,19 @@ pub fn webhook_config(
     injector: &Injector,
     namespaces: &[&str],
     failure_policy: &str,
-) -> anyhow::Result<MutatingWebhookConfiguration> {
+) -> Result<MutatingWebhookConfiguration, SetupError> {
     let objects = crate::chart::render(
         "remora",
         "remora-system",
         &[&format!("webhook.failurePolicy={failure_policy}")],
     )?;
     let rendered = crate::chart::find(&objects, "MutatingWebhookConfiguration", None)
-        .context("the chart renders no MutatingWebhookConfiguration")?;
+        .ok_or(SetupError::Webhooks("not rendered"))?;
     let mut mwc: MutatingWebhookConfiguration = serde_json::from_value(rendered.clone())?;
     mwc.metadata.name = Some(name.to_owned());
-    anyhow::ensure!(mwc.webhooks.as_ref().is_some_and(|w| w.len() == 2));
+    if mwc.webhooks.as_ref().is_none_or(|w| w.len() != 2) {
+        return Err(SetupError::Webhooks("not two webhooks"));
+    }
     for w in mwc.webhooks.iter_mut().flatten() {
         w.client_config.service = None;
         w.client_config.url = Some(injector.url());
@@ -126,7 +148,7 @@ pub struct Setup {
 }
 
 impl Setup {
-    pub async fn new(prefix: &str, failure_policy: &str) -> anyhow::Result<Self> {
+    pub async fn new(prefix: &str, failure_policy: &str) -> Result<Self, SetupError> {
         Self::with(prefix, failure_policy, |_| {}).await
     }
 
@@ -136,7 +158,7 @@ impl Setup {
         prefix: &str,
         failure_policy: &str,
         customize: impl FnOnce(&mut Options),
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, SetupError> {
         let cp = ControlPlane::shared().await?;
         let client = cp.client()?;
         crate::chart::install_crds(&client).await?;
@@ -172,7 +194,7 @@ impl Setup {
     /// The API server picks a new webhook configuration up asynchronously:
     /// dry-run creates (which run mutating webhooks; the configuration says
     /// sideEffects None) until one comes back injected.
-    pub async fn wait_effective(&self) -> anyhow::Result<()> {
+    pub async fn wait_effective(&self) -> Result<(), SetupError> {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.enabled);
         let dry = PostParams {
             dry_run: true,
@@ -184,14 +206,17 @@ impl Setup {
             Ok::<_, kube::Error>(sidecar(&p).map(|_| ()))
         })
         .await;
-        res.with_context(|| format!("injector log:\n{}", self.injector.log_tail()))
+        res.map(|_| ()).map_err(|source| SetupError::NotEffective {
+            source,
+            log: self.injector.log_tail(),
+        })
     }
 
     pub fn pods(&self, ns: &str) -> Api<Pod> {
         Api::namespaced(self.client.clone(), ns)
     }
 
-    pub async fn cleanup(self) -> anyhow::Result<()> {
+    pub async fn cleanup(self) -> Result<(), SetupError> {
         Api::<MutatingWebhookConfiguration>::all(self.client.clone())
             .delete(&self.mwc, &DeleteParams::default())
             .await?;
@@ -209,11 +234,14 @@ pub fn lifecycles(client: &Client, ns: &str) -> Api<kube::api::DynamicObject> {
 }
 
 /// A SidecarLifecycle named `name` with `spec`.
-pub fn lifecycle(name: &str, spec: serde_json::Value) -> anyhow::Result<kube::api::DynamicObject> {
-    Ok(serde_json::from_value(json!({
+pub fn lifecycle(
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<kube::api::DynamicObject, serde_json::Error> {
+    serde_json::from_value(json!({
         "apiVersion": "remora.dev/v1alpha1",
         "kind": "SidecarLifecycle",
         "metadata": {"name": name},
         "spec": spec,
-    }))?)
+    }))
 }

@@ -26,7 +26,7 @@ const ROLLOUT_ANNOTATION: &str = "remora.dev/restarted-for";
 fn lifecycle(name: &str, app: &str, spec: Value) -> anyhow::Result<DynamicObject> {
     let mut spec = spec;
     spec["selector"] = json!({"matchLabels": {"app": app}});
-    e2e::webhook::lifecycle(name, spec)
+    Ok(e2e::webhook::lifecycle(name, spec)?)
 }
 
 fn condition<'a>(o: &'a DynamicObject, type_: &str) -> Option<&'a Value> {
@@ -393,5 +393,5 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     ] {
         assert!(metrics.contains(m), "{m} missing from:\n{metrics}");
     }
-    s.cleanup().await
+    Ok(s.cleanup().await?)
 }

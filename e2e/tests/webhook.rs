@@ -145,7 +145,7 @@ async fn pods_come_back_injected_in_legacy_and_native_mode() -> anyhow::Result<(
     let spec = native.spec.as_ref().context("no spec")?;
     assert!(spec.containers.iter().all(|c| c.name != PROXY), "{spec:?}");
 
-    s.cleanup().await
+    Ok(s.cleanup().await?)
 }
 
 #[tokio::test]
@@ -174,7 +174,7 @@ async fn opt_out_and_namespace_selection() -> anyhow::Result<()> {
         .await?;
     assert!(sidecar(&p).is_some(), "opted in: {:?}", p.spec);
 
-    s.cleanup().await
+    Ok(s.cleanup().await?)
 }
 
 #[tokio::test]
@@ -237,7 +237,7 @@ async fn webhook_down_fail_refuses_and_ignore_admits_uninjected() -> anyhow::Res
             .contains_key("remora.dev/status")
     );
 
-    s.cleanup().await
+    Ok(s.cleanup().await?)
 }
 
 /// With kube-controller-manager: the pods a Deployment's ReplicaSet creates
@@ -262,5 +262,5 @@ async fn deployment_pods_are_injected() -> anyhow::Result<()> {
     for p in &pods {
         assert!(sidecar(p).is_some(), "{:?}", p.spec);
     }
-    s.cleanup().await
+    Ok(s.cleanup().await?)
 }
