@@ -143,27 +143,24 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     .await?;
     slc.create(
         &pp,
-        &lifecycle("api", "api", json!({"rolloutPolicy": "Manual"}))?,
+        &lifecycle(
+            "api",
+            "api",
+            json!({"rolloutPolicy": "Manual", "shutdown": {"drainDuration": "40s"}}),
+        )?,
     )
     .await?;
     let web = deployment_pods(&s, "web", 2).await?;
     let api_pods = deployment_pods(&s, "api", 1).await?;
     for p in web.iter().chain(&api_pods) {
         anyhow::ensure!(sidecar(p).is_some(), "not injected: {:?}", p.metadata.name);
-        assert_eq!(
-            lifecycle_annotation(p)["shutdown"]["drainDuration"],
-            if p.metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get("app"))
-                .map(String::as_str)
-                == Some("web")
-            {
-                "30s"
-            } else {
-                "45s"
-            }
-        );
+        let app = p.metadata.labels.as_ref().and_then(|l| l.get("app"));
+        let want = if app.map(String::as_str) == Some("web") {
+            "30s"
+        } else {
+            "40s"
+        };
+        assert_eq!(lifecycle_annotation(p)["shutdown"]["drainDuration"], want);
     }
     // The web pods run, as far as the API server can tell.
     let kubelet = FakeKubelet::register(client.clone(), &format!("{ns}-node")).await?;
@@ -376,6 +373,22 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     .await
     .with_context(log)?;
     event(&client, &ns, "web-new", "ConflictResolved").await?;
+
+    // Deleting the only resource that reaches the api pod: it goes back to
+    // the chart's default drain.
+    slc.delete("api", &Default::default()).await?;
+    let api_pod = api_pods[0].metadata.name.clone().unwrap_or_default();
+    wait_until(
+        "the api pod back to the default drain",
+        DEADLINE,
+        || async {
+            let p = pods_api.get(&api_pod).await?;
+            let back = lifecycle_annotation(&p)["shutdown"]["drainDuration"] == "45s";
+            Ok::<_, kube::Error>(back.then_some(()))
+        },
+    )
+    .await
+    .with_context(log)?;
 
     // Its metrics, over the injector's own TLS.
     let mut c =

@@ -344,8 +344,17 @@ pub async fn run(
     };
     // Only spec changes (generation), creations and deletions move the
     // siblings; a status write does not.
+    // A deleted resource is never reconciled: its pods are swept back to
+    // what the remaining layers say (below), even when no sibling is left.
+    let (deleted_tx, mut deleted) = tokio::sync::mpsc::unbounded_channel::<SidecarLifecycle>();
     let siblings = changes(
-        watcher(lifecycles_api, watcher::Config::default()).default_backoff(),
+        watcher(lifecycles_api, watcher::Config::default())
+            .default_backoff()
+            .inspect(move |ev| {
+                if let Ok(watcher::Event::Delete(r)) = ev {
+                    let _ = deleted_tx.send(r.clone());
+                }
+            }),
         |r: &SidecarLifecycle| {
             let key = format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
             (key, r.metadata.generation.unwrap_or_default() as u64)
@@ -368,18 +377,61 @@ pub async fn run(
         metrics,
     });
     tracing::info!("SidecarLifecycle controller started");
-    controller
+    let sweeper = {
+        let ctx = Arc::clone(&ctx);
+        async move {
+            while let Some(gone) = deleted.recv().await {
+                sweep(&ctx, &gone).await;
+            }
+        }
+    };
+    let controller = controller
         .watches_stream(pod_stream, by_pod)
         .watches_stream(siblings, by_sibling)
-        .graceful_shutdown_on(shutdown.cancelled_owned())
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
             if let Err(e) = res {
                 tracing::debug!(error = %e, "reconcile not run");
             }
-        })
-        .await;
+        });
+    // Both end with `shutdown`: the controller after its reconciles in flight.
+    tokio::join!(controller, shutdown.run_until_cancelled(sweeper));
     tracing::info!("SidecarLifecycle controller stopped");
+}
+
+/// Retune the pods a deleted resource reached to what the remaining layers
+/// say now (down to the chart defaults when nothing else reaches them).
+async fn sweep(ctx: &Ctx, gone: &SidecarLifecycle) {
+    if tokio::time::timeout(Duration::from_secs(30), ctx.pods.wait_until_ready())
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let entry = LifecycleEntry::from_resource(gone);
+    let all: Vec<LifecycleEntry> = ctx
+        .lifecycles
+        .state()
+        .iter()
+        .filter(|r| r.namespace() != gone.namespace() || r.name_any() != gone.name_any())
+        .map(|r| LifecycleEntry::from_resource(r))
+        .collect();
+    let pods: Vec<PodInfo> = ctx
+        .pods
+        .state()
+        .iter()
+        .map(|p| PodInfo::from_meta(p))
+        .collect();
+    match retune(ctx, &entry, &all, &pods).await {
+        Ok(n) => {
+            tracing::info!(resource = %format!("{}/{}", entry.namespace, entry.name), pods = n,
+            "deleted; its pods retuned to the remaining layers")
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot retune the pods of a deleted SidecarLifecycle")
+        }
+    }
 }
 
 /// Pods still running or about to: the controller's whole view.
