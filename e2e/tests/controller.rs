@@ -390,6 +390,32 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     .await
     .with_context(log)?;
 
+    // A finished pod no longer counts (the controller watches live pods).
+    slc.create(&pp, &lifecycle("batch", "batch", json!({}))?)
+        .await?;
+    let mut batch = pod("batch-1", &[("app", "batch")], &[]);
+    if let Some(spec) = batch.spec.as_mut() {
+        spec.restart_policy = Some("Never".into());
+    }
+    pods_api.create(&pp, &batch).await?;
+    status_where(&slc, "batch", "batch matches its pod", |o| {
+        o.data["status"]["matchedPods"] == 1
+    })
+    .await
+    .with_context(log)?;
+    kubelet.start(&ns, "batch-1").await?;
+    kubelet.exit(&ns, "batch-1", "app", 0).await?;
+    let done = kubelet.exit(&ns, "batch-1", "remora-proxy", 0).await?;
+    assert_eq!(
+        done.status.and_then(|s| s.phase).as_deref(),
+        Some("Succeeded")
+    );
+    status_where(&slc, "batch", "the finished pod no longer counts", |o| {
+        o.data["status"]["matchedPods"] == 0
+    })
+    .await
+    .with_context(log)?;
+
     // Its metrics, over the injector's own TLS.
     let mut c =
         remora_injector::client::connect(s.injector.addr(), "localhost", s.injector.ca_pem())
