@@ -251,6 +251,28 @@ struct Ctx {
 }
 
 impl Ctx {
+    /// Every resource (but `except`, one being deleted) and every live pod,
+    /// as the stores have them now.
+    fn snapshot(&self, except: Option<&SidecarLifecycle>) -> (Vec<LifecycleEntry>, Vec<PodInfo>) {
+        let is_except = |r: &SidecarLifecycle| {
+            except.is_some_and(|e| e.namespace() == r.namespace() && e.name_any() == r.name_any())
+        };
+        let all = self
+            .lifecycles
+            .state()
+            .iter()
+            .filter(|r| !is_except(r))
+            .map(|r| LifecycleEntry::from_resource(r))
+            .collect();
+        let pods = self
+            .pods
+            .state()
+            .iter()
+            .map(|p| PodInfo::from_meta(p))
+            .collect();
+        (all, pods)
+    }
+
     async fn event(
         &self,
         reference: &ObjectReference,
@@ -410,19 +432,7 @@ async fn sweep(ctx: &Ctx, gone: &SidecarLifecycle) {
         return;
     }
     let entry = LifecycleEntry::from_resource(gone);
-    let all: Vec<LifecycleEntry> = ctx
-        .lifecycles
-        .state()
-        .iter()
-        .filter(|r| r.namespace() != gone.namespace() || r.name_any() != gone.name_any())
-        .map(|r| LifecycleEntry::from_resource(r))
-        .collect();
-    let pods: Vec<PodInfo> = ctx
-        .pods
-        .state()
-        .iter()
-        .map(|p| PodInfo::from_meta(p))
-        .collect();
+    let (all, pods) = ctx.snapshot(Some(gone));
     match retune(ctx, &entry, &all, &pods).await {
         Ok(n) => {
             tracing::info!(resource = %format!("{}/{}", entry.namespace, entry.name), pods = n,
@@ -515,18 +525,7 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
     let ns = slc.namespace().unwrap_or_default();
     let resource = format!("{ns}/{name}");
     let entry = LifecycleEntry::from_resource(slc);
-    let all: Vec<LifecycleEntry> = ctx
-        .lifecycles
-        .state()
-        .iter()
-        .map(|r| LifecycleEntry::from_resource(r))
-        .collect();
-    let pods: Vec<PodInfo> = ctx
-        .pods
-        .state()
-        .iter()
-        .map(|p| PodInfo::from_meta(p))
-        .collect();
+    let (all, pods) = ctx.snapshot(None);
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let generation = slc.metadata.generation;
     let previous = slc.status.as_ref();
