@@ -117,28 +117,12 @@ pub fn render_annotations(ann: &BTreeMap<String, String>) -> String {
         .collect()
 }
 
-/// Write `file` into `dir` the way the kubelet's atomic writer does.
-pub fn atomic_write(dir: &Path, file: &str, text: &str, n: u64) -> std::io::Result<()> {
-    let ts = format!(
-        "..{}.{n:09}",
-        Timestamp::now().strftime("%Y_%m_%d_%H_%M_%S")
-    );
-    let ts_dir = dir.join(&ts);
-    std::fs::create_dir_all(&ts_dir)?;
-    std::fs::write(ts_dir.join(file), text)?;
-    let old = std::fs::read_link(dir.join("..data")).ok();
-    let tmp = dir.join("..data_tmp");
-    let _ = std::fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(&ts, &tmp)?;
-    std::fs::rename(&tmp, dir.join("..data"))?;
-    let link = dir.join(file);
-    if std::fs::symlink_metadata(&link).is_err() {
-        std::os::unix::fs::symlink(format!("..data/{file}"), &link)?;
-    }
-    if let Some(old) = old.filter(|o| o.as_os_str() != ts.as_str()) {
-        let _ = std::fs::remove_dir_all(dir.join(old));
-    }
-    Ok(())
+/// Write the downward-API `annotations` file into `dir` the way the
+/// kubelet's atomic writer does.
+fn write_annotations(dir: &Path, text: &str) -> std::io::Result<()> {
+    let data =
+        crate::podrunner::SecretData::from([("annotations".to_owned(), text.as_bytes().to_vec())]);
+    crate::podrunner::atomic_write(dir, &data).map(|_| ())
 }
 
 fn running(now: &Time) -> ContainerState {
@@ -295,7 +279,6 @@ async fn sync_annotations(
     mut last: String,
     stop: watch::Sender<Option<(Instant, Instant)>>,
 ) {
-    let mut n = 1u64;
     let mut version = "0".to_owned();
     loop {
         let wp = WatchParams::default()
@@ -326,11 +309,8 @@ async fn sync_annotations(
             let ann = p.metadata.annotations.clone().unwrap_or_default();
             let seen = Instant::now();
             let text = render_annotations(&ann);
-            if text != last {
-                n += 1;
-                if atomic_write(&podinfo, "annotations", &text, n).is_ok() {
-                    last = text;
-                }
+            if text != last && write_annotations(&podinfo, &text).is_ok() {
+                last = text;
             }
             if ann.contains_key(STOP_ANNOTATION) && stop.borrow().is_none() {
                 stop.send_replace(Some((seen, Instant::now())));
@@ -373,7 +353,7 @@ pub async fn run(
     std::fs::create_dir_all(&podinfo).map_err(io("creating the pod directory"))?;
     std::fs::create_dir_all(dir.join("run")).map_err(io("creating the run directory"))?;
     let text = render_annotations(&current.metadata.annotations.clone().unwrap_or_default());
-    atomic_write(&podinfo, "annotations", &text, 0).map_err(io("writing annotations"))?;
+    write_annotations(&podinfo, &text).map_err(io("writing annotations"))?;
     let (stop_tx, stop_rx) = watch::channel(None);
     let syncer = tokio::spawn(sync_annotations(
         api.clone(),
