@@ -418,8 +418,33 @@ pub async fn run(
             }
         });
     // Both end with `shutdown`: the controller after its reconciles in flight.
-    tokio::join!(controller, shutdown.run_until_cancelled(sweeper));
+    tokio::join!(
+        bounded_by(controller, &shutdown),
+        shutdown.run_until_cancelled(sweeper)
+    );
     tracing::info!("SidecarLifecycle controller stopped");
+}
+
+/// How long reconciles in flight get to finish once shutdown begins.
+const IN_FLIGHT_GRACE: Duration = Duration::from_secs(2);
+
+/// Run a kube-runtime controller (started with `graceful_shutdown_on`)
+/// until it ends, but no longer than [`IN_FLIGHT_GRACE`] after `shutdown`:
+/// its graceful stop has been seen to hang when asked while its first
+/// watch was starting, and the Lease is released only after the leader's
+/// work stops. Dropping it aborts the reconciles; they only make idempotent
+/// writes, so an interrupted one is redone by the next leader.
+pub(crate) async fn bounded_by(
+    controller: impl std::future::Future<Output = ()>,
+    shutdown: &CancellationToken,
+) {
+    tokio::select! {
+        () = controller => {}
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(IN_FLIGHT_GRACE).await;
+        } => tracing::warn!(grace = ?IN_FLIGHT_GRACE, "reconciles still running at shutdown; dropped"),
+    }
 }
 
 /// Retune the pods a deleted resource reached to what the remaining layers
@@ -864,6 +889,21 @@ mod tests {
         assert_eq!(d[0].reason, "InvalidSpec");
         assert!(d[0].warning);
         assert_eq!(d[0].note, "Accepted is False");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_controller_that_does_not_stop_is_dropped_after_the_grace() {
+        let shutdown = CancellationToken::new();
+        let started = Instant::now();
+        let stuck = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { bounded_by(std::future::pending(), &shutdown).await }
+        });
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!stuck.is_finished(), "runs until shutdown");
+        shutdown.cancel();
+        stuck.await.expect("returns");
+        assert_eq!(started.elapsed(), Duration::from_secs(60) + IN_FLIGHT_GRACE);
     }
 
     #[tokio::test(start_paused = true)]

@@ -256,8 +256,8 @@ pub async fn run(
         metrics,
     });
     tracing::info!("stopping the sidecars of completed Job pods");
-    Controller::new(api, watcher::Config::default().fields(FIELD_SELECTOR))
-        .graceful_shutdown_on(shutdown.cancelled_owned())
+    let controller = Controller::new(api, watcher::Config::default().fields(FIELD_SELECTOR))
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
             if let Err(e) = res {
@@ -266,8 +266,8 @@ pub async fn run(
                     tracing::warn!(error = %e, "sidecar-stop controller");
                 }
             }
-        })
-        .await;
+        });
+    crate::controller::bounded_by(controller, &shutdown).await;
     tracing::info!("sidecar-stop controller stopped");
     Ok(())
 }
