@@ -15,13 +15,15 @@ use tokio_util::sync::CancellationToken;
 use crate::bootstrap::{self, Extras};
 use crate::config::RunConfig;
 use crate::envoy::process;
-use crate::lifecycle::{LiveSettings, STOP_ANNOTATION, runs_native, stop_request};
+use crate::lifecycle::LiveSettings;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::sds::{self, SdsHandle};
 use crate::servers;
 use crate::supervisor::{Control, ExitReason, Supervisor, SupervisorHandle};
 use crate::telemetry::LogLevelHandle;
+use remora_contract::annotations::STOP as STOP_ANNOTATION;
+use remora_contract::downward::{runs_native, stop_request};
 
 /// How often the bootstrap's inputs are checked for changes.
 const INPUT_POLL: Duration = Duration::from_secs(1);

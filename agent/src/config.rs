@@ -3,11 +3,12 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches, Parser, Subcommand, ValueEnum};
+use remora_contract::traffic::{InboundSpec, OutboundSpec};
+use remora_contract::{defaults, duration, env, pod, value};
 use serde::Serialize;
 
 /// Errors found after clap has parsed the command line (aliases, cross-field checks).
@@ -43,89 +44,6 @@ pub enum Command {
     Drain(DrainConfig),
     /// Print the version.
     Version,
-}
-
-/// Parse a duration: `45s`, `1m30s`, `250ms`, or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let t = s.trim();
-    if t.is_empty() {
-        return Err("empty duration".into());
-    }
-    if let Ok(secs) = t.parse::<u64>() {
-        return Ok(Duration::from_secs(secs));
-    }
-    if let Ok(secs) = t.parse::<f64>() {
-        if (0.0..1e12).contains(&secs) {
-            return Ok(Duration::from_secs_f64(secs));
-        }
-        return Err(format!("{t:?} is not a non-negative duration"));
-    }
-    humantime::parse_duration(t).map_err(|e| format!("{e} (expected e.g. 45s, 1m30s, 250ms)"))
-}
-
-/// `--inbound PORT:APP_PORT` (or just `APP_PORT`, listening on `--inbound-port`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct InboundSpec {
-    /// Listener port; `None` means the default inbound port.
-    pub port: Option<u16>,
-    pub app_port: u16,
-}
-
-impl FromStr for InboundSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let port = |p: &str| {
-            p.parse::<u16>()
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or_else(|| format!("{p:?} is not a port (1-65535)"))
-        };
-        match s.split_once(':') {
-            Some((l, a)) => Ok(Self {
-                port: Some(port(l)?),
-                app_port: port(a)?,
-            }),
-            None => Ok(Self {
-                port: None,
-                app_port: port(s)?,
-            }),
-        }
-    }
-}
-
-/// `--outbound PORT:HOST:PORT`: a local listener forwarding to an upstream.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct OutboundSpec {
-    pub port: u16,
-    pub host: String,
-    pub upstream_port: u16,
-}
-
-impl FromStr for OutboundSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let (listen, rest) = s
-            .split_once(':')
-            .ok_or_else(|| format!("{s:?} is not PORT:HOST:PORT"))?;
-        let (host, up) = rest
-            .rsplit_once(':')
-            .ok_or_else(|| format!("{s:?} is not PORT:HOST:PORT"))?;
-        let port = |p: &str| {
-            p.parse::<u16>()
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or_else(|| format!("{p:?} is not a port (1-65535)"))
-        };
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() {
-            return Err(format!("{s:?} has an empty host"));
-        }
-        Ok(Self {
-            port: port(listen)?,
-            host: host.to_string(),
-            upstream_port: port(up)?,
-        })
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -168,13 +86,14 @@ pub struct RunConfig {
     #[arg(long, env = "REMORA_ENVOY_BIN", default_value = "envoy")]
     pub envoy_bin: PathBuf,
     /// Directory for the generated bootstrap, the SDS socket and the base-id file.
-    #[arg(long, env = "REMORA_RUN_DIR", default_value = "/var/run/remora")]
+    #[arg(long, env = env::RUN_DIR, default_value = pod::RUN_DIR)]
     pub run_dir: PathBuf,
     /// Envoy worker threads.
-    #[arg(long, env = "REMORA_CONCURRENCY", default_value_t = 2)]
+    #[arg(long, env = env::CONCURRENCY, default_value_t = defaults::CONCURRENCY,
+          value_parser = value::parse_concurrency)]
     pub concurrency: u32,
     /// Envoy's log level (trace, debug, info, warning, error, critical, off).
-    #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "warning")]
+    #[arg(long, env = env::LOG_LEVEL, default_value = defaults::LOG_LEVEL.as_str())]
     pub log_level: String,
     /// Envoy component log levels, e.g. `upstream:debug,config:info`.
     #[arg(long, env = "REMORA_COMPONENT_LOG_LEVEL")]
@@ -191,8 +110,8 @@ pub struct RunConfig {
 
     // ---- Lifecycle ----
     /// How long Envoy's listeners drain (Envoy `--drain-time-s`).
-    #[arg(long, env = "REMORA_DRAIN_DURATION", value_parser = parse_duration, default_value = "45s")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = env::DRAIN_DURATION, value_parser = duration::parse, default_value = defaults::DRAIN_DURATION)]
+    #[serde(with = "duration_text")]
     pub drain_duration: Duration,
     /// Envoy's drain strategy.
     #[arg(
@@ -203,52 +122,53 @@ pub struct RunConfig {
     )]
     pub drain_strategy: DrainStrategy,
     /// How long the old Envoy lives after a hot restart (Envoy `--parent-shutdown-time-s`).
-    #[arg(long, env = "REMORA_PARENT_SHUTDOWN_DURATION", value_parser = parse_duration, default_value = "60s")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = "REMORA_PARENT_SHUTDOWN_DURATION", value_parser = duration::parse, default_value = "60s")]
+    #[serde(with = "duration_text")]
     pub parent_shutdown_duration: Duration,
     /// On termination, wait this long after draining starts (unless exit-on-zero).
     /// Alias: TERMINATION_DRAIN_DURATION_SECONDS.
-    #[arg(long, env = "REMORA_TERMINATION_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = env::TERMINATION_DRAIN_DURATION, value_parser = duration::parse, default_value = defaults::TERMINATION_DRAIN_DURATION)]
+    #[serde(with = "duration_text")]
     pub termination_drain_duration: Duration,
     /// On termination, exit as soon as no downstream connection is left (after the minimum).
     /// Alias: EXIT_ON_ZERO_ACTIVE_CONNECTIONS.
-    #[arg(long, env = "REMORA_EXIT_ON_ZERO_ACTIVE_CONNECTIONS", default_value_t = false,
+    #[arg(long, env = env::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
+          default_value_t = defaults::EXIT_ON_ZERO_ACTIVE_CONNECTIONS, value_parser = value::parse_bool,
           num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub exit_on_zero_active_connections: bool,
     /// With exit-on-zero: always drain at least this long. Alias: MINIMUM_DRAIN_DURATION.
-    #[arg(long, env = "REMORA_MINIMUM_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = env::MINIMUM_DRAIN_DURATION, value_parser = duration::parse, default_value = defaults::MINIMUM_DRAIN_DURATION)]
+    #[serde(with = "duration_text")]
     pub minimum_drain_duration: Duration,
     /// Hard upper bound of a drain, from its start to Envoy stopped (the injector
     /// derives it from terminationGracePeriodSeconds).
-    #[arg(long, env = "REMORA_DRAIN_DEADLINE", value_parser = parse_duration, default_value = "25s")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = env::DRAIN_DEADLINE, value_parser = duration::parse, default_value = defaults::DRAIN_DEADLINE)]
+    #[serde(with = "duration_text")]
     pub drain_deadline: Duration,
     /// How often active connections are counted during an exit-on-zero drain.
-    #[arg(long, env = "REMORA_DRAIN_POLL_INTERVAL", value_parser = parse_duration, default_value = "50ms")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = "REMORA_DRAIN_POLL_INTERVAL", value_parser = duration::parse, default_value = "50ms")]
+    #[serde(with = "duration_text")]
     pub drain_poll_interval: Duration,
     /// Grace between SIGTERM and SIGKILL when Envoy is stopped.
-    #[arg(long, env = "REMORA_ENVOY_STOP_GRACE", value_parser = parse_duration, default_value = "5s")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = "REMORA_ENVOY_STOP_GRACE", value_parser = duration::parse, default_value = "5s")]
+    #[serde(with = "duration_text")]
     pub envoy_stop_grace: Duration,
     /// Abnormal Envoy exits tolerated within `--restart-window` before the agent gives up.
     #[arg(long, env = "REMORA_MAX_RESTARTS", default_value_t = 5)]
     pub max_restarts: u32,
     /// The window `--max-restarts` counts over.
-    #[arg(long, env = "REMORA_RESTART_WINDOW", value_parser = parse_duration, default_value = "5m")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = "REMORA_RESTART_WINDOW", value_parser = duration::parse, default_value = "5m")]
+    #[serde(with = "duration_text")]
     pub restart_window: Duration,
     /// First restart delay; doubles on each restart inside the window.
-    #[arg(long, env = "REMORA_RESTART_BACKOFF", value_parser = parse_duration, default_value = "200ms")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = "REMORA_RESTART_BACKOFF", value_parser = duration::parse, default_value = "200ms")]
+    #[serde(with = "duration_text")]
     pub restart_backoff: Duration,
     /// Downward-API file of the pod's annotations (live lifecycle overrides).
     #[arg(
         long,
-        env = "REMORA_ANNOTATIONS_FILE",
-        default_value = "/etc/remora/podinfo/annotations"
+        env = env::ANNOTATIONS_FILE,
+        default_value = pod::ANNOTATIONS_FILE
     )]
     pub annotations_file: PathBuf,
 
@@ -257,13 +177,13 @@ pub struct RunConfig {
     #[arg(long, env = "REMORA_DISCOVERY_ADDRESS")]
     pub discovery_address: Option<String>,
     /// Static mode: an inbound listener `PORT:APP_PORT` (or `APP_PORT` on --inbound-port).
-    #[arg(long, env = "REMORA_INBOUND", value_delimiter = ',')]
+    #[arg(long, env = env::INBOUND, value_delimiter = ',')]
     pub inbound: Vec<InboundSpec>,
     /// Default port of an inbound listener given as `--inbound APP_PORT`.
-    #[arg(long, env = "REMORA_INBOUND_PORT", default_value_t = 15006)]
+    #[arg(long, env = "REMORA_INBOUND_PORT", default_value_t = pod::INBOUND_PORT)]
     pub inbound_port: u16,
     /// Static mode: an outbound listener `PORT:HOST:PORT` for the app's calls out.
-    #[arg(long, env = "REMORA_OUTBOUND", value_delimiter = ',')]
+    #[arg(long, env = env::OUTBOUND, value_delimiter = ',')]
     pub outbound: Vec<OutboundSpec>,
     /// Terminate mTLS on the inbound listeners with the workload certificate from SDS.
     #[arg(long, env = "REMORA_INBOUND_TLS", default_value_t = false,
@@ -297,8 +217,8 @@ pub struct RunConfig {
     #[arg(long, env = "REMORA_TRUST_DOMAIN", default_value = "cluster.local")]
     pub trust_domain: String,
     /// Requested certificate lifetime.
-    #[arg(long, env = "REMORA_CERT_TTL", value_parser = parse_duration, default_value = "24h")]
-    #[serde(with = "humantime_serde_compat")]
+    #[arg(long, env = "REMORA_CERT_TTL", value_parser = duration::parse, default_value = "24h")]
+    #[serde(with = "duration_text")]
     pub cert_ttl: Duration,
     /// Key algorithm of the workload key.
     #[arg(
@@ -319,37 +239,37 @@ pub struct RunConfig {
     pub sds_socket: Option<PathBuf>,
 
     // ---- Ports ----
-    #[arg(long, env = "REMORA_ENVOY_ADMIN_PORT", default_value_t = 15000)]
+    #[arg(long, env = "REMORA_ENVOY_ADMIN_PORT", default_value_t = pod::ENVOY_ADMIN_PORT)]
     pub envoy_admin_port: u16,
     /// Agent admin (metrics, quitquitquit, drain, debug): always on 127.0.0.1.
-    #[arg(long, env = "REMORA_ADMIN_PORT", default_value_t = 15020)]
+    #[arg(long, env = env::ADMIN_PORT, default_value_t = pod::AGENT_ADMIN_PORT)]
     pub admin_port: u16,
     /// Health (`/healthz/ready`, `/healthz/live`) port.
-    #[arg(long, env = "REMORA_HEALTH_PORT", default_value_t = 15021)]
+    #[arg(long, env = env::HEALTH_PORT, default_value_t = pod::HEALTH_PORT)]
     pub health_port: u16,
     /// Address the health port binds to.
     #[arg(long, env = "REMORA_HEALTH_ADDRESS", default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
     pub health_address: IpAddr,
     /// Envoy's Prometheus stats listener port.
-    #[arg(long, env = "REMORA_STATS_PORT", default_value_t = 15090)]
+    #[arg(long, env = "REMORA_STATS_PORT", default_value_t = pod::STATS_PORT)]
     pub stats_port: u16,
 
     // ---- Identity (downward API) ----
-    #[arg(long, env = "POD_NAME", default_value = "")]
+    #[arg(long, env = env::POD_NAME, default_value = "")]
     pub pod_name: String,
-    #[arg(long, env = "POD_NAMESPACE", default_value = "")]
+    #[arg(long, env = env::POD_NAMESPACE, default_value = "")]
     pub pod_namespace: String,
-    #[arg(long, env = "SERVICE_ACCOUNT", default_value = "")]
+    #[arg(long, env = env::SERVICE_ACCOUNT, default_value = "")]
     pub service_account: String,
-    #[arg(long, env = "INSTANCE_IP", default_value = "")]
+    #[arg(long, env = env::INSTANCE_IP, default_value = "")]
     pub instance_ip: String,
 }
 
-/// Serialize durations as humantime strings in `/debug/config`.
-mod humantime_serde_compat {
+/// Durations in `/debug/config` are written in the grammar they are given in.
+mod duration_text {
     use std::time::Duration;
     pub fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
+        s.serialize_str(&remora_contract::duration::format(*d))
     }
 }
 
@@ -358,12 +278,12 @@ mod humantime_serde_compat {
 const ISTIO_ALIASES: &[(&str, &str)] = &[
     (
         "exit_on_zero_active_connections",
-        "EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
+        env::istio::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
     ),
-    ("minimum_drain_duration", "MINIMUM_DRAIN_DURATION"),
+    ("minimum_drain_duration", env::istio::MINIMUM_DRAIN_DURATION),
     (
         "termination_drain_duration",
-        "TERMINATION_DRAIN_DURATION_SECONDS",
+        env::istio::TERMINATION_DRAIN_DURATION_SECONDS,
     ),
 ];
 
@@ -390,14 +310,17 @@ impl RunConfig {
             };
             match *field {
                 "exit_on_zero_active_connections" => {
-                    self.exit_on_zero_active_connections = parse_bool(&raw).map_err(&invalid)?;
+                    self.exit_on_zero_active_connections =
+                        value::parse_bool(&raw).map_err(&invalid)?;
                 }
                 "minimum_drain_duration" => {
-                    self.minimum_drain_duration = parse_duration(&raw).map_err(invalid)?;
+                    self.minimum_drain_duration =
+                        duration::parse(&raw).map_err(|e| invalid(e.to_string()))?;
                 }
                 "termination_drain_duration" => {
                     // Istio's variable is whole seconds; a duration string is accepted too.
-                    self.termination_drain_duration = parse_duration(&raw).map_err(invalid)?;
+                    self.termination_drain_duration =
+                        duration::parse_seconds(&raw).map_err(|e| invalid(e.to_string()))?;
                 }
                 _ => {}
             }
@@ -451,31 +374,23 @@ fn is_secret_key(key: &str) -> bool {
         || k.ends_with("_key")
 }
 
-pub fn parse_bool(s: &str) -> Result<bool, String> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" | "" => Ok(false),
-        other => Err(format!("{other:?} is not a boolean (true/false)")),
-    }
-}
-
 /// `remora-agent wait`.
 #[derive(Debug, Clone, Args)]
 pub struct WaitConfig {
     /// Give up after this long (exit 1).
-    #[arg(long, value_parser = parse_duration, default_value = "60s")]
+    #[arg(long, value_parser = duration::parse, default_value = "60s")]
     pub timeout: Duration,
     /// Time between checks (the first one is immediate).
-    #[arg(long, value_parser = parse_duration, default_value = "200ms")]
+    #[arg(long, value_parser = duration::parse, default_value = "200ms")]
     pub period: Duration,
     /// Timeout of a single check.
-    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    #[arg(long, value_parser = duration::parse, default_value = "1s")]
     pub request_timeout: Duration,
     /// Readiness URL to poll; default: the agent's health port on loopback.
     #[arg(long, env = "REMORA_WAIT_URL")]
     pub url: Option<String>,
     /// Health port of the agent in this container (the hook runs with its env).
-    #[arg(long, env = "REMORA_HEALTH_PORT", default_value_t = 15021)]
+    #[arg(long, env = env::HEALTH_PORT, default_value_t = pod::HEALTH_PORT)]
     pub health_port: u16,
 }
 
@@ -491,13 +406,13 @@ impl WaitConfig {
 #[derive(Debug, Clone, Args)]
 pub struct DrainConfig {
     /// Give up waiting after this long (the agent goes on draining).
-    #[arg(long, value_parser = parse_duration, default_value = "120s")]
+    #[arg(long, value_parser = duration::parse, default_value = "120s")]
     pub timeout: Duration,
     /// The agent's admin URL; default: its admin port on loopback.
     #[arg(long, env = "REMORA_ADMIN_URL")]
     pub admin_url: Option<String>,
     /// Admin port of the agent in this container (the hook runs with its env).
-    #[arg(long, env = "REMORA_ADMIN_PORT", default_value_t = 15020)]
+    #[arg(long, env = env::ADMIN_PORT, default_value_t = pod::AGENT_ADMIN_PORT)]
     pub admin_port: u16,
 }
 
@@ -556,49 +471,27 @@ mod tests {
     }
 
     #[test]
-    fn durations() {
-        assert_eq!(parse_duration("45s"), Ok(Duration::from_secs(45)));
-        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
-        assert_eq!(parse_duration("0.5"), Ok(Duration::from_millis(500)));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("-3").is_err());
-        assert!(parse_duration("").is_err());
-    }
-
-    #[test]
-    fn specs() {
-        assert_eq!(
-            "15006:8080".parse::<InboundSpec>(),
-            Ok(InboundSpec {
-                port: Some(15006),
-                app_port: 8080
-            })
+    fn durations_follow_the_contract_grammar_and_bound() {
+        let c = run(
+            &["--drain-duration", "1m30s", "--drain-deadline", "24h"],
+            &[],
+        )
+        .expect("in the grammar");
+        assert_eq!(c.drain_duration, Duration::from_secs(90));
+        assert_eq!(c.drain_deadline, duration::MAX);
+        for (flag, value, says) in [
+            ("--drain-duration", "30", "30s"),
+            ("--drain-deadline", "2562047788015215h30m2s", "24h"),
+            ("--termination-drain-duration", "0.5", "45s"),
+        ] {
+            let err = run(&[flag, value], &[]).unwrap_err();
+            assert!(err.contains(flag) && err.contains(says), "{err}");
+        }
+        let err = run(&[], &[("TERMINATION_DRAIN_DURATION_SECONDS", "99999999")]).unwrap_err();
+        assert!(
+            err.contains("TERMINATION_DRAIN_DURATION_SECONDS") && err.contains("24h"),
+            "{err}"
         );
-        assert_eq!(
-            "8080".parse::<InboundSpec>(),
-            Ok(InboundSpec {
-                port: None,
-                app_port: 8080
-            })
-        );
-        assert!("x:80".parse::<InboundSpec>().is_err());
-        assert!("0".parse::<InboundSpec>().is_err());
-        assert_eq!(
-            "15001:api.local:443".parse::<OutboundSpec>(),
-            Ok(OutboundSpec {
-                port: 15001,
-                host: "api.local".into(),
-                upstream_port: 443
-            })
-        );
-        assert_eq!(
-            "15001:[::1]:80".parse::<OutboundSpec>().map(|o| o.host),
-            Ok("::1".into())
-        );
-        assert!("15001:80".parse::<OutboundSpec>().is_err());
-        assert!("15001::80".parse::<OutboundSpec>().is_err());
     }
 
     #[test]

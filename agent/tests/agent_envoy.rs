@@ -468,6 +468,37 @@ fn annotations_file_overrides_drain_settings_at_drain_time() {
 }
 
 #[test]
+fn huge_annotations_are_refused_and_the_drain_keeps_its_bound() {
+    let mut agent = Agent::builder()
+        .args([
+            "--termination-drain-duration",
+            "300ms",
+            "--drain-deadline",
+            "5s",
+        ])
+        .start();
+    agent.write_annotations(&[
+        (
+            "remora.dev/lifecycle",
+            r#"{"drainDeadline":"2562047788015215h30m2s"}"#,
+        ),
+        ("remora.dev/termination-drain-duration", "99999999h"),
+    ]);
+    let effective = agent.debug()["effective_drain_settings"].clone();
+    assert_eq!(effective["drain_deadline"], 5.0, "{effective}");
+    assert_eq!(effective["termination_drain_duration"], 0.3, "{effective}");
+    agent.signal(Signal::SIGTERM);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "never 101:\n{}", agent.log());
+    assert!(!agent.log().contains("panicked"), "{}", agent.log());
+    assert!(
+        agent.log().contains("24h"),
+        "the refusal names the bound:\n{}",
+        agent.log()
+    );
+}
+
+#[test]
 fn annotation_changing_drain_duration_restarts_envoy_hot() {
     let mut agent = Agent::builder().args(["--drain-duration", "45s"]).start();
     agent.write_annotations(&[("remora.dev/drain-duration", "7s")]);

@@ -41,6 +41,35 @@ fn bad_duration_exits_2_naming_the_flag() {
     assert!(stderr(&o).contains("--timeout"), "{}", stderr(&o));
 }
 
+/// The value the injector once derived from terminationGracePeriodSeconds
+/// 9223372036854775807: the agent took it and panicked at SIGTERM (exit 101).
+const HUGE: &str = "2562047788015215h30m2s";
+
+#[test]
+fn durations_past_the_bound_exit_2_naming_the_flag_and_the_bound() {
+    for flag in ["--drain-deadline", "--drain-duration", "--restart-window"] {
+        let o = run(&["run", "--envoy-bin", "/bin/true", flag, HUGE]);
+        assert_eq!(o.status.code(), Some(2), "{flag}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(flag) && stderr(&o).contains("24h"),
+            "{}",
+            stderr(&o)
+        );
+        assert_no_panic(&o);
+    }
+    let o = Command::new(agent_bin())
+        .args(["run", "--envoy-bin", "/bin/true"])
+        .env("REMORA_DRAIN_DEADLINE", HUGE)
+        .output()
+        .expect("runs");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--drain-deadline"), "{}", stderr(&o));
+    // A bare number has no unit in the one grammar: refused, with the fix.
+    let o = run(&["run", "--envoy-bin", "/bin/true", "--drain-duration", "30"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("30s"), "{}", stderr(&o));
+}
+
 #[test]
 fn bad_istio_alias_exits_2_naming_the_variable() {
     let o = Command::new(agent_bin())

@@ -23,16 +23,8 @@ pub const GROUP: &str = "remora.dev";
 pub const VERSION: &str = "v1alpha1";
 
 /// The built-in defaults (the weakest layer, "chart defaults").
-pub mod defaults {
-    pub const HOLD_APPLICATION_UNTIL_PROXY_STARTS: bool = true;
-    pub const STARTUP_TIMEOUT: &str = "60s";
-    pub const DRAIN_DURATION: &str = "45s";
-    pub const TERMINATION_DRAIN_DURATION: &str = "5s";
-    pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: bool = false;
-    pub const MINIMUM_DRAIN_DURATION: &str = "5s";
-    pub const CONCURRENCY: i32 = 2;
-    pub const LOG_LEVEL: &str = "warning";
-}
+pub use remora_contract::defaults;
+pub use remora_contract::{LogLevel, SidecarMode};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CrdError {
@@ -101,6 +93,7 @@ pub struct SidecarLifecycleSpec {
     /// container (Kubernetes >= 1.29). Auto: Native where every node supports
     /// it, else Legacy. Default when no layer sets it: Auto.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "mode_schema")]
     pub mode: Option<SidecarMode>,
     /// How the application waits for the proxy at startup.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -140,39 +133,6 @@ impl WorkloadSelector {
         self.match_labels
             .iter()
             .all(|(k, v)| labels.get(k).is_some_and(|l| l == v))
-    }
-}
-
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
-pub enum SidecarMode {
-    /// Native where the cluster supports it, else Legacy.
-    #[default]
-    Auto,
-    /// The sidecar is the first regular container.
-    Legacy,
-    /// The sidecar is an init container with `restartPolicy: Always`.
-    Native,
-}
-
-impl SidecarMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Auto => "Auto",
-            Self::Legacy => "Legacy",
-            Self::Native => "Native",
-        }
-    }
-}
-
-impl std::str::FromStr for SidecarMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "legacy" => Ok(Self::Legacy),
-            "native" => Ok(Self::Native),
-            _ => Err(format!("{s:?} is not a mode (Auto, Legacy, Native)")),
-        }
     }
 }
 
@@ -237,6 +197,7 @@ pub struct ProxySpec {
     pub concurrency: Option<i32>,
     /// Envoy's log level. Default: warning.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "log_level_schema")]
     pub log_level: Option<LogLevel>,
     /// Compute resources of the sidecar container. Default: requests
     /// cpu 100m, memory 128Mi; limits memory 1Gi.
@@ -244,48 +205,23 @@ pub struct ProxySpec {
     pub resources: Option<ResourceRequirements>,
 }
 
-// Each variant is documented: the schema then lists the values in a way
-// kube's rewriter turns into a plain enum without a `null` entry.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum LogLevel {
-    /// Everything.
-    Trace,
-    /// Debugging detail.
-    Debug,
-    /// Informational messages.
-    Info,
-    /// Warnings and worse (the default).
-    Warning,
-    /// Errors and worse.
-    Error,
-    /// Critical errors only.
-    Critical,
-    /// Nothing.
-    Off,
+/// The schema of a string enum whose values come from the contract crate
+/// (which stays free of schemars): a plain `enum`, nullable because every
+/// lifecycle field is optional.
+fn string_enum(values: &[&str]) -> Schema {
+    json_schema!({
+        "type": "string",
+        "enum": values,
+        "nullable": true,
+    })
 }
 
-impl LogLevel {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Trace => "trace",
-            Self::Debug => "debug",
-            Self::Info => "info",
-            Self::Warning => "warning",
-            Self::Error => "error",
-            Self::Critical => "critical",
-            Self::Off => "off",
-        }
-    }
+fn mode_schema(_: &mut SchemaGenerator) -> Schema {
+    string_enum(&SidecarMode::ALL.map(SidecarMode::as_str))
 }
 
-impl std::str::FromStr for LogLevel {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|_| {
-            format!("{s:?} is not a log level (trace, debug, info, warning, error, critical, off)")
-        })
-    }
+fn log_level_schema(_: &mut SchemaGenerator) -> Schema {
+    string_enum(&LogLevel::ALL.map(LogLevel::as_str))
 }
 
 /// A duration such as `45s`, `1m30s` or `250ms`: whole numbers with the units
@@ -294,8 +230,8 @@ impl std::str::FromStr for LogLevel {
 #[serde(transparent)]
 pub struct DurationString(pub String);
 
-/// The format of a [`DurationString`]; kept in the schema and checked here.
-pub const DURATION_PATTERN: &str = "^([0-9]+(h|m|s|ms))+$";
+/// The format of a [`DurationString`]: the contract's one grammar.
+pub const DURATION_PATTERN: &str = remora_contract::duration::PATTERN;
 
 impl DurationString {
     pub fn new(s: impl Into<String>) -> Self {
@@ -307,8 +243,8 @@ impl DurationString {
     }
 
     /// Parse to a std duration, accepting exactly what the schema accepts.
-    pub fn parse(&self) -> Result<std::time::Duration, String> {
-        parse_duration(&self.0)
+    pub fn parse(&self) -> Result<std::time::Duration, remora_contract::DurationError> {
+        remora_contract::duration::parse(&self.0)
     }
 }
 
@@ -316,60 +252,6 @@ impl std::fmt::Display for DurationString {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
     }
-}
-
-/// Parse `45s`, `1m30s`, `250ms` (the schema's [`DURATION_PATTERN`]).
-pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    let bad = || format!("{s:?} is not a duration like 45s, 1m30s or 250ms");
-    if s.is_empty() || s.len() > 32 {
-        return Err(bad());
-    }
-    let mut total: u128 = 0;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-        if digits == 0 {
-            return Err(bad());
-        }
-        let n: u128 = rest[..digits].parse().map_err(|_| bad())?;
-        rest = &rest[digits..];
-        let (unit_ms, len) = if rest.starts_with("ms") {
-            (1, 2)
-        } else if rest.starts_with('h') {
-            (3_600_000, 1)
-        } else if rest.starts_with('m') {
-            (60_000, 1)
-        } else if rest.starts_with('s') {
-            (1_000, 1)
-        } else {
-            return Err(bad());
-        };
-        rest = &rest[len..];
-        total = n
-            .checked_mul(unit_ms)
-            .and_then(|v| total.checked_add(v))
-            .ok_or_else(bad)?;
-    }
-    let ms = u64::try_from(total).map_err(|_| bad())?;
-    Ok(std::time::Duration::from_millis(ms))
-}
-
-/// Render a duration in the schema's format (`1m30s`, `250ms`, `0s`).
-pub fn format_duration(d: std::time::Duration) -> String {
-    let ms = d.as_millis();
-    if ms == 0 {
-        return "0s".into();
-    }
-    let (h, rem) = (ms / 3_600_000, ms % 3_600_000);
-    let (m, rem) = (rem / 60_000, rem % 60_000);
-    let (s, ms) = (rem / 1000, rem % 1000);
-    let mut out = String::new();
-    for (n, unit) in [(h, "h"), (m, "m"), (s, "s"), (ms, "ms")] {
-        if n > 0 {
-            out.push_str(&format!("{n}{unit}"));
-        }
-    }
-    out
 }
 
 impl JsonSchema for DurationString {
@@ -385,10 +267,10 @@ impl JsonSchema for DurationString {
         json_schema!({
             "type": "string",
             "pattern": DURATION_PATTERN,
-            "maxLength": 32,
+            "maxLength": remora_contract::duration::MAX_LEN,
             "x-kubernetes-validations": [{
-                "rule": "duration(self) >= duration('0s') && duration(self) <= duration('24h')",
-                "message": "must be a duration between 0s and 24h, e.g. 45s, 1m30s or 250ms"
+                "rule": remora_contract::duration::CEL_RULE,
+                "message": remora_contract::duration::CEL_MESSAGE,
             }]
         })
     }
@@ -440,33 +322,6 @@ pub fn crd_yaml() -> Result<String, CrdError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
-
-    #[test]
-    fn durations_round_trip() {
-        for (s, d) in [
-            ("45s", Duration::from_secs(45)),
-            ("1m30s", Duration::from_secs(90)),
-            ("250ms", Duration::from_millis(250)),
-            ("1h", Duration::from_secs(3600)),
-            ("0s", Duration::ZERO),
-        ] {
-            assert_eq!(parse_duration(s), Ok(d), "{s}");
-            assert_eq!(parse_duration(&format_duration(d)), Ok(d));
-        }
-        for bad in [
-            "",
-            "45",
-            "-1s",
-            "1.5s",
-            "s",
-            "1d",
-            "1 s",
-            "99999999999999999999999h",
-        ] {
-            assert!(parse_duration(bad).is_err(), "{bad:?}");
-        }
-    }
 
     #[test]
     fn selector_matches_all_labels() {

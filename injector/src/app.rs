@@ -99,7 +99,7 @@ pub struct ServeArgs {
     )]
     pub tls_key: PathBuf,
     /// How often the certificate files are checked for a change.
-    #[arg(long, env = "REMORA_CERT_RELOAD_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "10s")]
+    #[arg(long, env = "REMORA_CERT_RELOAD_INTERVAL", value_parser = remora_contract::duration::parse, default_value = "10s")]
     pub cert_reload_interval: Duration,
     /// The operator's namespace: a SidecarLifecycle without selector there is
     /// the cluster default; the leader Lease lives there too.
@@ -112,7 +112,7 @@ pub struct ServeArgs {
     #[arg(long, env = "REMORA_DEFAULT_MODE", default_value = "Auto")]
     pub default_mode: SidecarMode,
     /// How long to wait for the first listing of the cluster before serving.
-    #[arg(long, env = "REMORA_SYNC_TIMEOUT", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
+    #[arg(long, env = "REMORA_SYNC_TIMEOUT", value_parser = remora_contract::duration::parse, default_value = "30s")]
     pub sync_timeout: Duration,
     /// Make and share our own CA and serving certificate (in --tls-secret)
     /// and patch its CA into --webhook-config, instead of reading --tls-cert/--tls-key.
@@ -146,7 +146,7 @@ pub struct ServeArgs {
           num_args = 0..=1, default_missing_value = "true")]
     pub stop_completed_jobs: bool,
     /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
-    #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_agent::config::parse_duration, default_value = "30s")]
+    #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_contract::duration::parse, default_value = "30s")]
     pub rollout_interval: Duration,
     /// Run the controller only while holding the leader Lease; false: this
     /// replica always runs it (one replica only).
@@ -160,18 +160,18 @@ pub struct ServeArgs {
     #[arg(long, env = "POD_NAME")]
     pub leader_identity: Option<String>,
     /// How long the others respect a Lease that stopped being renewed.
-    #[arg(long, env = "REMORA_LEASE_DURATION", value_parser = remora_agent::config::parse_duration, default_value = "15s")]
+    #[arg(long, env = "REMORA_LEASE_DURATION", value_parser = remora_contract::duration::parse, default_value = "15s")]
     pub lease_duration: Duration,
     /// The leader steps down when it could not renew for this long
     /// (shorter than --lease-duration).
-    #[arg(long, env = "REMORA_RENEW_DEADLINE", value_parser = remora_agent::config::parse_duration, default_value = "10s")]
+    #[arg(long, env = "REMORA_RENEW_DEADLINE", value_parser = remora_contract::duration::parse, default_value = "10s")]
     pub renew_deadline: Duration,
     /// Pause between attempts to acquire or renew the Lease.
-    #[arg(long, env = "REMORA_RETRY_PERIOD", value_parser = remora_agent::config::parse_duration, default_value = "2s")]
+    #[arg(long, env = "REMORA_RETRY_PERIOD", value_parser = remora_contract::duration::parse, default_value = "2s")]
     pub retry_period: Duration,
     /// After SIGTERM: how long in-flight admissions and the leader-only work
     /// get to finish before they are cut off.
-    #[arg(long, env = "REMORA_SHUTDOWN_GRACE", value_parser = remora_agent::config::parse_duration, default_value = "10s")]
+    #[arg(long, env = "REMORA_SHUTDOWN_GRACE", value_parser = remora_contract::duration::parse, default_value = "10s")]
     pub shutdown_grace: Duration,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]

@@ -8,21 +8,9 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use remora_agent::lifecycle::{
-    DRAIN_DURATION_ANNOTATION, EXIT_ON_ZERO_ANNOTATION, MINIMUM_DRAIN_DURATION_ANNOTATION,
-    TERMINATION_DRAIN_DURATION_ANNOTATION,
-};
-use remora_crds::{
-    LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode, defaults, parse_duration,
-};
+use remora_contract::{Overlay, defaults, duration};
+use remora_crds::{LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode};
 use serde::Serialize;
-
-/// Pod annotation choosing the sidecar mode (DESIGN.md).
-pub const MODE_ANNOTATION: &str = "remora.dev/sidecar-mode";
-pub const HOLD_ANNOTATION: &str = "remora.dev/hold-application-until-proxy-starts";
-pub const STARTUP_TIMEOUT_ANNOTATION: &str = "remora.dev/startup-timeout";
-pub const CONCURRENCY_ANNOTATION: &str = "remora.dev/concurrency";
-pub const LOG_LEVEL_ANNOTATION: &str = "remora.dev/log-level";
 
 /// The defaults the chart (or the command line) gives; the weakest layer.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -107,7 +95,8 @@ impl EffectiveConfig {
     }
 
     pub fn from_defaults(d: &ChartDefaults) -> Self {
-        let dur = |s: &str| parse_duration(s).unwrap_or_default();
+        // The contract's own test parses every default.
+        let dur = |s: &str| duration::parse(s).unwrap_or_default();
         Self {
             image: d.image.clone(),
             image_pull_policy: d.image_pull_policy.clone(),
@@ -118,8 +107,8 @@ impl EffectiveConfig {
             termination_drain_duration: dur(defaults::TERMINATION_DRAIN_DURATION),
             exit_on_zero_active_connections: defaults::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
             minimum_drain_duration: dur(defaults::MINIMUM_DRAIN_DURATION),
-            concurrency: defaults::CONCURRENCY,
-            log_level: LogLevel::Warning,
+            concurrency: concurrency(defaults::CONCURRENCY),
+            log_level: defaults::LOG_LEVEL,
             resources: d.resources.clone(),
             sources: vec!["defaults".into()],
             problems: Vec::new(),
@@ -169,7 +158,7 @@ impl EffectiveConfig {
         }
         if let Some(p) = &spec.proxy {
             if let Some(c) = p.concurrency {
-                self.concurrency = c.clamp(0, 256);
+                self.concurrency = c.clamp(0, concurrency(remora_contract::value::MAX_CONCURRENCY));
             }
             if let Some(l) = p.log_level {
                 self.log_level = l;
@@ -183,65 +172,30 @@ impl EffectiveConfig {
     }
 
     /// Overlay the pod's own `remora.dev/<kebab-case-field>` annotations, the
-    /// strongest layer. Bad values are reported and skipped.
+    /// strongest layer, read by the contract's [`Overlay`] exactly as the
+    /// agent reads them. Bad values are reported and skipped.
     pub fn apply_annotations(&mut self, ann: &BTreeMap<String, String>) {
         let before = self.clone();
-        let mut problems = Vec::new();
-        let mut dur = |key: &str, slot: &mut Duration| {
-            if let Some(raw) = ann.get(key) {
-                match parse_duration(raw.trim()) {
-                    Ok(d) => *slot = d,
-                    Err(e) => problems.push(format!("annotation {key}: {e}")),
-                }
-            }
-        };
-        dur(STARTUP_TIMEOUT_ANNOTATION, &mut self.startup_timeout);
-        dur(DRAIN_DURATION_ANNOTATION, &mut self.drain_duration);
-        dur(
-            TERMINATION_DRAIN_DURATION_ANNOTATION,
-            &mut self.termination_drain_duration,
-        );
-        dur(
-            MINIMUM_DRAIN_DURATION_ANNOTATION,
-            &mut self.minimum_drain_duration,
-        );
-        let mut boolean = |key: &str, slot: &mut bool| {
-            if let Some(raw) = ann.get(key) {
-                match remora_agent::config::parse_bool(raw.trim()) {
-                    Ok(b) => *slot = b,
-                    Err(e) => problems.push(format!("annotation {key}: {e}")),
-                }
-            }
-        };
-        boolean(
-            HOLD_ANNOTATION,
-            &mut self.hold_application_until_proxy_starts,
-        );
-        boolean(
-            EXIT_ON_ZERO_ANNOTATION,
-            &mut self.exit_on_zero_active_connections,
-        );
-        if let Some(raw) = ann.get(MODE_ANNOTATION) {
-            match raw.trim().parse::<SidecarMode>() {
-                Ok(m) => self.mode = m,
-                Err(e) => problems.push(format!("annotation {MODE_ANNOTATION}: {e}")),
-            }
-        }
-        if let Some(raw) = ann.get(CONCURRENCY_ANNOTATION) {
-            match raw.trim().parse::<i32>() {
-                Ok(c) if (0..=256).contains(&c) => self.concurrency = c,
-                _ => problems.push(format!(
-                    "annotation {CONCURRENCY_ANNOTATION}: {raw:?} is not a number from 0 to 256"
-                )),
-            }
-        }
-        if let Some(raw) = ann.get(LOG_LEVEL_ANNOTATION) {
-            match raw.trim().parse::<LogLevel>() {
-                Ok(l) => self.log_level = l,
-                Err(e) => problems.push(format!("annotation {LOG_LEVEL_ANNOTATION}: {e}")),
-            }
-        }
-        self.problems.extend(problems);
+        let (o, problems) = Overlay::from_annotations(ann);
+        self.mode = o.mode.unwrap_or(self.mode);
+        self.hold_application_until_proxy_starts = o
+            .hold_application_until_proxy_starts
+            .unwrap_or(self.hold_application_until_proxy_starts);
+        self.startup_timeout = o.startup_timeout.unwrap_or(self.startup_timeout);
+        self.drain_duration = o.drain_duration.unwrap_or(self.drain_duration);
+        self.termination_drain_duration = o
+            .termination_drain_duration
+            .unwrap_or(self.termination_drain_duration);
+        self.exit_on_zero_active_connections = o
+            .exit_on_zero_active_connections
+            .unwrap_or(self.exit_on_zero_active_connections);
+        self.minimum_drain_duration = o
+            .minimum_drain_duration
+            .unwrap_or(self.minimum_drain_duration);
+        self.concurrency = o.concurrency.map_or(self.concurrency, concurrency);
+        self.log_level = o.log_level.unwrap_or(self.log_level);
+        self.problems
+            .extend(problems.iter().map(|p| format!("annotation {p}")));
         let mut after = self.clone();
         after.sources = before.sources.clone();
         after.problems = before.problems.clone();
@@ -249,6 +203,11 @@ impl EffectiveConfig {
             self.sources.push("pod-annotations".into());
         }
     }
+}
+
+/// A worker count the contract bounded (at most 256) as the CRD's integer.
+fn concurrency(c: u32) -> i32 {
+    i32::try_from(c).unwrap_or(i32::MAX)
 }
 
 /// A `SidecarLifecycle` as the resolver sees it: where it lives, how old it is.
@@ -326,6 +285,7 @@ pub fn resolve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use remora_contract::annotations;
     use remora_crds::{DurationString, ShutdownSpec, WorkloadSelector};
 
     fn entry(
@@ -395,7 +355,7 @@ mod tests {
             Some(&[("app", "db")]),
             "7s",
         );
-        let ann = |v: &str| labels(&[(TERMINATION_DRAIN_DURATION_ANNOTATION, v)]);
+        let ann = |v: &str| labels(&[(annotations::TERMINATION_DRAIN_DURATION, v)]);
 
         struct Row {
             what: &'static str,
@@ -555,14 +515,14 @@ mod tests {
     #[test]
     fn annotations_cover_every_field() {
         let ann = labels(&[
-            (MODE_ANNOTATION, "native"),
-            (HOLD_ANNOTATION, "false"),
-            (STARTUP_TIMEOUT_ANNOTATION, "2m"),
-            (DRAIN_DURATION_ANNOTATION, "10s"),
-            (MINIMUM_DRAIN_DURATION_ANNOTATION, "250ms"),
-            (EXIT_ON_ZERO_ANNOTATION, "true"),
-            (CONCURRENCY_ANNOTATION, "4"),
-            (LOG_LEVEL_ANNOTATION, "debug"),
+            (annotations::MODE, "native"),
+            (annotations::HOLD_APPLICATION_UNTIL_PROXY_STARTS, "false"),
+            (annotations::STARTUP_TIMEOUT, "2m"),
+            (annotations::DRAIN_DURATION, "10s"),
+            (annotations::MINIMUM_DRAIN_DURATION, "250ms"),
+            (annotations::EXIT_ON_ZERO_ACTIVE_CONNECTIONS, "true"),
+            (annotations::CONCURRENCY, "4"),
+            (annotations::LOG_LEVEL, "debug"),
         ]);
         let cfg = resolve(
             &ChartDefaults::default(),

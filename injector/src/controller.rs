@@ -38,7 +38,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use remora_agent::lifecycle::LIFECYCLE_ANNOTATION;
+use remora_contract::annotations::LIFECYCLE as LIFECYCLE_ANNOTATION;
 use remora_crds::{RolloutPolicy, SidecarLifecycle, SidecarLifecycleStatus, condition};
 use serde_json::json;
 use tokio::time::Instant;

@@ -22,10 +22,12 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
-use remora_agent::lifecycle::{STOP_ANNOTATION, StopRequest};
+use remora_contract::annotations::STOP as STOP_ANNOTATION;
+use remora_contract::lifecycle::StopRequest;
 use tokio_util::sync::CancellationToken;
 
-use crate::mutate::{PROXY_CONTAINER, STATUS_ANNOTATION};
+use crate::mutate::STATUS_ANNOTATION;
+use remora_contract::pod::PROXY_CONTAINER;
 
 /// The field manager and event reporter of the injector.
 pub const FIELD_MANAGER: &str = "remora-injector";

@@ -17,47 +17,30 @@ use k8s_openapi::api::core::v1::{
     VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use remora_agent::lifecycle::{
-    LIFECYCLE_ANNOTATION, LifecycleAnnotation, ShutdownAnnotation, StartupAnnotation,
+use remora_contract::duration::format as format_duration;
+use remora_contract::lifecycle::{
+    LifecycleAnnotation, ShutdownAnnotation, SidecarStatus, StartupAnnotation,
 };
-use remora_crds::{SidecarMode, format_duration};
+use remora_contract::pod::{
+    HEALTH_PORT, INBOUND_PORT, PODINFO_DIR, PODINFO_VOLUME, PROXY_CONTAINER, PROXY_UID, READY_PATH,
+    RUN_DIR, RUN_VOLUME, SIDECAR_PORTS,
+};
+use remora_contract::traffic::{InboundSpec, OutboundSpec};
+use remora_contract::{annotations as keys, defaults, env as env_name};
+use remora_crds::SidecarMode;
 use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::config::EffectiveConfig;
 
-pub const PROXY_CONTAINER: &str = "remora-proxy";
-pub const STATUS_ANNOTATION: &str = "remora.dev/status";
-pub const INJECT_LABEL: &str = "remora.dev/inject";
-pub const RUN_VOLUME: &str = "remora-run";
-pub const PODINFO_VOLUME: &str = "remora-podinfo";
-pub const RUN_DIR: &str = "/var/run/remora";
-pub const PODINFO_DIR: &str = "/etc/remora/podinfo";
-pub const PROXY_UID: i64 = 1337;
-pub const HEALTH_PORT: i32 = 15021;
-/// The sidecar's default inbound listener (static mode); Services target it
-/// by number or by the port name `remora-inbound`.
-pub const INBOUND_PORT: i32 = 15006;
-/// Pod annotation listing the inbound listeners, `PORT:APP_PORT,...` (the
-/// agent's `--inbound`); without it, the first TCP port of the first app
-/// container is served on 15006.
-pub const INBOUND_ANNOTATION: &str = "remora.dev/inbound";
-/// Pod annotation listing outbound listeners, `PORT:HOST:PORT,...` (the agent's `--outbound`).
-pub const OUTBOUND_ANNOTATION: &str = "remora.dev/outbound";
-pub const READY_PATH: &str = "/healthz/ready";
-/// terminationGracePeriodSeconds when the pod does not say.
-pub const DEFAULT_GRACE_SECONDS: i64 = 30;
+// Names other modules of the injector use; they are the contract's.
+pub use remora_contract::annotations::{
+    INJECT_LABEL, LIFECYCLE as LIFECYCLE_ANNOTATION, STATUS as STATUS_ANNOTATION,
+};
+pub use remora_contract::pod::drain_deadline;
 /// Namespaces never injected, whatever their labels say.
 pub const SYSTEM_NAMESPACES: [&str; 3] = ["kube-system", "kube-public", "kube-node-lease"];
-/// Ports the sidecar binds in the pod's network namespace.
-pub const SIDECAR_PORTS: [(i64, &str); 5] = [
-    (15000, "Envoy admin"),
-    (15006, "the inbound listener"),
-    (15020, "the agent's admin"),
-    (15021, "health checks"),
-    (15090, "Envoy's Prometheus stats"),
-];
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MutateError {
@@ -136,21 +119,6 @@ impl Mutation {
     }
 }
 
-/// What the injector records in `remora.dev/status`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct InjectionStatus {
-    pub version: &'static str,
-    pub mode: SidecarMode,
-    pub containers: Vec<&'static str>,
-    pub init_containers: Vec<&'static str>,
-    pub volumes: Vec<&'static str>,
-    pub config_hash: String,
-    /// [`EffectiveConfig::restart_hash`] at admission.
-    pub restart_hash: String,
-    pub sources: Vec<String>,
-}
-
 /// The labels and annotations of a pod (or pod template), ignoring values
 /// that are not strings.
 pub fn pod_meta(pod: &Value) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
@@ -167,15 +135,6 @@ pub fn pod_meta(pod: &Value) -> (BTreeMap<String, String>, BTreeMap<String, Stri
         map(&pod["metadata"]["labels"]),
         map(&pod["metadata"]["annotations"]),
     )
-}
-
-/// The drain deadline handed to the agent: the grace period minus a margin
-/// (a sixth of it, between 1s and 5s) so the agent stops Envoy and exits
-/// before the kubelet's SIGKILL. 30s gives 25s.
-pub fn drain_deadline(grace_seconds: i64) -> Duration {
-    let grace = Duration::from_secs(u64::try_from(grace_seconds).unwrap_or(0));
-    let margin = (grace / 6).clamp(Duration::from_secs(1), Duration::from_secs(5));
-    grace.saturating_sub(margin)
 }
 
 fn names(list: &Value) -> Vec<&str> {
@@ -301,17 +260,25 @@ pub fn mutate(
              --stop-completed-jobs) after the app containers exit; Native mode does not need this"
         ));
     }
-    if annotations.contains_key(remora_agent::lifecycle::STOP_ANNOTATION) {
+    if annotations.contains_key(keys::STOP) {
         warnings.push(format!(
             "remora: {} is set at creation: the sidecar stops as soon as it starts (the operator \
              sets this annotation on Job pods whose apps have finished; do not put it in a template)",
-            remora_agent::lifecycle::STOP_ANNOTATION
+            keys::STOP
         ));
     }
     let grace = spec["terminationGracePeriodSeconds"]
         .as_i64()
-        .unwrap_or(DEFAULT_GRACE_SECONDS);
+        .unwrap_or(defaults::GRACE_PERIOD_SECONDS);
     let deadline = drain_deadline(grace);
+    if grace > remora_contract::duration::MAX.as_secs() as i64 {
+        warnings.push(format!(
+            "remora: terminationGracePeriodSeconds {grace} is more than {}: the sidecar's drain \
+             deadline is capped at {}",
+            remora_contract::duration::MAX_TEXT,
+            format_duration(deadline)
+        ));
+    }
     let (needed, what) = if cfg.exit_on_zero_active_connections {
         (cfg.minimum_drain_duration, "minimumDrainDuration")
     } else {
@@ -331,7 +298,7 @@ pub fn mutate(
     {
         for p in c["ports"].as_array().into_iter().flatten() {
             let port = p["containerPort"].as_i64().unwrap_or(0);
-            if let Some((_, use_)) = SIDECAR_PORTS.iter().find(|(sp, _)| *sp == port) {
+            if let Some((_, use_)) = SIDECAR_PORTS.iter().find(|(sp, _)| i64::from(*sp) == port) {
                 warnings.push(format!(
                     "remora: container {} uses port {port}, which the sidecar uses for {use_}",
                     c["name"].as_str().unwrap_or("?")
@@ -343,22 +310,21 @@ pub fn mutate(
     let lifecycle = lifecycle_annotation(cfg, mode, deadline);
     let mut container = proxy_container(cfg, mode, deadline);
     plumb_traffic(&mut container, &annotations, containers, &mut warnings);
-    let status = InjectionStatus {
-        version: env!("CARGO_PKG_VERSION"),
+    let only_in = |m: SidecarMode| {
+        if mode == m {
+            vec![PROXY_CONTAINER.to_string()]
+        } else {
+            vec![]
+        }
+    };
+    let status = SidecarStatus {
+        version: env!("CARGO_PKG_VERSION").into(),
         mode,
-        containers: if mode == SidecarMode::Legacy {
-            vec![PROXY_CONTAINER]
-        } else {
-            vec![]
-        },
-        init_containers: if mode == SidecarMode::Native {
-            vec![PROXY_CONTAINER]
-        } else {
-            vec![]
-        },
-        volumes: vec![RUN_VOLUME, PODINFO_VOLUME],
+        containers: only_in(SidecarMode::Legacy),
+        init_containers: only_in(SidecarMode::Native),
+        volumes: vec![RUN_VOLUME.into(), PODINFO_VOLUME.into()],
         config_hash: config_hash(&container, &lifecycle),
-        restart_hash: cfg.restart_hash(),
+        restart_hash: Some(cfg.restart_hash()),
         sources: cfg.sources.clone(),
     };
     let lifecycle_json = serde_json::to_string(&lifecycle).unwrap_or_default();
@@ -418,7 +384,6 @@ fn plumb_traffic(
     app_containers: &[Value],
     warnings: &mut Vec<String>,
 ) {
-    use remora_agent::config::{InboundSpec, OutboundSpec};
     let valid = |key: &str,
                  raw: &str,
                  ok: &dyn Fn(&str) -> Result<u16, String>,
@@ -438,10 +403,10 @@ fn plumb_traffic(
     };
     let inbound_port = |item: &str| {
         item.parse::<InboundSpec>()
-            .map(|s| s.port.unwrap_or(INBOUND_PORT as u16))
+            .map(|s| s.port.unwrap_or(INBOUND_PORT))
     };
-    let (inbound, inbound_ports) = match annotations.get(INBOUND_ANNOTATION) {
-        Some(raw) => valid(INBOUND_ANNOTATION, raw, &inbound_port, warnings),
+    let (inbound, inbound_ports) = match annotations.get(keys::INBOUND) {
+        Some(raw) => valid(keys::INBOUND, raw, &inbound_port, warnings),
         None => {
             let app_port = app_containers
                 .first()
@@ -450,31 +415,31 @@ fn plumb_traffic(
                 .flatten()
                 .filter(|p| p["protocol"].as_str().unwrap_or("TCP") == "TCP")
                 .filter_map(|p| p["containerPort"].as_u64())
-                .find(|p| (1..=65535).contains(p) && *p != INBOUND_PORT as u64);
+                .find(|p| (1..=65535).contains(p) && *p != u64::from(INBOUND_PORT));
             match app_port {
-                Some(p) => (format!("{INBOUND_PORT}:{p}"), vec![INBOUND_PORT as u16]),
+                Some(p) => (format!("{INBOUND_PORT}:{p}"), vec![INBOUND_PORT]),
                 None => (String::new(), vec![]),
             }
         }
     };
     let outbound_port = |item: &str| item.parse::<OutboundSpec>().map(|s| s.port);
     let (outbound, _) = annotations
-        .get(OUTBOUND_ANNOTATION)
-        .map(|raw| valid(OUTBOUND_ANNOTATION, raw, &outbound_port, warnings))
+        .get(keys::OUTBOUND)
+        .map(|raw| valid(keys::OUTBOUND, raw, &outbound_port, warnings))
         .unwrap_or_default();
     let vars = container.env.get_or_insert_with(Vec::new);
     if !inbound.is_empty() {
-        vars.push(env("REMORA_INBOUND", inbound));
+        vars.push(env(env_name::INBOUND, inbound));
     }
     if !outbound.is_empty() {
-        vars.push(env("REMORA_OUTBOUND", outbound));
+        vars.push(env(env_name::OUTBOUND, outbound));
     }
     let ports = container.ports.get_or_insert_with(Vec::new);
     for (i, port) in inbound_ports.into_iter().enumerate() {
         ports.push(ContainerPort {
             // Port names are at most 15 characters.
             name: Some(if i == 0 {
-                "remora-inbound".into()
+                remora_contract::pod::INBOUND_PORT_NAME.into()
             } else {
                 format!("remora-in-{i}")
             }),
@@ -547,7 +512,7 @@ fn ready_probe() -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
             path: Some(READY_PATH.into()),
-            port: IntOrString::Int(HEALTH_PORT),
+            port: IntOrString::Int(i32::from(HEALTH_PORT)),
             ..Default::default()
         }),
         ..Default::default()
@@ -568,30 +533,30 @@ pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Durat
     let d = format_duration;
     let startup_timeout = d(cfg.startup_timeout);
     let env = vec![
-        field_env("POD_NAME", "metadata.name"),
-        field_env("POD_NAMESPACE", "metadata.namespace"),
-        field_env("INSTANCE_IP", "status.podIP"),
-        field_env("SERVICE_ACCOUNT", "spec.serviceAccountName"),
-        env("REMORA_CONCURRENCY", cfg.concurrency.to_string()),
-        env("REMORA_LOG_LEVEL", cfg.log_level.as_str().to_string()),
-        env("REMORA_DRAIN_DURATION", d(cfg.drain_duration)),
+        field_env(env_name::POD_NAME, "metadata.name"),
+        field_env(env_name::POD_NAMESPACE, "metadata.namespace"),
+        field_env(env_name::INSTANCE_IP, "status.podIP"),
+        field_env(env_name::SERVICE_ACCOUNT, "spec.serviceAccountName"),
+        env(env_name::CONCURRENCY, cfg.concurrency.to_string()),
+        env(env_name::LOG_LEVEL, cfg.log_level.as_str().to_string()),
+        env(env_name::DRAIN_DURATION, d(cfg.drain_duration)),
         env(
-            "REMORA_TERMINATION_DRAIN_DURATION",
+            env_name::TERMINATION_DRAIN_DURATION,
             d(cfg.termination_drain_duration),
         ),
         env(
-            "REMORA_EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
+            env_name::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
             cfg.exit_on_zero_active_connections.to_string(),
         ),
         env(
-            "REMORA_MINIMUM_DRAIN_DURATION",
+            env_name::MINIMUM_DRAIN_DURATION,
             d(cfg.minimum_drain_duration),
         ),
-        env("REMORA_DRAIN_DEADLINE", d(deadline)),
-        env("REMORA_RUN_DIR", RUN_DIR.into()),
+        env(env_name::DRAIN_DEADLINE, d(deadline)),
+        env(env_name::RUN_DIR, RUN_DIR.into()),
         env(
-            "REMORA_ANNOTATIONS_FILE",
-            format!("{PODINFO_DIR}/annotations"),
+            env_name::ANNOTATIONS_FILE,
+            remora_contract::pod::ANNOTATIONS_FILE.into(),
         ),
     ];
     let mut c = Container {
@@ -603,14 +568,14 @@ pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Durat
         env: Some(env),
         ports: Some(vec![
             ContainerPort {
-                name: Some("remora-health".into()),
-                container_port: HEALTH_PORT,
+                name: Some(remora_contract::pod::HEALTH_PORT_NAME.into()),
+                container_port: i32::from(HEALTH_PORT),
                 protocol: Some("TCP".into()),
                 ..Default::default()
             },
             ContainerPort {
-                name: Some("remora-stats".into()),
-                container_port: 15090,
+                name: Some(remora_contract::pod::STATS_PORT_NAME.into()),
+                container_port: i32::from(remora_contract::pod::STATS_PORT),
                 protocol: Some("TCP".into()),
                 ..Default::default()
             },

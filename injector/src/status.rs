@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::core::PartialObjectMeta;
 use remora_crds::{SidecarLifecycleStatus, condition};
 
-use remora_agent::lifecycle::LifecycleAnnotation;
+use remora_contract::lifecycle::LifecycleAnnotation;
 
 use crate::config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 use crate::mutate::{STATUS_ANNOTATION, lifecycle_annotation};
@@ -210,7 +210,7 @@ pub fn compute(
     ]
     .into_iter()
     .flatten()
-    .filter_map(|d| d.parse().err())
+    .filter_map(|d| d.parse().err().map(|e| e.to_string()))
     .collect();
     let mut conditions = vec![
         if bad.is_empty() {

@@ -2,7 +2,8 @@
 
 use std::collections::BTreeMap;
 
-use remora_agent::lifecycle::{LIFECYCLE_ANNOTATION, LifecycleAnnotation};
+use remora_contract::annotations::LIFECYCLE as LIFECYCLE_ANNOTATION;
+use remora_contract::lifecycle::LifecycleAnnotation;
 use remora_crds::SidecarMode;
 use remora_injector::config::{ChartDefaults, EffectiveConfig};
 use remora_injector::mutate::{

@@ -43,10 +43,10 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
     /// Endpoint propagation lag (readiness/termination → load balancer).
-    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "300ms")]
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "300ms")]
     endpoint_lag: Duration,
     /// Upper bound of the probe periods (spec periods are 1-2 s).
-    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "200ms")]
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "200ms")]
     probe_period: Duration,
     /// Skip the extra scenarios (Envoy crash, hot restart, cert rotation).
     #[arg(long)]
@@ -63,7 +63,7 @@ struct Args {
     #[arg(long, default_value_t = 10)]
     rotations: u32,
     /// cert-rotation: time between rotations.
-    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "1s")]
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "1s")]
     rotation_interval: Duration,
     /// JSON report.
     #[arg(long, default_value = "bench/results/lifecycle.json")]

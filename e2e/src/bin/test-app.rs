@@ -19,10 +19,10 @@ struct Args {
     #[arg(long)]
     port: u16,
     /// Time before the port is opened (connections are refused until then).
-    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "0s")]
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "0s")]
     startup_delay: Duration,
     /// Time each request takes.
-    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "10ms")]
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "10ms")]
     delay: Duration,
     /// URL called once during shutdown (e.g. through the sidecar's outbound listener).
     #[arg(long)]
@@ -33,7 +33,7 @@ struct Args {
     startup_call: Option<String>,
     /// After SIGTERM, keep serving this long before closing the listener (what a
     /// well-behaved app does so that endpoint removal can catch up).
-    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "0s")]
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "0s")]
     shutdown_delay: Duration,
 }
 

@@ -40,10 +40,10 @@ struct Args {
     #[arg(long, default_value_t = 500)]
     rate: u32,
     /// Measured duration of the latency run.
-    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "20s")]
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "20s")]
     duration: Duration,
     /// Unmeasured warm-up before it.
-    #[arg(long, value_parser = remora_agent::config::parse_duration, default_value = "2s")]
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "2s")]
     warmup: Duration,
     /// Keep-alive HTTPS connections.
     #[arg(long, default_value_t = 4)]

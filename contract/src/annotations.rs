@@ -1,0 +1,46 @@
+//! Every `remora.dev/*` key on pods, namespaces and pod templates.
+
+/// Namespace or pod label selecting injection: `enabled` on a namespace,
+/// `"true"` on a pod; `"false"` on the pod always wins.
+pub const INJECT_LABEL: &str = "remora.dev/inject";
+/// What the injector did, as JSON ([`crate::lifecycle::SidecarStatus`]).
+pub const STATUS: &str = "remora.dev/status";
+/// The effective lifecycle as JSON ([`crate::lifecycle::LifecycleAnnotation`]),
+/// written by the injector, patched by the controller, read live by the agent.
+pub const LIFECYCLE: &str = "remora.dev/lifecycle";
+/// Set by the operator on a Legacy-mode Job pod whose apps have all
+/// terminated: the sidecar stops Envoy and exits 0. Its presence is the
+/// request; the value ([`crate::lifecycle::StopRequest`]) is informational.
+pub const STOP: &str = "remora.dev/stop";
+/// Pod-template annotation that rolls a workload; its value is the restart
+/// hash the new pods get.
+pub const RESTARTED_FOR: &str = "remora.dev/restarted-for";
+/// Static-mode inbound listeners, `PORT:APP_PORT,...` (the agent's `--inbound`).
+pub const INBOUND: &str = "remora.dev/inbound";
+/// Static-mode outbound listeners, `PORT:HOST:PORT,...` (the agent's `--outbound`).
+pub const OUTBOUND: &str = "remora.dev/outbound";
+
+// Per-field overrides, `remora.dev/<kebab-case-field>`: the strongest layer.
+pub const MODE: &str = "remora.dev/sidecar-mode";
+pub const HOLD_APPLICATION_UNTIL_PROXY_STARTS: &str =
+    "remora.dev/hold-application-until-proxy-starts";
+pub const STARTUP_TIMEOUT: &str = "remora.dev/startup-timeout";
+pub const DRAIN_DURATION: &str = "remora.dev/drain-duration";
+pub const TERMINATION_DRAIN_DURATION: &str = "remora.dev/termination-drain-duration";
+pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: &str = "remora.dev/exit-on-zero-active-connections";
+pub const MINIMUM_DRAIN_DURATION: &str = "remora.dev/minimum-drain-duration";
+pub const CONCURRENCY: &str = "remora.dev/concurrency";
+pub const LOG_LEVEL: &str = "remora.dev/log-level";
+
+/// The per-field keys, in the order [`crate::overlay::Overlay`] reads them.
+pub const PER_FIELD: [&str; 9] = [
+    MODE,
+    HOLD_APPLICATION_UNTIL_PROXY_STARTS,
+    STARTUP_TIMEOUT,
+    DRAIN_DURATION,
+    TERMINATION_DRAIN_DURATION,
+    EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
+    MINIMUM_DRAIN_DURATION,
+    CONCURRENCY,
+    LOG_LEVEL,
+];

@@ -1,0 +1,39 @@
+//! The built-in lifecycle defaults: the chart's weakest layer and the
+//! agent's flag defaults, in the duration grammar (a test parses each).
+
+pub const MODE: crate::SidecarMode = crate::SidecarMode::Auto;
+pub const HOLD_APPLICATION_UNTIL_PROXY_STARTS: bool = true;
+pub const STARTUP_TIMEOUT: &str = "60s";
+pub const DRAIN_DURATION: &str = "45s";
+pub const TERMINATION_DRAIN_DURATION: &str = "5s";
+pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: bool = false;
+pub const MINIMUM_DRAIN_DURATION: &str = "5s";
+/// The agent's drain deadline when nothing derives one (25 s fits Kubernetes'
+/// default 30 s grace period with [`crate::pod::drain_deadline`]'s margin).
+pub const DRAIN_DEADLINE: &str = "25s";
+pub const CONCURRENCY: u32 = 2;
+pub const LOG_LEVEL: crate::LogLevel = crate::LogLevel::Warning;
+/// terminationGracePeriodSeconds when a pod does not say (Kubernetes' own default).
+pub const GRACE_PERIOD_SECONDS: i64 = 30;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_default_is_in_the_grammar() {
+        for d in [
+            STARTUP_TIMEOUT,
+            DRAIN_DURATION,
+            TERMINATION_DRAIN_DURATION,
+            MINIMUM_DRAIN_DURATION,
+            DRAIN_DEADLINE,
+        ] {
+            assert!(crate::duration::parse(d).is_ok(), "{d}");
+        }
+        assert_eq!(
+            crate::duration::format(crate::pod::drain_deadline(GRACE_PERIOD_SECONDS)),
+            DRAIN_DEADLINE
+        );
+    }
+}

@@ -1,0 +1,30 @@
+//! Environment variables of the sidecar container: the agent reads each
+//! `run` flag from `REMORA_<FLAG>`; the injector sets the ones it resolves.
+
+pub const POD_NAME: &str = "POD_NAME";
+pub const POD_NAMESPACE: &str = "POD_NAMESPACE";
+pub const SERVICE_ACCOUNT: &str = "SERVICE_ACCOUNT";
+pub const INSTANCE_IP: &str = "INSTANCE_IP";
+
+pub const CONCURRENCY: &str = "REMORA_CONCURRENCY";
+pub const LOG_LEVEL: &str = "REMORA_LOG_LEVEL";
+pub const DRAIN_DURATION: &str = "REMORA_DRAIN_DURATION";
+pub const TERMINATION_DRAIN_DURATION: &str = "REMORA_TERMINATION_DRAIN_DURATION";
+pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: &str = "REMORA_EXIT_ON_ZERO_ACTIVE_CONNECTIONS";
+pub const MINIMUM_DRAIN_DURATION: &str = "REMORA_MINIMUM_DRAIN_DURATION";
+pub const DRAIN_DEADLINE: &str = "REMORA_DRAIN_DEADLINE";
+pub const RUN_DIR: &str = "REMORA_RUN_DIR";
+pub const ANNOTATIONS_FILE: &str = "REMORA_ANNOTATIONS_FILE";
+pub const INBOUND: &str = "REMORA_INBOUND";
+pub const OUTBOUND: &str = "REMORA_OUTBOUND";
+pub const HEALTH_PORT: &str = "REMORA_HEALTH_PORT";
+pub const ADMIN_PORT: &str = "REMORA_ADMIN_PORT";
+
+/// Istio pilot-agent's names, accepted by the agent when neither the flag
+/// nor its `REMORA_` variable is given, so manifests move over unchanged.
+pub mod istio {
+    pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: &str = "EXIT_ON_ZERO_ACTIVE_CONNECTIONS";
+    pub const MINIMUM_DRAIN_DURATION: &str = "MINIMUM_DRAIN_DURATION";
+    /// Whole seconds (or a duration): see [`crate::duration::parse_seconds`].
+    pub const TERMINATION_DRAIN_DURATION_SECONDS: &str = "TERMINATION_DRAIN_DURATION_SECONDS";
+}

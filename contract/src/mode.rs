@@ -1,0 +1,130 @@
+//! The enums both sides name: the sidecar mode and Envoy's log level.
+
+use serde::{Deserialize, Serialize};
+
+/// How the sidecar is injected (`spec.mode`, `remora.dev/sidecar-mode`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SidecarMode {
+    /// Native where the cluster supports it, else Legacy.
+    #[default]
+    Auto,
+    /// The sidecar is the first regular container.
+    Legacy,
+    /// The sidecar is an init container with `restartPolicy: Always`.
+    Native,
+}
+
+impl SidecarMode {
+    pub const ALL: [Self; 3] = [Self::Auto, Self::Legacy, Self::Native];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "Auto",
+            Self::Legacy => "Legacy",
+            Self::Native => "Native",
+        }
+    }
+}
+
+impl std::fmt::Display for SidecarMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SidecarMode {
+    type Err = String;
+    /// Case-insensitive, surrounding whitespace ignored.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str().eq_ignore_ascii_case(t))
+            .ok_or_else(|| format!("{:?} is not a mode (Auto, Legacy, Native)", short(t)))
+    }
+}
+
+/// Envoy's log level (`spec.proxy.logLevel`, `remora.dev/log-level`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    Warning,
+    Error,
+    Critical,
+    Off,
+}
+
+impl LogLevel {
+    pub const ALL: [Self; 7] = [
+        Self::Trace,
+        Self::Debug,
+        Self::Info,
+        Self::Warning,
+        Self::Error,
+        Self::Critical,
+        Self::Off,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Trace => "trace",
+            Self::Debug => "debug",
+            Self::Info => "info",
+            Self::Warning => "warning",
+            Self::Error => "error",
+            Self::Critical => "critical",
+            Self::Off => "off",
+        }
+    }
+}
+
+impl std::fmt::Display for LogLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for LogLevel {
+    type Err = String;
+    /// Exact lowercase names, as Envoy's `--log-level` takes them; surrounding
+    /// whitespace ignored.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        Self::ALL
+            .into_iter()
+            .find(|l| l.as_str() == t)
+            .ok_or_else(|| {
+                format!(
+                    "{:?} is not a log level (trace, debug, info, warning, error, critical, off)",
+                    short(t)
+                )
+            })
+    }
+}
+
+/// Input echoed in an error, cut to a readable length.
+pub(crate) fn short(s: &str) -> String {
+    s.chars().take(64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_through_serde_and_from_str() {
+        for m in SidecarMode::ALL {
+            assert_eq!(serde_json::to_value(m).ok(), Some(m.as_str().into()));
+            assert_eq!(m.as_str().to_lowercase().parse::<SidecarMode>(), Ok(m));
+        }
+        for l in LogLevel::ALL {
+            assert_eq!(serde_json::to_value(l).ok(), Some(l.as_str().into()));
+            assert_eq!(l.as_str().parse::<LogLevel>(), Ok(l));
+        }
+        assert!("loud".parse::<LogLevel>().is_err());
+        assert!("Sidecar".parse::<SidecarMode>().is_err());
+    }
+}

@@ -1,0 +1,285 @@
+//! The per-field overlay of lifecycle settings, read from a pod's
+//! annotations. The injector's effective config and the agent's live drain
+//! settings both apply an [`Overlay`] built here, so a value means the same
+//! on both sides: what one refuses, the other refuses with the same words.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::lifecycle::LifecycleAnnotation;
+use crate::{LogLevel, SidecarMode, annotations, duration, value};
+
+/// Settings a pod's annotations override; `None` keeps the weaker layer.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Overlay {
+    pub mode: Option<SidecarMode>,
+    pub hold_application_until_proxy_starts: Option<bool>,
+    pub startup_timeout: Option<Duration>,
+    pub drain_duration: Option<Duration>,
+    pub termination_drain_duration: Option<Duration>,
+    pub exit_on_zero_active_connections: Option<bool>,
+    pub minimum_drain_duration: Option<Duration>,
+    /// Only in `remora.dev/lifecycle`: the injector derives it.
+    pub drain_deadline: Option<Duration>,
+    pub concurrency: Option<u32>,
+    pub log_level: Option<LogLevel>,
+}
+
+/// A value that was refused, and where it was.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct Problem {
+    /// The annotation key, or `remora.dev/lifecycle` and the JSON field.
+    pub field: String,
+    pub reason: String,
+}
+
+impl Overlay {
+    /// The per-field keys `remora.dev/<kebab-case-field>`. A bad value is
+    /// reported and skipped; the others still apply.
+    pub fn from_annotations(ann: &BTreeMap<String, String>) -> (Self, Vec<Problem>) {
+        let mut problems = Vec::new();
+        let read = |key: &str| ann.get(key).map(|raw| (key.to_string(), raw.as_str()));
+        let mut o = Self::default();
+        macro_rules! field {
+            ($slot:expr, $key:expr, $parse:expr) => {
+                if let Some((field, raw)) = read($key) {
+                    match $parse(raw) {
+                        Ok(v) => $slot = Some(v),
+                        Err(e) => problems.push(Problem {
+                            field,
+                            reason: e.to_string(),
+                        }),
+                    }
+                }
+            };
+        }
+        field!(o.mode, annotations::MODE, str::parse::<SidecarMode>);
+        field!(
+            o.hold_application_until_proxy_starts,
+            annotations::HOLD_APPLICATION_UNTIL_PROXY_STARTS,
+            value::parse_bool
+        );
+        field!(
+            o.startup_timeout,
+            annotations::STARTUP_TIMEOUT,
+            duration::parse
+        );
+        field!(
+            o.drain_duration,
+            annotations::DRAIN_DURATION,
+            duration::parse
+        );
+        field!(
+            o.termination_drain_duration,
+            annotations::TERMINATION_DRAIN_DURATION,
+            duration::parse
+        );
+        field!(
+            o.exit_on_zero_active_connections,
+            annotations::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
+            value::parse_bool
+        );
+        field!(
+            o.minimum_drain_duration,
+            annotations::MINIMUM_DRAIN_DURATION,
+            duration::parse
+        );
+        field!(
+            o.concurrency,
+            annotations::CONCURRENCY,
+            value::parse_concurrency
+        );
+        field!(o.log_level, annotations::LOG_LEVEL, str::parse::<LogLevel>);
+        (o, problems)
+    }
+
+    /// The lifecycle the injector wrote (`remora.dev/lifecycle`).
+    pub fn from_lifecycle(l: &LifecycleAnnotation) -> (Self, Vec<Problem>) {
+        let mut problems = Vec::new();
+        let mut dur = |name: &str, v: &Option<String>| {
+            let raw = v.as_deref()?;
+            duration::parse(raw)
+                .map_err(|e| {
+                    problems.push(Problem {
+                        field: format!("{} {name}", annotations::LIFECYCLE),
+                        reason: e.to_string(),
+                    })
+                })
+                .ok()
+        };
+        let mut o = Self::default();
+        if let Some(s) = &l.startup {
+            o.hold_application_until_proxy_starts = s.hold_application_until_proxy_starts;
+            o.startup_timeout = dur("startup.timeout", &s.timeout);
+        }
+        if let Some(s) = &l.shutdown {
+            o.drain_duration = dur("shutdown.drainDuration", &s.drain_duration);
+            o.termination_drain_duration = dur(
+                "shutdown.terminationDrainDuration",
+                &s.termination_drain_duration,
+            );
+            o.exit_on_zero_active_connections = s.exit_on_zero_active_connections;
+            o.minimum_drain_duration =
+                dur("shutdown.minimumDrainDuration", &s.minimum_drain_duration);
+        }
+        o.drain_deadline = dur("drainDeadline", &l.drain_deadline);
+        (o, problems)
+    }
+
+    /// What a running sidecar reads: `remora.dev/lifecycle`, then the
+    /// per-field keys over it.
+    pub fn from_pod_annotations(ann: &BTreeMap<String, String>) -> (Self, Vec<Problem>) {
+        let (mut o, mut problems) = match ann.get(annotations::LIFECYCLE) {
+            None => (Self::default(), Vec::new()),
+            Some(raw) => match serde_json::from_str::<LifecycleAnnotation>(raw) {
+                Ok(l) => Self::from_lifecycle(&l),
+                Err(e) => (
+                    Self::default(),
+                    vec![Problem {
+                        field: annotations::LIFECYCLE.to_string(),
+                        reason: e.to_string(),
+                    }],
+                ),
+            },
+        };
+        let (fields, more) = Self::from_annotations(ann);
+        o = o.then(fields);
+        problems.extend(more);
+        (o, problems)
+    }
+
+    /// `stronger` over `self`, field by field.
+    pub fn then(self, stronger: Self) -> Self {
+        Self {
+            mode: stronger.mode.or(self.mode),
+            hold_application_until_proxy_starts: stronger
+                .hold_application_until_proxy_starts
+                .or(self.hold_application_until_proxy_starts),
+            startup_timeout: stronger.startup_timeout.or(self.startup_timeout),
+            drain_duration: stronger.drain_duration.or(self.drain_duration),
+            termination_drain_duration: stronger
+                .termination_drain_duration
+                .or(self.termination_drain_duration),
+            exit_on_zero_active_connections: stronger
+                .exit_on_zero_active_connections
+                .or(self.exit_on_zero_active_connections),
+            minimum_drain_duration: stronger
+                .minimum_drain_duration
+                .or(self.minimum_drain_duration),
+            drain_deadline: stronger.drain_deadline.or(self.drain_deadline),
+            concurrency: stronger.concurrency.or(self.concurrency),
+            log_level: stronger.log_level.or(self.log_level),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn every_per_field_key_is_read() {
+        let a = ann(&[
+            (annotations::MODE, "native"),
+            (annotations::HOLD_APPLICATION_UNTIL_PROXY_STARTS, "false"),
+            (annotations::STARTUP_TIMEOUT, "2m"),
+            (annotations::DRAIN_DURATION, "30s"),
+            (annotations::TERMINATION_DRAIN_DURATION, "7s"),
+            (annotations::EXIT_ON_ZERO_ACTIVE_CONNECTIONS, "true"),
+            (annotations::MINIMUM_DRAIN_DURATION, "1s"),
+            (annotations::CONCURRENCY, "4"),
+            (annotations::LOG_LEVEL, "debug"),
+        ]);
+        assert_eq!(a.len(), annotations::PER_FIELD.len());
+        let (o, problems) = Overlay::from_annotations(&a);
+        assert!(problems.is_empty(), "{problems:?}");
+        let s = Duration::from_secs;
+        assert_eq!(
+            o,
+            Overlay {
+                mode: Some(SidecarMode::Native),
+                hold_application_until_proxy_starts: Some(false),
+                startup_timeout: Some(s(120)),
+                drain_duration: Some(s(30)),
+                termination_drain_duration: Some(s(7)),
+                exit_on_zero_active_connections: Some(true),
+                minimum_drain_duration: Some(s(1)),
+                drain_deadline: None,
+                concurrency: Some(4),
+                log_level: Some(LogLevel::Debug),
+            }
+        );
+    }
+
+    #[test]
+    fn bad_values_are_named_and_skipped() {
+        let a = ann(&[
+            (annotations::DRAIN_DURATION, "30"),
+            (annotations::TERMINATION_DRAIN_DURATION, "9999h"),
+            (annotations::CONCURRENCY, "100000"),
+            (annotations::MINIMUM_DRAIN_DURATION, "2s"),
+        ]);
+        let (o, problems) = Overlay::from_annotations(&a);
+        assert_eq!(o.minimum_drain_duration, Some(Duration::from_secs(2)));
+        assert_eq!(o.drain_duration, None);
+        let text: Vec<String> = problems.iter().map(ToString::to_string).collect();
+        assert_eq!(text.len(), 3, "{text:?}");
+        assert!(text[0].starts_with(annotations::DRAIN_DURATION) && text[0].contains("30s"));
+        assert!(text[1].contains("24h"), "names the bound: {}", text[1]);
+    }
+
+    #[test]
+    fn per_field_keys_win_over_the_json() {
+        let a = ann(&[
+            (
+                annotations::LIFECYCLE,
+                r#"{"shutdown":{"terminationDrainDuration":"2s","minimumDrainDuration":"1s"},"drainDeadline":"50s"}"#,
+            ),
+            (annotations::MINIMUM_DRAIN_DURATION, "3s"),
+        ]);
+        let (o, problems) = Overlay::from_pod_annotations(&a);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(o.termination_drain_duration, Some(Duration::from_secs(2)));
+        assert_eq!(o.minimum_drain_duration, Some(Duration::from_secs(3)));
+        assert_eq!(o.drain_deadline, Some(Duration::from_secs(50)));
+    }
+
+    #[test]
+    fn a_huge_deadline_in_the_json_is_refused() {
+        let a = ann(&[(
+            annotations::LIFECYCLE,
+            r#"{"drainDeadline":"2562047788015215h30m2s"}"#,
+        )]);
+        let (o, problems) = Overlay::from_pod_annotations(&a);
+        assert_eq!(o.drain_deadline, None);
+        assert!(
+            problems[0].to_string().contains("drainDeadline"),
+            "{problems:?}"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn no_value_panics_and_every_accepted_duration_is_bounded(
+            key in proptest::sample::select(annotations::PER_FIELD.to_vec()),
+            raw in any::<String>(),
+            json in any::<String>(),
+        ) {
+            let a = ann(&[(key, raw.as_str()), (annotations::LIFECYCLE, json.as_str())]);
+            let (o, _) = Overlay::from_pod_annotations(&a);
+            for d in [o.startup_timeout, o.drain_duration, o.termination_drain_duration,
+                      o.minimum_drain_duration, o.drain_deadline].into_iter().flatten() {
+                prop_assert!(d <= duration::MAX);
+            }
+        }
+    }
+}
