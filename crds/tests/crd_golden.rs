@@ -80,3 +80,15 @@ fn crd_has_the_contracted_shape() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The chart's values schema checks durations with the contract's grammar.
+#[test]
+fn values_schema_uses_the_duration_grammar() -> anyhow::Result<()> {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/remora/values.schema.json");
+    let schema: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    let d = &schema["definitions"]["duration"];
+    assert_eq!(d["pattern"], remora_contract::duration::PATTERN);
+    assert_eq!(d["maxLength"], remora_contract::duration::MAX_LEN);
+    Ok(())
+}
