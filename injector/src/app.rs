@@ -18,9 +18,9 @@ use remora_crds::SidecarMode;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::ChartDefaults;
 use crate::leader::{self, LeaderConfig, LeaderError};
 use crate::server::{AppState, Metrics, ServerError, router, serve_tls_draining};
+use crate::sidecar_config::ChartDefaults;
 use crate::tls::{ReloadingCert, TlsError};
 use crate::webhook::Injector;
 

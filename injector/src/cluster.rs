@@ -16,7 +16,7 @@ use kube::{Api, Client};
 use remora_crds::SidecarLifecycle;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::LifecycleEntry;
+use crate::sidecar_config::LifecycleEntry;
 use crate::webhook::ClusterView;
 
 /// Native sidecars (restartable init containers) are on by default from here.

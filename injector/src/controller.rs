@@ -44,8 +44,8 @@ use serde_json::json;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{ChartDefaults, LifecycleEntry};
 use crate::mutate::STATUS_ANNOTATION;
+use crate::sidecar_config::{ChartDefaults, LifecycleEntry};
 use crate::status::{
     PodInfo, RestartReport, compute, keep_transition_times, reaches, refreshed_lifecycle,
     restart_condition, restart_report,

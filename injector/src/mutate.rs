@@ -25,7 +25,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::config::EffectiveConfig;
+use crate::sidecar_config::EffectiveConfig;
 
 pub const PROXY_CONTAINER: &str = "remora-proxy";
 pub const STATUS_ANNOTATION: &str = "remora.dev/status";

@@ -13,8 +13,8 @@ use remora_crds::{SidecarLifecycleStatus, condition};
 
 use remora_agent::lifecycle::LifecycleAnnotation;
 
-use crate::config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 use crate::mutate::{STATUS_ANNOTATION, lifecycle_annotation};
+use crate::sidecar_config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 
 /// What the controller needs to know about a pod (all of it is metadata).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

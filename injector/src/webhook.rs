@@ -10,8 +10,8 @@ use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::config::{ChartDefaults, LifecycleEntry, resolve};
 use crate::mutate::{Outcome, Selection, Target, mutate, pod_meta};
+use crate::sidecar_config::{ChartDefaults, LifecycleEntry, resolve};
 
 /// What the handler reads about the cluster; kept in memory (reflectors in
 /// the operator, fixed values in tests), never an API call per admission.

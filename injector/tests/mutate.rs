@@ -4,10 +4,10 @@ use std::collections::BTreeMap;
 
 use remora_agent::lifecycle::{LIFECYCLE_ANNOTATION, LifecycleAnnotation};
 use remora_crds::SidecarMode;
-use remora_injector::config::{ChartDefaults, EffectiveConfig};
 use remora_injector::mutate::{
     Outcome, STATUS_ANNOTATION, Selection, SkipReason, Target, drain_deadline, mutate,
 };
+use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig};
 use serde_json::{Value, json};
 use std::time::Duration;
 

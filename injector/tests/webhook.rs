@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
-use remora_injector::config::{ChartDefaults, LifecycleEntry};
 use remora_injector::server::{AppState, Metrics, router, serve_tls};
+use remora_injector::sidecar_config::{ChartDefaults, LifecycleEntry};
 use remora_injector::tls::{ReloadingCert, self_signed};
 use remora_injector::webhook::{AdmissionOutcome, Injector, StaticView};
 use serde_json::{Value, json};

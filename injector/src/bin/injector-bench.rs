@@ -21,10 +21,10 @@ use clap::Parser;
 use remora_crds::{
     DurationString, ShutdownSpec, SidecarLifecycleSpec, SidecarMode, WorkloadSelector,
 };
-use remora_injector::config::{ChartDefaults, EffectiveConfig, LifecycleEntry};
 use remora_injector::mutate::{Selection, Target, mutate};
 use remora_injector::offline::{OfflineOptions, inject_stream};
 use remora_injector::server::{AppState, Metrics, router, serve_tls};
+use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig, LifecycleEntry};
 use remora_injector::tls::{ReloadingCert, self_signed};
 use remora_injector::webhook::{Injector, StaticView, encode_review};
 use serde_json::{Value, json};
