@@ -6,6 +6,7 @@ pub mod ca;
 pub mod client;
 pub mod cluster;
 pub mod controller;
+pub mod flags;
 pub mod jobs;
 pub mod leader;
 pub mod mutate;
