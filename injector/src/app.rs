@@ -13,12 +13,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::Client;
+use prometheus_client::registry::Registry;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::flags::ServeArgs;
 use crate::leader::{self, LeaderError};
-use crate::server::{AppState, Metrics, ServerError, router, serve_tls_draining};
+use crate::server::{AppState, METRICS_PREFIX, ServerError, router, serve_tls_draining};
 use crate::tls::{ReloadingCert, TlsError};
 use crate::webhook::Injector;
 
@@ -95,9 +96,9 @@ struct LeaderContext {
     client: Client,
     /// `None`: the controller is off.
     controller: Option<crate::controller::Settings>,
-    controller_metrics: crate::controller::ControllerMetrics,
+    controller_metrics: crate::controller::Metrics,
     stop_completed_jobs: bool,
-    jobs_metrics: crate::jobs::JobsMetrics,
+    jobs_metrics: crate::jobs::Metrics,
     /// Who publishes the Events.
     identity: String,
 }
@@ -188,7 +189,12 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         view,
     } = started;
     let chart = args.proxy.chart(args.default_mode);
-    let metrics = Metrics::new();
+    // One registry; each component registers its own metrics in it.
+    let mut registry = Registry::with_prefix(METRICS_PREFIX);
+    let webhook_metrics = crate::webhook::Metrics::register(&mut registry);
+    let controller_metrics = crate::controller::Metrics::register(&mut registry);
+    let jobs_metrics = crate::jobs::Metrics::register(&mut registry);
+    let leader_metrics = leader::Metrics::register(&mut registry);
     let ctx = Arc::new(LeaderContext {
         client: client.clone(),
         controller: args.controller.then(|| crate::controller::Settings {
@@ -197,9 +203,9 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             rollout_interval: args.rollout_interval,
             identity: leader_cfg.identity.clone(),
         }),
-        controller_metrics: metrics.controller.clone(),
+        controller_metrics,
         stop_completed_jobs: args.stop_completed_jobs,
-        jobs_metrics: metrics.jobs.clone(),
+        jobs_metrics,
         identity: leader_cfg.identity.clone(),
     });
     let state = Arc::new(AppState {
@@ -208,10 +214,10 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             operator_namespace: args.operator_namespace.clone(),
             view: Arc::new(view),
         },
-        metrics,
+        metrics: webhook_metrics,
+        registry,
         max_body_bytes: args.max_request_bytes,
     });
-    let leader_metrics = state.metrics.leader.clone();
     tracing::info!(listen = %args.listen, "remora-injector serving");
 
     let server = {

@@ -22,6 +22,8 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use remora_agent::lifecycle::{STOP_ANNOTATION, StopRequest};
 use tokio_util::sync::CancellationToken;
 
@@ -160,15 +162,15 @@ pub fn stop_value(now: k8s_openapi::jiff::Timestamp) -> String {
     serde_json::to_string(&req).unwrap_or_default()
 }
 
-/// The Jobs controller's metrics, registered in the injector's registry.
+/// What the Jobs controller counts.
 #[derive(Clone, Debug, Default)]
-pub struct JobsMetrics {
-    stopped: prometheus_client::metrics::counter::Counter,
-    failures: prometheus_client::metrics::counter::Counter,
+pub struct Metrics {
+    stopped: Counter,
+    failures: Counter,
 }
 
-impl JobsMetrics {
-    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+impl Metrics {
+    pub fn register(registry: &mut Registry) -> Self {
         let me = Self::default();
         registry.register(
             "jobs_sidecars_stopped",
@@ -187,7 +189,7 @@ impl JobsMetrics {
 struct Ctx {
     client: Client,
     recorder: Recorder,
-    metrics: JobsMetrics,
+    metrics: Metrics,
 }
 
 async fn reconcile(pod: Arc<Pod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
@@ -242,7 +244,7 @@ fn error_policy(_pod: Arc<Pod>, err: &JobsError, ctx: Arc<Ctx>) -> Action {
 pub async fn run(
     client: Client,
     identity: String,
-    metrics: JobsMetrics,
+    metrics: Metrics,
     shutdown: CancellationToken,
 ) -> Result<(), JobsError> {
     let api: Api<Pod> = Api::all(client.clone());

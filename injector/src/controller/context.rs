@@ -12,7 +12,7 @@ use remora_crds::SidecarLifecycle;
 
 use super::Settings;
 use super::events::Decision;
-use super::metrics::ControllerMetrics;
+use super::metrics::Metrics;
 use super::rollout::RolloutLimiter;
 use crate::sidecar_config::LifecycleEntry;
 use crate::status::PodInfo;
@@ -23,7 +23,7 @@ pub(super) struct Ctx {
     pub(super) pods: Store<PartialObjectMeta<Pod>>,
     pub(super) lifecycles: Store<SidecarLifecycle>,
     pub(super) recorder: Recorder,
-    pub(super) metrics: ControllerMetrics,
+    pub(super) metrics: Metrics,
     pub(super) limiter: Mutex<RolloutLimiter>,
 }
 

@@ -13,9 +13,9 @@ struct ResultLabels {
     result: &'static str,
 }
 
-/// The controller's metrics, registered in the injector's registry.
+/// What the controller counts and times.
 #[derive(Clone, Debug)]
-pub struct ControllerMetrics {
+pub struct Metrics {
     reconciles: Family<ResultLabels, Counter>,
     duration: Histogram,
     pub(super) retuned: Counter,
@@ -23,7 +23,7 @@ pub struct ControllerMetrics {
     pub(super) status_writes: Counter,
 }
 
-impl ControllerMetrics {
+impl Metrics {
     pub fn register(registry: &mut Registry) -> Self {
         let reconciles = Family::<ResultLabels, Counter>::default();
         registry.register(

@@ -43,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use error::ControllerError;
 pub use events::{Decision, decisions};
-pub use metrics::ControllerMetrics;
+pub use metrics::Metrics;
 pub use rollout::RolloutLimiter;
 
 use crate::sidecar_config::{ChartDefaults, LifecycleEntry};
@@ -76,7 +76,7 @@ pub struct Settings {
 pub async fn run(
     client: Client,
     settings: Settings,
-    metrics: ControllerMetrics,
+    metrics: Metrics,
     shutdown: CancellationToken,
 ) {
     let lifecycles_api = Api::<SidecarLifecycle>::all(client.clone());
