@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use kube::Client;
 use prometheus_client::registry::Registry;
+use remora_crds::SidecarLifecycle;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -21,6 +22,7 @@ use crate::flags::ServeArgs;
 use crate::leader::{self, LeaderError};
 use crate::server::{AppState, METRICS_PREFIX, ServerError, router, serve_tls_draining};
 use crate::tls::{ReloadingCert, TlsError};
+use crate::watch::SharedWatch;
 use crate::webhook::Injector;
 
 #[derive(Debug, thiserror::Error)]
@@ -101,34 +103,46 @@ struct LeaderContext {
     jobs_metrics: crate::jobs::Metrics,
     /// Who publishes the Events.
     identity: String,
+    /// The replica's SidecarLifecycle watch (the webhook's).
+    lifecycles: SharedWatch<SidecarLifecycle>,
 }
 
 /// Everything only the leader runs: the one place to add leader-only tasks.
 /// Each gets `token`, cancelled when leadership ends or shutdown begins, and
 /// must return soon after (the elector aborts it after --shutdown-grace).
 async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
+    if ctx.controller.is_none() && !ctx.stop_completed_jobs {
+        // Nothing to do is no reason to give up leadership, nor to watch.
+        return token.cancelled().await;
+    }
+    // One pod watch for all the leader's work, while it leads; a task
+    // started again subscribes again.
+    let pods = crate::watch::live_pods(ctx.client.clone(), token.clone());
     let mut tasks = JoinSet::new();
     if let Some(settings) = ctx.controller.clone() {
-        let ctx = Arc::clone(&ctx);
+        let (ctx, pods) = (Arc::clone(&ctx), pods.clone());
         tasks.spawn(supervise("controller", token.clone(), move |token| {
             crate::controller::run(
                 ctx.client.clone(),
                 settings.clone(),
                 ctx.controller_metrics.clone(),
+                ctx.lifecycles.clone(),
+                pods.clone(),
                 token,
             )
         }));
     }
     if ctx.stop_completed_jobs {
-        let ctx = Arc::clone(&ctx);
+        let (ctx, pods) = (Arc::clone(&ctx), pods.clone());
         tasks.spawn(supervise("jobs", token.clone(), move |token| {
-            let (client, identity, metrics) = (
+            let (client, identity, metrics, pods) = (
                 ctx.client.clone(),
                 ctx.identity.clone(),
                 ctx.jobs_metrics.clone(),
+                pods.clone(),
             );
             async move {
-                if let Err(e) = crate::jobs::run(client, identity, metrics, token).await {
+                if let Err(e) = crate::jobs::run(client, identity, metrics, pods, token).await {
                     tracing::error!(error = %e, "the Jobs controller failed");
                 }
             }
@@ -207,6 +221,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         stop_completed_jobs: args.stop_completed_jobs,
         jobs_metrics,
         identity: leader_cfg.identity.clone(),
+        lifecycles: view.lifecycle_watch(),
     });
     let state = Arc::new(AppState {
         injector: Injector {
@@ -320,33 +335,4 @@ async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicU32, Ordering};
-
-    #[tokio::test(start_paused = true)]
-    async fn a_leader_task_that_dies_is_started_again_until_cancelled() {
-        let token = CancellationToken::new();
-        let starts = Arc::new(AtomicU32::new(0));
-        let task = {
-            let starts = Arc::clone(&starts);
-            move |t: CancellationToken| {
-                let n = starts.fetch_add(1, Ordering::SeqCst);
-                async move {
-                    match n {
-                        0 => {}                            // ends early
-                        1 => panic!("test double panics"), // dies
-                        _ => t.cancelled().await,          // behaves
-                    }
-                }
-            }
-        };
-        let run = tokio::spawn(supervise("test", token.clone(), task));
-        // 1 s, then 2 s of backoff before the third start.
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        assert_eq!(starts.load(Ordering::SeqCst), 3);
-        token.cancel();
-        run.await.expect("supervise returns on cancel");
-        assert_eq!(starts.load(Ordering::SeqCst), 3, "no start after cancel");
-    }
-}
+mod tests;

@@ -20,7 +20,6 @@ use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
@@ -28,6 +27,7 @@ use remora_agent::lifecycle::{STOP_ANNOTATION, StopRequest};
 use tokio_util::sync::CancellationToken;
 
 use crate::mutate::{PROXY_CONTAINER, STATUS_ANNOTATION};
+use crate::watch::{Change, SharedWatch};
 
 /// The field manager and event reporter of the injector.
 pub const FIELD_MANAGER: &str = "remora-injector";
@@ -35,9 +35,17 @@ pub const FIELD_MANAGER: &str = "remora-injector";
 pub const EVENT_REASON: &str = "SidecarStopRequested";
 /// What the stop request says it is for.
 pub const STOP_REASON: &str = "AppsCompleted";
-/// Only pods that can complete, and only while they run: the API server
-/// filters, so the operator does not cache every pod of the cluster.
-pub const FIELD_SELECTOR: &str = "spec.restartPolicy!=Always,status.phase=Running";
+
+/// Only pods that can complete, and only while they run, are looked at.
+/// The leader's one pod watch holds every live pod (the SidecarLifecycle
+/// controller needs them all); this is the filter Jobs once asked the API
+/// server for (`spec.restartPolicy!=Always,status.phase=Running`).
+pub fn may_complete(pod: &Pod) -> bool {
+    let policy = pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref());
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    // The API server defaults restartPolicy to Always.
+    matches!(policy, Some(p) if p != "Always") && phase == Some("Running")
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum JobsError {
@@ -238,16 +246,16 @@ fn error_policy(_pod: Arc<Pod>, err: &JobsError, ctx: Arc<Ctx>) -> Action {
     Action::requeue(Duration::from_secs(5))
 }
 
-/// Watch running pods that can complete and ask their Legacy sidecar to stop
-/// once their apps are done. Ends when `shutdown` is cancelled (after the
-/// reconciles in flight).
+/// Follow running pods that can complete, from the leader's pod watch, and
+/// ask their Legacy sidecar to stop once their apps are done. Ends when
+/// `shutdown` is cancelled (after the reconciles in flight).
 pub async fn run(
     client: Client,
     identity: String,
     metrics: Metrics,
+    pods: SharedWatch<Pod>,
     shutdown: CancellationToken,
 ) -> Result<(), JobsError> {
-    let api: Api<Pod> = Api::all(client.clone());
     let reporter = Reporter {
         controller: FIELD_MANAGER.into(),
         instance: Some(identity),
@@ -258,7 +266,13 @@ pub async fn run(
         metrics,
     });
     tracing::info!("stopping the sidecars of completed Job pods");
-    let controller = Controller::new(api, watcher::Config::default().fields(FIELD_SELECTOR))
+    let candidates = pods.subscribe().filter_map(|c| {
+        futures::future::ready(match c {
+            Change::Applied(p) if may_complete(&p) => Some(p),
+            _ => None,
+        })
+    });
+    let controller = Controller::for_shared_stream(candidates, pods.store())
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
@@ -499,6 +513,23 @@ mod tests {
         for c in &cases {
             assert_eq!(decide(&pod(c)), c.want, "{}", c.name);
         }
+    }
+
+    #[test]
+    fn only_running_pods_that_can_complete_are_looked_at() {
+        let with = |policy: Option<&'static str>, phase| {
+            may_complete(&pod(&Case {
+                policy,
+                phase,
+                ..BASE
+            }))
+        };
+        assert!(with(Some("Never"), "Running"));
+        assert!(with(Some("OnFailure"), "Running"));
+        assert!(!with(Some("Always"), "Running"));
+        assert!(!with(None, "Running"));
+        assert!(!with(Some("Never"), "Pending"));
+        assert!(!with(Some("Never"), "Succeeded"));
     }
 
     #[test]

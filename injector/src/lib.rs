@@ -15,4 +15,5 @@ pub mod server;
 pub mod sidecar_config;
 pub mod status;
 pub mod tls;
+pub mod watch;
 pub mod webhook;

@@ -4,7 +4,6 @@
 use std::sync::Mutex;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::core::PartialObjectMeta;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
@@ -20,7 +19,7 @@ use crate::status::PodInfo;
 pub(super) struct Ctx {
     pub(super) client: Client,
     pub(super) settings: Settings,
-    pub(super) pods: Store<PartialObjectMeta<Pod>>,
+    pub(super) pods: Store<Pod>,
     pub(super) lifecycles: Store<SidecarLifecycle>,
     pub(super) recorder: Recorder,
     pub(super) metrics: Metrics,
@@ -48,7 +47,7 @@ impl Ctx {
             .pods
             .state()
             .iter()
-            .map(|p| PodInfo::from_meta(p))
+            .map(|p| PodInfo::from_meta(&p.metadata))
             .collect();
         (all, pods)
     }

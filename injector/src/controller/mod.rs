@@ -14,6 +14,10 @@
 //! - records each decision as a Kubernetes Event on the resource and on the
 //!   pods it touched, and counts reconciles, errors and durations.
 //!
+//! It opens no watch of its own: it follows the replica's SidecarLifecycle
+//! watch (the webhook's, [`crate::cluster`]) and the leader's pod watch
+//! ([`crate::watch::live_pods`]), which the Jobs controller shares.
+//!
 //! Reconciles are idempotent: they compare what is with what should be and
 //! write only the difference, so a replayed or concurrent reconcile changes
 //! nothing.
@@ -32,12 +36,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::core::PartialObjectMeta;
+use kube::Client;
 use kube::runtime::controller::Controller;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, ResourceExt};
 use remora_crds::SidecarLifecycle;
 use tokio_util::sync::CancellationToken;
 
@@ -46,11 +47,11 @@ pub use events::{Decision, decisions};
 pub use metrics::Metrics;
 pub use rollout::RolloutLimiter;
 
-use crate::sidecar_config::{ChartDefaults, LifecycleEntry};
-use crate::status::{PodInfo, reaches};
+use crate::sidecar_config::ChartDefaults;
+use crate::watch::{Change, SharedWatch};
 use context::Ctx;
 use reconcile::{error_policy, reconcile, sweep};
-use triggers::{LIVE_PODS, changes, pod_key};
+use triggers::{changes, generation, pod_key};
 
 /// The field manager of every server-side apply the controller makes.
 pub const FIELD_MANAGER: &str = "remora-injector";
@@ -71,80 +72,39 @@ pub struct Settings {
     pub identity: String,
 }
 
-/// Run until `shutdown`: the controller's own watches of SidecarLifecycles
-/// and pod metadata, and the reconciles they trigger.
+/// Run until `shutdown`: the reconciles that the changes of the shared
+/// SidecarLifecycle and pod watches trigger.
 pub async fn run(
     client: Client,
     settings: Settings,
     metrics: Metrics,
+    lifecycles: SharedWatch<SidecarLifecycle>,
+    pods: SharedWatch<Pod>,
     shutdown: CancellationToken,
 ) {
-    let lifecycles_api = Api::<SidecarLifecycle>::all(client.clone());
-    let (pods, writer) = reflector::store();
-    // Finished pods neither count nor get retuned; one that finishes leaves
-    // the watch as a deletion.
-    let pod_stream = changes(
-        watcher(
-            Api::<PartialObjectMeta<Pod>>::all(client.clone()),
-            watcher::Config::default().fields(LIVE_PODS),
-        )
-        .default_backoff()
-        .reflect(writer),
-        pod_key,
-    );
-    let controller = Controller::new(lifecycles_api.clone(), watcher::Config::default());
-    let lifecycles = controller.store();
-    let operator_ns = settings.operator_namespace.clone();
-
-    // A pod change concerns every resource that reaches it.
-    let store = lifecycles.clone();
-    let ns = operator_ns.clone();
-    let by_pod = move |p: PartialObjectMeta<Pod>| {
-        let pod = PodInfo::from_meta(&p);
-        store
-            .state()
-            .iter()
-            .filter(|r| reaches(&LifecycleEntry::from_resource(r), &pod, &ns))
-            .map(|r| ObjectRef::from_obj(r.as_ref()))
-            .collect::<Vec<_>>()
-    };
-    // A resource's change (or deletion) moves the conflicts, governors and
-    // settings of its siblings: its namespace, and everything when it is a
-    // cluster default.
-    let store = lifecycles.clone();
-    let ns = operator_ns.clone();
-    let by_sibling = move |changed: SidecarLifecycle| {
-        let changed_ns = changed.namespace().unwrap_or_default();
-        let cluster_wide = changed_ns == ns && changed.spec.selector.is_none();
-        store
-            .state()
-            .iter()
-            .filter(|r| {
-                cluster_wide
-                    || r.namespace().as_deref() == Some(changed_ns.as_str())
-                    || (r.namespace().as_deref() == Some(ns.as_str()) && r.spec.selector.is_none())
-            })
-            .map(|r| ObjectRef::from_obj(r.as_ref()))
-            .collect::<Vec<_>>()
-    };
-    // Only spec changes (generation), creations and deletions move the
-    // siblings; a status write does not.
+    let store = lifecycles.store();
+    let ns = &settings.operator_namespace;
+    let by_pod = triggers::by_pod(store.clone(), ns.clone());
+    let by_sibling = triggers::by_sibling(store.clone(), ns.clone());
+    // Status-only pod updates (most of them) trigger nothing.
+    let pod_changes = changes(pods.subscribe(), pod_key).map(Change::into_object);
     // A deleted resource is never reconciled: its pods are swept back to
     // what the remaining layers say (below), even when no sibling is left.
-    let (deleted_tx, mut deleted) = tokio::sync::mpsc::unbounded_channel::<SidecarLifecycle>();
-    let siblings = changes(
-        watcher(lifecycles_api, watcher::Config::default())
-            .default_backoff()
-            .inspect(move |ev| {
-                if let Ok(watcher::Event::Delete(r)) = ev {
-                    let _ = deleted_tx.send(r.clone());
-                }
-            }),
-        |r: &SidecarLifecycle| {
-            let key = format!("{}/{}", r.namespace().unwrap_or_default(), r.name_any());
-            (key, r.metadata.generation.unwrap_or_default() as u64)
-        },
-    );
+    let (deleted_tx, mut deleted) = tokio::sync::mpsc::unbounded_channel();
+    let sibling_changes = changes(lifecycles.subscribe(), generation).map(move |c| {
+        if let Change::Deleted(r) = &c {
+            let _ = deleted_tx.send(Arc::clone(r));
+        }
+        c.into_object()
+    });
+    // Every update of a resource, status writes included: a reconcile
+    // compares and writes only what differs.
+    let own_changes = lifecycles.subscribe().filter_map(|c| {
+        futures::future::ready(match c {
+            Change::Applied(r) => Some(r),
+            Change::Deleted(_) => None,
+        })
+    });
 
     let ctx = Arc::new(Ctx {
         recorder: Recorder::new(
@@ -157,8 +117,8 @@ pub async fn run(
         limiter: Mutex::new(RolloutLimiter::new(settings.rollout_interval)),
         client,
         settings,
-        pods,
-        lifecycles,
+        pods: pods.store(),
+        lifecycles: store.clone(),
         metrics,
     });
     tracing::info!("SidecarLifecycle controller started");
@@ -170,9 +130,9 @@ pub async fn run(
             }
         }
     };
-    let controller = controller
-        .watches_stream(pod_stream, by_pod)
-        .watches_stream(siblings, by_sibling)
+    let controller = Controller::for_shared_stream(own_changes, store)
+        .watches_shared_stream(pod_changes, by_pod)
+        .watches_shared_stream(sibling_changes, by_sibling)
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
