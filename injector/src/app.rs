@@ -9,19 +9,20 @@
 //! reloader and caBundle keeper stop. A second signal aborts at once.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kube::Client;
-use remora_crds::SidecarMode;
+use prometheus_client::registry::Registry;
+use remora_crds::SidecarLifecycle;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::ChartDefaults;
-use crate::leader::{self, LeaderConfig, LeaderError};
-use crate::server::{AppState, Metrics, ServerError, router, serve_tls_draining};
+use crate::flags::ServeArgs;
+use crate::leader::{self, LeaderError};
+use crate::server::{AppState, METRICS_PREFIX, ServerError, router, serve_tls_draining};
 use crate::tls::{ReloadingCert, TlsError};
+use crate::watch::SharedWatch;
 use crate::webhook::Injector;
 
 #[derive(Debug, thiserror::Error)]
@@ -48,153 +49,6 @@ pub enum AppError {
     Server(#[from] ServerError),
     #[error("aborted by a second signal")]
     Aborted,
-}
-
-#[derive(Debug, Clone, clap::Args)]
-pub struct ProxyArgs {
-    /// The sidecar image (it must provide `remora-agent` on PATH).
-    #[arg(
-        long,
-        env = "REMORA_PROXY_IMAGE",
-        default_value = "ghcr.io/remora/remora-agent:latest"
-    )]
-    pub proxy_image: String,
-    /// imagePullPolicy of the sidecar.
-    #[arg(
-        long,
-        env = "REMORA_PROXY_IMAGE_PULL_POLICY",
-        default_value = "IfNotPresent"
-    )]
-    pub proxy_image_pull_policy: String,
-}
-
-impl ProxyArgs {
-    pub fn chart(&self, mode: SidecarMode) -> ChartDefaults {
-        ChartDefaults {
-            image: self.proxy_image.clone(),
-            image_pull_policy: self.proxy_image_pull_policy.clone(),
-            mode,
-            ..ChartDefaults::default()
-        }
-    }
-}
-
-#[derive(Debug, Clone, clap::Args)]
-pub struct ServeArgs {
-    /// Address of the HTTPS listener.
-    #[arg(long, env = "REMORA_LISTEN", default_value = "0.0.0.0:9443")]
-    pub listen: SocketAddr,
-    /// PEM serving certificate chain; reloaded when it changes.
-    #[arg(
-        long,
-        env = "REMORA_TLS_CERT",
-        default_value = "/etc/remora/tls/tls.crt"
-    )]
-    pub tls_cert: PathBuf,
-    /// PEM private key of the serving certificate.
-    #[arg(
-        long,
-        env = "REMORA_TLS_KEY",
-        default_value = "/etc/remora/tls/tls.key"
-    )]
-    pub tls_key: PathBuf,
-    /// How often the certificate files are checked for a change.
-    #[arg(long, env = "REMORA_CERT_RELOAD_INTERVAL", value_parser = remora_contract::duration::parse, default_value = "10s")]
-    pub cert_reload_interval: Duration,
-    /// The operator's namespace: a SidecarLifecycle without selector there is
-    /// the cluster default; the leader Lease lives there too.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "remora-system")]
-    pub operator_namespace: String,
-    /// Largest AdmissionReview body read.
-    #[arg(long, env = "REMORA_MAX_REQUEST_BYTES", default_value_t = 8 << 20)]
-    pub max_request_bytes: usize,
-    /// Mode when no SidecarLifecycle or annotation says.
-    #[arg(long, env = "REMORA_DEFAULT_MODE", default_value = "Auto")]
-    pub default_mode: SidecarMode,
-    /// How long to wait for the first listing of the cluster before serving.
-    #[arg(long, env = "REMORA_SYNC_TIMEOUT", value_parser = remora_contract::duration::parse, default_value = "30s")]
-    pub sync_timeout: Duration,
-    /// Make and share our own CA and serving certificate (in --tls-secret)
-    /// and patch its CA into --webhook-config, instead of reading --tls-cert/--tls-key.
-    #[arg(long, env = "REMORA_SELF_SIGNED", default_value_t = false, action = clap::ArgAction::Set,
-          num_args = 0..=1, default_missing_value = "true")]
-    pub self_signed: bool,
-    /// Secret (in the operator's namespace) holding the self-managed CA and certificate.
-    #[arg(long, env = "REMORA_TLS_SECRET", default_value = "remora-injector-tls")]
-    pub tls_secret: String,
-    /// Service name the API server calls the webhook by (the certificate's names).
-    #[arg(long, env = "REMORA_SERVICE_NAME", default_value = "remora-injector")]
-    pub service_name: String,
-    /// MutatingWebhookConfiguration whose caBundle is kept current.
-    #[arg(long, env = "REMORA_WEBHOOK_CONFIG", default_value = "remora-injector")]
-    pub webhook_config: String,
-    /// Where the self-managed certificate files are written (a writable emptyDir).
-    #[arg(
-        long,
-        env = "REMORA_SELF_SIGNED_DIR",
-        default_value = "/var/run/remora-injector/tls"
-    )]
-    pub self_signed_dir: PathBuf,
-    /// Run the SidecarLifecycle controller (status, live retuning, rollouts)
-    /// while leader.
-    #[arg(long, env = "REMORA_CONTROLLER", default_value_t = true, action = clap::ArgAction::Set,
-          num_args = 0..=1, default_missing_value = "true")]
-    pub controller: bool,
-    /// Ask the Legacy sidecar of a Job's pod to stop once its apps have
-    /// terminated (while leader).
-    #[arg(long, env = "REMORA_STOP_COMPLETED_JOBS", default_value_t = true, action = clap::ArgAction::Set,
-          num_args = 0..=1, default_missing_value = "true")]
-    pub stop_completed_jobs: bool,
-    /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
-    #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_contract::duration::parse, default_value = "30s")]
-    pub rollout_interval: Duration,
-    /// Run the controller only while holding the leader Lease; false: this
-    /// replica always runs it (one replica only).
-    #[arg(long, env = "REMORA_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set,
-          num_args = 0..=1, default_missing_value = "true")]
-    pub leader_elect: bool,
-    /// Name of the leader Lease (in the operator's namespace).
-    #[arg(long, env = "REMORA_LEASE_NAME", default_value = leader::DEFAULT_LEASE_NAME)]
-    pub lease_name: String,
-    /// This replica's name in the Lease; default: hostname and a random suffix.
-    #[arg(long, env = "POD_NAME")]
-    pub leader_identity: Option<String>,
-    /// How long the others respect a Lease that stopped being renewed.
-    #[arg(long, env = "REMORA_LEASE_DURATION", value_parser = remora_contract::duration::parse, default_value = "15s")]
-    pub lease_duration: Duration,
-    /// The leader steps down when it could not renew for this long
-    /// (shorter than --lease-duration).
-    #[arg(long, env = "REMORA_RENEW_DEADLINE", value_parser = remora_contract::duration::parse, default_value = "10s")]
-    pub renew_deadline: Duration,
-    /// Pause between attempts to acquire or renew the Lease.
-    #[arg(long, env = "REMORA_RETRY_PERIOD", value_parser = remora_contract::duration::parse, default_value = "2s")]
-    pub retry_period: Duration,
-    /// After SIGTERM: how long in-flight admissions and the leader-only work
-    /// get to finish before they are cut off.
-    #[arg(long, env = "REMORA_SHUTDOWN_GRACE", value_parser = remora_contract::duration::parse, default_value = "10s")]
-    pub shutdown_grace: Duration,
-    /// Log filter (tracing EnvFilter syntax).
-    #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]
-    pub log_level: String,
-    #[command(flatten)]
-    pub proxy: ProxyArgs,
-}
-
-impl ServeArgs {
-    fn leader_config(&self) -> LeaderConfig {
-        let identity = self
-            .leader_identity
-            .clone()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(leader::default_identity);
-        LeaderConfig {
-            lease_duration: self.lease_duration,
-            renew_deadline: self.renew_deadline,
-            retry_period: self.retry_period,
-            stop_timeout: self.shutdown_grace,
-            ..LeaderConfig::new(&self.lease_name, &self.operator_namespace, &identity)
-        }
-    }
 }
 
 /// Serve until SIGTERM/SIGINT; `Err(AppError::Aborted)` on a second signal.
@@ -244,39 +98,51 @@ struct LeaderContext {
     client: Client,
     /// `None`: the controller is off.
     controller: Option<crate::controller::Settings>,
-    controller_metrics: crate::controller::ControllerMetrics,
+    controller_metrics: crate::controller::Metrics,
     stop_completed_jobs: bool,
-    jobs_metrics: crate::jobs::JobsMetrics,
+    jobs_metrics: crate::jobs::Metrics,
     /// Who publishes the Events.
     identity: String,
+    /// The replica's SidecarLifecycle watch (the webhook's).
+    lifecycles: SharedWatch<SidecarLifecycle>,
 }
 
 /// Everything only the leader runs: the one place to add leader-only tasks.
 /// Each gets `token`, cancelled when leadership ends or shutdown begins, and
 /// must return soon after (the elector aborts it after --shutdown-grace).
 async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
+    if ctx.controller.is_none() && !ctx.stop_completed_jobs {
+        // Nothing to do is no reason to give up leadership, nor to watch.
+        return token.cancelled().await;
+    }
+    // One pod watch for all the leader's work, while it leads; a task
+    // started again subscribes again.
+    let pods = crate::watch::live_pods(ctx.client.clone(), token.clone());
     let mut tasks = JoinSet::new();
     if let Some(settings) = ctx.controller.clone() {
-        let ctx = Arc::clone(&ctx);
+        let (ctx, pods) = (Arc::clone(&ctx), pods.clone());
         tasks.spawn(supervise("controller", token.clone(), move |token| {
             crate::controller::run(
                 ctx.client.clone(),
                 settings.clone(),
                 ctx.controller_metrics.clone(),
+                ctx.lifecycles.clone(),
+                pods.clone(),
                 token,
             )
         }));
     }
     if ctx.stop_completed_jobs {
-        let ctx = Arc::clone(&ctx);
+        let (ctx, pods) = (Arc::clone(&ctx), pods.clone());
         tasks.spawn(supervise("jobs", token.clone(), move |token| {
-            let (client, identity, metrics) = (
+            let (client, identity, metrics, pods) = (
                 ctx.client.clone(),
                 ctx.identity.clone(),
                 ctx.jobs_metrics.clone(),
+                pods.clone(),
             );
             async move {
-                if let Err(e) = crate::jobs::run(client, identity, metrics, token).await {
+                if let Err(e) = crate::jobs::run(client, identity, metrics, pods, token).await {
                     tracing::error!(error = %e, "the Jobs controller failed");
                 }
             }
@@ -337,7 +203,12 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         view,
     } = started;
     let chart = args.proxy.chart(args.default_mode);
-    let metrics = Metrics::new();
+    // One registry; each component registers its own metrics in it.
+    let mut registry = Registry::with_prefix(METRICS_PREFIX);
+    let webhook_metrics = crate::webhook::Metrics::register(&mut registry);
+    let controller_metrics = crate::controller::Metrics::register(&mut registry);
+    let jobs_metrics = crate::jobs::Metrics::register(&mut registry);
+    let leader_metrics = leader::Metrics::register(&mut registry);
     let ctx = Arc::new(LeaderContext {
         client: client.clone(),
         controller: args.controller.then(|| crate::controller::Settings {
@@ -346,10 +217,11 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             rollout_interval: args.rollout_interval,
             identity: leader_cfg.identity.clone(),
         }),
-        controller_metrics: metrics.controller.clone(),
+        controller_metrics,
         stop_completed_jobs: args.stop_completed_jobs,
-        jobs_metrics: metrics.jobs.clone(),
+        jobs_metrics,
         identity: leader_cfg.identity.clone(),
+        lifecycles: view.lifecycle_watch(),
     });
     let state = Arc::new(AppState {
         injector: Injector {
@@ -357,10 +229,10 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             operator_namespace: args.operator_namespace.clone(),
             view: Arc::new(view),
         },
-        metrics,
+        metrics: webhook_metrics,
+        registry,
         max_body_bytes: args.max_request_bytes,
     });
-    let leader_metrics = state.metrics.leader.clone();
     tracing::info!(listen = %args.listen, "remora-injector serving");
 
     let server = {
@@ -463,33 +335,4 @@ async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicU32, Ordering};
-
-    #[tokio::test(start_paused = true)]
-    async fn a_leader_task_that_dies_is_started_again_until_cancelled() {
-        let token = CancellationToken::new();
-        let starts = Arc::new(AtomicU32::new(0));
-        let task = {
-            let starts = Arc::clone(&starts);
-            move |t: CancellationToken| {
-                let n = starts.fetch_add(1, Ordering::SeqCst);
-                async move {
-                    match n {
-                        0 => {}                            // ends early
-                        1 => panic!("test double panics"), // dies
-                        _ => t.cancelled().await,          // behaves
-                    }
-                }
-            }
-        };
-        let run = tokio::spawn(supervise("test", token.clone(), task));
-        // 1 s, then 2 s of backoff before the third start.
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        assert_eq!(starts.load(Ordering::SeqCst), 3);
-        token.cancel();
-        run.await.expect("supervise returns on cancel");
-        assert_eq!(starts.load(Ordering::SeqCst), 3, "no start after cancel");
-    }
-}
+mod tests;

@@ -1,13 +1,14 @@
 //! The operator's in-memory view of the cluster: reflectors over
 //! SidecarLifecycles, Namespaces (labels only) and Nodes (kubelet versions,
 //! which decide `Auto` mode). Admissions read these stores, never the API.
+//! The SidecarLifecycle watch is shared: the leader's controller reads it
+//! rather than opening its own.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
@@ -16,7 +17,8 @@ use kube::{Api, Client};
 use remora_crds::SidecarLifecycle;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::LifecycleEntry;
+use crate::sidecar_config::LifecycleEntry;
+use crate::watch::{SharedWatch, drive};
 use crate::webhook::ClusterView;
 
 /// Native sidecars (restartable init containers) are on by default from here.
@@ -57,7 +59,7 @@ pub fn native_supported(kubelet_versions: &[String], apiserver: Option<(u32, u32
 }
 
 pub struct KubeView {
-    lifecycles: Store<SidecarLifecycle>,
+    lifecycles: SharedWatch<SidecarLifecycle>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
     native: Arc<AtomicBool>,
 }
@@ -65,6 +67,7 @@ pub struct KubeView {
 impl ClusterView for KubeView {
     fn lifecycles(&self) -> Vec<LifecycleEntry> {
         self.lifecycles
+            .store()
             .state()
             .iter()
             .map(|r| LifecycleEntry::from_resource(r))
@@ -83,27 +86,6 @@ impl ClusterView for KubeView {
     }
 }
 
-fn drive<S, T>(what: &'static str, stream: S, shutdown: CancellationToken)
-where
-    S: Stream<Item = Result<T, watcher::Error>> + Send + 'static,
-    T: Send,
-{
-    tokio::spawn(async move {
-        let mut stream = std::pin::pin!(stream);
-        loop {
-            let ev = tokio::select! {
-                () = shutdown.cancelled() => return,
-                ev = stream.next() => ev,
-            };
-            match ev {
-                None => return,
-                Some(Err(e)) => tracing::warn!(watch = what, error = %e, "watch error; retrying"),
-                Some(Ok(_)) => {}
-            }
-        }
-    });
-}
-
 /// Start the reflectors, which run until `shutdown`; waits (up to
 /// `sync_timeout`) for the first listing so that the first admissions
 /// already see the SidecarLifecycles.
@@ -118,16 +100,11 @@ pub async fn start(
         .map_err(ClusterError::Version)?;
     let apiserver = parse_kube_version(&format!("v{}.{}", apiserver.major, apiserver.minor));
 
-    let (lifecycles, w) = reflector::store();
-    drive(
+    let lifecycles = SharedWatch::start(
         "sidecarlifecycles",
-        watcher(
-            Api::<SidecarLifecycle>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .reflect(w)
-        .touched_objects(),
+        Api::<SidecarLifecycle>::all(client.clone()),
+        watcher::Config::default(),
+        |_| {},
         shutdown.clone(),
     );
     let (namespaces, w) = reflector::store();
@@ -138,44 +115,42 @@ pub async fn start(
             watcher::Config::default(),
         )
         .default_backoff()
-        .reflect(w)
-        .touched_objects(),
+        .reflect(w),
         shutdown.clone(),
+        |_| {},
     );
     let (nodes, w) = reflector::store::<Node>();
     let native = Arc::new(AtomicBool::new(apiserver.is_some_and(supports_native)));
     {
         let native = Arc::clone(&native);
         let nodes = nodes.clone();
-        // Re-evaluated on every node event: a new old node turns Auto to Legacy.
         let stream = watcher(Api::<Node>::all(client), watcher::Config::default())
             .default_backoff()
-            .reflect(w)
-            .map(move |ev| {
-                let versions: Vec<String> = nodes
-                    .state()
-                    .iter()
-                    .filter_map(|n| {
-                        n.status
-                            .as_ref()
-                            .and_then(|s| s.node_info.as_ref())
-                            .map(|i| i.kubelet_version.clone())
-                    })
-                    .collect();
-                let now = native_supported(&versions, apiserver);
-                if native.swap(now, Ordering::Relaxed) != now {
-                    tracing::info!(
-                        native_sidecars = now,
-                        nodes = versions.len(),
-                        "Auto mode changed"
-                    );
-                }
-                ev
-            });
-        drive("nodes", stream, shutdown);
+            .reflect(w);
+        // Re-evaluated on every node event: a new old node turns Auto to Legacy.
+        drive("nodes", stream, shutdown, move |_| {
+            let versions: Vec<String> = nodes
+                .state()
+                .iter()
+                .filter_map(|n| {
+                    n.status
+                        .as_ref()
+                        .and_then(|s| s.node_info.as_ref())
+                        .map(|i| i.kubelet_version.clone())
+                })
+                .collect();
+            let now = native_supported(&versions, apiserver);
+            if native.swap(now, Ordering::Relaxed) != now {
+                tracing::info!(
+                    native_sidecars = now,
+                    nodes = versions.len(),
+                    "Auto mode changed"
+                );
+            }
+        });
     }
     let ready = async {
-        let _ = lifecycles.wait_until_ready().await;
+        let _ = lifecycles.store().wait_until_ready().await;
         let _ = namespaces.wait_until_ready().await;
     };
     if tokio::time::timeout(sync_timeout, ready).await.is_err() {
@@ -189,8 +164,9 @@ pub async fn start(
 }
 
 impl KubeView {
-    /// The SidecarLifecycles the reflector keeps (shared, not copied).
-    pub fn lifecycle_store(&self) -> Store<SidecarLifecycle> {
+    /// The one SidecarLifecycle watch of this replica: the leader's
+    /// controller reads it too, rather than opening its own.
+    pub fn lifecycle_watch(&self) -> SharedWatch<SidecarLifecycle> {
         self.lifecycles.clone()
     }
 }

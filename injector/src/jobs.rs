@@ -20,14 +20,16 @@ use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use remora_contract::annotations::STOP as STOP_ANNOTATION;
 use remora_contract::lifecycle::StopRequest;
+use remora_contract::pod::PROXY_CONTAINER;
 use tokio_util::sync::CancellationToken;
 
 use crate::mutate::STATUS_ANNOTATION;
-use remora_contract::pod::PROXY_CONTAINER;
+use crate::watch::{Change, SharedWatch};
 
 /// The field manager and event reporter of the injector.
 pub const FIELD_MANAGER: &str = "remora-injector";
@@ -35,9 +37,17 @@ pub const FIELD_MANAGER: &str = "remora-injector";
 pub const EVENT_REASON: &str = "SidecarStopRequested";
 /// What the stop request says it is for.
 pub const STOP_REASON: &str = "AppsCompleted";
-/// Only pods that can complete, and only while they run: the API server
-/// filters, so the operator does not cache every pod of the cluster.
-pub const FIELD_SELECTOR: &str = "spec.restartPolicy!=Always,status.phase=Running";
+
+/// Only pods that can complete, and only while they run, are looked at.
+/// The leader's one pod watch holds every live pod (the SidecarLifecycle
+/// controller needs them all); this is the filter Jobs once asked the API
+/// server for (`spec.restartPolicy!=Always,status.phase=Running`).
+pub fn may_complete(pod: &Pod) -> bool {
+    let policy = pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref());
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    // The API server defaults restartPolicy to Always.
+    matches!(policy, Some(p) if p != "Always") && phase == Some("Running")
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum JobsError {
@@ -162,15 +172,15 @@ pub fn stop_value(now: k8s_openapi::jiff::Timestamp) -> String {
     serde_json::to_string(&req).unwrap_or_default()
 }
 
-/// The Jobs controller's metrics, registered in the injector's registry.
+/// What the Jobs controller counts.
 #[derive(Clone, Debug, Default)]
-pub struct JobsMetrics {
-    stopped: prometheus_client::metrics::counter::Counter,
-    failures: prometheus_client::metrics::counter::Counter,
+pub struct Metrics {
+    stopped: Counter,
+    failures: Counter,
 }
 
-impl JobsMetrics {
-    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+impl Metrics {
+    pub fn register(registry: &mut Registry) -> Self {
         let me = Self::default();
         registry.register(
             "jobs_sidecars_stopped",
@@ -189,7 +199,7 @@ impl JobsMetrics {
 struct Ctx {
     client: Client,
     recorder: Recorder,
-    metrics: JobsMetrics,
+    metrics: Metrics,
 }
 
 async fn reconcile(pod: Arc<Pod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
@@ -238,16 +248,16 @@ fn error_policy(_pod: Arc<Pod>, err: &JobsError, ctx: Arc<Ctx>) -> Action {
     Action::requeue(Duration::from_secs(5))
 }
 
-/// Watch running pods that can complete and ask their Legacy sidecar to stop
-/// once their apps are done. Ends when `shutdown` is cancelled (after the
-/// reconciles in flight).
+/// Follow running pods that can complete, from the leader's pod watch, and
+/// ask their Legacy sidecar to stop once their apps are done. Ends when
+/// `shutdown` is cancelled (after the reconciles in flight).
 pub async fn run(
     client: Client,
     identity: String,
-    metrics: JobsMetrics,
+    metrics: Metrics,
+    pods: SharedWatch<Pod>,
     shutdown: CancellationToken,
 ) -> Result<(), JobsError> {
-    let api: Api<Pod> = Api::all(client.clone());
     let reporter = Reporter {
         controller: FIELD_MANAGER.into(),
         instance: Some(identity),
@@ -258,7 +268,13 @@ pub async fn run(
         metrics,
     });
     tracing::info!("stopping the sidecars of completed Job pods");
-    let controller = Controller::new(api, watcher::Config::default().fields(FIELD_SELECTOR))
+    let candidates = pods.subscribe().filter_map(|c| {
+        futures::future::ready(match c {
+            Change::Applied(p) if may_complete(&p) => Some(p),
+            _ => None,
+        })
+    });
+    let controller = Controller::for_shared_stream(candidates, pods.store())
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
@@ -499,6 +515,23 @@ mod tests {
         for c in &cases {
             assert_eq!(decide(&pod(c)), c.want, "{}", c.name);
         }
+    }
+
+    #[test]
+    fn only_running_pods_that_can_complete_are_looked_at() {
+        let with = |policy: Option<&'static str>, phase| {
+            may_complete(&pod(&Case {
+                policy,
+                phase,
+                ..BASE
+            }))
+        };
+        assert!(with(Some("Never"), "Running"));
+        assert!(with(Some("OnFailure"), "Running"));
+        assert!(!with(Some("Always"), "Running"));
+        assert!(!with(None, "Running"));
+        assert!(!with(Some("Never"), "Pending"));
+        assert!(!with(Some("Never"), "Succeeded"));
     }
 
     #[test]

@@ -168,23 +168,25 @@ impl LeaseStore for KubeLeaseStore {
 
 /// `remora_injector_leader` and `remora_injector_leader_transitions_total`.
 #[derive(Debug, Clone, Default)]
-pub struct LeaderMetrics {
+pub struct Metrics {
     leader: Gauge,
     transitions: Counter,
 }
 
-impl LeaderMetrics {
-    pub fn register(&self, registry: &mut Registry) {
+impl Metrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let me = Self::default();
         registry.register(
             "leader",
             "1 while this replica holds the leader Lease, else 0",
-            self.leader.clone(),
+            me.leader.clone(),
         );
         registry.register(
             "leader_transitions",
             "Times this replica became or stopped being the leader",
-            self.transitions.clone(),
+            me.transitions.clone(),
         );
+        me
     }
 
     fn set(&self, leading: bool) {
@@ -217,7 +219,7 @@ pub struct Elector<S> {
     /// The Lease as we last wrote it (its resourceVersion guards the release).
     written: Option<Lease>,
     leading: watch::Sender<bool>,
-    metrics: Option<LeaderMetrics>,
+    metrics: Option<Metrics>,
 }
 
 impl<S: LeaseStore> Elector<S> {
@@ -234,7 +236,7 @@ impl<S: LeaseStore> Elector<S> {
     }
 
     /// Keep these metrics current.
-    pub fn with_metrics(mut self, metrics: LeaderMetrics) -> Self {
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
         metrics.leader.set(0);
         self.metrics = Some(metrics);
         self
@@ -483,7 +485,7 @@ impl<S: LeaseStore> Elector<S> {
 pub async fn run_elected<F, Fut>(
     client: Client,
     cfg: LeaderConfig,
-    metrics: Option<LeaderMetrics>,
+    metrics: Option<Metrics>,
     shutdown: CancellationToken,
     lead: F,
 ) -> Result<(), LeaderError>

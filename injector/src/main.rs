@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use remora_crds::SidecarMode;
-use remora_injector::app::{ProxyArgs, ServeArgs};
+use remora_injector::flags::{ProxyArgs, ServeArgs};
 use remora_injector::offline::{OfflineOptions, inject_stream, parse_lifecycle};
 
 // The webhook allocates and frees many small JSON values per request.

@@ -32,7 +32,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::config::EffectiveConfig;
+use crate::sidecar_config::EffectiveConfig;
 
 // Names other modules of the injector use; they are the contract's.
 pub use remora_contract::annotations::{

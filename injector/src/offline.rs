@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use remora_crds::{SidecarLifecycle, SidecarMode};
 use serde_json::{Value, json};
 
-use crate::config::{ChartDefaults, EffectiveConfig};
 use crate::mutate::{Outcome, Selection, Target, mutate, pod_meta};
+use crate::sidecar_config::{ChartDefaults, EffectiveConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum OfflineError {

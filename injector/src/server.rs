@@ -11,19 +11,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
-use crate::leader::LeaderMetrics;
-use crate::webhook::{AdmissionOutcome, Injector, encode_review, unreadable};
+use crate::webhook::{AdmissionOutcome, Injector, Metrics, encode_review, unreadable};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -31,89 +25,37 @@ pub enum ServerError {
     Accept(#[source] std::io::Error),
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OutcomeLabels {
-    outcome: &'static str,
+/// The prefix of every metric the injector exports.
+pub const METRICS_PREFIX: &str = "remora_injector";
+
+pub struct AppState {
+    pub injector: Injector,
+    /// The webhook's own, kept by `/inject`.
+    pub metrics: Metrics,
+    /// Every component's metrics: what `/metrics` encodes.
+    pub registry: Registry,
+    pub max_body_bytes: usize,
 }
 
-/// The injector's own metrics registry.
-pub struct Metrics {
-    registry: Registry,
-    admissions: Family<OutcomeLabels, Counter>,
-    latency: Histogram,
-    /// Handed to the SidecarLifecycle controller.
-    pub controller: crate::controller::ControllerMetrics,
-    /// Handed to the Jobs controller.
-    pub jobs: crate::jobs::JobsMetrics,
-    in_flight: Gauge,
-    /// Leader election state, kept by the elector.
-    pub leader: LeaderMetrics,
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Metrics {
-    pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("remora_injector");
-        let admissions = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
-            "admissions",
-            "Admission reviews answered, by outcome",
-            admissions.clone(),
-        );
-        // 50µs .. ~1.6s
-        let latency = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
-        registry.register(
-            "admission_duration_seconds",
-            "Time to answer one admission review, body read included",
-            latency.clone(),
-        );
-        let controller = crate::controller::ControllerMetrics::register(&mut registry);
-        let jobs = crate::jobs::JobsMetrics::register(&mut registry);
-        let in_flight = Gauge::default();
-        registry.register(
-            "admissions_in_flight",
-            "Admission reviews being read or answered now",
-            in_flight.clone(),
-        );
-        let leader = LeaderMetrics::default();
-        leader.register(&mut registry);
+impl AppState {
+    /// A webhook server alone (tests, the benchmark): its registry holds
+    /// the webhook's metrics only.
+    pub fn new(injector: Injector, max_body_bytes: usize) -> Self {
+        let mut registry = Registry::with_prefix(METRICS_PREFIX);
         Self {
+            injector,
+            metrics: Metrics::register(&mut registry),
             registry,
-            admissions,
-            latency,
-            controller,
-            jobs,
-            in_flight,
-            leader,
+            max_body_bytes,
         }
     }
 
-    pub fn observe(&self, outcome: AdmissionOutcome, took: Duration) {
-        self.admissions
-            .get_or_create(&OutcomeLabels {
-                outcome: outcome.as_str(),
-            })
-            .inc();
-        self.latency.observe(took.as_secs_f64());
-    }
-
-    pub fn encode(&self) -> String {
+    fn encode_metrics(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
-}
-
-pub struct AppState {
-    pub injector: Injector,
-    pub metrics: Metrics,
-    pub max_body_bytes: usize,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -130,30 +72,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.metrics.encode(),
+        state.encode_metrics(),
     )
         .into_response()
 }
 
-/// Counts a request in flight until dropped (answered or cut off).
-struct InFlight(Gauge);
-
-impl InFlight {
-    fn new(g: &Gauge) -> Self {
-        g.inc();
-        Self(g.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
 async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let start = Instant::now();
-    let _in_flight = InFlight::new(&state.metrics.in_flight);
+    let _in_flight = state.metrics.in_flight();
     let (review, outcome) = match axum::body::to_bytes(req.into_body(), state.max_body_bytes).await
     {
         Ok(body) => state.injector.review(&body),

@@ -6,15 +6,14 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::core::PartialObjectMeta;
+use kube::api::ObjectMeta;
 use remora_crds::{SidecarLifecycleStatus, condition};
 
 use remora_contract::lifecycle::LifecycleAnnotation;
 
-use crate::config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 use crate::mutate::{STATUS_ANNOTATION, lifecycle_annotation};
+use crate::sidecar_config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 
 /// What the controller needs to know about a pod (all of it is metadata).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -33,8 +32,8 @@ pub struct PodInfo {
 }
 
 impl PodInfo {
-    pub fn from_meta(p: &PartialObjectMeta<Pod>) -> Self {
-        let annotations = p.metadata.annotations.clone().unwrap_or_default();
+    pub fn from_meta(meta: &ObjectMeta) -> Self {
+        let annotations = meta.annotations.clone().unwrap_or_default();
         let status = annotations
             .get(STATUS_ANNOTATION)
             .map(|s| serde_json::from_str::<serde_json::Value>(s).unwrap_or_default());
@@ -51,18 +50,17 @@ impl PodInfo {
         let restart_hash = status
             .as_ref()
             .and_then(|v| v["restartHash"].as_str().map(str::to_string));
-        let owner = p
-            .metadata
+        let owner = meta
             .owner_references
             .iter()
             .flatten()
             .find(|o| o.controller == Some(true))
             .map(|o| (o.kind.clone(), o.name.clone()));
         Self {
-            namespace: p.metadata.namespace.clone().unwrap_or_default(),
-            name: p.metadata.name.clone().unwrap_or_default(),
-            uid: p.metadata.uid.clone(),
-            labels: p.metadata.labels.clone().unwrap_or_default(),
+            namespace: meta.namespace.clone().unwrap_or_default(),
+            name: meta.name.clone().unwrap_or_default(),
+            uid: meta.uid.clone(),
+            labels: meta.labels.clone().unwrap_or_default(),
             annotations,
             sources,
             restart_hash,

@@ -4,14 +4,21 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::config::{ChartDefaults, LifecycleEntry, resolve};
 use crate::mutate::{Outcome, Selection, Target, mutate, pod_meta};
+use crate::sidecar_config::{ChartDefaults, LifecycleEntry, resolve};
 
 /// What the handler reads about the cluster; kept in memory (reflectors in
 /// the operator, fixed values in tests), never an API call per admission.
@@ -64,6 +71,74 @@ impl AdmissionOutcome {
             Self::Invalid => "invalid",
             Self::Error => "error",
         }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// What the webhook counts and times: answers by outcome, their latency,
+/// and the reviews being answered now.
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    admissions: Family<OutcomeLabels, Counter>,
+    latency: Histogram,
+    in_flight: Gauge,
+}
+
+impl Metrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let admissions = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "admissions",
+            "Admission reviews answered, by outcome",
+            admissions.clone(),
+        );
+        // 50µs .. ~1.6s
+        let latency = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
+        registry.register(
+            "admission_duration_seconds",
+            "Time to answer one admission review, body read included",
+            latency.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "admissions_in_flight",
+            "Admission reviews being read or answered now",
+            in_flight.clone(),
+        );
+        Self {
+            admissions,
+            latency,
+            in_flight,
+        }
+    }
+
+    pub fn observe(&self, outcome: AdmissionOutcome, took: Duration) {
+        self.admissions
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .inc();
+        self.latency.observe(took.as_secs_f64());
+    }
+
+    /// Counts one review in flight until the guard is dropped (answered or
+    /// cut off).
+    pub fn in_flight(&self) -> InFlight {
+        self.in_flight.inc();
+        InFlight(self.in_flight.clone())
+    }
+}
+
+/// See [`Metrics::in_flight`].
+pub struct InFlight(Gauge);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use remora_crds::SidecarMode;
-use remora_injector::config::{ChartDefaults, EffectiveConfig};
 use remora_injector::mutate::{Outcome, Selection, SkipReason, Target, mutate};
+use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig};
 use remora_injector::webhook::{Injector, StaticView};
 use serde_json::{Value, json};
 

@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use remora_contract::annotations::LIFECYCLE as LIFECYCLE_ANNOTATION;
 use remora_contract::lifecycle::LifecycleAnnotation;
 use remora_crds::SidecarMode;
-use remora_injector::config::{ChartDefaults, EffectiveConfig};
 use remora_injector::mutate::{
     Outcome, STATUS_ANNOTATION, Selection, SkipReason, Target, drain_deadline, mutate,
 };
+use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig};
 use serde_json::{Value, json};
 use std::time::Duration;
 

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
-use remora_injector::config::{ChartDefaults, LifecycleEntry};
-use remora_injector::server::{AppState, Metrics, router, serve_tls};
+use remora_injector::server::{AppState, router, serve_tls};
+use remora_injector::sidecar_config::{ChartDefaults, LifecycleEntry};
 use remora_injector::tls::{ReloadingCert, self_signed};
 use remora_injector::webhook::{AdmissionOutcome, Injector, StaticView};
 use serde_json::{Value, json};
@@ -213,11 +213,7 @@ async fn start_server() -> anyhow::Result<Server> {
     std::fs::write(dir.path().join("tls.key"), &key_pem)?;
     let cert = ReloadingCert::load(dir.path().join("tls.crt"), dir.path().join("tls.key"))?;
     let tls = Arc::new(cert.server_config()?);
-    let state = Arc::new(AppState {
-        injector: injector(),
-        metrics: Metrics::new(),
-        max_body_bytes: 1 << 20,
-    });
+    let state = Arc::new(AppState::new(injector(), 1 << 20));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -350,11 +346,7 @@ async fn self_managed_ca_serves_the_service_name() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let (cert, key) = ca::write_files(dir.path(), &bundle)?;
     let tls = Arc::new(ReloadingCert::load(cert, key)?.server_config()?);
-    let state = Arc::new(AppState {
-        injector: injector(),
-        metrics: Metrics::new(),
-        max_body_bytes: 1 << 20,
-    });
+    let state = Arc::new(AppState::new(injector(), 1 << 20));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(serve_tls(

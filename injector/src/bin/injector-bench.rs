@@ -21,10 +21,10 @@ use clap::Parser;
 use remora_crds::{
     DurationString, ShutdownSpec, SidecarLifecycleSpec, SidecarMode, WorkloadSelector,
 };
-use remora_injector::config::{ChartDefaults, EffectiveConfig, LifecycleEntry};
 use remora_injector::mutate::{Selection, Target, mutate};
 use remora_injector::offline::{OfflineOptions, inject_stream};
-use remora_injector::server::{AppState, Metrics, router, serve_tls};
+use remora_injector::server::{AppState, router, serve_tls};
+use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig, LifecycleEntry};
 use remora_injector::tls::{ReloadingCert, self_signed};
 use remora_injector::webhook::{Injector, StaticView, encode_review};
 use serde_json::{Value, json};
@@ -139,15 +139,14 @@ fn serve_child(cert: PathBuf, key: PathBuf) -> anyhow::Result<()> {
     rt.block_on(async {
         let cert = ReloadingCert::load(cert, key)?;
         let tls = Arc::new(cert.server_config()?);
-        let state = Arc::new(AppState {
-            injector: Injector {
+        let state = Arc::new(AppState::new(
+            Injector {
                 chart: ChartDefaults::default(),
                 operator_namespace: "remora-system".into(),
                 view: Arc::new(view()),
             },
-            metrics: Metrics::new(),
-            max_body_bytes: 8 << 20,
-        });
+            8 << 20,
+        ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         println!("{}", listener.local_addr()?);
         // The parent closes our stdin to stop us.

@@ -408,7 +408,7 @@ async fn after_a_failed_renewal_the_work_is_aborted_before_others_may_take_over(
 #[tokio::test(start_paused = true)]
 async fn metrics_follow_leadership() {
     let store = InMemoryLeaseStore::default();
-    let metrics = LeaderMetrics::default();
+    let metrics = Metrics::register(&mut Registry::default());
     let elector = Elector::new(store.clone(), cfg("a"))
         .expect("valid config")
         .with_metrics(metrics.clone());

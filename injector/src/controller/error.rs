@@ -1,0 +1,38 @@
+//! Why the controller fails a reconcile.
+
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("writing the status of {resource}: {source}")]
+    Status {
+        resource: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("patching the lifecycle annotation of pod {pod}: {source}")]
+    Retune {
+        pod: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("rolling {workload}: {source}")]
+    Rollout {
+        workload: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("the pod store did not sync within {0:?}")]
+    NotSynced(Duration),
+}
+
+impl ControllerError {
+    pub(super) fn kind(&self) -> &'static str {
+        match self {
+            Self::Status { .. } => "status",
+            Self::Retune { .. } => "retune",
+            Self::Rollout { .. } => "rollout",
+            Self::NotSynced(_) => "not_synced",
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! One reconcile of a SidecarLifecycle: its status, the pods it retunes and
+//! the workloads it rolls; and the sweep of a deleted one's pods.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Api, Resource, ResourceExt};
+use remora_crds::{RolloutPolicy, SidecarLifecycle};
+use serde_json::json;
+use tokio::time::Instant;
+
+use super::context::Ctx;
+use super::error::ControllerError;
+use super::events::{Decision, decisions};
+use super::retune::retune;
+use super::rollout::roll;
+use super::{FIELD_MANAGER, RESYNC};
+use crate::sidecar_config::LifecycleEntry;
+use crate::status::{compute, keep_transition_times, restart_condition, restart_report};
+
+pub(super) fn error_policy(_: Arc<SidecarLifecycle>, err: &ControllerError, _: Arc<Ctx>) -> Action {
+    tracing::warn!(error = %err, "reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
+
+pub(super) async fn reconcile(
+    slc: Arc<SidecarLifecycle>,
+    ctx: Arc<Ctx>,
+) -> Result<Action, ControllerError> {
+    let started = Instant::now();
+    let res = reconcile_inner(&slc, &ctx).await;
+    let result = match &res {
+        Ok(_) => "ok",
+        Err(e) => e.kind(),
+    };
+    ctx.metrics.observe(result, started.elapsed());
+    res
+}
+
+async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, ControllerError> {
+    const SYNC: Duration = Duration::from_secs(30);
+    // Until every pod is listed, matchedPods would be wrong.
+    if tokio::time::timeout(SYNC, ctx.pods.wait_until_ready())
+        .await
+        .is_err()
+    {
+        return Err(ControllerError::NotSynced(SYNC));
+    }
+    let s = &ctx.settings;
+    let name = slc.name_any();
+    let ns = slc.namespace().unwrap_or_default();
+    let resource = format!("{ns}/{name}");
+    let entry = LifecycleEntry::from_resource(slc);
+    let (all, pods) = ctx.snapshot(None);
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    let generation = slc.metadata.generation;
+    let previous = slc.status.as_ref();
+
+    let mut status = compute(
+        &entry,
+        generation,
+        &all,
+        &pods,
+        &s.operator_namespace,
+        previous,
+        now.clone(),
+    );
+    let report = restart_report(&entry, &all, &pods, &s.chart, &s.operator_namespace);
+    let automatic = slc.spec.rollout_policy == RolloutPolicy::Automatic;
+    let mut restart = [restart_condition(&report, automatic, generation, &now)];
+    keep_transition_times(&mut restart, previous);
+    status.conditions.extend(restart);
+
+    let me = slc.object_ref(&());
+    if previous != Some(&status) {
+        let api: Api<SidecarLifecycle> = Api::namespaced(ctx.client.clone(), &ns);
+        let patch = Patch::Apply(json!({
+            "apiVersion": SidecarLifecycle::api_version(&()),
+            "kind": SidecarLifecycle::kind(&()),
+            "status": status,
+        }));
+        api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &patch)
+            .await
+            .map_err(|source| ControllerError::Status {
+                resource: resource.clone(),
+                source,
+            })?;
+        ctx.metrics.status_writes.inc();
+        for d in decisions(previous, &status) {
+            tracing::info!(resource = %resource, reason = d.reason, note = %d.note, "decision");
+            ctx.event(&me, d, None).await;
+        }
+    }
+
+    let retuned = retune(ctx, &entry, &all, &pods).await?;
+    if retuned > 0 {
+        ctx.event(
+            &me,
+            Decision {
+                warning: false,
+                reason: "PodsRetuned",
+                note: format!("updated remora.dev/lifecycle of {retuned} running pods"),
+            },
+            None,
+        )
+        .await;
+    }
+
+    let mut next = RESYNC;
+    if automatic
+        && !report.outdated.is_empty()
+        && let Some(wait) = roll(ctx, &me, &report).await?
+    {
+        next = wait;
+    }
+    Ok(Action::requeue(next))
+}
+
+/// Retune the pods a deleted resource reached to what the remaining layers
+/// say now (down to the chart defaults when nothing else reaches them).
+pub(super) async fn sweep(ctx: &Ctx, gone: &SidecarLifecycle) {
+    if tokio::time::timeout(Duration::from_secs(30), ctx.pods.wait_until_ready())
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let entry = LifecycleEntry::from_resource(gone);
+    let (all, pods) = ctx.snapshot(Some(gone));
+    match retune(ctx, &entry, &all, &pods).await {
+        Ok(n) => {
+            tracing::info!(resource = %format!("{}/{}", entry.namespace, entry.name), pods = n,
+            "deleted; its pods retuned to the remaining layers")
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot retune the pods of a deleted SidecarLifecycle")
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! The flags of `remora-injector` (clap): what the process is told at
+//! start, each also read from an env var. What they mean for the sidecar's
+//! config is resolved in [`crate::sidecar_config`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use remora_crds::SidecarMode;
+
+use crate::leader::{self, LeaderConfig};
+use crate::sidecar_config::ChartDefaults;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProxyArgs {
+    /// The sidecar image (it must provide `remora-agent` on PATH).
+    #[arg(
+        long,
+        env = "REMORA_PROXY_IMAGE",
+        default_value = "ghcr.io/remora/remora-agent:latest"
+    )]
+    pub proxy_image: String,
+    /// imagePullPolicy of the sidecar.
+    #[arg(
+        long,
+        env = "REMORA_PROXY_IMAGE_PULL_POLICY",
+        default_value = "IfNotPresent"
+    )]
+    pub proxy_image_pull_policy: String,
+}
+
+impl ProxyArgs {
+    pub fn chart(&self, mode: SidecarMode) -> ChartDefaults {
+        ChartDefaults {
+            image: self.proxy_image.clone(),
+            image_pull_policy: self.proxy_image_pull_policy.clone(),
+            mode,
+            ..ChartDefaults::default()
+        }
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Address of the HTTPS listener.
+    #[arg(long, env = "REMORA_LISTEN", default_value = "0.0.0.0:9443")]
+    pub listen: SocketAddr,
+    /// PEM serving certificate chain; reloaded when it changes.
+    #[arg(
+        long,
+        env = "REMORA_TLS_CERT",
+        default_value = "/etc/remora/tls/tls.crt"
+    )]
+    pub tls_cert: PathBuf,
+    /// PEM private key of the serving certificate.
+    #[arg(
+        long,
+        env = "REMORA_TLS_KEY",
+        default_value = "/etc/remora/tls/tls.key"
+    )]
+    pub tls_key: PathBuf,
+    /// How often the certificate files are checked for a change.
+    #[arg(long, env = "REMORA_CERT_RELOAD_INTERVAL", value_parser = remora_contract::duration::parse, default_value = "10s")]
+    pub cert_reload_interval: Duration,
+    /// The operator's namespace: a SidecarLifecycle without selector there is
+    /// the cluster default; the leader Lease lives there too.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "remora-system")]
+    pub operator_namespace: String,
+    /// Largest AdmissionReview body read.
+    #[arg(long, env = "REMORA_MAX_REQUEST_BYTES", default_value_t = 8 << 20)]
+    pub max_request_bytes: usize,
+    /// Mode when no SidecarLifecycle or annotation says.
+    #[arg(long, env = "REMORA_DEFAULT_MODE", default_value = "Auto")]
+    pub default_mode: SidecarMode,
+    /// How long to wait for the first listing of the cluster before serving.
+    #[arg(long, env = "REMORA_SYNC_TIMEOUT", value_parser = remora_contract::duration::parse, default_value = "30s")]
+    pub sync_timeout: Duration,
+    /// Make and share our own CA and serving certificate (in --tls-secret)
+    /// and patch its CA into --webhook-config, instead of reading --tls-cert/--tls-key.
+    #[arg(long, env = "REMORA_SELF_SIGNED", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub self_signed: bool,
+    /// Secret (in the operator's namespace) holding the self-managed CA and certificate.
+    #[arg(long, env = "REMORA_TLS_SECRET", default_value = "remora-injector-tls")]
+    pub tls_secret: String,
+    /// Service name the API server calls the webhook by (the certificate's names).
+    #[arg(long, env = "REMORA_SERVICE_NAME", default_value = "remora-injector")]
+    pub service_name: String,
+    /// MutatingWebhookConfiguration whose caBundle is kept current.
+    #[arg(long, env = "REMORA_WEBHOOK_CONFIG", default_value = "remora-injector")]
+    pub webhook_config: String,
+    /// Where the self-managed certificate files are written (a writable emptyDir).
+    #[arg(
+        long,
+        env = "REMORA_SELF_SIGNED_DIR",
+        default_value = "/var/run/remora-injector/tls"
+    )]
+    pub self_signed_dir: PathBuf,
+    /// Run the SidecarLifecycle controller (status, live retuning, rollouts)
+    /// while leader.
+    #[arg(long, env = "REMORA_CONTROLLER", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub controller: bool,
+    /// Ask the Legacy sidecar of a Job's pod to stop once its apps have
+    /// terminated (while leader).
+    #[arg(long, env = "REMORA_STOP_COMPLETED_JOBS", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub stop_completed_jobs: bool,
+    /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
+    #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_contract::duration::parse, default_value = "30s")]
+    pub rollout_interval: Duration,
+    /// Run the controller only while holding the leader Lease; false: this
+    /// replica always runs it (one replica only).
+    #[arg(long, env = "REMORA_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub leader_elect: bool,
+    /// Name of the leader Lease (in the operator's namespace).
+    #[arg(long, env = "REMORA_LEASE_NAME", default_value = leader::DEFAULT_LEASE_NAME)]
+    pub lease_name: String,
+    /// This replica's name in the Lease; default: hostname and a random suffix.
+    #[arg(long, env = "POD_NAME")]
+    pub leader_identity: Option<String>,
+    /// How long the others respect a Lease that stopped being renewed.
+    #[arg(long, env = "REMORA_LEASE_DURATION", value_parser = remora_contract::duration::parse, default_value = "15s")]
+    pub lease_duration: Duration,
+    /// The leader steps down when it could not renew for this long
+    /// (shorter than --lease-duration).
+    #[arg(long, env = "REMORA_RENEW_DEADLINE", value_parser = remora_contract::duration::parse, default_value = "10s")]
+    pub renew_deadline: Duration,
+    /// Pause between attempts to acquire or renew the Lease.
+    #[arg(long, env = "REMORA_RETRY_PERIOD", value_parser = remora_contract::duration::parse, default_value = "2s")]
+    pub retry_period: Duration,
+    /// After SIGTERM: how long in-flight admissions and the leader-only work
+    /// get to finish before they are cut off.
+    #[arg(long, env = "REMORA_SHUTDOWN_GRACE", value_parser = remora_contract::duration::parse, default_value = "10s")]
+    pub shutdown_grace: Duration,
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, env = "REMORA_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+    #[command(flatten)]
+    pub proxy: ProxyArgs,
+}
+
+impl ServeArgs {
+    /// The election settings these flags give.
+    pub fn leader_config(&self) -> LeaderConfig {
+        let identity = self
+            .leader_identity
+            .clone()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(leader::default_identity);
+        LeaderConfig {
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+            stop_timeout: self.shutdown_grace,
+            ..LeaderConfig::new(&self.lease_name, &self.operator_namespace, &identity)
+        }
+    }
+}

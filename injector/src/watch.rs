@@ -1,0 +1,370 @@
+//! One list-watch per kind, shared by every reader in the process: a
+//! reflector keeps the store, and each change is handed to every
+//! subscriber. A subscriber may join at any time (the leader's controllers
+//! start and stop with leadership) and first gets what the store holds then,
+//! so it misses nothing, and the API server serves one watch per kind, not
+//! one per reader.
+//!
+//! Not kube-runtime's `reflector::store_shared`: its subscribers are told
+//! neither of deletions (the controller must learn that a pod finished or a
+//! resource was deleted) nor, when they join late, of what was listed
+//! before.
+
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Resource};
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+/// What a subscriber is told.
+#[derive(Debug)]
+pub enum Change<K> {
+    /// Created, updated or listed: the object as the store has it.
+    Applied(Arc<K>),
+    /// Deleted, or no longer matching the watch's selector: its last state.
+    Deleted(Arc<K>),
+}
+
+impl<K> Clone for Change<K> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Applied(o) => Self::Applied(Arc::clone(o)),
+            Self::Deleted(o) => Self::Deleted(Arc::clone(o)),
+        }
+    }
+}
+
+impl<K> Change<K> {
+    pub fn object(&self) -> &Arc<K> {
+        match self {
+            Self::Applied(o) | Self::Deleted(o) => o,
+        }
+    }
+
+    pub fn into_object(self) -> Arc<K> {
+        match self {
+            Self::Applied(o) | Self::Deleted(o) => o,
+        }
+    }
+}
+
+/// A watch of one kind: its store, and its changes for whoever subscribes.
+pub struct SharedWatch<K>
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: Eq + Hash + Clone,
+{
+    store: Store<K>,
+    subscribers: Arc<Mutex<Vec<UnboundedSender<Change<K>>>>>,
+}
+
+impl<K> Clone for SharedWatch<K>
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: Eq + Hash + Clone,
+{
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            subscribers: Arc::clone(&self.subscribers),
+        }
+    }
+}
+
+impl<K> SharedWatch<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+{
+    /// Watch `api` until `shutdown`. `slim` trims each object before it is
+    /// stored: what no reader reads is not kept.
+    pub fn start(
+        what: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        slim: impl FnMut(&mut K) + Send + 'static,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let (store, writer) = reflector::store();
+        let me = Self::new(store);
+        let events = watcher(api, config)
+            .default_backoff()
+            .modify(slim)
+            .reflect(writer);
+        let fan_out = me.clone();
+        // The store as it was when a relist began: what the relist no longer
+        // holds was deleted meanwhile.
+        let mut before_relist = None;
+        drive(what, events, shutdown, move |ev| {
+            fan_out.publish(ev, &mut before_relist)
+        });
+        me
+    }
+
+    fn new(store: Store<K>) -> Self {
+        Self {
+            store,
+            subscribers: Arc::default(),
+        }
+    }
+
+    /// The objects, shared with every other reader.
+    pub fn store(&self) -> Store<K> {
+        self.store.clone()
+    }
+
+    /// Every change from now on, after what the store holds now. A repeat
+    /// is possible (an object changed as one subscribes); a gap is not.
+    /// The stream is unbounded, so that the watch never waits for a slow
+    /// reader: keep reading it (a kube-runtime Controller does), or drop it
+    /// to unsubscribe.
+    pub fn subscribe(&self) -> UnboundedReceiver<Change<K>> {
+        let (tx, rx) = unbounded();
+        let mut subscribers = self
+            .subscribers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Under the lock that `publish` takes: a change is in this snapshot,
+        // or published after the subscription, or both.
+        for o in self.store.state() {
+            let _ = tx.unbounded_send(Change::Applied(o));
+        }
+        subscribers.push(tx);
+        rx
+    }
+
+    fn publish(&self, ev: watcher::Event<K>, before_relist: &mut Option<Vec<Arc<K>>>) {
+        let changes = match ev {
+            watcher::Event::Apply(o) => vec![Change::Applied(self.stored(o))],
+            watcher::Event::Delete(o) => vec![Change::Deleted(Arc::new(o))],
+            // The store has not taken the relist in yet.
+            watcher::Event::Init => {
+                *before_relist = Some(self.store.state());
+                return;
+            }
+            watcher::Event::InitApply(_) => return,
+            // A (re)list is stored whole at its end: pass what it holds, and
+            // what it dropped.
+            watcher::Event::InitDone => {
+                let gone = before_relist
+                    .take()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|o| self.store.get(&ObjectRef::from_obj(o.as_ref())).is_none());
+                gone.map(Change::Deleted)
+                    .chain(self.store.state().into_iter().map(Change::Applied))
+                    .collect()
+            }
+        };
+        let mut subscribers = self
+            .subscribers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // A dropped stream unsubscribes.
+        subscribers.retain(|tx| changes.iter().all(|c| tx.unbounded_send(c.clone()).is_ok()));
+    }
+
+    /// The store's copy of an object it just stored (shared, not copied).
+    fn stored(&self, o: K) -> Arc<K> {
+        self.store
+            .get(&ObjectRef::from_obj(&o))
+            .unwrap_or_else(|| Arc::new(o))
+    }
+}
+
+/// Poll a watch stream until `shutdown` or its end, handing each event to
+/// `each`; errors are logged (the watcher retries with backoff).
+pub(crate) fn drive<S, T>(
+    what: &'static str,
+    stream: S,
+    shutdown: CancellationToken,
+    mut each: impl FnMut(T) + Send + 'static,
+) where
+    S: Stream<Item = Result<T, watcher::Error>> + Send + 'static,
+    T: Send,
+{
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            let ev = tokio::select! {
+                () = shutdown.cancelled() => return,
+                ev = stream.next() => ev,
+            };
+            match ev {
+                None => return,
+                Some(Err(e)) => tracing::warn!(watch = what, error = %e, "watch error; retrying"),
+                Some(Ok(ev)) => each(ev),
+            }
+        }
+    });
+}
+
+/// Pods still running or about to. Finished pods are neither counted,
+/// retuned nor stopped; one that finishes leaves the watch as a deletion.
+pub const LIVE_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed";
+
+/// The leader's one pod watch, read by the SidecarLifecycle controller and
+/// the Jobs controller, until `shutdown`.
+pub fn live_pods(client: Client, shutdown: CancellationToken) -> SharedWatch<Pod> {
+    SharedWatch::start(
+        "pods",
+        Api::all(client),
+        watcher::Config::default().fields(LIVE_PODS),
+        slim_pod,
+        shutdown,
+    )
+}
+
+/// What the readers of [`live_pods`] read, and nothing else: metadata
+/// (labels, annotations, owners: the controller) without its managed
+/// fields, container names, the restart policy, the phase and the
+/// containers' states (Jobs).
+pub fn slim_pod(p: &mut Pod) {
+    p.metadata.managed_fields = None;
+    let names = |cs: Vec<Container>| -> Vec<Container> {
+        cs.into_iter()
+            .map(|c| Container {
+                name: c.name,
+                ..Container::default()
+            })
+            .collect()
+    };
+    p.spec = p.spec.take().map(|s| PodSpec {
+        containers: names(s.containers),
+        init_containers: s.init_containers.map(names),
+        restart_policy: s.restart_policy,
+        ..PodSpec::default()
+    });
+    p.status = p.status.take().map(|s| PodStatus {
+        phase: s.phase,
+        container_statuses: s.container_statuses,
+        init_container_statuses: s.init_container_statuses,
+        ..PodStatus::default()
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::FutureExt;
+    use k8s_openapi::api::core::v1::{ConfigMap, EnvVar, Volume};
+
+    fn cm(name: &str) -> ConfigMap {
+        ConfigMap {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// What a subscriber was told so far, `+name` or `-name`, sorted (a
+    /// listing comes in the store's order).
+    fn told(rx: &mut UnboundedReceiver<Change<ConfigMap>>) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(Some(c)) = rx.next().now_or_never() {
+            let sign = if matches!(c, Change::Applied(_)) {
+                "+"
+            } else {
+                "-"
+            };
+            out.push(format!(
+                "{sign}{}",
+                c.object().metadata.name.as_deref().unwrap_or_default()
+            ));
+        }
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn subscribers_get_the_store_then_every_change_deletions_included() {
+        use watcher::Event::{Delete, Init, InitApply, InitDone};
+        let (store, mut writer) = reflector::store::<ConfigMap>();
+        let watch = SharedWatch::new(store);
+        let mut before_relist = None;
+        let mut feed = |ev: watcher::Event<ConfigMap>| {
+            writer.apply_watcher_event(&ev);
+            watch.publish(ev, &mut before_relist);
+        };
+        let mut early = watch.subscribe();
+        feed(Init);
+        feed(InitApply(cm("a")));
+        feed(InitApply(cm("b")));
+        assert_eq!(
+            told(&mut early),
+            Vec::<String>::new(),
+            "a listing counts once whole"
+        );
+        feed(InitDone);
+        assert_eq!(told(&mut early), ["+a", "+b"]);
+
+        // Joining late: what is there, then what changes.
+        let mut late = watch.subscribe();
+        assert_eq!(told(&mut late), ["+a", "+b"]);
+        feed(Delete(cm("a")));
+        // A relist after a gap in which b was deleted and c created.
+        feed(Init);
+        feed(InitApply(cm("c")));
+        feed(InitDone);
+        for rx in [&mut early, &mut late] {
+            assert_eq!(told(rx), ["+c", "-a", "-b"]);
+        }
+
+        // A dropped stream unsubscribes.
+        drop(early);
+        feed(Delete(cm("c")));
+        assert_eq!(told(&mut late), ["-c"]);
+        assert_eq!(
+            watch
+                .subscribers
+                .lock()
+                .map(|s| s.len())
+                .unwrap_or_default(),
+            1
+        );
+    }
+
+    #[test]
+    fn a_slim_pod_keeps_what_jobs_decide_reads() {
+        let pod = |env: bool| Pod {
+            metadata: kube::api::ObjectMeta {
+                name: Some("p".into()),
+                annotations: Some([("remora.dev/status".to_string(), "{}".to_string())].into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: remora_contract::pod::PROXY_CONTAINER.into(),
+                    env: env.then(|| {
+                        vec![EnvVar {
+                            name: "BIG".into(),
+                            ..EnvVar::default()
+                        }]
+                    }),
+                    ..Container::default()
+                }],
+                restart_policy: Some("Never".into()),
+                volumes: env.then(|| vec![Volume::default()]),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                ..PodStatus::default()
+            }),
+        };
+        let mut full = pod(true);
+        slim_pod(&mut full);
+        assert_eq!(full, pod(false));
+        assert_eq!(crate::jobs::decide(&full), crate::jobs::decide(&pod(true)));
+    }
+}
