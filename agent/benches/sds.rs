@@ -329,7 +329,7 @@ async fn bench() -> Result<()> {
     std::fs::create_dir_all(&out)?;
     let json = json!({
         "benchmark": "sds",
-        "debounce_ms": remora_agent::certs::file::DEFAULT_DEBOUNCE.as_millis() as u64,
+        "poll_ms": remora_agent::certs::file::DEFAULT_POLL.as_millis() as u64,
         "rotation_rewrite_ms": { "n": rewrite.len(), "median": r.median, "p90": r.p90, "max": r.max, "samples": rewrite },
         "rotation_symlink_swap_ms": { "n": swap.len(), "median": s.median, "p90": s.p90, "max": s.max, "samples": swap },
         "fanout_100_streams_ms": { "n": fan.len(), "median": f.median, "p90": f.p90, "max": f.max, "samples": fan },

@@ -24,6 +24,7 @@ use crate::supervisor::{Control, ExitReason, Supervisor, SupervisorHandle};
 use crate::telemetry::LogLevelHandle;
 use remora_contract::annotations::STOP as STOP_ANNOTATION;
 use remora_contract::downward::{runs_native, stop_request};
+use remora_contract::mounted::MountedFiles;
 
 /// How often the bootstrap's inputs are checked for changes.
 const INPUT_POLL: Duration = Duration::from_secs(1);
@@ -265,20 +266,27 @@ fn read_inputs(cfg: &RunConfig, live: &LiveSettings) -> Inputs {
     }
 }
 
-/// Poll the inputs and ask for a hot restart when they change. Polling (not
-/// inotify) because ConfigMap and downward-API volumes change by swapping a
-/// symlink, which a once-a-second read sees without any watch bookkeeping.
+/// Ask for a hot restart when the bootstrap's inputs change. Changes of the
+/// mounted files are noticed the one way ([`remora_contract::mounted`]).
 async fn watch_inputs(
     cfg: Arc<RunConfig>,
     control: tokio::sync::mpsc::Sender<Control>,
     shutdown: CancellationToken,
 ) {
     let live = LiveSettings::new(&cfg);
+    let paths = std::iter::once(cfg.annotations_file.clone())
+        .chain(cfg.bootstrap_override.clone())
+        .collect();
+    let mut mounted = MountedFiles::new(paths);
+    let _ = mounted.poll();
     let mut last = read_inputs(&cfg, &live);
     loop {
         tokio::select! {
             _ = tokio::time::sleep(INPUT_POLL) => {}
             _ = shutdown.cancelled() => return,
+        }
+        if mounted.poll().is_none() {
+            continue;
         }
         let now = read_inputs(&cfg, &live);
         if now != last {
@@ -298,8 +306,8 @@ async fn watch_inputs(
 /// Quit (stop Envoy, exit 0) once the pod's annotations carry
 /// `remora.dev/stop`: the operator sets it on a Job's pod whose app
 /// containers have all terminated, and the pod completes only when this
-/// sidecar exits too. Polling, like [`watch_inputs`], because the kubelet
-/// updates the downward-API volume by swapping a `..data` symlink. A request
+/// sidecar exits too. The file's changes are noticed the one way
+/// ([`remora_contract::mounted`]), like [`watch_inputs`]'s. A request
 /// already there at start counts too: the operator sets it only after the
 /// apps are done and never removes it, so a sidecar (re)started afterwards
 /// has nothing left to serve.
@@ -309,9 +317,12 @@ async fn watch_stop(
     control: tokio::sync::mpsc::Sender<Control>,
     shutdown: CancellationToken,
 ) {
+    let mut mounted = MountedFiles::new(vec![file]);
     loop {
         // Absent or unreadable (between two kubelet updates): ask again later.
-        if let Ok(text) = std::fs::read_to_string(&file)
+        if let Some(contents) = mounted.poll()
+            && let Some(Ok(bytes)) = contents.first()
+            && let text = String::from_utf8_lossy(bytes)
             && let Some(value) = stop_request(&text)
         {
             if runs_native(&text) {

@@ -15,6 +15,7 @@ pub mod duration;
 pub mod env;
 pub mod lifecycle;
 pub mod mode;
+pub mod mounted;
 pub mod overlay;
 pub mod pod;
 pub mod traffic;

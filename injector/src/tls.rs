@@ -1,12 +1,13 @@
 //! The webhook's serving certificate, read from PEM files and reloaded when
-//! they change (a rotated Secret, cert-manager), without a restart. Polling
-//! rather than inotify: Secret volumes change by swapping a symlinked
-//! directory, which file watches miss easily.
+//! they change (a rotated Secret, cert-manager), without a restart. Changes
+//! are noticed the one way Remora notices a mounted file change
+//! ([`remora_contract::mounted`], which says why).
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use remora_contract::mounted::MountedFiles;
 use rustls::crypto::ring::sign::any_supported_type;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -54,48 +55,43 @@ pub struct ReloadingCert {
     cert_path: PathBuf,
     key_path: PathBuf,
     current: RwLock<Arc<CertifiedKey>>,
-    /// The bytes last loaded, to notice a change.
-    last: RwLock<(Vec<u8>, Vec<u8>)>,
+    /// The certificate and key files, to notice a change.
+    files: Mutex<MountedFiles>,
 }
 
 impl ReloadingCert {
     pub fn load(cert_path: PathBuf, key_path: PathBuf) -> Result<Arc<Self>, TlsError> {
+        let mut files = MountedFiles::new(vec![cert_path.clone(), key_path.clone()]);
+        let _ = files.poll();
         let ck = load_certified_key(&cert_path, &key_path)?;
-        let last = (
-            std::fs::read(&cert_path).unwrap_or_default(),
-            std::fs::read(&key_path).unwrap_or_default(),
-        );
         Ok(Arc::new(Self {
             cert_path,
             key_path,
             current: RwLock::new(Arc::new(ck)),
-            last: RwLock::new(last),
+            files: Mutex::new(files),
         }))
     }
 
     /// Reload when the files changed. `Ok(true)` when a new certificate is
     /// in use; on error the old one stays.
     pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
-        let read = |p: &Path| {
-            std::fs::read(p).map_err(|e| TlsError::Read {
-                path: p.to_path_buf(),
-                reason: e.to_string(),
-            })
-        };
-        let now = (read(&self.cert_path)?, read(&self.key_path)?);
-        if let Ok(last) = self.last.read()
-            && *last == now
-        {
+        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        if files.poll().is_none() {
             return Ok(false);
         }
-        let ck = load_certified_key(&self.cert_path, &self.key_path)?;
-        if let Ok(mut cur) = self.current.write() {
-            *cur = Arc::new(ck);
+        match load_certified_key(&self.cert_path, &self.key_path) {
+            Ok(ck) => {
+                if let Ok(mut cur) = self.current.write() {
+                    *cur = Arc::new(ck);
+                }
+                Ok(true)
+            }
+            Err(e) => {
+                // Half-written or broken: try again at the next poll.
+                files.forget();
+                Err(e)
+            }
         }
-        if let Ok(mut last) = self.last.write() {
-            *last = now;
-        }
-        Ok(true)
     }
 
     /// Poll the files every `period` until the task is dropped.

@@ -1,17 +1,17 @@
 //! File mode: certificates mounted into the pod (`--cert-dir`).
 //!
-//! The directory is watched, not the files: Kubernetes Secret volumes swap a
-//! `..data` symlink atomically, which shows as events on the directory only.
-//! Bursts of events are coalesced (one reload per `debounce`), and a slow
-//! periodic re-read covers anything a watch can miss.
+//! Changes are noticed the one way Remora notices a mounted file change
+//! ([`remora_contract::mounted`], which says why): the files are read every
+//! [`DEFAULT_POLL`], and reloaded when their bytes change. A slow periodic
+//! reload also runs without a change, so a bundle refused for the time (not
+//! yet valid) is tried again.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
-use notify::{RecommendedWatcher, RecursiveMode, Watcher};
-use tokio::sync::mpsc;
+use remora_contract::mounted::MountedFiles;
 use tokio_util::sync::CancellationToken;
 
 use super::{
@@ -19,99 +19,33 @@ use super::{
     validate_bundle,
 };
 
-/// Coalescing window after a change event.
-pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(20);
-/// Re-read everything this often even without events.
+/// How often mounted certificate files are read.
+pub const DEFAULT_POLL: Duration = Duration::from_millis(100);
+/// Reload this often even without a change.
 pub const DEFAULT_RESYNC: Duration = Duration::from_secs(30);
 
-/// Watches directories and turns their events into coalesced "something
-/// changed" ticks. Dropping it stops the watch.
-pub struct DirWatch {
-    _watcher: RecommendedWatcher,
-    rx: mpsc::Receiver<()>,
-}
-
-impl DirWatch {
-    pub fn new(dirs: &[PathBuf]) -> Result<Self, CertError> {
-        // Capacity 1 + try_send: a burst of events collapses into one pending tick.
-        let (tx, rx) = mpsc::channel(1);
-        let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-            if let Ok(ev) = res
-                && !ev.kind.is_access()
-            {
-                let _ = tx.try_send(());
-            }
-        })
-        .map_err(|source| CertError::Watch {
-            path: dirs.first().cloned().unwrap_or_default(),
-            source,
-        })?;
-        for d in dirs {
-            watcher
-                .watch(d, RecursiveMode::NonRecursive)
-                .map_err(|source| CertError::Watch {
-                    path: d.clone(),
-                    source,
-                })?;
-        }
-        Ok(Self {
-            _watcher: watcher,
-            rx,
-        })
-    }
-
-    /// Wait for the next change, then let the burst settle for `debounce`.
-    /// `None` when the watcher is gone.
-    pub async fn changed(&mut self, debounce: Duration) -> Option<()> {
-        self.rx.recv().await?;
-        tokio::time::sleep(debounce).await;
-        while self.rx.try_recv().is_ok() {}
-        Some(())
-    }
-}
-
-/// Runs `reload` once, then on every change of `dirs` (and every `resync`),
-/// until cancelled. Re-creates the watch if it cannot be set up (a directory
-/// that does not exist yet).
+/// Runs `reload` once, then whenever the bytes of `files` change (and every
+/// `resync`), until cancelled.
 pub async fn watch_and_reload(
-    dirs: Vec<PathBuf>,
-    debounce: Duration,
+    files: Vec<PathBuf>,
+    poll: Duration,
     resync: Duration,
     cancel: CancellationToken,
     mut reload: impl FnMut() + Send,
 ) {
+    let mut mounted = MountedFiles::new(files);
+    let mut tick = tokio::time::interval(poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_reload: Option<tokio::time::Instant> = None;
     loop {
-        let mut watch = match DirWatch::new(&dirs) {
-            Ok(w) => Some(w),
-            Err(e) => {
-                tracing::debug!(error = %e, "watch not set up yet; polling");
-                None
-            }
-        };
-        reload();
-        // Without a watch, poll quickly until the directory appears.
-        let period = if watch.is_some() {
-            resync
-        } else {
-            resync.min(Duration::from_secs(1))
-        };
-        loop {
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                r = async {
-                    match watch.as_mut() {
-                        Some(w) => w.changed(debounce).await,
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    if r.is_none() { break; }
-                    reload();
-                }
-                _ = tokio::time::sleep(period) => {
-                    if watch.is_none() { break; }
-                    reload();
-                }
-            }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let changed = mounted.poll().is_some();
+        if changed || last_reload.is_none_or(|t| t.elapsed() >= resync) {
+            reload();
+            last_reload = Some(tokio::time::Instant::now());
         }
     }
 }
@@ -135,7 +69,7 @@ pub fn load_dir(dir: &Path) -> Result<CertBundle, CertError> {
 #[derive(Debug, Clone)]
 pub struct FileSource {
     pub dir: PathBuf,
-    pub debounce: Duration,
+    pub poll: Duration,
     pub resync: Duration,
 }
 
@@ -143,7 +77,7 @@ impl FileSource {
     pub fn new(dir: PathBuf) -> Self {
         Self {
             dir,
-            debounce: DEFAULT_DEBOUNCE,
+            poll: DEFAULT_POLL,
             resync: DEFAULT_RESYNC,
         }
     }
@@ -162,9 +96,12 @@ impl CertSource for FileSource {
         Box::pin(async move {
             let dir = self.dir.clone();
             let source = self.describe();
+            let files = [CERT_CHAIN_FILE, KEY_FILE, ROOT_CERT_FILE]
+                .map(|f| dir.join(f))
+                .to_vec();
             watch_and_reload(
-                vec![dir.clone()],
-                self.debounce,
+                files,
+                self.poll,
                 self.resync,
                 cancel,
                 move || match load_dir(&dir) {

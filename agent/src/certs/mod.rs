@@ -55,11 +55,6 @@ pub enum CertError {
     Expired(String),
     #[error("leaf certificate not valid before {0}")]
     NotYetValid(String),
-    #[error("cannot watch {path}: {source}")]
-    Watch {
-        path: PathBuf,
-        source: notify::Error,
-    },
     #[error("cannot write {path}: {source}")]
     Write {
         path: PathBuf,

@@ -21,7 +21,7 @@ use prost::Message;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::certs::file::{self, DEFAULT_DEBOUNCE, DEFAULT_RESYNC};
+use crate::certs::file::{self, DEFAULT_POLL, DEFAULT_RESYNC};
 use crate::certs::{self, BundleReceiver, CertError};
 
 pub const SECRET_TYPE_URL: &str =
@@ -209,7 +209,7 @@ impl SecretStore {
         name: &str,
         load: impl Fn() -> Result<(String, Option<String>), CertError> + Send + 'static,
         build: fn(&str, (String, Option<String>)) -> Resource,
-        dirs: Vec<PathBuf>,
+        paths: Vec<PathBuf>,
     ) -> ResourceRx {
         let mut files = self.inner.files.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(tx) = files.get(name) {
@@ -222,8 +222,8 @@ impl SecretStore {
         let cancel = self.inner.cancel.clone();
         let failures = self.inner.failures.clone();
         tokio::spawn(file::watch_and_reload(
-            dirs,
-            DEFAULT_DEBOUNCE,
+            paths,
+            DEFAULT_POLL,
             DEFAULT_RESYNC,
             cancel,
             move || match load() {
@@ -245,21 +245,11 @@ impl SecretStore {
 
 /// Directories to watch for a file secret (parents of its files).
 fn name_paths(name: &str) -> Vec<PathBuf> {
-    let files: Vec<PathBuf> = match SecretName::parse(name) {
+    match SecretName::parse(name) {
         Some(SecretName::FileCert { cert, key }) => vec![cert, key],
         Some(SecretName::FileRoot(p)) => vec![p],
         _ => vec![],
-    };
-    let mut dirs: Vec<PathBuf> = files
-        .iter()
-        .map(|f| match f.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        })
-        .collect();
-    dirs.sort();
-    dirs.dedup();
-    dirs
+    }
 }
 
 fn update(tx: &watch::Sender<Option<Arc<Resource>>>, r: Resource) {
@@ -303,7 +293,7 @@ mod tests {
         }
         assert_eq!(
             name_paths("file-cert:/a/c.pem~/b/k.pem"),
-            vec![PathBuf::from("/a"), PathBuf::from("/b")]
+            vec![PathBuf::from("/a/c.pem"), PathBuf::from("/b/k.pem")]
         );
     }
 }
