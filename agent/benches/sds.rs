@@ -22,6 +22,7 @@ use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client
 use prometheus_client::registry::Registry;
 use remora_agent::certs::file::FileSource;
 use remora_agent::readiness::Readiness;
+use remora_test_support::ports::free_port;
 use serde_json::json;
 use support_sds::*;
 use tokio::sync::mpsc;
@@ -188,9 +189,9 @@ async fn next(rx: &mut tonic::Streaming<DiscoveryResponse>) -> Result<DiscoveryR
 async fn bench() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let certs = tmp.path().join("certs");
-    let root = ca("bench-root");
+    let root = Ca::new("bench-root");
     let first = root.leaf();
-    k8s_swap(&certs, &first, &root.pem, 0);
+    k8s_swap(&certs, &first, &root.pem);
     let socket = tmp.path().join("sds.sock");
 
     let mut child = tokio::process::Command::new(std::env::current_exe()?)
@@ -201,7 +202,7 @@ async fn bench() -> Result<()> {
         .spawn()
         .context("spawn SDS child")?;
     let pid = child.id().ok_or_else(|| anyhow!("child pid"))?;
-    wait_for("SDS socket", DEADLINE, || async {
+    wait_until(DEADLINE, "SDS socket", || async {
         socket.exists().then_some(())
     })
     .await?;
@@ -215,13 +216,13 @@ async fn bench() -> Result<()> {
 
     let rounds = 20;
     let mut swap = Vec::new();
-    for g in 1..=rounds {
+    for _ in 0..rounds {
         let leaf = root.leaf();
         swap.push(
             rotate_and_wait(
                 port,
                 &client,
-                || k8s_swap(&certs, &leaf, &root.pem, g),
+                || k8s_swap(&certs, &leaf, &root.pem),
                 &leaf.serial,
             )
             .await?,
