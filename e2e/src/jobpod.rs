@@ -120,9 +120,7 @@ pub fn render_annotations(ann: &BTreeMap<String, String>) -> String {
 /// Write the downward-API `annotations` file into `dir` the way the
 /// kubelet's atomic writer does.
 fn write_annotations(dir: &Path, text: &str) -> std::io::Result<()> {
-    let data =
-        crate::podrunner::SecretData::from([("annotations".to_owned(), text.as_bytes().to_vec())]);
-    crate::podrunner::atomic_write(dir, &data).map(|_| ())
+    remora_test_support::kubelet::atomic_write(dir, [("annotations", text)]).map(|_| ())
 }
 
 fn running(now: &Time) -> ContainerState {

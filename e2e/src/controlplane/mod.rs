@@ -13,7 +13,6 @@ mod process;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -77,8 +76,6 @@ pub enum Error {
     },
     #[error("neither {ENV_CACHE} nor HOME is set: cannot find the binaries' cache")]
     NoCacheDir,
-    #[error("generating certificates: {0}")]
-    Certs(#[from] rcgen::Error),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -597,16 +594,11 @@ where
     }
 }
 
-/// A port the kernel just gave out on 127.0.0.1. Another process may take it
-/// before the component binds it; [`ControlPlane::start`] retries for that.
+/// A free port. Another process may take it before the component binds
+/// it; [`ControlPlane::start`] retries for that.
 fn free_port() -> Result<u16, Error> {
-    let l = TcpListener::bind("127.0.0.1:0")
-        .map_err(|e| Error::io("binding 127.0.0.1:0".to_owned(), e))?;
-    let port = l
-        .local_addr()
-        .map_err(|e| Error::io("reading a bound port".to_owned(), e))?
-        .port();
-    Ok(port)
+    remora_test_support::ports::try_free_port()
+        .map_err(|e| Error::io("picking a free port".to_owned(), e))
 }
 
 /// A kubeconfig naming the cert files (JSON, which is valid YAML).
