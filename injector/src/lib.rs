@@ -3,7 +3,6 @@
 
 pub mod app;
 pub mod ca;
-pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod controller;
