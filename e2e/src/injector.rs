@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use remora_test_support::bins::{BinError, sibling_bin};
+use remora_test_support::bins::{BinError, workspace_bin};
 use remora_test_support::pki::{Ca, Leaf};
 use remora_test_support::ports::try_free_port;
 
@@ -52,15 +52,7 @@ fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
 /// The injector binary: `$REMORA_INJECTOR_BIN`, else next to the test
 /// binary (`target/<profile>/remora-injector`).
 pub fn injector_bin() -> Result<PathBuf, Error> {
-    if let Some(p) = std::env::var_os(ENV_INJECTOR_BIN).filter(|v| !v.is_empty()) {
-        let p = PathBuf::from(p);
-        return if p.is_file() {
-            Ok(p)
-        } else {
-            Err(Error::MissingBinary(p))
-        };
-    }
-    sibling_bin("remora-injector").map_err(|e| match e {
+    workspace_bin("remora-injector", ENV_INJECTOR_BIN).map_err(|e| match e {
         BinError::NotBuilt(p) => Error::MissingBinary(p),
         e => Error::Locate(e),
     })

@@ -44,6 +44,16 @@ pub fn envoy_bin() -> Result<PathBuf, BinError> {
     Ok(FOUND.get_or_init(|| path).clone())
 }
 
+/// A workspace binary: `$env` when set (a prebuilt one), else
+/// [`sibling_bin`]`(name)`.
+pub fn workspace_bin(name: &str, env: &str) -> Result<PathBuf, BinError> {
+    match std::env::var_os(env).filter(|p| !p.is_empty()) {
+        Some(p) if Path::new(&p).is_file() => Ok(PathBuf::from(p)),
+        Some(p) => Err(BinError::NotBuilt(PathBuf::from(p))),
+        None => sibling_bin(name),
+    }
+}
+
 /// A workspace binary built next to the running one: `target/<profile>/<name>`
 /// (test and bench binaries live one level down, in `deps`).
 pub fn sibling_bin(name: &str) -> Result<PathBuf, BinError> {

@@ -1,10 +1,13 @@
 //! Waiting on a condition with a deadline, instead of sleeping and hoping.
 
+use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
-/// How often a condition is checked: short, so latency measurements taken
-/// with these helpers stay within a few milliseconds.
-const POLL: Duration = Duration::from_millis(5);
+/// Checks start this far apart and double up to [`MAX_POLL`]: quick for
+/// what is nearly there, light (on an API server, say) for what takes
+/// seconds.
+const FIRST_POLL: Duration = Duration::from_millis(5);
+const MAX_POLL: Duration = Duration::from_millis(500);
 
 /// A condition that did not hold in time.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -12,6 +15,16 @@ const POLL: Duration = Duration::from_millis(5);
 pub struct Timeout {
     pub what: String,
     pub timeout: Duration,
+}
+
+/// Why [`try_wait_until`] gave up.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError<E> {
+    #[error(transparent)]
+    TimedOut(#[from] Timeout),
+    /// The check itself failed; the wait ended there.
+    #[error("{0}")]
+    Failed(E),
 }
 
 /// Polls `check` until it yields `Some`, for at most `timeout`; `what` names
@@ -25,18 +38,42 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
+    let checked = try_wait_until(timeout, what, || {
+        let next = check();
+        async move { Ok::<_, Infallible>(next.await) }
+    });
+    match checked.await {
+        Ok(v) => Ok(v),
+        Err(WaitError::TimedOut(t)) => Err(t),
+        Err(WaitError::Failed(never)) => match never {},
+    }
+}
+
+/// [`wait_until`] for a check that can fail: an error ends the wait at once.
+pub async fn try_wait_until<T, E, F, Fut>(
+    timeout: Duration,
+    what: &str,
+    mut check: F,
+) -> Result<T, WaitError<E>>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>, E>>,
+{
     let deadline = tokio::time::Instant::now() + timeout;
+    let mut delay = FIRST_POLL;
     loop {
-        if let Some(v) = check().await {
+        if let Some(v) = check().await.map_err(WaitError::Failed)? {
             return Ok(v);
         }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(Timeout {
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return Err(WaitError::TimedOut(Timeout {
                 what: what.to_owned(),
                 timeout,
-            });
+            }));
         }
-        tokio::time::sleep(POLL).await;
+        tokio::time::sleep(delay.min(deadline - now)).await;
+        delay = (delay * 2).min(MAX_POLL);
     }
 }
 
@@ -48,18 +85,21 @@ pub fn wait_until_blocking<T>(
     mut check: impl FnMut() -> Option<T>,
 ) -> T {
     let deadline = Instant::now() + timeout;
+    let mut delay = FIRST_POLL;
     loop {
         if let Some(v) = check() {
             return v;
         }
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if now >= deadline {
             let e = Timeout {
                 what: what.to_owned(),
                 timeout,
             };
             panic!("{e}");
         }
-        std::thread::sleep(POLL);
+        std::thread::sleep(delay.min(deadline - now));
+        delay = (delay * 2).min(MAX_POLL);
     }
 }
 
@@ -82,6 +122,18 @@ mod tests {
         .await;
         let msg = e.err().map(|e| e.to_string()).unwrap_or_default();
         assert_eq!(msg, "timed out after 120ms waiting for never");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_check_ends_the_wait() {
+        let mut calls = 0;
+        let e = try_wait_until(Duration::from_secs(5), "anything", || {
+            calls += 1;
+            std::future::ready(Err::<Option<()>, _>("broken"))
+        })
+        .await;
+        assert!(matches!(e, Err(WaitError::Failed("broken"))));
+        assert_eq!(calls, 1);
     }
 
     #[test]

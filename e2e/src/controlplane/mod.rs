@@ -21,6 +21,7 @@ use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
+use remora_test_support::wait::{WaitError, try_wait_until};
 use tokio::sync::OnceCell;
 
 pub use kubelet::FakeKubelet;
@@ -565,33 +566,23 @@ impl Drop for ControlPlane {
 }
 
 /// Polls `check` until it yields `Some`, with a deadline; an error from
-/// `check` ends the wait at once. Backs off from 50 ms to 500 ms.
-pub async fn wait_until<T, E, F, Fut>(
-    what: &str,
-    timeout: Duration,
-    mut check: F,
-) -> Result<T, Error>
+/// `check` ends the wait at once (remora-test-support's `try_wait_until`,
+/// with this harness's errors).
+pub async fn wait_until<T, E, F, Fut>(what: &str, timeout: Duration, check: F) -> Result<T, Error>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Option<T>, E>>,
     E: Into<Error>,
 {
-    let deadline = tokio::time::Instant::now() + timeout;
-    let mut delay = Duration::from_millis(50);
-    loop {
-        if let Some(v) = check().await.map_err(Into::into)? {
-            return Ok(v);
-        }
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
-            return Err(Error::Timeout {
-                what: what.to_owned(),
-                timeout,
-            });
-        }
-        tokio::time::sleep(delay.min(deadline - now)).await;
-        delay = (delay * 2).min(Duration::from_millis(500));
-    }
+    try_wait_until(timeout, what, check)
+        .await
+        .map_err(|e| match e {
+            WaitError::TimedOut(t) => Error::Timeout {
+                what: t.what,
+                timeout: t.timeout,
+            },
+            WaitError::Failed(e) => e.into(),
+        })
 }
 
 /// A free port. Another process may take it before the component binds
