@@ -22,7 +22,6 @@ use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client
 use prometheus_client::registry::Registry;
 use remora_agent::certs::file::FileSource;
 use remora_agent::readiness::Readiness;
-use remora_test_support::ports::free_port;
 use serde_json::json;
 use support_sds::*;
 use tokio::sync::mpsc;
@@ -207,10 +206,8 @@ async fn bench() -> Result<()> {
     })
     .await?;
 
-    let app = echo_server().await;
-    let port = free_port();
-    let mut envoy =
-        Envoy::start(tmp.path(), &bootstrap_json(port, app, &socket, &[]), port).await?;
+    let mut envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
+    let port = envoy.listener_port;
     let client = connector(&root.pem, &root.leaf());
     wait_serial(port, &client, &first.serial).await?;
 

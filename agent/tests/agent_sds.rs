@@ -8,9 +8,8 @@ mod support_sds;
 
 use std::time::Duration;
 
-use rustls::pki_types::ServerName;
 use support::*;
-use support_sds::{Ca, Leaf, connector, serial_of, write_certs};
+use support_sds::{Ca, Leaf, connect_tls, connector, write_certs};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::TlsConnector;
 
@@ -20,16 +19,7 @@ fn https_get(port: u16, tls: &TlsConnector) -> anyhow::Result<(String, String)> 
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        tcp.set_nodelay(true)?;
-        let mut s = tls.connect(ServerName::try_from("localhost")?, tcp).await?;
-        let serial = s
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .map(|c| serial_of(c))
-            .ok_or_else(|| anyhow::anyhow!("no peer certificate"))?;
+        let (mut s, serial) = connect_tls(port, tls).await?;
         s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
             .await?;
         let mut out = Vec::new();

@@ -14,7 +14,6 @@ use remora_agent::certs::ca::{CaSource, Identity, RenewPolicy};
 use remora_agent::config::KeyType;
 use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
-use remora_test_support::ports::free_port;
 use support_sds::ca_double::{CaServer, TestCa};
 use support_sds::*;
 use tokio_util::sync::CancellationToken;
@@ -72,9 +71,7 @@ async fn rig(tmp: tempfile::TempDir, src: CaSource) -> Result<Rig> {
         cancel.clone(),
     )
     .await?;
-    let app = echo_server().await;
-    let port = free_port();
-    let envoy = Envoy::start(tmp.path(), &bootstrap_json(port, app, &socket, &[]), port).await?;
+    let envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
     Ok(Rig {
         tmp,
         readiness,

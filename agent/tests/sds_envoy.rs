@@ -12,7 +12,6 @@ use prometheus_client::registry::Registry;
 use remora_agent::certs::file::FileSource;
 use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
-use remora_test_support::ports::free_port;
 use support_sds::*;
 use tempfile::TempDir;
 use tokio_util::sync::CancellationToken;
@@ -45,10 +44,7 @@ impl Rig {
             cancel.clone(),
         )
         .await?;
-        let app = echo_server().await;
-        let port = free_port();
-        let envoy =
-            Envoy::start(tmp.path(), &bootstrap_json(port, app, &socket, &[]), port).await?;
+        let envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
         Ok(Self {
             tmp,
             certs,

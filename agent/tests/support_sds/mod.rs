@@ -102,6 +102,14 @@ pub fn bootstrap_json(listener_port: u16, app_port: u16, socket: &Path, sans: &[
 }
 
 impl Envoy {
+    /// Envoy in `dir` with an inbound mTLS listener on a free port, fed by
+    /// the SDS server on `socket`, in front of a fresh [`echo_server`].
+    pub async fn start_inbound(dir: &Path, socket: &Path) -> Result<Self> {
+        let app = echo_server().await;
+        let port = remora_test_support::ports::free_port();
+        Self::start(dir, &bootstrap_json(port, app, socket, &[]), port).await
+    }
+
     pub async fn start(dir: &Path, bootstrap: &Value, listener_port: u16) -> Result<Self> {
         let cfg = dir.join("envoy.json");
         std::fs::write(&cfg, serde_json::to_vec_pretty(bootstrap)?)?;
@@ -174,21 +182,28 @@ pub fn connector(root_pem: &str, leaf: &Leaf) -> TlsConnector {
     TlsConnector::from(remora_test_support::pki::client_config(root_pem, Some(leaf)).unwrap())
 }
 
+/// Connect to `localhost:port` and handshake. Returns the stream and the
+/// serial of the certificate the server presented.
+pub async fn connect_tls(port: u16, tls: &TlsConnector) -> Result<(TlsStream<TcpStream>, String)> {
+    let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+    // Without this, Nagle + delayed ACK add ~40 ms to the TLS 1.3 client-auth flight.
+    tcp.set_nodelay(true)?;
+    let s = tls.connect(ServerName::try_from("localhost")?, tcp).await?;
+    let serial = s
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| serial_of(c))
+        .ok_or_else(|| anyhow!("no peer certificate"))?;
+    Ok((s, serial))
+}
+
 /// Connect, handshake, and echo one message. Returns the stream and the
 /// serial of the certificate Envoy presented.
 pub async fn roundtrip(port: u16, tls: &TlsConnector) -> Result<(TlsStream<TcpStream>, String)> {
     let fut = async {
-        let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
-        // Without this, Nagle + delayed ACK add ~40 ms to the TLS 1.3 client-auth flight.
-        tcp.set_nodelay(true)?;
-        let mut s = tls.connect(ServerName::try_from("localhost")?, tcp).await?;
-        let serial = s
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .map(|c| serial_of(c))
-            .ok_or_else(|| anyhow!("no peer certificate"))?;
+        let (mut s, serial) = connect_tls(port, tls).await?;
         echo(&mut s).await?;
         Ok::<_, anyhow::Error>((s, serial))
     };
