@@ -27,11 +27,10 @@ pub fn new_key() -> KeyPair {
 pub struct Ca {
     /// The root certificate, PEM: what a peer trusts.
     pub pem: String,
-    pub der: CertificateDer<'static>,
     issuer: Issuer<'static, KeyPair>,
 }
 
-/// A certificate the CA signed, with its key.
+/// A certificate (signed by a [`Ca`], or self-signed) with its key.
 #[derive(Clone)]
 pub struct Leaf {
     /// The certificate, PEM (just the leaf: the root is [`Ca::pem`]).
@@ -102,7 +101,6 @@ impl Ca {
             .unwrap_or_else(|e| panic!("self-signing the CA {common_name:?}: {e}"));
         Self {
             pem: cert.pem(),
-            der: cert.der().clone(),
             issuer: Issuer::new(p, key),
         }
     }
