@@ -52,7 +52,7 @@ fn poll_until_200(port: u16, path: &str, start: Instant) -> Duration {
 /// Bare Envoy with the agent's own bootstrap: exec → `/ready` 200 (LIVE).
 fn bare_envoy_startup(bootstrap: &std::path::Path, admin_port: u16) -> Duration {
     let start = Instant::now();
-    let mut child = Command::new(envoy_bin())
+    let mut child = Command::new(envoy_bin().expect("Envoy binary"))
         .args(["-c"])
         .arg(bootstrap)
         .args([
@@ -114,7 +114,7 @@ fn main() {
         let admin_port = agent.ports.envoy_admin;
         agent.signal(Signal::SIGKILL);
         let _ = agent.child.wait();
-        wait_for("ports free", Duration::from_secs(5), || {
+        wait_until_blocking(Duration::from_secs(5), "ports free", || {
             std::net::TcpListener::bind(("127.0.0.1", admin_port))
                 .ok()
                 .map(drop)
@@ -143,7 +143,7 @@ fn main() {
 
     for _ in 0..RUNS {
         // With a certificate source: SDS serving the workload cert to an mTLS listener.
-        let root = support_sds::ca("bench root");
+        let root = support_sds::Ca::new("bench root");
         let certs = tempfile::tempdir().expect("tempdir");
         support_sds::write_certs(certs.path(), &root.leaf(), &root.pem);
         let agent = Agent::builder()

@@ -188,9 +188,9 @@ async fn next(rx: &mut tonic::Streaming<DiscoveryResponse>) -> Result<DiscoveryR
 async fn bench() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let certs = tmp.path().join("certs");
-    let root = ca("bench-root");
+    let root = Ca::new("bench-root");
     let first = root.leaf();
-    k8s_swap(&certs, &first, &root.pem, 0);
+    k8s_swap(&certs, &first, &root.pem);
     let socket = tmp.path().join("sds.sock");
 
     let mut child = tokio::process::Command::new(std::env::current_exe()?)
@@ -201,27 +201,25 @@ async fn bench() -> Result<()> {
         .spawn()
         .context("spawn SDS child")?;
     let pid = child.id().ok_or_else(|| anyhow!("child pid"))?;
-    wait_for("SDS socket", DEADLINE, || async {
+    wait_until(DEADLINE, "SDS socket", || async {
         socket.exists().then_some(())
     })
     .await?;
 
-    let app = echo_server().await;
-    let port = free_port();
-    let mut envoy =
-        Envoy::start(tmp.path(), &bootstrap_json(port, app, &socket, &[]), port).await?;
+    let mut envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
+    let port = envoy.listener_port;
     let client = connector(&root.pem, &root.leaf());
     wait_serial(port, &client, &first.serial).await?;
 
     let rounds = 20;
     let mut swap = Vec::new();
-    for g in 1..=rounds {
+    for _ in 0..rounds {
         let leaf = root.leaf();
         swap.push(
             rotate_and_wait(
                 port,
                 &client,
-                || k8s_swap(&certs, &leaf, &root.pem, g),
+                || k8s_swap(&certs, &leaf, &root.pem),
                 &leaf.serial,
             )
             .await?,

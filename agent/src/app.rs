@@ -349,20 +349,11 @@ async fn watch_stop(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use remora_test_support::kubelet::atomic_write;
 
-    /// Write the file the way the kubelet's atomic writer does: a new
-    /// timestamped directory, then the `..data` symlink swapped to it.
-    fn kubelet_write(dir: &std::path::Path, n: u32, text: &str) {
-        let ts = dir.join(format!("..2026_01_01_00_00_0{n}"));
-        std::fs::create_dir(&ts).expect("mkdir");
-        std::fs::write(ts.join("annotations"), text).expect("write");
-        let tmp = dir.join("..data_tmp");
-        std::os::unix::fs::symlink(ts.file_name().expect("name"), &tmp).expect("symlink");
-        std::fs::rename(&tmp, dir.join("..data")).expect("swap");
-        let link = dir.join("annotations");
-        if !link.exists() {
-            std::os::unix::fs::symlink("..data/annotations", &link).expect("symlink");
-        }
+    /// Write the downward-API file the way the kubelet does.
+    fn kubelet_write(dir: &std::path::Path, text: &str) {
+        atomic_write(dir, [("annotations", text)]).expect("kubelet-style write");
     }
 
     #[tokio::test(start_paused = true)]
@@ -379,12 +370,11 @@ mod tests {
         // No file, then a file without the request: nothing happens.
         tokio::time::sleep(Duration::from_millis(350)).await;
         assert!(rx.try_recv().is_err());
-        kubelet_write(dir.path(), 1, "remora.dev/lifecycle=\"{}\"\n");
+        kubelet_write(dir.path(), "remora.dev/lifecycle=\"{}\"\n");
         tokio::time::sleep(Duration::from_millis(350)).await;
         assert!(rx.try_recv().is_err());
         kubelet_write(
             dir.path(),
-            2,
             "remora.dev/lifecycle=\"{}\"\nremora.dev/stop=\"not json\"\n",
         );
         let got = tokio::time::timeout(Duration::from_millis(150), rx.recv())
@@ -397,7 +387,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn stop_present_at_start_counts_and_shutdown_ends_the_watch() {
         let dir = tempfile::tempdir().expect("tempdir");
-        kubelet_write(dir.path(), 1, "remora.dev/stop=\"\"\n");
+        kubelet_write(dir.path(), "remora.dev/stop=\"\"\n");
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         let task = tokio::spawn(watch_stop(
             dir.path().join("annotations"),

@@ -66,7 +66,7 @@ fn readiness_names_what_is_pending_before_envoy_is_up() {
     let mut agent = Agent::builder()
         .arg(format!("--discovery-address=127.0.0.1:{xds}"))
         .spawn();
-    let body = wait_for("a 503 naming the xDS wait", STARTUP, || {
+    let body = wait_until_blocking(STARTUP, "a 503 naming the xDS wait", || {
         let r = get(agent.ports.health, "/healthz/ready").ok()?;
         (r.status == 503 && r.body.contains("envoy:")).then_some(r.body)
     });
@@ -92,7 +92,7 @@ fn crash_restarts_envoy_and_becomes_ready_again() {
     let mut agent = Agent::builder().args(["--restart-backoff", "50ms"]).start();
     let first = agent.envoy_pid().expect("envoy pid");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), Signal::SIGKILL).expect("kill");
-    let second = wait_for("a new Envoy", STARTUP, || {
+    let second = wait_until_blocking(STARTUP, "a new Envoy", || {
         agent.envoy_pid().filter(|p| *p != first)
     });
     agent.wait_ready();
@@ -113,7 +113,7 @@ fn restart_budget_exhausted_exits_non_zero() {
         .start();
     let first = agent.envoy_pid().expect("pid");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), Signal::SIGKILL).expect("kill");
-    let second = wait_for("a new Envoy", STARTUP, || {
+    let second = wait_until_blocking(STARTUP, "a new Envoy", || {
         agent.envoy_pid().filter(|p| *p != first)
     });
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(second), Signal::SIGKILL).expect("kill");
@@ -131,7 +131,7 @@ fn quitquitquit_exits_zero_and_stops_envoy() {
     assert_eq!(r.status, 200);
     let status = agent.wait_exit(Duration::from_secs(10));
     assert_eq!(status.code(), Some(0), "{}", agent.log());
-    wait_for("Envoy gone", Duration::from_secs(5), || {
+    wait_until_blocking(Duration::from_secs(5), "Envoy gone", || {
         (!process_alive(envoy)).then_some(())
     });
 }
@@ -215,9 +215,9 @@ fn inbound_drain_tells_clients_connection_close() {
     assert_eq!(held.get("/").expect("before").status, 200);
     agent.signal(Signal::SIGTERM);
     agent.wait_unready();
-    let r = wait_for(
-        "connection: close on inbound",
+    let r = wait_until_blocking(
         Duration::from_secs(5),
+        "connection: close on inbound",
         || {
             let r = held.get("/").ok()?;
             (r.header("connection") == Some("close")).then_some(r)
@@ -337,12 +337,12 @@ fn hot_restart_keeps_a_live_connection() {
 
     // Change the override: the agent starts epoch 1.
     std::fs::write(&override_file, "stats_flush_interval: 6s\n").expect("write");
-    wait_for("epoch 1", STARTUP, || {
+    wait_until_blocking(STARTUP, "epoch 1", || {
         (agent.debug()["envoy"]["epoch"] == 1).then_some(())
     });
     let second = agent.envoy_pid().expect("pid");
     assert_ne!(first, second);
-    wait_for("the new epoch to serve admin", STARTUP, || {
+    wait_until_blocking(STARTUP, "the new epoch to serve admin", || {
         let r = get(agent.ports.envoy_admin, "/ready").ok()?;
         (r.status == 200).then_some(())
     });
@@ -375,7 +375,7 @@ fn hot_restart_keeps_a_live_connection() {
 
     // SIGHUP also restarts hot.
     agent.signal(Signal::SIGHUP);
-    wait_for("epoch 2", STARTUP, || {
+    wait_until_blocking(STARTUP, "epoch 2", || {
         (agent.debug()["envoy"]["epoch"] == 2).then_some(())
     });
     assert!(
@@ -386,7 +386,7 @@ fn hot_restart_keeps_a_live_connection() {
     drop(held);
     agent.signal(Signal::SIGTERM);
     agent.wait_exit(Duration::from_secs(15));
-    wait_for("every epoch gone", Duration::from_secs(5), || {
+    wait_until_blocking(Duration::from_secs(5), "every epoch gone", || {
         (!process_alive(first) && !process_alive(second)).then_some(())
     });
 }
@@ -406,7 +406,7 @@ fn invalid_override_at_runtime_keeps_the_running_envoy() {
         r#"{"static_resources": {"clusters": [{"name": "x", "type": "NOT_A_TYPE"}]}}"#,
     )
     .expect("write");
-    wait_for("the rejection to be counted", STARTUP, || {
+    wait_until_blocking(STARTUP, "the rejection to be counted", || {
         agent
             .metrics()
             .contains("remora_agent_envoy_start_failures_total 1")
@@ -428,9 +428,9 @@ fn envoy_never_outlives_a_killed_agent() {
     assert!(process_alive(envoy));
     agent.signal(Signal::SIGKILL);
     let _ = agent.child.wait();
-    wait_for(
-        "Envoy to die with the agent",
+    wait_until_blocking(
         Duration::from_secs(5),
+        "Envoy to die with the agent",
         || (!process_alive(envoy)).then_some(()),
     );
 }
@@ -502,7 +502,7 @@ fn huge_annotations_are_refused_and_the_drain_keeps_its_bound() {
 fn annotation_changing_drain_duration_restarts_envoy_hot() {
     let mut agent = Agent::builder().args(["--drain-duration", "45s"]).start();
     agent.write_annotations(&[("remora.dev/drain-duration", "7s")]);
-    wait_for("a hot restart for the new drain time", STARTUP, || {
+    wait_until_blocking(STARTUP, "a hot restart for the new drain time", || {
         (agent.debug()["envoy"]["epoch"] == 1).then_some(())
     });
     let pid = agent.envoy_pid().expect("pid");
@@ -547,24 +547,11 @@ fn metrics_record_drains() {
     agent.wait_exit(Duration::from_secs(5));
 }
 
-/// The kubelet's atomic writer: a fresh `..<timestamp>` directory, a
-/// `..data_tmp` symlink to it renamed over `..data`, and `annotations` a
-/// symlink to `..data/annotations`.
-fn kubelet_write_annotations(dir: &std::path::Path, n: u32, lines: &[(&str, &str)]) {
-    let text: String = lines
-        .iter()
-        .map(|(k, v)| format!("{k}={}\n", serde_json::to_string(v).expect("quote")))
-        .collect();
-    let ts = dir.join(format!("..2026_01_01_00_00_{n:02}.000000000"));
-    std::fs::create_dir(&ts).expect("mkdir");
-    std::fs::write(ts.join("annotations"), text).expect("write");
-    let tmp = dir.join("..data_tmp");
-    std::os::unix::fs::symlink(ts.file_name().expect("name"), &tmp).expect("symlink");
-    std::fs::rename(&tmp, dir.join("..data")).expect("swap");
-    let link = dir.join("annotations");
-    if std::fs::symlink_metadata(&link).is_err() {
-        std::os::unix::fs::symlink("..data/annotations", &link).expect("symlink");
-    }
+/// The downward-API annotations file, written as the kubelet does.
+fn kubelet_write_annotations(dir: &std::path::Path, lines: &[(&str, &str)]) {
+    let text = annotations_text(lines);
+    remora_test_support::kubelet::atomic_write(dir, [("annotations", text)])
+        .expect("kubelet-style write");
 }
 
 #[test]
@@ -575,14 +562,13 @@ fn stop_annotation_stops_envoy_and_exits_zero() {
         "remora.dev/lifecycle",
         r#"{"shutdown":{"terminationDrainDuration":"30s"}}"#,
     );
-    kubelet_write_annotations(&dir, 1, &[lifecycle]);
+    kubelet_write_annotations(&dir, &[lifecycle]);
     let envoy = agent.envoy_pid().expect("pid");
     // An unrelated update changes nothing.
-    kubelet_write_annotations(&dir, 2, &[lifecycle, ("other", "x")]);
+    kubelet_write_annotations(&dir, &[lifecycle, ("other", "x")]);
     assert!(agent.is_running());
     kubelet_write_annotations(
         &dir,
-        3,
         &[
             lifecycle,
             (
@@ -595,7 +581,7 @@ fn stop_annotation_stops_envoy_and_exits_zero() {
     let status = agent.wait_exit(Duration::from_secs(10));
     assert_eq!(status.code(), Some(0), "{}", agent.log());
     assert!(agent.log().contains("stop requested"), "{}", agent.log());
-    wait_for("Envoy gone", Duration::from_secs(5), || {
+    wait_until_blocking(Duration::from_secs(5), "Envoy gone", || {
         (!process_alive(envoy)).then_some(())
     });
 }
@@ -611,7 +597,7 @@ fn stop_annotation_present_at_start_exits_zero_and_leaves_no_envoy() {
     // Whatever Envoy the agent had started is gone with it.
     let bootstrap = agent.dir.path().join("run/envoy-bootstrap.json");
     let bootstrap = bootstrap.display().to_string();
-    wait_for("no Envoy of this agent", Duration::from_secs(5), || {
+    wait_until_blocking(Duration::from_secs(5), "no Envoy of this agent", || {
         let alive = std::fs::read_dir("/proc").ok()?.flatten().any(|e| {
             std::fs::read(e.path().join("cmdline"))
                 .map(|c| String::from_utf8_lossy(&c).contains(&bootstrap))

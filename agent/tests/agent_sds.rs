@@ -8,9 +8,8 @@ mod support_sds;
 
 use std::time::Duration;
 
-use rustls::pki_types::ServerName;
 use support::*;
-use support_sds::{Leaf, ca, connector, serial_of, write_certs};
+use support_sds::{Ca, Leaf, connect_tls, connector, write_certs};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::TlsConnector;
 
@@ -20,16 +19,7 @@ fn https_get(port: u16, tls: &TlsConnector) -> anyhow::Result<(String, String)> 
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        tcp.set_nodelay(true)?;
-        let mut s = tls.connect(ServerName::try_from("localhost")?, tcp).await?;
-        let serial = s
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .map(|c| serial_of(c))
-            .ok_or_else(|| anyhow::anyhow!("no peer certificate"))?;
+        let (mut s, serial) = connect_tls(port, tls).await?;
         s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
             .await?;
         let mut out = Vec::new();
@@ -49,7 +39,7 @@ fn tls_agent(cert_dir: &std::path::Path) -> Agent {
 
 #[test]
 fn inbound_mtls_from_sds_admits_same_root_only() {
-    let root = ca("workload root");
+    let root = Ca::new("workload root");
     let leaf: Leaf = root.leaf();
     let certs = tempfile::tempdir().expect("tempdir");
     write_certs(certs.path(), &leaf, &root.pem);
@@ -65,7 +55,7 @@ fn inbound_mtls_from_sds_admits_same_root_only() {
         "Envoy presents the workload certificate"
     );
 
-    let other = ca("someone else");
+    let other = Ca::new("someone else");
     let stranger = other.leaf();
     let refused = https_get(agent.ports.inbound, &connector(&root.pem, &stranger));
     assert!(
@@ -79,7 +69,7 @@ fn inbound_mtls_from_sds_admits_same_root_only() {
     // Rotation reaches Envoy through the agent, no restart.
     let next = root.leaf();
     write_certs(certs.path(), &next, &root.pem);
-    wait_for("the rotated certificate", Duration::from_secs(10), || {
+    wait_until_blocking(Duration::from_secs(10), "the rotated certificate", || {
         let (_, s) = https_get(agent.ports.inbound, &connector(&root.pem, &client)).ok()?;
         (s == next.serial).then_some(())
     });
@@ -88,12 +78,12 @@ fn inbound_mtls_from_sds_admits_same_root_only() {
 
 #[test]
 fn readiness_waits_for_certificates() {
-    let root = ca("late root");
+    let root = Ca::new("late root");
     let certs = tempfile::tempdir().expect("tempdir");
     let mut agent = tls_agent(certs.path());
-    let body = wait_for(
-        "a 503 naming the certificates",
+    let body = wait_until_blocking(
         Duration::from_secs(20),
+        "a 503 naming the certificates",
         || {
             let r = get(agent.ports.health, "/healthz/ready").ok()?;
             (r.status == 503 && r.body.contains("certificates:")).then_some(r.body)

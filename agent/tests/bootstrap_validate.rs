@@ -20,7 +20,7 @@ fn validate(b: &serde_json::Value) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("bootstrap.json");
     bootstrap::write(&path, b).expect("write");
-    let out = std::process::Command::new(support::envoy_bin())
+    let out = std::process::Command::new(support::envoy_bin().expect("Envoy binary"))
         .args(["--mode", "validate", "--log-level", "error", "-c"])
         .arg(&path)
         .output()

@@ -111,7 +111,7 @@ fn port_in_use_is_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = taken.local_addr().expect("addr").port().to_string();
-    let envoy = envoy_bin();
+    let envoy = envoy_bin().expect("Envoy binary");
     for flag in ["--admin-port", "--envoy-admin-port"] {
         let mut args = vec![
             "run".to_string(),
@@ -152,7 +152,7 @@ fn unreadable_override_is_named() {
         let o = run(&[
             "run",
             "--envoy-bin",
-            &path_str(&envoy_bin()),
+            &path_str(&envoy_bin().expect("Envoy binary")),
             "--run-dir",
             &path_str(dir.path()),
             "--bootstrap-override",

@@ -71,9 +71,7 @@ async fn rig(tmp: tempfile::TempDir, src: CaSource) -> Result<Rig> {
         cancel.clone(),
     )
     .await?;
-    let app = echo_server().await;
-    let port = free_port();
-    let envoy = Envoy::start(tmp.path(), &bootstrap_json(port, app, &socket, &[]), port).await?;
+    let envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
     Ok(Rig {
         tmp,
         readiness,
@@ -86,13 +84,14 @@ async fn rig(tmp: tempfile::TempDir, src: CaSource) -> Result<Rig> {
 
 impl Rig {
     async fn serial_other_than(&self, old: &str) -> Result<String> {
-        wait_for("a new certificate from the CA", DEADLINE, || async {
+        wait_until(DEADLINE, "a new certificate from the CA", || async {
             self.handle
                 .current()
                 .map(|b| b.serial.clone())
                 .filter(|s| s != old)
         })
         .await
+        .map_err(Into::into)
     }
 }
 
@@ -101,7 +100,7 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let token = tmp.path().join("token");
     std::fs::write(&token, "tok-1\n")?;
-    let root1 = ca("mesh-root-1");
+    let root1 = Ca::new("mesh-root-1");
     let root1_pem = root1.pem.clone();
     let root1_client = root1.leaf();
     let client1 = connector(&root1_pem, &root1_client);
@@ -115,7 +114,7 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
     // Issue.
     let first = rig.serial_other_than("").await?;
     wait_serial(port, &client1, &first).await?;
-    wait_for("readiness", DEADLINE, || async {
+    wait_until(DEADLINE, "readiness", || async {
         rig.readiness.is_ready().then_some(())
     })
     .await?;
@@ -147,14 +146,14 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
 
     // The CA switches roots: ROOTCA follows, clients of the new root get in,
     // clients of the old one no longer do.
-    let root2 = ca("mesh-root-2");
+    let root2 = Ca::new("mesh-root-2");
     let client2 = connector(&root2.pem, &root2.leaf());
     // Trusts the new root (so the server cert verifies) but presents an old-root cert.
     let old_root_client = connector(&root2.pem, &root1_client);
     let root2_pem = root2.pem.clone();
     *ca_impl.signer.lock().unwrap() = Arc::new(root2);
     // (A renewal already in flight may still come from the old root: wait for the new one.)
-    let third = wait_for("a certificate from the new root", DEADLINE, || async {
+    let third = wait_until(DEADLINE, "a certificate from the new root", || async {
         rig.handle
             .current()
             .filter(|b| b.roots_pem.trim() == root2_pem.trim())
@@ -179,7 +178,7 @@ async fn ca_outage_keeps_serving_and_retries() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let token = tmp.path().join("token");
     std::fs::write(&token, "tok")?;
-    let root = ca("mesh-root");
+    let root = Ca::new("mesh-root");
     let client = connector(&root.pem, &root.leaf());
     let ca_impl = test_ca(root, "tok");
     let server = CaServer::start(ca_impl.clone(), 0).await?;
@@ -193,7 +192,7 @@ async fn ca_outage_keeps_serving_and_retries() -> Result<()> {
     // CA goes away; renewal (at ~4 s) fails and is retried with backoff.
     let stopped = server.stop().await;
     let failures = || metric(&rig.registry, "cert_failures_total");
-    wait_for("three failed renewals", DEADLINE, || async {
+    wait_until(DEADLINE, "three failed renewals", || async {
         (failures() >= 3.0).then_some(())
     })
     .await?;
@@ -217,7 +216,7 @@ async fn ca_bad_token_holds_readiness_with_the_reason() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let token = tmp.path().join("token");
     std::fs::write(&token, "wrong")?;
-    let ca_impl = test_ca(ca("mesh-root"), "right");
+    let ca_impl = test_ca(Ca::new("mesh-root"), "right");
     let server = CaServer::start(ca_impl.clone(), 0).await?;
     let src = source(&server, &token, Duration::from_secs(60), None);
     let readiness = Readiness::new();
@@ -231,7 +230,7 @@ async fn ca_bad_token_holds_readiness_with_the_reason() -> Result<()> {
         cancel.clone(),
     )
     .await?;
-    let reason = wait_for("pending reason", DEADLINE, || async {
+    let reason = wait_until(DEADLINE, "pending reason", || async {
         readiness
             .pending()
             .into_iter()
@@ -242,7 +241,7 @@ async fn ca_bad_token_holds_readiness_with_the_reason() -> Result<()> {
     assert!(!reason.contains("wrong"), "the token never shows: {reason}");
     // Fix the token: issuance goes through on a retry.
     std::fs::write(&token, "right")?;
-    wait_for("certificate", DEADLINE, || async { handle.current() }).await?;
+    wait_until(DEADLINE, "certificate", || async { handle.current() }).await?;
     cancel.cancel();
     handle.join().await?;
     server.stop().await;

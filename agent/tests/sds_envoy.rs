@@ -44,10 +44,7 @@ impl Rig {
             cancel.clone(),
         )
         .await?;
-        let app = echo_server().await;
-        let port = free_port();
-        let envoy =
-            Envoy::start(tmp.path(), &bootstrap_json(port, app, &socket, &[]), port).await?;
+        let envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
         Ok(Self {
             tmp,
             certs,
@@ -78,14 +75,14 @@ impl Rig {
 
 #[tokio::test]
 async fn mtls_same_root_passes_other_root_refused() -> Result<()> {
-    let root = ca("root-a");
+    let root = Ca::new("root-a");
     let server = root.leaf();
     let rig = Rig::start(|d| write_certs(d, &server, &root.pem)).await?;
 
     let good = connector(&root.pem, &root.leaf());
     wait_serial(rig.port(), &good, &server.serial).await?;
 
-    let other = ca("root-b");
+    let other = Ca::new("root-b");
     let bad = connector(&root.pem, &other.leaf());
     assert!(
         roundtrip(rig.port(), &bad).await.is_err(),
@@ -93,7 +90,7 @@ async fn mtls_same_root_passes_other_root_refused() -> Result<()> {
     );
 
     // Readiness: ready once Envoy fetched default and ROOTCA.
-    wait_for("readiness", DEADLINE, || async {
+    wait_until(DEADLINE, "readiness", || async {
         rig.readiness.is_ready().then_some(())
     })
     .await?;
@@ -118,7 +115,7 @@ async fn mtls_same_root_passes_other_root_refused() -> Result<()> {
 
 #[tokio::test]
 async fn rewrite_rotates_and_open_connection_survives() -> Result<()> {
-    let root = ca("root");
+    let root = Ca::new("root");
     let first = root.leaf();
     let rig = Rig::start(|d| write_certs(d, &first, &root.pem)).await?;
     let client = connector(&root.pem, &root.leaf());
@@ -137,16 +134,16 @@ async fn rewrite_rotates_and_open_connection_survives() -> Result<()> {
 
 #[tokio::test]
 async fn k8s_symlink_swap_rotates() -> Result<()> {
-    let root = ca("root");
+    let root = Ca::new("root");
     let first = root.leaf();
-    let rig = Rig::start(|d| k8s_swap(d, &first, &root.pem, 1)).await?;
+    let rig = Rig::start(|d| k8s_swap(d, &first, &root.pem)).await?;
     let client = connector(&root.pem, &root.leaf());
     wait_serial(rig.port(), &client, &first.serial).await?;
     let (mut old_conn, _) = roundtrip(rig.port(), &client).await?;
 
-    for generation in 2..5 {
+    for _ in 2..5 {
         let next = root.leaf();
-        k8s_swap(&rig.certs, &next, &root.pem, generation);
+        k8s_swap(&rig.certs, &next, &root.pem);
         wait_serial(rig.port(), &client, &next.serial).await?;
     }
     echo(&mut old_conn).await?;
@@ -155,12 +152,12 @@ async fn k8s_symlink_swap_rotates() -> Result<()> {
 
 #[tokio::test]
 async fn bad_writes_keep_the_last_good_certificate() -> Result<()> {
-    let root = ca("root");
+    let root = Ca::new("root");
     let good = root.leaf();
     let rig = Rig::start(|d| write_certs(d, &good, &root.pem)).await?;
     let client = connector(&root.pem, &root.leaf());
     wait_serial(rig.port(), &client, &good.serial).await?;
-    wait_for("readiness", DEADLINE, || async {
+    wait_until(DEADLINE, "readiness", || async {
         rig.readiness.is_ready().then_some(())
     })
     .await?;
@@ -204,7 +201,7 @@ async fn bad_writes_keep_the_last_good_certificate() -> Result<()> {
     for (what, write) in cases {
         let before = failures();
         write();
-        wait_for(what, DEADLINE, || async {
+        wait_until(DEADLINE, what, || async {
             (failures() > before).then_some(())
         })
         .await?;
@@ -225,7 +222,7 @@ async fn bad_writes_keep_the_last_good_certificate() -> Result<()> {
 #[tokio::test]
 async fn missing_files_at_start_hold_readiness_then_serve() -> Result<()> {
     let rig = Rig::start(|_| {}).await?;
-    let reason = wait_for("pending reason", DEADLINE, || async {
+    let reason = wait_until(DEADLINE, "pending reason", || async {
         rig.readiness
             .pending()
             .into_iter()
@@ -235,12 +232,12 @@ async fn missing_files_at_start_hold_readiness_then_serve() -> Result<()> {
     .await?;
     assert!(reason.contains("cert-chain.pem"), "{reason}");
 
-    let root = ca("root");
+    let root = Ca::new("root");
     let leaf = root.leaf();
     write_certs(&rig.certs, &leaf, &root.pem);
     let client = connector(&root.pem, &root.leaf());
     wait_serial(rig.port(), &client, &leaf.serial).await?;
-    wait_for("readiness", DEADLINE, || async {
+    wait_until(DEADLINE, "readiness", || async {
         rig.readiness.is_ready().then_some(())
     })
     .await?;

@@ -19,6 +19,7 @@ use prost::Message;
 use remora_agent::certs::file::FileSource;
 use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
+use remora_test_support::pki::serial_of_pem;
 use support_sds::*;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -148,7 +149,7 @@ struct Rig {
 async fn rig() -> Result<Rig> {
     let tmp = tempfile::tempdir()?;
     let certs = tmp.path().join("certs");
-    let root = ca("root");
+    let root = Ca::new("root");
     write_certs(&certs, &root.leaf(), &root.pem);
     let socket = tmp.path().join("sds.sock");
     // A stale socket from a previous run is replaced.
@@ -164,7 +165,7 @@ async fn rig() -> Result<Rig> {
         cancel.clone(),
     )
     .await?;
-    wait_for("bundle", DEADLINE, || async { handle.current() }).await?;
+    wait_until(DEADLINE, "bundle", || async { handle.current() }).await?;
     Ok(Rig {
         _tmp: tmp,
         certs,
@@ -184,7 +185,7 @@ impl Rig {
         l
     }
     fn rotate_root(&mut self) -> Leaf {
-        self.root = ca("root-next");
+        self.root = Ca::new("root-next");
         self.rotate_leaf()
     }
 }
@@ -202,7 +203,7 @@ async fn ack_nack_and_targeted_pushes() -> Result<()> {
     assert_eq!(names(&r), vec!["ROOTCA"]);
     a.ack(&["default"]).await?;
     b.ack(&["ROOTCA"]).await?;
-    wait_for("readiness", DEADLINE, || async {
+    wait_until(DEADLINE, "readiness", || async {
         rig.readiness.is_ready().then_some(())
     })
     .await?;
@@ -217,7 +218,7 @@ async fn ack_nack_and_targeted_pushes() -> Result<()> {
 
     // NACK: counted, nothing resent.
     a.nack(&["default"]).await?;
-    wait_for("nack counted", DEADLINE, || async {
+    wait_until(DEADLINE, "nack counted", || async {
         (metric(&rig.registry, "sds_nacks_total") >= 1.0).then_some(())
     })
     .await?;
@@ -380,7 +381,7 @@ async fn file_cert_and_file_root_names() -> Result<()> {
     let rig = rig().await?;
     let dir = rig._tmp.path().join("other");
     std::fs::create_dir_all(&dir)?;
-    let other = ca("other-root");
+    let other = Ca::new("other-root");
     let leaf = other.leaf();
     std::fs::write(dir.join("c.pem"), &leaf.chain)?;
     std::fs::write(dir.join("k.pem"), &leaf.key)?;
@@ -446,7 +447,7 @@ async fn push_fans_out_to_100_streams() -> Result<()> {
         assert_eq!(serial_of_pem(&chain_of(&secrets(&r)[0])), leaf.serial);
     }
     drop(subs);
-    wait_for("streams closed", DEADLINE, || async {
+    wait_until(DEADLINE, "streams closed", || async {
         (metric(&rig.registry, "sds_streams") == 0.0).then_some(())
     })
     .await?;
@@ -470,7 +471,7 @@ fn run_config(args: &[&str]) -> Result<remora_agent::config::RunConfig> {
 async fn start_from_run_config_with_and_without_a_source() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let certs = tmp.path().join("certs");
-    let root = ca("root");
+    let root = Ca::new("root");
     write_certs(&certs, &root.leaf(), &root.pem);
 
     // --cert-dir: file source, readiness held until Envoy fetched both secrets.
@@ -485,7 +486,7 @@ async fn start_from_run_config_with_and_without_a_source() -> Result<()> {
     let mut registry = Registry::default();
     let cancel = CancellationToken::new();
     let handle = sds::start(&cfg, &readiness, &mut registry, cancel.clone()).await?;
-    wait_for("waiting-for-Envoy reason", DEADLINE, || async {
+    wait_until(DEADLINE, "waiting-for-Envoy reason", || async {
         readiness
             .pending()
             .into_iter()
@@ -498,7 +499,7 @@ async fn start_from_run_config_with_and_without_a_source() -> Result<()> {
     while got.len() < 2 {
         got.extend(names(&s.next().await?));
     }
-    wait_for("ready", DEADLINE, || async {
+    wait_until(DEADLINE, "ready", || async {
         readiness.is_ready().then_some(())
     })
     .await?;

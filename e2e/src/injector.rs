@@ -5,17 +5,16 @@
 //! control plane does not have).
 
 use std::fs::File;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
+use remora_test_support::bins::{BinError, workspace_bin};
+use remora_test_support::pki::{Ca, Leaf};
+use remora_test_support::ports::try_free_port;
 
 /// Where a prebuilt injector can be named explicitly.
 pub const ENV_INJECTOR_BIN: &str = "REMORA_INJECTOR_BIN";
@@ -27,8 +26,8 @@ pub enum Error {
          `cargo test --workspace` does) or set {ENV_INJECTOR_BIN}"
     )]
     MissingBinary(PathBuf),
-    #[error("generating certificates: {0}")]
-    Certs(#[from] rcgen::Error),
+    #[error("locating remora-injector: {0}")]
+    Locate(#[source] BinError),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -51,28 +50,12 @@ fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
 }
 
 /// The injector binary: `$REMORA_INJECTOR_BIN`, else next to the test
-/// binary's directory (`target/<profile>/remora-injector`; test binaries
-/// live in `target/<profile>/deps`).
+/// binary (`target/<profile>/remora-injector`).
 pub fn injector_bin() -> Result<PathBuf, Error> {
-    if let Some(p) = std::env::var_os(ENV_INJECTOR_BIN).filter(|v| !v.is_empty()) {
-        let p = PathBuf::from(p);
-        return if p.is_file() {
-            Ok(p)
-        } else {
-            Err(Error::MissingBinary(p))
-        };
-    }
-    let exe = std::env::current_exe().map_err(io("locating the test binary"))?;
-    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let p = dir.join("remora-injector");
-    if p.is_file() {
-        Ok(p)
-    } else {
-        Err(Error::MissingBinary(p))
-    }
+    workspace_bin("remora-injector", ENV_INJECTOR_BIN).map_err(|e| match e {
+        BinError::NotBuilt(p) => Error::MissingBinary(p),
+        e => Error::Locate(e),
+    })
 }
 
 /// How to start the injector.
@@ -130,12 +113,12 @@ impl Injector {
             .prefix("remora-injector-")
             .tempdir()
             .map_err(io("creating a temp dir"))?;
-        let (ca_pem, cert_pem, key_pem) = loopback_certs()?;
-        let cert = dir.path().join("tls.crt");
-        let key = dir.path().join("tls.key");
-        std::fs::write(&cert, cert_pem).map_err(io("writing tls.crt"))?;
-        std::fs::write(&key, key_pem).map_err(io("writing tls.key"))?;
-        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let (ca_pem, serving) = loopback_certs();
+        let (cert, key) = serving
+            .write_pem(dir.path(), "tls.crt", "tls.key")
+            .map_err(io("writing tls.crt and tls.key"))?;
+        let port = try_free_port().map_err(io("picking a free port"))?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
         let log = dir.path().join("injector.log");
         let out = File::create(&log).map_err(io("creating injector.log"))?;
         let err = out.try_clone().map_err(io("cloning the log file"))?;
@@ -314,37 +297,17 @@ fn spawn_watchdog(pid: u32) -> Result<(Child, ChildStdin), Error> {
     Ok((child, stdin))
 }
 
-/// A CA and a serving certificate for 127.0.0.1 signed by it: (CA, cert, key) PEM.
-pub fn loopback_certs() -> Result<(String, String, String), Error> {
-    let ca_key = KeyPair::generate()?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "remora-e2e-webhook-ca");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_cert = ca_params.self_signed(&ca_key)?;
-    let ca = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate()?;
+/// A CA (PEM) and a serving certificate for 127.0.0.1 signed by it.
+pub fn loopback_certs() -> (String, Leaf) {
+    let ca = Ca::new("remora-e2e-webhook-ca");
     // The API server dials the IP of clientConfig.url: it must be an IP SAN.
-    let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "remora-injector-e2e");
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    params.key_usages = vec![
-        KeyUsagePurpose::DigitalSignature,
-        KeyUsagePurpose::KeyEncipherment,
-    ];
-    let cert = params.signed_by(&key, &ca)?;
-    Ok((ca_cert.pem(), cert.pem(), key.serialize_pem()))
-}
-
-/// A port the kernel just handed out on 127.0.0.1 (released again, so a
-/// race with another process is possible but unlikely).
-pub fn free_port() -> Result<u16, Error> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(io("binding 127.0.0.1:0"))?;
-    Ok(l.local_addr().map_err(io("reading a bound port"))?.port())
+    let leaf = ca
+        .issue()
+        .names(&["127.0.0.1", "localhost"])
+        .common_name("remora-injector-e2e")
+        .server_auth()
+        .sign();
+    (ca.pem, leaf)
 }
 
 /// The last `max` bytes of a log file (lossy UTF-8), for error messages.

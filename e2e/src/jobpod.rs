@@ -120,9 +120,7 @@ pub fn render_annotations(ann: &BTreeMap<String, String>) -> String {
 /// Write the downward-API `annotations` file into `dir` the way the
 /// kubelet's atomic writer does.
 fn write_annotations(dir: &Path, text: &str) -> std::io::Result<()> {
-    let data =
-        crate::podrunner::SecretData::from([("annotations".to_owned(), text.as_bytes().to_vec())]);
-    crate::podrunner::atomic_write(dir, &data).map(|_| ())
+    remora_test_support::kubelet::atomic_write(dir, [("annotations", text)]).map(|_| ())
 }
 
 fn running(now: &Time) -> ContainerState {
@@ -699,24 +697,10 @@ pub fn job(
 /// The agent binary: `$REMORA_AGENT_BIN`, else `target/<profile>/remora-agent`
 /// next to the running test or bench binary.
 pub fn agent_bin() -> Result<PathBuf, JobPodError> {
-    if let Some(p) = std::env::var_os("REMORA_AGENT_BIN").filter(|v| !v.is_empty()) {
-        return Ok(PathBuf::from(p));
-    }
-    let exe = std::env::current_exe().map_err(io("locating the running binary"))?;
-    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let p = dir.join("remora-agent");
-    if p.is_file() {
-        Ok(p)
-    } else {
-        Err(JobPodError::Io {
-            what: format!(
-                "remora-agent not found at {} (cargo build -p remora-agent, or set REMORA_AGENT_BIN)",
-                p.display()
-            ),
+    remora_test_support::bins::workspace_bin("remora-agent", "REMORA_AGENT_BIN").map_err(|e| {
+        JobPodError::Io {
+            what: format!("{e} (cargo build -p remora-agent, or set REMORA_AGENT_BIN)"),
             source: std::io::ErrorKind::NotFound.into(),
-        })
-    }
+        }
+    })
 }

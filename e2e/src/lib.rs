@@ -4,7 +4,6 @@
 pub mod certs;
 pub mod chart;
 pub mod controlplane;
-pub mod envoy;
 pub mod injector;
 pub mod jobpod;
 pub mod load;

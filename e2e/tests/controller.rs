@@ -417,9 +417,12 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     .with_context(log)?;
 
     // Its metrics, over the injector's own TLS.
-    let mut c =
-        remora_injector::client::connect(s.injector.addr(), "localhost", s.injector.ca_pem())
-            .await?;
+    let mut c = remora_test_support::webhook_client::connect(
+        s.injector.addr(),
+        "localhost",
+        s.injector.ca_pem(),
+    )
+    .await?;
     let (code, body) = c.request(http::Method::GET, "/metrics", Vec::new()).await?;
     assert_eq!(code.as_u16(), 200);
     let metrics = String::from_utf8_lossy(&body);

@@ -23,7 +23,7 @@ const DEADLINE: Duration = Duration::from_secs(60);
 fn options(dir: &std::path::Path) -> anyhow::Result<JobPodOptions> {
     Ok(JobPodOptions {
         agent_bin: jobpod::agent_bin()?,
-        envoy_bin: e2e::envoy::envoy_bin()?,
+        envoy_bin: remora_test_support::bins::envoy_bin()?,
         base_dir: dir.to_path_buf(),
         timeout: DEADLINE,
     })
@@ -202,7 +202,8 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
 
     // Counted (a reconcile racing its own watch may patch twice: at least one).
     let inj = &env.setup.injector;
-    let mut c = remora_injector::client::connect(inj.addr(), "localhost", inj.ca_pem()).await?;
+    let mut c =
+        remora_test_support::webhook_client::connect(inj.addr(), "localhost", inj.ca_pem()).await?;
     let (code, body) = c.request(http::Method::GET, "/metrics", Vec::new()).await?;
     anyhow::ensure!(code.as_u16() == 200, "/metrics: {code}");
     let metrics = String::from_utf8_lossy(&body);

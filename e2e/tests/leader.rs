@@ -46,7 +46,7 @@ async fn call(
     path: &str,
     body: Vec<u8>,
 ) -> Option<(u16, String)> {
-    let mut c = remora_injector::client::connect(inj.addr(), "localhost", inj.ca_pem())
+    let mut c = remora_test_support::webhook_client::connect(inj.addr(), "localhost", inj.ca_pem())
         .await
         .ok()?;
     let (status, body) = c.request(method, path, body).await.ok()?;

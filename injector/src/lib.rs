@@ -3,7 +3,6 @@
 
 pub mod app;
 pub mod ca;
-pub mod client;
 pub mod cluster;
 pub mod controller;
 pub mod flags;

@@ -135,10 +135,3 @@ impl ResolvesServerCert for ReloadingCert {
         self.current.read().ok().map(|c| Arc::clone(&c))
     }
 }
-
-/// A self-signed serving certificate for `names` (tests, the benchmark, and
-/// a first start without cert-manager): (cert PEM, key PEM).
-pub fn self_signed(names: &[String]) -> Result<(String, String), rcgen::Error> {
-    let ck = rcgen::generate_simple_self_signed(names.to_vec())?;
-    Ok((ck.cert.pem(), ck.signing_key.serialize_pem()))
-}

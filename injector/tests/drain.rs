@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::get;
-use remora_injector::client::connect;
 use remora_injector::server::{Drained, serve_tls_draining};
-use remora_injector::tls::{ReloadingCert, self_signed};
+use remora_injector::tls::ReloadingCert;
+use remora_test_support::pki::self_signed;
+use remora_test_support::webhook_client::connect;
 use tokio_util::sync::CancellationToken;
 
 struct Running {
@@ -27,10 +28,9 @@ async fn start(
     release: Arc<tokio::sync::Notify>,
 ) -> anyhow::Result<Running> {
     let dir = tempfile::tempdir()?;
-    let (cert_pem, key_pem) = self_signed(&["localhost".into()])?;
-    std::fs::write(dir.path().join("tls.crt"), &cert_pem)?;
-    std::fs::write(dir.path().join("tls.key"), &key_pem)?;
-    let cert = ReloadingCert::load(dir.path().join("tls.crt"), dir.path().join("tls.key"))?;
+    let serving = self_signed(&["localhost"]);
+    let (cert, key) = serving.write_pem(dir.path(), "tls.crt", "tls.key")?;
+    let cert = ReloadingCert::load(cert, key)?;
     let tls = Arc::new(cert.server_config()?);
     let app = Router::new()
         .route("/fast", get(|| async { "fast" }))
@@ -57,7 +57,7 @@ async fn start(
     ));
     Ok(Running {
         addr,
-        ca: cert_pem,
+        ca: serving.chain,
         stop,
         done,
         _dir: dir,

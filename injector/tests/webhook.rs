@@ -2,13 +2,16 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
 use remora_injector::server::{AppState, router, serve_tls};
 use remora_injector::sidecar_config::{ChartDefaults, LifecycleEntry};
-use remora_injector::tls::{ReloadingCert, self_signed};
+use remora_injector::tls::ReloadingCert;
 use remora_injector::webhook::{AdmissionOutcome, Injector, StaticView};
+use remora_test_support::pki::self_signed;
+use remora_test_support::wait::wait_until;
+use remora_test_support::webhook_client;
 use serde_json::{Value, json};
 
 fn view() -> StaticView {
@@ -208,10 +211,9 @@ struct Server {
 
 async fn start_server() -> anyhow::Result<Server> {
     let dir = tempfile::tempdir()?;
-    let (cert_pem, key_pem) = self_signed(&["localhost".into()])?;
-    std::fs::write(dir.path().join("tls.crt"), &cert_pem)?;
-    std::fs::write(dir.path().join("tls.key"), &key_pem)?;
-    let cert = ReloadingCert::load(dir.path().join("tls.crt"), dir.path().join("tls.key"))?;
+    let serving = self_signed(&["localhost"]);
+    let (cert, key) = serving.write_pem(dir.path(), "tls.crt", "tls.key")?;
+    let cert = ReloadingCert::load(cert, key)?;
     let tls = Arc::new(cert.server_config()?);
     let state = Arc::new(AppState::new(injector(), 1 << 20));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -222,7 +224,7 @@ async fn start_server() -> anyhow::Result<Server> {
     }));
     Ok(Server {
         addr,
-        ca: cert_pem,
+        ca: serving.chain,
         dir,
         cert,
         stop: Some(tx),
@@ -232,7 +234,7 @@ async fn start_server() -> anyhow::Result<Server> {
 #[tokio::test]
 async fn https_round_trip_keep_alive_health_and_metrics() -> anyhow::Result<()> {
     let mut server = start_server().await?;
-    let mut conn = remora_injector::client::connect(server.addr, "localhost", &server.ca).await?;
+    let mut conn = webhook_client::connect(server.addr, "localhost", &server.ca).await?;
     let (status, body) = conn.request(http::Method::GET, "/healthz", vec![]).await?;
     assert_eq!((status.as_u16(), body.as_slice()), (200, b"ok".as_slice()));
     for _ in 0..3 {
@@ -263,7 +265,7 @@ async fn https_round_trip_keep_alive_health_and_metrics() -> anyhow::Result<()> 
     );
     let mut big = serde_json::to_vec(&review("Pod", "", pod()))?;
     big.resize(2 << 20, b' ');
-    let mut conn2 = remora_injector::client::connect(server.addr, "localhost", &server.ca).await?;
+    let mut conn2 = webhook_client::connect(server.addr, "localhost", &server.ca).await?;
     let (status, body) = conn2.request(http::Method::POST, "/inject", big).await?;
     assert_eq!(status.as_u16(), 200);
     let v: Value = serde_json::from_slice(&body)?;
@@ -300,9 +302,10 @@ async fn serving_certificate_is_reloaded_without_restart() -> anyhow::Result<()>
     let server = start_server().await?;
     let _reloader = server.cert.spawn_reloader(Duration::from_millis(50));
     // A new certificate from another (self-signed) issuer: only its PEM is trusted after the swap.
-    let (new_cert, new_key) = self_signed(&["localhost".into()])?;
+    let serving = self_signed(&["localhost"]);
+    let (new_cert, new_key) = (serving.chain, serving.key);
     assert!(
-        remora_injector::client::connect(server.addr, "localhost", &new_cert)
+        webhook_client::connect(server.addr, "localhost", &new_cert)
             .await
             .is_err()
     );
@@ -317,22 +320,19 @@ async fn serving_certificate_is_reloaded_without_restart() -> anyhow::Result<()>
         server.dir.path().join("tls.crt.tmp"),
         server.dir.path().join("tls.crt"),
     )?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if remora_injector::client::connect(server.addr, "localhost", &new_cert)
-            .await
-            .is_ok()
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the new certificate was never served"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the new certificate to be served",
+        || async {
+            webhook_client::connect(server.addr, "localhost", &new_cert)
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await?;
     assert!(
-        remora_injector::client::connect(server.addr, "localhost", &server.ca)
+        webhook_client::connect(server.addr, "localhost", &server.ca)
             .await
             .is_err()
     );
@@ -357,12 +357,11 @@ async fn self_managed_ca_serves_the_service_name() -> anyhow::Result<()> {
     ));
     // The API server trusts the CA (caBundle) and checks the service's DNS name.
     let mut conn =
-        remora_injector::client::connect(addr, "remora-injector.remora-system.svc", &bundle.ca_pem)
-            .await?;
+        webhook_client::connect(addr, "remora-injector.remora-system.svc", &bundle.ca_pem).await?;
     let (status, _) = conn.request(http::Method::GET, "/healthz", vec![]).await?;
     assert_eq!(status.as_u16(), 200);
     assert!(
-        remora_injector::client::connect(addr, "elsewhere.example", &bundle.ca_pem)
+        webhook_client::connect(addr, "elsewhere.example", &bundle.ca_pem)
             .await
             .is_err()
     );

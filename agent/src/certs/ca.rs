@@ -431,27 +431,22 @@ impl CertSource for CaSource {
 mod tests {
     use super::super::CertMetrics;
     use super::*;
-    use rcgen::{BasicConstraints, CertificateSigningRequestParams, IsCa, Issuer as RcIssuer};
+    use rcgen::CertificateSigningRequestParams;
+    use remora_test_support::pki::Ca;
     use std::sync::{Arc, Mutex};
     use tokio::time::Instant;
 
     /// A CA double whose answers are scripted: `fail` makes calls error.
     struct FakeCa {
-        issuer: RcIssuer<'static, KeyPair>,
-        root_pem: String,
+        root: Ca,
         fail: Arc<Mutex<bool>>,
         calls: Arc<Mutex<Vec<Instant>>>,
         lifetime: Duration,
     }
 
     fn fake_ca(lifetime: Duration) -> FakeCa {
-        let mut p = CertificateParams::default();
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let key = KeyPair::generate().expect("key");
-        let root = p.self_signed(&key).expect("root");
         FakeCa {
-            issuer: RcIssuer::new(p, key),
-            root_pem: root.pem(),
+            root: Ca::new("fake-ca"),
             fail: Arc::default(),
             calls: Arc::default(),
             lifetime,
@@ -467,13 +462,12 @@ mod tests {
                     message: "down".into(),
                 });
             }
-            let mut csr = CertificateSigningRequestParams::from_pem(&csr_pem).expect("csr");
             // Wall-clock validity, exactly `lifetime` long, starting now.
-            let now = SystemTime::now();
-            csr.params.not_before = now.into();
-            csr.params.not_after = (now + self.lifetime).into();
-            let leaf = csr.signed_by(&self.issuer).expect("sign");
-            Ok(vec![leaf.pem(), self.root_pem.clone()])
+            let leaf = self
+                .root
+                .sign_csr(&csr_pem, self.lifetime, &[])
+                .expect("sign");
+            Ok(vec![leaf, self.root.pem.clone()])
         }
     }
 
@@ -661,7 +655,7 @@ mod tests {
             .block_on(ca.issue(csr, Duration::from_secs(1)))
             .expect("issue");
         let b = bundle_from_chain(chain, key.serialize_pem(), None).expect("bundle");
-        assert_eq!(b.roots_pem.trim(), ca.root_pem.trim());
+        assert_eq!(b.roots_pem.trim(), ca.root.pem.trim());
         assert!(bundle_from_chain(vec![], String::new(), None).is_err());
         let tmp = tempfile::tempdir().expect("tmp");
         let dir = tmp.path().join("out");

@@ -121,26 +121,25 @@ impl CertSource for FileSource {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{CertMetrics, testpki};
+    use super::super::CertMetrics;
     use super::*;
+    use remora_test_support::pki::{Ca, Leaf};
+    use remora_test_support::wait::wait_until;
 
-    fn write_set(dir: &Path, ca: &testpki::Ca) -> String {
-        let (chain, key) = ca.leaf(Duration::from_secs(3600));
+    fn write_set(dir: &Path, ca: &Ca) -> String {
+        let Leaf { chain, key, .. } = ca.leaf();
         std::fs::write(dir.join(CERT_CHAIN_FILE), &chain).expect("write");
         std::fs::write(dir.join(KEY_FILE), &key).expect("write");
         std::fs::write(dir.join(ROOT_CERT_FILE), &ca.pem).expect("write");
         chain
     }
 
-    async fn wait_for<F: Fn() -> bool>(f: F) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !f() {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "condition not met in time"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    async fn wait_for(what: &str, f: impl Fn() -> bool) {
+        wait_until(Duration::from_secs(10), what, || {
+            std::future::ready(f().then_some(()))
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     }
 
     #[tokio::test]
@@ -153,7 +152,7 @@ mod tests {
         let task =
             tokio::spawn(Box::new(FileSource::new(dir.clone())).run(tx.clone(), cancel.clone()));
 
-        wait_for(|| {
+        wait_for("a status naming the missing file", || {
             status
                 .borrow()
                 .as_deref()
@@ -161,20 +160,26 @@ mod tests {
         })
         .await;
 
-        let ca = testpki::ca("root");
+        let ca = Ca::new("root");
         let chain = write_set(&dir, &ca);
-        wait_for(|| tx.current().is_some_and(|b| b.chain_pem == chain)).await;
+        wait_for("the first bundle", || {
+            tx.current().is_some_and(|b| b.chain_pem == chain)
+        })
+        .await;
         assert!(status.borrow().is_none());
 
         // A garbage write keeps the last good bundle.
         let before = tx.metrics.failures.get();
         std::fs::write(dir.join(CERT_CHAIN_FILE), "garbage").expect("write");
-        wait_for(|| tx.metrics.failures.get() > before).await;
+        wait_for("a counted failure", || tx.metrics.failures.get() > before).await;
         assert_eq!(tx.current().map(|b| b.chain_pem.clone()), Some(chain));
         assert!(status.borrow().is_none());
 
         let chain2 = write_set(&dir, &ca);
-        wait_for(|| tx.current().is_some_and(|b| b.chain_pem == chain2)).await;
+        wait_for("the second bundle", || {
+            tx.current().is_some_and(|b| b.chain_pem == chain2)
+        })
+        .await;
         cancel.cancel();
         task.await.expect("join");
     }

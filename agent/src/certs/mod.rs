@@ -360,64 +360,14 @@ pub fn source_from_config(cfg: &RunConfig) -> Result<Option<Box<dyn CertSource>>
 }
 
 #[cfg(test)]
-pub(crate) mod testpki {
-    //! Small PKI for unit tests.
-    use rcgen::{
-        BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-        SanType,
-    };
-    use std::time::{Duration, SystemTime};
-
-    pub struct Ca {
-        pub pem: String,
-        issuer: Issuer<'static, KeyPair>,
-    }
-
-    pub fn ca(name: &str) -> Ca {
-        let mut p = CertificateParams::default();
-        p.distinguished_name.push(DnType::CommonName, name);
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let key = KeyPair::generate().expect("key");
-        let cert = p.self_signed(&key).expect("ca");
-        Ca {
-            pem: cert.pem(),
-            issuer: Issuer::new(p, key),
-        }
-    }
-
-    impl Ca {
-        /// (chain_pem, key_pem) valid from now-1m for `ttl`.
-        pub fn leaf(&self, ttl: Duration) -> (String, String) {
-            let mut p = CertificateParams::default();
-            p.subject_alt_names = vec![SanType::DnsName("localhost".try_into().expect("dns"))];
-            let now = SystemTime::now();
-            p.not_before = (now - Duration::from_secs(60)).into();
-            p.not_after = (now + ttl).into();
-            let key = KeyPair::generate().expect("key");
-            let cert = p.signed_by(&key, &self.issuer).expect("leaf");
-            (cert.pem(), key.serialize_pem())
-        }
-        pub fn expired_leaf(&self) -> (String, String) {
-            let mut p = CertificateParams::default();
-            let now = SystemTime::now();
-            p.not_before = (now - Duration::from_secs(7200)).into();
-            p.not_after = (now - Duration::from_secs(3600)).into();
-            let key = KeyPair::generate().expect("key");
-            let cert = p.signed_by(&key, &self.issuer).expect("leaf");
-            (cert.pem(), key.serialize_pem())
-        }
-    }
-}
-
-#[cfg(test)]
 mod tests {
     use super::*;
+    use remora_test_support::pki::{Ca, Leaf};
 
     #[test]
     fn validation_accepts_good_and_names_each_fault() {
-        let ca = testpki::ca("root");
-        let (chain, key) = ca.leaf(Duration::from_secs(3600));
+        let ca = Ca::new("root");
+        let Leaf { chain, key, .. } = ca.leaf();
         let now = SystemTime::now();
         let b = validate_bundle(chain.clone(), key.clone(), ca.pem.clone(), now).expect("valid");
         assert!(!b.serial.is_empty());
@@ -426,7 +376,7 @@ mod tests {
             "Debug must not leak the key"
         );
 
-        let (_, other_key) = ca.leaf(Duration::from_secs(3600));
+        let other_key = ca.leaf().key;
         assert!(matches!(
             validate_pair(&chain, &other_key, now),
             Err(CertError::KeyMismatch)
@@ -441,7 +391,11 @@ mod tests {
             validate_pair(&chain, "nope", now),
             Err(CertError::Key(_))
         ));
-        let (old, old_key) = ca.expired_leaf();
+        let expired = ca.leaf_with(
+            now - Duration::from_secs(7200),
+            now - Duration::from_secs(3600),
+        );
+        let (old, old_key) = (expired.chain, expired.key);
         assert!(matches!(
             validate_pair(&old, &old_key, now),
             Err(CertError::Expired(_))
@@ -451,8 +405,8 @@ mod tests {
 
     #[test]
     fn publish_dedups_and_fail_keeps_last_good() {
-        let ca = testpki::ca("root");
-        let (chain, key) = ca.leaf(Duration::from_secs(3600));
+        let ca = Ca::new("root");
+        let Leaf { chain, key, .. } = ca.leaf();
         let b = validate_bundle(chain, key, ca.pem.clone(), SystemTime::now()).expect("valid");
         let tx = BundleSender::new(CertMetrics::default());
         let status = tx.status();

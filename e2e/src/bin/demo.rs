@@ -8,21 +8,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::envoy::{envoy_bin, sibling_bin};
 use e2e::load;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use remora_test_support::bins::{envoy_bin, sibling_bin};
+use remora_test_support::ports::try_free_port as free_port;
 use tokio::time::Instant;
 
 const RATE: u32 = 200;
 /// How long a load balancer keeps sending after readiness fails (endpoint propagation).
 const LB_LAG: Duration = Duration::from_millis(500);
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("0.0.0.0:0")?
-        .local_addr()?
-        .port())
-}
 
 struct Proc(Child);
 impl Drop for Proc {

@@ -197,7 +197,7 @@ async fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let opts = JobPodOptions {
         agent_bin: jobpod::agent_bin()?,
-        envoy_bin: e2e::envoy::envoy_bin()?,
+        envoy_bin: remora_test_support::bins::envoy_bin()?,
         base_dir: dir.path().to_path_buf(),
         timeout: Duration::from_secs(60),
     };

@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use e2e::envoy::{envoy_bin, sibling_bin};
 use e2e::load::{self, Sample};
 use e2e::podrunner::{Pod, PodSpec, RunnerOptions, Service, children};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use remora_test_support::bins::{envoy_bin, sibling_bin};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -638,8 +638,8 @@ mod cert_rotation {
     use http_body_util::Empty;
     use hyper::body::Bytes;
     use hyper_util::client::legacy::Client;
-    use rcgen::KeyPair;
     use remora_agent::certs::DEFAULT_CERT_DIR;
+    use remora_test_support::pki::new_key;
 
     use super::*;
 
@@ -812,9 +812,9 @@ mod cert_rotation {
         let base = tempfile::Builder::new().prefix("remora-pods-").tempdir()?;
         let mut run = Run::new("remora-legacy", args, base.path(), upstream)?;
         with_certs(&mut run.spec)?;
-        let pki = Pki::new("remora bench workload root", CLIENT_ID)?;
-        let mut key = KeyPair::generate()?;
-        let first = pki.serving(0, &key, &[SERVER_NAME], SERVER_ID)?;
+        let pki = Pki::new("remora bench workload root", CLIENT_ID);
+        let mut key = new_key();
+        let first = pki.serving(0, &key, &[SERVER_NAME], SERVER_ID);
         let mut serials =
             std::collections::HashMap::from([(first.fingerprint, first.serial.clone())]);
         run.opts.secrets.set(SECRET, first.files.clone());
@@ -879,13 +879,13 @@ mod cert_rotation {
                 // Alternate a new key pair (cert-manager's `rotationPolicy:
                 // Always`) with a renewal that keeps the key (`Never`).
                 let kind = if i % 2 == 1 {
-                    key = KeyPair::generate()?;
+                    key = new_key();
                     "rekey"
                 } else {
                     "renew"
                 };
                 *rot.kinds.entry(kind.into()).or_default() += 1;
-                let next = pki.serving(u64::from(i), &key, &[SERVER_NAME], SERVER_ID)?;
+                let next = pki.serving(u64::from(i), &key, &[SERVER_NAME], SERVER_ID);
                 eprintln!("  rotation {i}: {kind}, serial {}", next.serial);
                 serials.insert(next.fingerprint, next.serial.clone());
                 run.opts.secrets.set(SECRET, next.files);

@@ -13,7 +13,6 @@ mod process;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +21,7 @@ use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
+use remora_test_support::wait::{WaitError, try_wait_until};
 use tokio::sync::OnceCell;
 
 pub use kubelet::FakeKubelet;
@@ -77,8 +77,6 @@ pub enum Error {
     },
     #[error("neither {ENV_CACHE} nor HOME is set: cannot find the binaries' cache")]
     NoCacheDir,
-    #[error("generating certificates: {0}")]
-    Certs(#[from] rcgen::Error),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -568,45 +566,30 @@ impl Drop for ControlPlane {
 }
 
 /// Polls `check` until it yields `Some`, with a deadline; an error from
-/// `check` ends the wait at once. Backs off from 50 ms to 500 ms.
-pub async fn wait_until<T, E, F, Fut>(
-    what: &str,
-    timeout: Duration,
-    mut check: F,
-) -> Result<T, Error>
+/// `check` ends the wait at once (remora-test-support's `try_wait_until`,
+/// with this harness's errors).
+pub async fn wait_until<T, E, F, Fut>(what: &str, timeout: Duration, check: F) -> Result<T, Error>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Option<T>, E>>,
     E: Into<Error>,
 {
-    let deadline = tokio::time::Instant::now() + timeout;
-    let mut delay = Duration::from_millis(50);
-    loop {
-        if let Some(v) = check().await.map_err(Into::into)? {
-            return Ok(v);
-        }
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
-            return Err(Error::Timeout {
-                what: what.to_owned(),
-                timeout,
-            });
-        }
-        tokio::time::sleep(delay.min(deadline - now)).await;
-        delay = (delay * 2).min(Duration::from_millis(500));
-    }
+    try_wait_until(timeout, what, check)
+        .await
+        .map_err(|e| match e {
+            WaitError::TimedOut(t) => Error::Timeout {
+                what: t.what,
+                timeout: t.timeout,
+            },
+            WaitError::Failed(e) => e.into(),
+        })
 }
 
-/// A port the kernel just gave out on 127.0.0.1. Another process may take it
-/// before the component binds it; [`ControlPlane::start`] retries for that.
+/// A free port. Another process may take it before the component binds
+/// it; [`ControlPlane::start`] retries for that.
 fn free_port() -> Result<u16, Error> {
-    let l = TcpListener::bind("127.0.0.1:0")
-        .map_err(|e| Error::io("binding 127.0.0.1:0".to_owned(), e))?;
-    let port = l
-        .local_addr()
-        .map_err(|e| Error::io("reading a bound port".to_owned(), e))?
-        .port();
-    Ok(port)
+    remora_test_support::ports::try_free_port()
+        .map_err(|e| Error::io("picking a free port".to_owned(), e))
 }
 
 /// A kubeconfig naming the cert files (JSON, which is valid YAML).

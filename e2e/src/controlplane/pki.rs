@@ -3,10 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
+use remora_test_support::pki::{Ca, new_key};
 
 use super::Error;
 
@@ -32,62 +29,42 @@ pub struct PkiFiles {
 /// the service-account signing key, and client certs for the test admin and
 /// the controller manager, and writes them as PEM files under `dir`.
 pub fn write(dir: &Path) -> Result<PkiFiles, Error> {
-    let ca_key = KeyPair::generate()?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "remora-e2e-ca");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca_cert = ca_params.self_signed(&ca_key)?;
-    let ca = Issuer::new(ca_params, ca_key);
-
-    let serving_key = KeyPair::generate()?;
+    let ca = Ca::new("remora-e2e-ca");
     // Names a client may dial: the loopback address the harness uses, and the
     // in-cluster names, so a webhook or pod-side client can verify it too.
-    let mut serving = CertificateParams::new(vec![
-        "127.0.0.1".to_owned(),
-        "localhost".to_owned(),
-        "kubernetes".to_owned(),
-        "kubernetes.default".to_owned(),
-        "kubernetes.default.svc".to_owned(),
-        "10.0.0.1".to_owned(),
-    ])?;
-    serving
-        .distinguished_name
-        .push(DnType::CommonName, "kube-apiserver");
-    serving.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    serving.key_usages = vec![
-        KeyUsagePurpose::DigitalSignature,
-        KeyUsagePurpose::KeyEncipherment,
-    ];
-    let serving_cert = serving.signed_by(&serving_key, &ca)?;
+    let serving = ca
+        .issue()
+        .names(&[
+            "127.0.0.1",
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "10.0.0.1",
+        ])
+        .common_name("kube-apiserver")
+        .server_auth()
+        .sign();
 
-    let client = |cn: &str| -> Result<(String, String), Error> {
-        let key = KeyPair::generate()?;
-        let mut p = CertificateParams::new(Vec::<String>::new())?;
-        p.distinguished_name.push(DnType::CommonName, cn);
+    let client = |cn: &str| {
         // system:masters is bound to cluster-admin by the bootstrap RBAC
         // policy, and bypasses authorization entirely.
-        p.distinguished_name
-            .push(DnType::OrganizationName, "system:masters");
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        let cert = p.signed_by(&key, &ca)?;
-        Ok((cert.pem(), key.serialize_pem()))
+        let leaf = ca
+            .issue()
+            .common_name(cn)
+            .organization("system:masters")
+            .client_auth()
+            .sign();
+        (leaf.chain, leaf.key)
     };
-    let (admin_cert, admin_key) = client("remora-e2e-admin")?;
+    let (admin_cert, admin_key) = client("remora-e2e-admin");
     // The controller manager gets admin rights too: without
     // --use-service-account-credentials every controller acts as it, and the
     // narrow system:kube-controller-manager role would not be enough.
-    let (kcm_cert, kcm_key) = client("system:kube-controller-manager")?;
+    let (kcm_cert, kcm_key) = client("system:kube-controller-manager");
 
     // ECDSA P-256: the API server signs service-account tokens with ES256.
-    let sa = KeyPair::generate()?;
+    let sa = new_key();
 
     let files = PkiFiles {
         ca_cert: dir.join("ca.crt"),
@@ -101,9 +78,9 @@ pub fn write(dir: &Path) -> Result<PkiFiles, Error> {
         kcm_key: dir.join("kcm.key"),
     };
     let writes = [
-        (&files.ca_cert, ca_cert.pem()),
-        (&files.serving_cert, serving_cert.pem()),
-        (&files.serving_key, serving_key.serialize_pem()),
+        (&files.ca_cert, ca.pem.clone()),
+        (&files.serving_cert, serving.chain),
+        (&files.serving_key, serving.key),
         (&files.sa_pub, sa.public_key_pem()),
         (&files.sa_key, sa.serialize_pem()),
         (&files.admin_cert, admin_cert),

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
+use remora_test_support::kubelet::atomic_write;
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -148,67 +149,6 @@ impl Secrets {
             .get(name)
             .cloned()
     }
-}
-
-/// The kubelet's `AtomicWriter` for secret (and configMap, projected)
-/// volumes: the files live in a timestamped directory `..<ts>`, `..data`
-/// is a symlink to it, and each key is a symlink `key -> ..data/key`. An
-/// update writes a new `..<ts>`, points `..data_tmp` at it and renames that
-/// over `..data` (one atomic step: a reader sees all old or all new
-/// files), then removes keys that went away and the old directory.
-/// Returns whether anything changed.
-pub fn atomic_write(dir: &std::path::Path, data: &SecretData) -> std::io::Result<bool> {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static GENERATION: AtomicU64 = AtomicU64::new(0);
-    std::fs::create_dir_all(dir)?;
-    let data_link = dir.join("..data");
-    let old = std::fs::read_link(&data_link).ok();
-    if let Some(old) = &old {
-        let current = dir.join(old);
-        let same = data
-            .iter()
-            .all(|(k, v)| std::fs::read(current.join(k)).is_ok_and(|c| c == *v))
-            && std::fs::read_dir(&current).map_or(usize::MAX, Iterator::count) == data.len();
-        if same {
-            return Ok(false);
-        }
-    }
-    // The kubelet's name is `..2006_01_02_15_04_05.<random>`; only its
-    // uniqueness and the `..` prefix (hidden from key listings) matter.
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let ts = format!(
-        "..{}_{:09}.{}",
-        now.as_secs(),
-        now.subsec_nanos(),
-        GENERATION.fetch_add(1, Ordering::SeqCst)
-    );
-    let ts_dir = dir.join(&ts);
-    std::fs::create_dir(&ts_dir)?;
-    for (k, v) in data {
-        std::fs::write(ts_dir.join(k), v)?;
-    }
-    let tmp = dir.join("..data_tmp");
-    let _ = std::fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(&ts, &tmp)?;
-    std::fs::rename(&tmp, &data_link)?;
-    for k in data.keys() {
-        let link = dir.join(k);
-        if std::fs::symlink_metadata(&link).is_err() {
-            std::os::unix::fs::symlink(format!("..data/{k}"), &link)?;
-        }
-    }
-    for e in std::fs::read_dir(dir)?.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if !name.starts_with("..") && !data.contains_key(&name) {
-            std::fs::remove_file(e.path())?;
-        }
-    }
-    if let Some(old) = old {
-        std::fs::remove_dir_all(dir.join(old))?;
-    }
-    Ok(true)
 }
 
 /// A free port below the kernel's ephemeral range (32768+ by default), so
@@ -1230,55 +1170,12 @@ mod tests {
             .collect()
     }
 
-    fn entries(dir: &std::path::Path) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(dir)
-            .expect("read dir")
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    }
-
     #[test]
     fn restart_backoff_is_immediate_then_doubles_to_the_cap() {
         let (i, m) = RunnerOptions::KUBELET_BACKOFF;
         let delays: Vec<u64> = (0..9).map(|l| restart_delay(l, i, m).as_secs()).collect();
         assert_eq!(delays, vec![0, 10, 20, 40, 80, 160, 300, 300, 300]);
         assert_eq!(restart_delay(u32::MAX, i, m), m);
-    }
-
-    #[test]
-    fn atomic_write_swaps_data_link_and_cleans_up() {
-        let tmp = tempfile::tempdir().expect("tmp");
-        let dir = tmp.path().join("certs");
-        assert!(atomic_write(&dir, &data(&[("a", "1"), ("b", "2")])).expect("write"));
-        let first = std::fs::read_link(dir.join("..data")).expect("..data");
-        assert_eq!(
-            std::fs::read_link(dir.join("a")).expect("link"),
-            PathBuf::from("..data/a")
-        );
-        assert_eq!(std::fs::read_to_string(dir.join("b")).expect("b"), "2");
-
-        // Same content: nothing is touched.
-        assert!(!atomic_write(&dir, &data(&[("a", "1"), ("b", "2")])).expect("write"));
-        assert_eq!(
-            std::fs::read_link(dir.join("..data")).expect("..data"),
-            first
-        );
-
-        // New content, a key dropped: new target, old directory and key gone.
-        assert!(atomic_write(&dir, &data(&[("a", "3")])).expect("write"));
-        let second = std::fs::read_link(dir.join("..data")).expect("..data");
-        assert_ne!(second, first);
-        assert_eq!(std::fs::read_to_string(dir.join("a")).expect("a"), "3");
-        let mut want = vec![
-            "..data".to_string(),
-            second.display().to_string(),
-            "a".into(),
-        ];
-        want.sort();
-        assert_eq!(entries(&dir), want);
     }
 
     #[test]

@@ -1,21 +1,20 @@
-//! A minimal keep-alive HTTPS client for the webhook: used by the tests and
-//! the benchmark to talk to a server whose CA they hold.
-
-use std::sync::Arc;
+//! A minimal keep-alive HTTPS client for the webhook: the tests, the e2e
+//! harness and the benchmark talk to a server whose CA they hold.
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
+use crate::pki::{ClientConfigError, client_config};
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("CA certificate: {0}")]
-    Ca(String),
+    #[error("TLS client config: {0}")]
+    Config(#[from] ClientConfigError),
     #[error("connect: {0}")]
     Connect(#[source] std::io::Error),
     #[error("TLS: {0}")]
@@ -38,27 +37,14 @@ pub async fn connect(
     server_name: &str,
     ca_pem: &str,
 ) -> Result<Connection, ClientError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        let cert = cert.map_err(|e| ClientError::Ca(e.to_string()))?;
-        roots
-            .add(cert)
-            .map_err(|e| ClientError::Ca(e.to_string()))?;
-    }
-    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| ClientError::Tls(e.to_string()))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    let cfg = client_config(ca_pem, None)?;
     let tcp = TcpStream::connect(addr)
         .await
         .map_err(ClientError::Connect)?;
     let _ = tcp.set_nodelay(true);
     let name = ServerName::try_from(server_name.to_string())
         .map_err(|e| ClientError::Tls(e.to_string()))?;
-    let tls = TlsConnector::from(Arc::new(cfg))
+    let tls = TlsConnector::from(cfg)
         .connect(name, tcp)
         .await
         .map_err(|e| ClientError::Tls(e.to_string()))?;

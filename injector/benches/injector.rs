@@ -6,7 +6,7 @@
 //! - offline injection throughput (documents/s) and bare `mutate` throughput;
 //! - the server's RSS after the run (VmRSS, VmHWM).
 //!
-//! `cargo run --release -p remora-injector --bin injector-bench`
+//! `cargo bench -p remora-injector --bench injector` (options after `--`)
 //! writes a table to stdout and JSON to `bench/results/injector.json`.
 
 use std::collections::BTreeMap;
@@ -25,8 +25,10 @@ use remora_injector::mutate::{Selection, Target, mutate};
 use remora_injector::offline::{OfflineOptions, inject_stream};
 use remora_injector::server::{AppState, router, serve_tls};
 use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig, LifecycleEntry};
-use remora_injector::tls::{ReloadingCert, self_signed};
+use remora_injector::tls::ReloadingCert;
 use remora_injector::webhook::{Injector, StaticView, encode_review};
+use remora_test_support::pki::self_signed;
+use remora_test_support::webhook_client;
 use serde_json::{Value, json};
 
 // The webhook allocates and frees many small JSON values per request.
@@ -34,7 +36,7 @@ use serde_json::{Value, json};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Debug, Parser)]
-#[command(name = "injector-bench")]
+#[command(name = "injector")]
 struct Args {
     /// Reviews per second, spread over the connections.
     #[arg(long, default_value_t = 500)]
@@ -51,12 +53,15 @@ struct Args {
     /// Documents in the offline throughput run.
     #[arg(long, default_value_t = 2000)]
     documents: usize,
-    /// Where the JSON results go.
-    #[arg(long, default_value = "bench/results/injector.json")]
+    /// Where the JSON results go (`cargo bench` runs in the crate's directory).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/results/injector.json"))]
     out: PathBuf,
     /// Internal: run as the server child; cert and key files follow.
     #[arg(long, hide = true, num_args = 2)]
     serve_child: Option<Vec<PathBuf>>,
+    /// Passed by `cargo bench`; nothing to do.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 fn view() -> StaticView {
@@ -220,7 +225,7 @@ async fn latency_run(
     let start = Instant::now() + Duration::from_millis(100);
     let mut tasks = Vec::new();
     for c in 0..args.connections {
-        let mut conn = remora_injector::client::connect(addr, "localhost", ca).await?;
+        let mut conn = webhook_client::connect(addr, "localhost", ca).await?;
         let bodies = Arc::clone(&bodies);
         let warmup = args.warmup;
         // Stagger the connections so the aggregate schedule is even.
@@ -343,13 +348,12 @@ fn main() -> anyhow::Result<()> {
         return serve_child(cert.clone(), key.clone());
     }
     let dir = tempfile::tempdir()?;
-    let (cert, key) = self_signed(&["localhost".into()])?;
-    std::fs::write(dir.path().join("tls.crt"), &cert)?;
-    std::fs::write(dir.path().join("tls.key"), &key)?;
+    let serving = self_signed(&["localhost"]);
+    let (cert_file, key_file) = serving.write_pem(dir.path(), "tls.crt", "tls.key")?;
     let mut child = Command::new(std::env::current_exe()?)
         .arg("--serve-child")
-        .arg(dir.path().join("tls.crt"))
-        .arg(dir.path().join("tls.key"))
+        .arg(cert_file)
+        .arg(key_file)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -363,7 +367,7 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let run = rt.block_on(latency_run(&args, addr, &cert))?;
+    let run = rt.block_on(latency_run(&args, addr, &serving.chain))?;
     let (rss, hwm) = rss_kib(pid);
     drop(child.stdin.take()); // stops the child
     let _ = child.wait();

@@ -1,0 +1,16 @@
+//! Helpers shared by Remora's tests, benchmarks and the e2e harness, so each
+//! exists once: free ports, a test PKI, the kubelet's atomic volume writer,
+//! locating Envoy and sibling binaries, waiting with a deadline, and the
+//! webhook's HTTPS client.
+//!
+//! Only ever a dev-dependency (or a dependency of the unpublished e2e
+//! crate): it sits below `remora-agent` and `remora-injector` and must not
+//! depend on them. Helpers panic with a clear message where a test could do
+//! nothing but fail; those a harness recovers from return errors.
+
+pub mod bins;
+pub mod kubelet;
+pub mod pki;
+pub mod ports;
+pub mod wait;
+pub mod webhook_client;
