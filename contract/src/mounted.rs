@@ -60,20 +60,10 @@ impl MountedFiles {
 mod tests {
     use super::*;
 
-    /// Writes the way the kubelet's atomic writer does: a new directory,
-    /// then `..data` renamed over to point at it; `file` links through it.
-    fn kubelet_write(dir: &std::path::Path, n: u32, text: &str) -> std::io::Result<()> {
-        let ts = dir.join(format!("..2026_01_01_00_00_{n:02}"));
-        std::fs::create_dir(&ts)?;
-        std::fs::write(ts.join("file"), text)?;
-        let tmp = dir.join("..data_tmp");
-        std::os::unix::fs::symlink(&ts, &tmp)?;
-        std::fs::rename(&tmp, dir.join("..data"))?;
-        let link = dir.join("file");
-        if std::fs::symlink_metadata(&link).is_err() {
-            std::os::unix::fs::symlink("..data/file", &link)?;
-        }
-        Ok(())
+    use remora_test_support::kubelet::atomic_write;
+
+    fn kubelet_write(dir: &std::path::Path, text: &str) -> std::io::Result<()> {
+        atomic_write(dir, [("file", text)]).map(|_| ())
     }
 
     #[test]
@@ -89,12 +79,12 @@ mod tests {
             "absent at first"
         );
         assert!(files.poll().is_none(), "no change");
-        kubelet_write(&dir, 1, "a")?;
+        kubelet_write(&dir, "a")?;
         assert_eq!(files.poll().cloned(), Some(vec![Ok(b"a".to_vec())]));
         assert!(files.poll().is_none());
-        kubelet_write(&dir, 2, "b")?;
+        kubelet_write(&dir, "b")?;
         assert_eq!(files.poll().cloned(), Some(vec![Ok(b"b".to_vec())]));
-        kubelet_write(&dir, 3, "b")?;
+        kubelet_write(&dir, "b")?;
         assert!(files.poll().is_none(), "same contents, no change");
         files.forget();
         assert!(files.poll().is_some(), "forgotten: counts as a change");
