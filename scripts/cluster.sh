@@ -91,11 +91,22 @@ need_bins() {
 
 # ---------------------------------------------------------------- processes
 
+# Alive and not a zombie: PID 1 of these sandboxes reaps orphans only every
+# couple of seconds, and `kill -0` succeeds on a zombie.
+alive() {
+  local st
+  st=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [[ -n "$st" && "$st" != Z ]]
+}
+
+# The pid of a component started by `start`, if it still runs (and the pid
+# was not reused by something else: its command must be the component).
 pid_of() {
   local f="$PIDS/$1.pid" pid
   [[ -f "$f" ]] || return 1
   pid=$(<"$f")
-  kill -0 "$pid" 2>/dev/null || return 1
+  alive "$pid" || return 1
+  [[ "$(basename "$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -1)")" == "$1" ]] || return 1
   echo "$pid"
 }
 
@@ -113,22 +124,31 @@ start() {
   log "started $name (pid $!), log $LOGS/$name.log"
 }
 
-# SIGTERM, up to $2 s (default 10), then SIGKILL.
+# SIGTERM to all the named components at once, up to STOP_WAIT s (10),
+# then SIGKILL.
 stop() {
-  local name="$1" wait="${2:-10}" pid i
-  pid=$(pid_of "$name") || { rm -f "$PIDS/$name.pid"; return 0; }
-  kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < wait * 10; i++)); do
-    kill -0 "$pid" 2>/dev/null || break
+  local name pid i names=() pids=()
+  for name in "$@"; do
+    if pid=$(pid_of "$name"); then
+      kill -TERM "$pid" 2>/dev/null || true
+      names+=("$name")
+      pids+=("$pid")
+    fi
+    rm -f "$PIDS/$name.pid"
+  done
+  for ((i = 0; i < ${STOP_WAIT:-10} * 10; i++)); do
+    local left=0
+    for pid in "${pids[@]}"; do alive "$pid" && left=1; done
+    ((left)) || break
     sleep 0.1
   done
-  if kill -0 "$pid" 2>/dev/null; then
-    log "$name did not stop in ${wait}s, killing"
-    kill -KILL "$pid" 2>/dev/null || true
-    sleep 0.2
-  fi
-  rm -f "$PIDS/$name.pid"
-  log "stopped $name"
+  for i in "${!pids[@]}"; do
+    if alive "${pids[$i]}"; then
+      log "${names[$i]} did not stop in ${STOP_WAIT:-10}s, killing"
+      kill -KILL "${pids[$i]}" 2>/dev/null || true
+    fi
+  done
+  ((${#names[@]} == 0)) || log "stopped ${names[*]}"
 }
 
 # $1 what, $2 timeout s, rest: a command that succeeds when ready.
@@ -141,7 +161,7 @@ wait_for() {
     fi
     sleep 0.1
   done
-  die "$what not ready after ${timeout}s (see $LOGS)"
+  die "$what not ready after ${timeout}s (see $LOGS; scripts/cluster.sh down cleans up)"
 }
 
 # ---------------------------------------------------------------- PKI
@@ -545,10 +565,8 @@ down() {
   local g
   g=$(guard_count)
   [[ -z "$g" || "$g" == 0 ]] || log "WARNING: the egress guard dropped $g packets"
-  stop kube-proxy
-  stop kubelet
-  stop kube-scheduler
-  stop kube-controller-manager
+  # Clients first, then the runtime, then the API server and its store.
+  stop kube-proxy kubelet kube-scheduler kube-controller-manager
   # Containers outlive the kubelet (their shims belong to containerd): kill
   # them through containerd while it still runs.
   if pid_of containerd >/dev/null && [[ -S "$CTRD_SOCK" ]]; then

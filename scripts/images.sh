@@ -9,6 +9,9 @@
 #
 # Usage: scripts/images.sh [pause]      build + import (default: all known)
 #        scripts/images.sh --build-only write the OCI archives, no import
+#        scripts/images.sh static NAME BINARY [ARGS...]
+#            wrap one static binary into a scratch image NAME (entrypoint
+#            /<basename> ARGS) and import it: for trying the node by hand.
 # Env: REMORA_CLUSTER_DIR (/var/tmp/remora-cluster): the node whose
 #      containerd gets the images; REMORA_CACHE for the ctr binary.
 # The OCI archives go to $REMORA_CLUSTER_DIR/images/<name>.tar.
@@ -99,6 +102,30 @@ import() {
   "$CTR" --address "$SOCK" -n k8s.io images import --platform linux/amd64 "$archive" >/dev/null
   log "imported $(basename "$archive") into containerd (k8s.io)"
 }
+
+# $1 image name, $2 a statically linked binary, rest: default arguments.
+static_image() {
+  local name="$1" bin="$2" rootfs base
+  shift 2
+  [[ -x "$bin" ]] || { echo "images: $bin is not an executable" >&2; exit 1; }
+  if ldd "$bin" >/dev/null 2>&1; then
+    echo "images: $bin is dynamically linked; a scratch image has no libc" >&2
+    exit 1
+  fi
+  base=$(basename "$bin")
+  rootfs=$(mktemp -d)
+  cp "$bin" "$rootfs/$base"
+  oci_archive "$name" "$rootfs" "$OUT/static-$base.tar" "/$base" "$@"
+  rm -rf "$rootfs"
+  import "$OUT/static-$base.tar"
+}
+
+if [[ "${1:-}" == static ]]; then
+  (($# >= 3)) || { echo "usage: images.sh static NAME BINARY [ARGS...]" >&2; exit 2; }
+  shift
+  static_image "$@"
+  exit 0
+fi
 
 BUILD_ONLY=0
 WANT=()
