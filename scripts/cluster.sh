@@ -268,31 +268,31 @@ restore_sysctls() {
   rm -f "$HOST/sysctls"
 }
 
-# The machine's own (non-loopback) interfaces: every link but lo, the bridge
-# and the pods' veths.
-egress_ifaces() {
-  ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' |
-    grep -Ev "^(lo|$BRIDGE|veth.*)$" || true
-}
-
+# Everything that leaves through an interface other than lo and the pod
+# bridge leaves this machine (eth0, and any link added later: the rule names
+# the two allowed ones rather than the others). In mangle POSTROUTING, i.e.
+# after routing and before any SNAT, so the pod/Service addresses are still
+# visible; a guard in filter OUTPUT wrongly matched ClusterIP traffic before
+# DNAT.
 add_guard() {
   iptables -t mangle -N REMORA-GUARD 2>/dev/null || true
   iptables -t mangle -F REMORA-GUARD
-  local ifc cidr
-  for ifc in $(egress_ifaces); do
-    for cidr in "$POD_CIDR" "$SERVICE_CIDR" "$NODE_IP/32"; do
-      iptables -t mangle -A REMORA-GUARD -o "$ifc" -s "$cidr" -j DROP
-      iptables -t mangle -A REMORA-GUARD -o "$ifc" -d "$cidr" -j DROP
-    done
+  iptables -t mangle -A REMORA-GUARD -o lo -j RETURN
+  iptables -t mangle -A REMORA-GUARD -o "$BRIDGE" -j RETURN
+  local cidr
+  for cidr in "$POD_CIDR" "$SERVICE_CIDR" "$NODE_IP/32"; do
+    iptables -t mangle -A REMORA-GUARD -s "$cidr" -j DROP
+    iptables -t mangle -A REMORA-GUARD -d "$cidr" -j DROP
   done
   iptables -t mangle -C POSTROUTING -j REMORA-GUARD 2>/dev/null ||
     iptables -t mangle -I POSTROUTING 1 -j REMORA-GUARD
-  log "egress guard: mangle POSTROUTING -> REMORA-GUARD drops $POD_CIDR, $SERVICE_CIDR, $NODE_IP on $(egress_ifaces | tr '\n' ' ')"
+  log "egress guard: mangle POSTROUTING -> REMORA-GUARD drops $POD_CIDR, $SERVICE_CIDR, $NODE_IP leaving by any link but lo and $BRIDGE"
 }
 
 # Packets the guard dropped (must be 0); empty when the chain is absent.
 guard_count() {
-  iptables -t mangle -L REMORA-GUARD -v -x -n 2>/dev/null | awk 'NR > 2 {n += $1} END {if (NR) print n + 0}'
+  iptables -t mangle -L REMORA-GUARD -v -x -n 2>/dev/null |
+    awk 'NR == 1 {seen = 1} $3 == "DROP" {n += $1} END {if (seen) print n + 0}'
 }
 
 # Removes every KUBE-* and REMORA-* chain (kube-proxy, kubelet, the guard)
@@ -326,7 +326,13 @@ umount_under() {
 # kubepods cgroups of every v1 hierarchy and of the unified one, deepest
 # first (rmdir only works on empty, process-free cgroups).
 clean_cgroups() {
-  local d
+  local d p
+  # Container processes whose shim is gone (containerd or the shim killed
+  # hard) still sit in the pod cgroups and would keep them: end them first.
+  for p in $(find /sys/fs/cgroup -path '*kubepods*' -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u); do
+    kill -KILL "$p" 2>/dev/null || true
+  done
+  [[ -z "${p:-}" ]] || sleep 0.5
   find /sys/fs/cgroup -depth -type d -name 'kubepods*' 2>/dev/null | while IFS= read -r top; do
     find "$top" -depth -type d -exec rmdir {} \; 2>/dev/null || true
   done
