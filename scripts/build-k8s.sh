@@ -156,11 +156,11 @@ build_etcd() {
 }
 
 build_containerd() {
-  local b need=0
+  local b stale=0
   for b in containerd containerd-shim-runc-v2 ctr; do
-    [[ -x "$CONTAINERD_BIN/$b" ]] || need=1
+    [[ -x "$CONTAINERD_BIN/$b" ]] || stale=1
   done
-  if ((need == 0)); then
+  if ((stale == 0)); then
     log "containerd $CONTAINERD_VERSION cached in $CONTAINERD_BIN"
     return
   fi
@@ -183,13 +183,13 @@ build_containerd() {
 }
 
 build_cni() {
-  local b need=0
+  local b stale=0
   local -A pkg=([bridge]=plugins/main/bridge [loopback]=plugins/main/loopback
     [host-local]=plugins/ipam/host-local [portmap]=plugins/meta/portmap)
   for b in "${!pkg[@]}"; do
-    [[ -x "$CNI_BIN/$b" ]] || need=1
+    [[ -x "$CNI_BIN/$b" ]] || stale=1
   done
-  if ((need == 0)); then
+  if ((stale == 0)); then
     log "CNI plugins $CNI_VERSION cached in $CNI_BIN"
     return
   fi
