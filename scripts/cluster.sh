@@ -485,6 +485,12 @@ up() {
     echo "export KUBECONFIG=$ADMIN_KUBECONFIG"
     return
   fi
+  # One node per machine: the node IP, ports and bridge are fixed. A second
+  # state dir would fight the first over them.
+  if ! pid_of kube-apiserver >/dev/null && command -v ss >/dev/null &&
+    ss -Hltn "sport = :$API_PORT" | grep -q "$NODE_IP:$API_PORT"; then
+    die "$NODE_IP:$API_PORT is in use: another cluster (another REMORA_CLUSTER_DIR?) runs; stop it first"
+  fi
   mkdir -p "$DIR" "$LOGS" "$PIDS" "$HOST"
   record_dirs
   save_sysctls
@@ -557,6 +563,7 @@ up() {
   # Pods need their namespace's ServiceAccount; the controller makes it.
   wait_for "default ServiceAccount" 60 kubectl_admin -n default get serviceaccount default
   log "cluster up in $(( ($(date +%s%N) - t0) / 1000000 )) ms: node $NODE_NAME Ready, guard counter $(guard_count)"
+  log "kubectl: $KUBECTL (or: export PATH=$K8S:\$PATH)"
   echo "export KUBECONFIG=$ADMIN_KUBECONFIG"
 }
 
