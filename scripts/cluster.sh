@@ -492,6 +492,8 @@ up() {
     die "$NODE_IP:$API_PORT is in use: another cluster (another REMORA_CLUSTER_DIR?) runs; stop it first"
   fi
   mkdir -p "$DIR" "$LOGS" "$PIDS" "$HOST"
+  # A fresh start gets fresh logs (down keeps the last run's until then).
+  pid_of etcd >/dev/null || rm -f "$LOGS"/*.log
   record_dirs
   save_sysctls
   make_pki
