@@ -151,6 +151,20 @@ stop() {
   ((${#names[@]} == 0)) || log "stopped ${names[*]}"
 }
 
+# Fails at once, with the end of its log, when a started component exited
+# (rather than waiting out a timeout for something that cannot come).
+check_alive() {
+  local f name
+  for f in "$PIDS"/*.pid; do
+    [[ -e "$f" ]] || continue
+    name=$(basename "$f" .pid)
+    if ! pid_of "$name" >/dev/null; then
+      tail -n 5 "$LOGS/$name.log" >&2 || true
+      die "$name exited (log $LOGS/$name.log; scripts/cluster.sh down cleans up)"
+    fi
+  done
+}
+
 # $1 what, $2 timeout s, rest: a command that succeeds when ready.
 wait_for() {
   local what="$1" timeout="$2" i
@@ -159,6 +173,7 @@ wait_for() {
     if "$@" >/dev/null 2>&1; then
       return 0
     fi
+    check_alive
     sleep 0.1
   done
   die "$what not ready after ${timeout}s (see $LOGS; scripts/cluster.sh down cleans up)"
@@ -536,6 +551,9 @@ up() {
   wait_for containerd 30 test -S "$CTRD_SOCK"
   bash "$ROOT/scripts/images.sh" pause >&2
 
+  # Ready, not just live: the controller manager exits at once if RBAC's
+  # bootstrap roles are not there yet (it cannot read
+  # extension-apiserver-authentication), so it must not start earlier.
   wait_for kube-apiserver 60 kubectl_admin get --raw /readyz
   log "API server ready at https://$NODE_IP:$API_PORT"
 
