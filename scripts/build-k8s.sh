@@ -6,23 +6,56 @@
 #   ${REMORA_CACHE:-$HOME/.cache/remora}/k8s/<K8S_VERSION>/bin/{kube-apiserver,kube-controller-manager}
 #   ${REMORA_CACHE:-$HOME/.cache/remora}/etcd/<ETCD_VERSION>/bin/etcd
 #
+# With --node it also builds what a real single-node cluster needs
+# (scripts/cluster.sh), cached the same way:
+#
+#   .../k8s/<K8S_VERSION>/bin/{kubelet,kube-scheduler,kube-proxy,kubectl}
+#   .../containerd/<CONTAINERD_VERSION>/bin/{containerd,containerd-shim-runc-v2,ctr}
+#   .../cni/<CNI_VERSION>/bin/{bridge,host-local,loopback,portmap}
+#
+# and installs runc from Debian (apt). Without --node nothing of that is
+# built: scripts/test.sh (CI) runs the default, control plane only.
+#
 # A binary already in the cache is not rebuilt, so a warm run takes a second.
-# Usage: scripts/build-k8s.sh [--print-env]
-#   --print-env  only print the env vars the e2e harness reads, then exit
-# Env: K8S_VERSION (v1.36.3), ETCD_VERSION (v3.6.16), REMORA_CACHE,
+# Usage: scripts/build-k8s.sh [--node] [--print-env]
+#   --node       also build the node binaries listed above
+#   --print-env  only print the env vars the e2e harness and cluster.sh read
+#                (all paths, node ones included), then exit
+# Env: K8S_VERSION (v1.36.3), ETCD_VERSION (v3.6.16), CONTAINERD_VERSION
+#      (v2.2.9), CNI_VERSION (v1.9.1), REMORA_CACHE,
 #      BUILD_NICE (10: the build shares the machine with cargo).
 set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
+CONTAINERD_VERSION="${CONTAINERD_VERSION:-v2.2.9}"
+CNI_VERSION="${CNI_VERSION:-v1.9.1}"
 CACHE="${REMORA_CACHE:-$HOME/.cache/remora}"
 K8S_BIN="$CACHE/k8s/$K8S_VERSION/bin"
 ETCD_BIN="$CACHE/etcd/$ETCD_VERSION/bin"
+CONTAINERD_BIN="$CACHE/containerd/$CONTAINERD_VERSION/bin"
+CNI_BIN="$CACHE/cni/$CNI_VERSION/bin"
 NICE="${BUILD_NICE:-10}"
 
-if [[ "${1:-}" == "--print-env" ]]; then
+NODE=0
+PRINT_ENV=0
+for arg in "$@"; do
+  case "$arg" in
+    --node) NODE=1 ;;
+    --print-env) PRINT_ENV=1 ;;
+    *) echo "build-k8s: unknown argument $arg (usage: build-k8s.sh [--node] [--print-env])" >&2; exit 2 ;;
+  esac
+done
+
+print_env() {
   echo "REMORA_K8S_BIN_DIR=$K8S_BIN"
   echo "REMORA_ETCD_BIN=$ETCD_BIN/etcd"
+  echo "REMORA_CONTAINERD_BIN_DIR=$CONTAINERD_BIN"
+  echo "REMORA_CNI_BIN_DIR=$CNI_BIN"
+}
+
+if ((PRINT_ENV)); then
+  print_env
   exit 0
 fi
 
@@ -56,9 +89,10 @@ scratch_module() {
   printf 'module %s\n\ngo 1.26.0\n' "$name" >"$dir/go.mod"
 }
 
+# $@: the kubernetes commands wanted (cmd/<name> of k8s.io/kubernetes).
 build_k8s() {
-  local need=()
-  for b in kube-apiserver kube-controller-manager; do
+  local need=() want=("$@")
+  for b in "${want[@]}"; do
     [[ -x "$K8S_BIN/$b" ]] || need+=("$b")
   done
   if ((${#need[@]} == 0)); then
@@ -86,9 +120,9 @@ build_k8s() {
   n=$(grep -c "=> k8s.io/.* $STAGING_VERSION" go.mod || true)
   ((n > 0)) || { echo "build-k8s: found no staging replace lines in $gomod" >&2; exit 1; }
   log "pinned $n staging modules to $STAGING_VERSION"
-  nice -n "$NICE" go get "k8s.io/kubernetes@$K8S_VERSION" \
-    "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
-    "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION"
+  local pkgs=("k8s.io/kubernetes@$K8S_VERSION")
+  for b in "${want[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$b@$K8S_VERSION"); done
+  nice -n "$NICE" go get "${pkgs[@]}"
   log "resolved modules in $(( $(date +%s) - t0 ))s"
 
   # What hack/lib/version.sh sets, so /version reports the pinned release.
@@ -121,6 +155,77 @@ build_etcd() {
   log "etcd $ETCD_VERSION done in $(( $(date +%s) - t0 ))s"
 }
 
+build_containerd() {
+  local b stale=0
+  for b in containerd containerd-shim-runc-v2 ctr; do
+    [[ -x "$CONTAINERD_BIN/$b" ]] || stale=1
+  done
+  if ((stale == 0)); then
+    log "containerd $CONTAINERD_VERSION cached in $CONTAINERD_BIN"
+    return
+  fi
+  local t0 dir mod=github.com/containerd/containerd/v2
+  t0=$(date +%s)
+  dir="$CACHE/containerd/$CONTAINERD_VERSION/src"
+  scratch_module "$dir" remora.invalid/containerd-build
+  cd "$dir"
+  nice -n "$NICE" go get "$mod@$CONTAINERD_VERSION" "$mod/cmd/containerd@$CONTAINERD_VERSION" \
+    "$mod/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" "$mod/cmd/ctr@$CONTAINERD_VERSION"
+  log "resolved containerd modules in $(( $(date +%s) - t0 ))s"
+  # Static (CGO off): the btrfs snapshotter needs cgo and is left out, which
+  # is fine, the node uses overlayfs. The version ldflags make `containerd
+  # --version` and the CRI's reported version the pinned release.
+  local ldflags="-s -w -X $mod/version.Version=$CONTAINERD_VERSION -X $mod/version.Package=github.com/containerd/containerd/v2"
+  for b in containerd containerd-shim-runc-v2 ctr; do
+    [[ -x "$CONTAINERD_BIN/$b" ]] || build_one "$CONTAINERD_BIN/$b" "$mod/cmd/$b" "$ldflags"
+  done
+  log "containerd $CONTAINERD_VERSION done in $(( $(date +%s) - t0 ))s"
+}
+
+build_cni() {
+  local b stale=0
+  local -A pkg=([bridge]=plugins/main/bridge [loopback]=plugins/main/loopback
+    [host-local]=plugins/ipam/host-local [portmap]=plugins/meta/portmap)
+  for b in "${!pkg[@]}"; do
+    [[ -x "$CNI_BIN/$b" ]] || stale=1
+  done
+  if ((stale == 0)); then
+    log "CNI plugins $CNI_VERSION cached in $CNI_BIN"
+    return
+  fi
+  local t0 dir mod=github.com/containernetworking/plugins
+  t0=$(date +%s)
+  dir="$CACHE/cni/$CNI_VERSION/src"
+  scratch_module "$dir" remora.invalid/cni-build
+  cd "$dir"
+  local gets=("$mod@$CNI_VERSION")
+  for b in "${!pkg[@]}"; do gets+=("$mod/${pkg[$b]}@$CNI_VERSION"); done
+  nice -n "$NICE" go get "${gets[@]}"
+  for b in "${!pkg[@]}"; do
+    [[ -x "$CNI_BIN/$b" ]] || build_one "$CNI_BIN/$b" "$mod/${pkg[$b]}" \
+      "-s -w -X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion=$CNI_VERSION"
+  done
+  log "CNI plugins $CNI_VERSION done in $(( $(date +%s) - t0 ))s"
+}
+
+# runc, iptables (kube-proxy, the guard rule) and conntrack (kube-proxy's
+# cleanup of stale UDP entries) come from Debian: maintained packages, and
+# runc needs libseccomp, which a CGO-free module build would lack.
+install_debian_parts() {
+  local missing=()
+  command -v runc >/dev/null || missing+=(runc)
+  command -v iptables >/dev/null || missing+=(iptables)
+  command -v conntrack >/dev/null || missing+=(conntrack)
+  if ((${#missing[@]} == 0)); then
+    log "runc, iptables, conntrack installed ($(runc --version | head -1))"
+    return
+  fi
+  command -v apt-get >/dev/null || { echo "build-k8s: need ${missing[*]} and there is no apt-get" >&2; exit 1; }
+  log "installing ${missing[*]} from Debian"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+}
+
 # Two runs (say CI and a developer, or two worktrees) would build the same
 # thing twice; the second waits and then finds the cache filled.
 mkdir -p "$CACHE"
@@ -132,7 +237,18 @@ fi
 T0=$(date +%s)
 # etcd first: it is the quick one, and a partial cache is still useful.
 build_etcd
-build_k8s
-log "all done in $(( $(date +%s) - T0 ))s"
-echo "REMORA_K8S_BIN_DIR=$K8S_BIN"
-echo "REMORA_ETCD_BIN=$ETCD_BIN/etcd"
+build_k8s kube-apiserver kube-controller-manager
+if ((NODE)); then
+  # The quick ones first, so a partial cache can already run containers.
+  install_debian_parts
+  build_containerd
+  build_cni
+  # kubelet first: it pulls in most of what the other three need.
+  build_k8s kube-apiserver kube-controller-manager kubelet kube-scheduler kube-proxy kubectl
+  log "all done (with the node) in $(( $(date +%s) - T0 ))s"
+  print_env
+else
+  log "all done in $(( $(date +%s) - T0 ))s"
+  echo "REMORA_K8S_BIN_DIR=$K8S_BIN"
+  echo "REMORA_ETCD_BIN=$ETCD_BIN/etcd"
+fi
