@@ -178,13 +178,7 @@ impl Overlay {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use remora_test_support::maps::string_map as ann;
 
     #[test]
     fn every_per_field_key_is_read() {

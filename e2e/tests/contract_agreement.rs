@@ -17,6 +17,7 @@ use remora_agent::lifecycle::DrainSettings;
 use remora_contract::{annotations as keys, downward, duration};
 use remora_injector::mutate::{Outcome, Selection, Target, mutate};
 use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig, resolve};
+use remora_test_support::maps::string_map as ann;
 use serde_json::{Value, json};
 
 /// What each side ended up with for one pod.
@@ -148,13 +149,6 @@ fn assert_agree(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
     };
     assert_eq!(live(&s.agent_refused), live(&s.injector_refused), "{what}");
     s
-}
-
-fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
 }
 
 #[test]

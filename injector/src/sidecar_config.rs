@@ -287,6 +287,7 @@ mod tests {
     use super::*;
     use remora_contract::annotations;
     use remora_crds::{DurationString, ShutdownSpec, WorkloadSelector};
+    use remora_test_support::maps::string_map as labels;
 
     fn entry(
         ns: &str,
@@ -313,12 +314,6 @@ mod tests {
                 ..Default::default()
             },
         }
-    }
-
-    fn labels(l: &[(&str, &str)]) -> BTreeMap<String, String> {
-        l.iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
     }
 
     /// One row per rule: which layers exist, and which value must win.

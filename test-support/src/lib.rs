@@ -1,7 +1,7 @@
 //! Helpers shared by Remora's tests, benchmarks and the e2e harness, so each
 //! exists once: free ports, a test PKI, the kubelet's atomic volume writer,
-//! locating Envoy and sibling binaries, waiting with a deadline, and the
-//! webhook's HTTPS client.
+//! locating Envoy and sibling binaries, waiting with a deadline, inline
+//! label/annotation maps, and the webhook's HTTPS client.
 //!
 //! Only ever a dev-dependency (or a dependency of the unpublished e2e
 //! crate): it sits below `remora-agent` and `remora-injector` and must not
@@ -10,6 +10,7 @@
 
 pub mod bins;
 pub mod kubelet;
+pub mod maps;
 pub mod pki;
 pub mod ports;
 pub mod wait;
