@@ -1,5 +1,6 @@
 //! End-to-end harness: a test app, a load generator, workload certificates,
-//! the control plane, the injector as a process, and the chart rendered by helm.
+//! the control plane, the injector as a process, the chart rendered by helm,
+//! and the real single-node cluster with Remora installed by helm.
 
 pub mod certs;
 pub mod chart;
@@ -7,5 +8,6 @@ pub mod controlplane;
 pub mod injector;
 pub mod jobpod;
 pub mod load;
+pub mod node;
 pub mod podrunner;
 pub mod webhook;
