@@ -120,8 +120,17 @@ start() {
     return
   fi
   setsid "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
-  echo $! >"$PIDS/$name.pid"
-  log "started $name (pid $!), log $LOGS/$name.log"
+  local pid=$! i
+  echo "$pid" >"$PIDS/$name.pid"
+  # Until setsid has exec'd, /proc/<pid>/cmdline still names bash, and
+  # check_alive would take the component for dead; wait (2 s at most) until
+  # the process is the component or is gone.
+  for ((i = 0; i < 20; i++)); do
+    pid_of "$name" >/dev/null && break
+    alive "$pid" || break
+    sleep 0.1
+  done
+  log "started $name (pid $pid), log $LOGS/$name.log"
 }
 
 # SIGTERM to all the named components at once, up to STOP_WAIT s (10),
@@ -507,6 +516,13 @@ up() {
     die "$NODE_IP:$API_PORT is in use: another cluster (another REMORA_CLUSTER_DIR?) runs; stop it first"
   fi
   mkdir -p "$DIR" "$LOGS" "$PIDS" "$HOST"
+  # Pid files of components that no longer run (the machine restarted, or
+  # one was killed) would read as "exited" to check_alive: forget them.
+  local f
+  for f in "$PIDS"/*.pid; do
+    [[ -e "$f" ]] || continue
+    pid_of "$(basename "$f" .pid)" >/dev/null || rm -f "$f"
+  done
   # A fresh start gets fresh logs (down keeps the last run's until then).
   pid_of etcd >/dev/null || rm -f "$LOGS"/*.log
   record_dirs
