@@ -62,13 +62,27 @@ async fn main() -> anyhow::Result<()> {
     );
     let _upstream = Proc(
         Command::new(&app_bin)
-            .args(["--port", &upstream_port.to_string(), "--delay", "1ms"])
+            .args([
+                "--address",
+                "127.0.0.1",
+                "--port",
+                &upstream_port.to_string(),
+                "--delay",
+                "1ms",
+            ])
             .stderr(Stdio::null())
             .spawn()?,
     );
     let app = Proc(
         Command::new(&app_bin)
-            .args(["--port", &app_port.to_string(), "--delay", "20ms"])
+            .args([
+                "--address",
+                "127.0.0.1",
+                "--port",
+                &app_port.to_string(),
+                "--delay",
+                "20ms",
+            ])
             .spawn()?,
     );
     let log_path = dir.path().join("agent.log");

@@ -503,7 +503,14 @@ async fn main() -> anyhow::Result<()> {
     // The outbound upstream the apps call through their sidecars.
     let upstream = e2e::podrunner::free_port()?;
     let mut upstream_proc = tokio::process::Command::new(sibling_bin("test-app")?)
-        .args(["--port", &upstream.to_string(), "--delay", "1ms"])
+        .args([
+            "--address",
+            "127.0.0.1",
+            "--port",
+            &upstream.to_string(),
+            "--delay",
+            "1ms",
+        ])
         .stderr(Stdio::null())
         .kill_on_drop(true)
         .spawn()?;

@@ -1,7 +1,8 @@
 //! The test workload: an HTTP server that refuses connections until it has
 //! started, takes a little time per request, and on SIGTERM finishes its
 //! in-flight requests before exiting — calling an upstream during its own
-//! shutdown (through the sidecar's outbound listener) when told to.
+//! shutdown (through the sidecar's outbound listener) when told to. With
+//! `--exit-after` it also stops on its own, exit 0, as a Job's work does.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,6 +19,11 @@ struct Args {
     /// Port to serve on (127.0.0.1).
     #[arg(long)]
     port: u16,
+    /// Address to listen on: all of the pod's by default (a Service may
+    /// target the app directly, as it would without a sidecar); tests that
+    /// run it on the host pass 127.0.0.1.
+    #[arg(long, default_value = "0.0.0.0")]
+    address: std::net::IpAddr,
     /// Time before the port is opened (connections are refused until then).
     #[arg(long, value_parser = remora_contract::duration::parse, default_value = "0s")]
     startup_delay: Duration,
@@ -35,6 +41,10 @@ struct Args {
     /// well-behaved app does so that endpoint removal can catch up).
     #[arg(long, value_parser = remora_contract::duration::parse, default_value = "0s")]
     shutdown_delay: Duration,
+    /// Exit 0 on its own this long after the port opens, as on SIGTERM (a
+    /// Job's work done); unset: serve until SIGTERM.
+    #[arg(long, value_parser = remora_contract::duration::parse)]
+    exit_after: Option<Duration>,
 }
 
 /// One call to `url`; logs a line the pod runner's reports parse
@@ -73,12 +83,21 @@ async fn main() -> anyhow::Result<()> {
         }),
     );
     let listener =
-        tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], args.port))).await?;
+        tokio::net::TcpListener::bind(SocketAddr::from((args.address, args.port))).await?;
     let shutdown_call = args.shutdown_call.clone();
     let shutdown_delay = args.shutdown_delay;
+    let exit_after = args.exit_after;
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
-            let _ = term.recv().await;
+            match exit_after {
+                Some(after) => tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::time::sleep(after) => eprintln!("test-app: exit-after {after:?} elapsed"),
+                },
+                None => {
+                    let _ = term.recv().await;
+                }
+            }
             // Still serving here: the call and the delay run before the listener closes.
             let keep_serving = tokio::time::sleep(shutdown_delay);
             if let Some(url) = shutdown_call {
