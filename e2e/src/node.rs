@@ -322,6 +322,73 @@ impl Node {
     }
 }
 
+static SHARED_REMORA: OnceCell<Remora> = OnceCell::const_new();
+
+impl Node {
+    /// Remora installed once per test process into [`RELEASE_NAMESPACE`]
+    /// with the chart's defaults (and the local images), for tests that only
+    /// need it there; tests of install itself use [`Node::install_remora`].
+    /// Concurrent callers wait for the one `helm upgrade --install`.
+    pub async fn remora(&self, client: &Client) -> Result<&'static Remora, Error> {
+        SHARED_REMORA
+            .get_or_try_init(|| self.install_remora(client, RELEASE_NAMESPACE, &[]))
+            .await
+    }
+}
+
+/// `GET path` on `port` of `pod`, through the API server's port-forward (as
+/// `kubectl port-forward` does): the way to reach a port bound to the pod's
+/// loopback, such as the agent's admin (`/debug/config`, `/metrics`).
+/// Returns the status and the body.
+pub async fn pod_http_get(
+    client: &Client,
+    namespace: &str,
+    pod: &str,
+    port: u16,
+    path: &str,
+) -> Result<(http::StatusCode, String), Error> {
+    use http_body_util::BodyExt as _;
+    let what = format!("GET {path} on {namespace}/{pod}:{port} (port-forward)");
+    let failed = |detail: String| Error::Failed {
+        what: what.clone(),
+        detail,
+    };
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let mut forwarder = pods.portforward(pod, &[port]).await?;
+    let stream = forwarder
+        .take_stream(port)
+        .ok_or_else(|| failed("no stream for the port".to_owned()))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+    let conn = tokio::spawn(conn);
+    let request = http::Request::get(path)
+        .header(http::header::HOST, "localhost")
+        .header(http::header::CONNECTION, "close")
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .map_err(|e| failed(e.to_string()))?;
+    let result = async {
+        let response = tokio::time::timeout(Duration::from_secs(10), sender.send_request(request))
+            .await
+            .map_err(|_| failed("no response in 10 s".to_owned()))?
+            .map_err(|e| failed(e.to_string()))?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| failed(e.to_string()))?
+            .to_bytes();
+        Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    }
+    .await;
+    drop(sender);
+    conn.abort();
+    forwarder.abort();
+    result
+}
+
 /// The tag of the local images: `$REMORA_NODE_IMAGE_TAG`, else `dev`.
 pub fn image_tag() -> String {
     std::env::var(ENV_IMAGE_TAG)
