@@ -69,10 +69,27 @@ pub fn summarize(samples: &[Sample]) -> Summary {
 
 /// Send `rate` requests a second to `url` until `stop` is set.
 pub async fn run(url: String, rate: u32, stop: Arc<AtomicBool>) -> Vec<Sample> {
+    run_with(Client::builder(TokioExecutor::new()), url, rate, stop).await
+}
+
+/// [`run`] with no client retries of any kind: hyper's pool otherwise resends
+/// a request that was queued on a connection the server closed before the
+/// request was written, which hides exactly the losses a drain can cause.
+pub async fn run_no_retry(url: String, rate: u32, stop: Arc<AtomicBool>) -> Vec<Sample> {
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder.retry_canceled_requests(false);
+    run_with(builder, url, rate, stop).await
+}
+
+async fn run_with(
+    builder: hyper_util::client::legacy::Builder,
+    url: String,
+    rate: u32,
+    stop: Arc<AtomicBool>,
+) -> Vec<Sample> {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    let client: Client<HttpConnector, Empty<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(connector);
+    let client: Client<HttpConnector, Empty<Bytes>> = builder.build(connector);
     let samples = Arc::new(Mutex::new(Vec::new()));
     let start = Instant::now();
     let period = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
