@@ -10,4 +10,5 @@ pub mod jobpod;
 pub mod load;
 pub mod node;
 pub mod podrunner;
+pub mod stats;
 pub mod webhook;
