@@ -35,6 +35,7 @@ POD_CIDR="${REMORA_POD_CIDR:-10.244.0.0/24}"
 SERVICE_CIDR="${REMORA_SERVICE_CIDR:-10.96.0.0/24}"
 # The first address of the service range is the `kubernetes` Service.
 API_SERVICE_IP="${SERVICE_CIDR%.*/*}.1"
+SVC_LINK=remora-svc
 BRIDGE=remora0
 API_PORT=6443
 # Off the usual 2379/2380, so an etcd someone else runs on this host does not
@@ -303,6 +304,7 @@ add_guard() {
   iptables -t mangle -F REMORA-GUARD
   iptables -t mangle -A REMORA-GUARD -o lo -j RETURN
   iptables -t mangle -A REMORA-GUARD -o "$BRIDGE" -j RETURN
+  iptables -t mangle -A REMORA-GUARD -o "$SVC_LINK" -j RETURN
   local cidr
   for cidr in "$POD_CIDR" "$SERVICE_CIDR" "$NODE_IP/32"; do
     iptables -t mangle -A REMORA-GUARD -s "$cidr" -j DROP
@@ -310,7 +312,7 @@ add_guard() {
   done
   iptables -t mangle -C POSTROUTING -j REMORA-GUARD 2>/dev/null ||
     iptables -t mangle -I POSTROUTING 1 -j REMORA-GUARD
-  log "egress guard: mangle POSTROUTING -> REMORA-GUARD drops $POD_CIDR, $SERVICE_CIDR, $NODE_IP leaving by any link but lo and $BRIDGE"
+  log "egress guard: mangle POSTROUTING -> REMORA-GUARD drops $POD_CIDR, $SERVICE_CIDR, $NODE_IP leaving by any link but lo, $BRIDGE and $SVC_LINK"
 }
 
 # Packets the guard dropped (must be 0); empty when the chain is absent.
@@ -536,6 +538,18 @@ up() {
     log "added $NODE_IP/32 to lo (the node IP)"
   fi
   sysctl -q -w net.ipv4.ip_forward=1
+  # Service addresses route to a bridge with no ports, which discards: a
+  # packet to a ClusterIP that kube-proxy has not programmed yet (or any
+  # more) stays on this machine instead of taking the default route (and the
+  # guard's DROP). kube-proxy's DNAT in OUTPUT/PREROUTING still reroutes the
+  # programmed ones. (A bridge: these kernels have no dummy links.)
+  if ! ip link show "$SVC_LINK" >/dev/null 2>&1; then
+    ip link add "$SVC_LINK" type bridge
+    touch "$HOST/svc-link"
+    log "added the empty bridge $SVC_LINK for $SERVICE_CIDR"
+  fi
+  ip link set "$SVC_LINK" up
+  ip route replace "$SERVICE_CIDR" dev "$SVC_LINK"
   add_guard
 
   start etcd "$ETCD" --name=remora --data-dir="$DIR/etcd" \
@@ -650,6 +664,11 @@ down() {
   umount_under /run/containerd
   umount_under /var/lib/kubelet
   clean_cgroups
+  if [[ -f "$HOST/svc-link" ]]; then
+    ip link del "$SVC_LINK" 2>/dev/null || true
+    rm -f "$HOST/svc-link"
+    log "deleted the bridge $SVC_LINK"
+  fi
   if [[ -f "$HOST/lo-addr" ]]; then
     ip addr del "$NODE_IP/32" dev lo 2>/dev/null || true
     rm -f "$HOST/lo-addr"
