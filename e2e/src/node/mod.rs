@@ -8,6 +8,9 @@
 //! `REMORA_NODE_TESTS=1`; otherwise [`Node::for_test`] prints why and the
 //! test returns. Each test gets its own namespace ([`TestNamespace`]).
 
+pub mod pods;
+pub mod workloads;
+
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::future::Future;
