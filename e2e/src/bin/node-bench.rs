@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use e2e::node::{self, Check, Node, TEST_APP_IMAGE, TestNamespace, image_tag, wait_for};
+use e2e::node::{self, Check, Node, TestNamespace, wait_for};
 use e2e::stats::Summary;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
@@ -96,17 +96,7 @@ fn app_pod(name: &str, variant: Option<&str>, app_args: &[&str], restart: &str) 
             "restartPolicy": restart,
             "terminationGracePeriodSeconds": 5,
             "securityContext": {"runAsNonRoot": true, "runAsUser": 65532},
-            "containers": [{
-                "name": APP,
-                "image": format!("{TEST_APP_IMAGE}:{}", image_tag()),
-                "imagePullPolicy": "Never",
-                "args": args,
-                "securityContext": {
-                    "readOnlyRootFilesystem": true,
-                    "allowPrivilegeEscalation": false,
-                    "capabilities": {"drop": ["ALL"]}
-                }
-            }]
+            "containers": [node::test_app_container(APP, &args)]
         }
     }))?)
 }

@@ -13,9 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use e2e::load;
-use e2e::node::{
-    Check, INJECT_LABEL, Node, RELEASE_NAMESPACE, TEST_APP_IMAGE, image_tag, wait_for,
-};
+use e2e::node::{Check, INJECT_LABEL, Node, RELEASE_NAMESPACE, test_app_container, wait_for};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStatus, Namespace, Pod, Service};
 use kube::Api;
@@ -74,7 +72,6 @@ fn record(seen: &mut Seen, statuses: &[ContainerStatus], at: Duration) {
 }
 
 fn manifests(replicas: i32, mode: &str) -> Result<(Deployment, Service)> {
-    let image = format!("{TEST_APP_IMAGE}:{}", image_tag());
     let deploy: Deployment = serde_json::from_value(json!({
         "metadata": {"name": APP},
         "spec": {
@@ -89,21 +86,13 @@ fn manifests(replicas: i32, mode: &str) -> Result<(Deployment, Service)> {
                 "spec": {
                     "terminationGracePeriodSeconds": 30,
                     "securityContext": {"runAsNonRoot": true, "runAsUser": 65532},
-                    "containers": [{
-                        "name": "app",
-                        "image": image,
-                        "imagePullPolicy": "Never",
-                        // A well-behaved app: keeps serving 5 s after SIGTERM
-                        // (endpoint removal catches up), then finishes its
-                        // in-flight requests and exits.
-                        "args": ["--port", APP_PORT.to_string(), "--delay", "5ms",
-                                 "--shutdown-delay", "5s"],
-                        "securityContext": {
-                            "readOnlyRootFilesystem": true,
-                            "allowPrivilegeEscalation": false,
-                            "capabilities": {"drop": ["ALL"]}
-                        }
-                    }]
+                    // A well-behaved app: keeps serving 5 s after SIGTERM
+                    // (endpoint removal catches up), then finishes its
+                    // in-flight requests and exits.
+                    "containers": [test_app_container("app", &[
+                        "--port", &APP_PORT.to_string(), "--delay", "5ms",
+                        "--shutdown-delay", "5s",
+                    ])]
                 }
             }
         }

@@ -839,7 +839,6 @@ impl Remora {
     /// API server's webhook calls go to). Returns their names.
     pub async fn wait_ready(&self, client: &Client, n: usize) -> Result<Vec<String>, Error> {
         let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &self.namespace);
-        let by_service = format!("kubernetes.io/service-name={}", self.injector());
         let res = wait_for(
             &format!("{n} injector replicas Ready behind the Service"),
             ROLLOUT_TIMEOUT,
@@ -858,14 +857,7 @@ impl Remora {
                         pods.len()
                     )));
                 }
-                let endpoints: usize = slices
-                    .list(&ListParams::default().labels(&by_service))
-                    .await?
-                    .items
-                    .iter()
-                    .flat_map(|s| s.endpoints.iter().flatten())
-                    .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
-                    .count();
+                let endpoints = ready_endpoints(&slices, &self.injector()).await?;
                 Ok(if endpoints == n {
                     Check::Done(ready)
                 } else {
@@ -1056,4 +1048,36 @@ pub fn cannot_start(pod: &Pod) -> Option<String> {
                 )
             })
         })
+}
+
+/// Ready endpoints in the EndpointSlices of Service `service` (`slices`:
+/// its namespace's).
+pub async fn ready_endpoints(slices: &Api<EndpointSlice>, service: &str) -> Result<usize, Error> {
+    let by_service = format!("kubernetes.io/service-name={service}");
+    Ok(slices
+        .list(&ListParams::default().labels(&by_service))
+        .await?
+        .items
+        .iter()
+        .flat_map(|s| s.endpoints.iter().flatten())
+        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+        .count())
+}
+
+/// The test app's container (the local image, `args`), locked down as the
+/// chart's own containers are: non-root by the pod, read-only root, no
+/// capabilities, no privilege escalation.
+pub fn test_app_container<S: AsRef<str>>(name: &str, args: &[S]) -> serde_json::Value {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
+    serde_json::json!({
+        "name": name,
+        "image": format!("{TEST_APP_IMAGE}:{}", image_tag()),
+        "imagePullPolicy": "Never",
+        "args": args,
+        "securityContext": {
+            "readOnlyRootFilesystem": true,
+            "allowPrivilegeEscalation": false,
+            "capabilities": {"drop": ["ALL"]}
+        }
+    })
 }

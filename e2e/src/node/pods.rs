@@ -171,17 +171,7 @@ pub fn test_app_deployment(
                 "metadata": {"labels": {"app": name}, "annotations": annotations},
                 "spec": {
                     "securityContext": {"runAsNonRoot": true, "runAsUser": 65532},
-                    "containers": [{
-                        "name": "app",
-                        "image": format!("{TEST_APP_IMAGE}:{}", image_tag()),
-                        "imagePullPolicy": "Never",
-                        "args": args,
-                        "securityContext": {
-                            "readOnlyRootFilesystem": true,
-                            "allowPrivilegeEscalation": false,
-                            "capabilities": {"drop": ["ALL"]}
-                        }
-                    }]
+                    "containers": [crate::node::test_app_container("app", args)]
                 }
             }
         }
@@ -255,19 +245,11 @@ pub async fn wait_service_endpoints(
 ) -> Result<Duration, Error> {
     let t0 = Instant::now();
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), namespace);
-    let by_service = format!("kubernetes.io/service-name={name}");
     wait_for(
         &format!("{n} ready endpoints of Service {namespace}/{name}"),
         timeout,
         || async {
-            let ready = slices
-                .list(&ListParams::default().labels(&by_service))
-                .await?
-                .items
-                .iter()
-                .flat_map(|s| s.endpoints.iter().flatten())
-                .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
-                .count();
+            let ready = ready_endpoints(&slices, name).await?;
             Ok(if ready == n {
                 Check::Done(())
             } else {
