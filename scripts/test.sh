@@ -1,36 +1,109 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs every check CI runs: format, lints, tests.
-# The Kubernetes control plane for the e2e tests is built from source once and
-# cached outside the repo (scripts/build-k8s.sh); a cold build runs in the
-# background while cargo compiles.
+# Sets everything up, then runs every check CI runs: format, lints, the chart,
+# and all tests — the pod-level ones on a real single-node cluster started
+# here (scripts/cluster.sh) with images built here (scripts/images.sh).
+# Kubernetes, etcd, containerd and the CNI plugins are built from source once
+# and cached outside the repo (scripts/build-k8s.sh --node); a cold build runs
+# in the background while cargo compiles.
+#
+# Each phase's duration goes to target/ci-phases.json (printed at the end);
+# bench/results/ci-phases.json keeps a cold run's.
+# Env: REMORA_KEEP_CLUSTER=1 leaves the node up afterwards (a node that was
+# already up before this script is always left up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+PHASES=target/ci-phases.json
+mkdir -p target
+phases=()
+table=()
+t_all=$(date +%s)
+t_phase=$t_all
+# $1 phase name: closes the phase that started at the previous call.
+phase() {
+  local now
+  now=$(date +%s)
+  phases+=("$(printf '{"phase":"%s","seconds":%d}' "$1" $((now - t_phase)))")
+  printf '[test.sh] %-28s %4d s\n' "$1" $((now - t_phase)) >&2
+  table+=("$(printf '  %-28s %5d s' "$1" $((now - t_phase)))")
+  t_phase=$now
+}
+write_phases() {
+  local IFS=,
+  printf '{"total_seconds":%d,"phases":[%s]}\n' $(($(date +%s) - t_all)) "${phases[*]}" >"$PHASES"
+}
+
 bash scripts/setup.sh
+phase setup
 
 k8s_log=$(mktemp -t remora-build-k8s.XXXXXX)
-bash scripts/build-k8s.sh >"$k8s_log" 2>&1 &
+bash scripts/build-k8s.sh --node >"$k8s_log" 2>&1 &
 k8s_pid=$!
-trap 'kill $k8s_pid 2>/dev/null || true' EXIT
+cleanup() {
+  kill "$k8s_pid" 2>/dev/null || true
+  write_phases
+}
+trap cleanup EXIT
 
-# The chart: lint (values.schema.json included) and render both cert modes;
-# helm comes from setup.sh. The e2e tests (e2e/tests/chart.rs) then hand the
-# rendered objects to the real API server with server-side dry-run.
+# The chart: lint (values.schema.json included) and render every mode; helm
+# comes from setup.sh. The e2e tests (e2e/tests/chart.rs) then hand the
+# rendered objects to the real API server with server-side dry-run, and the
+# node tests install it.
 helm_version=$(sed -n 's/^HELM_VERSION=//p' scripts/setup.sh)
 helm="${REMORA_CACHE:-$HOME/.cache/remora}/helm/$helm_version/helm"
 "$helm" lint --strict charts/remora
 "$helm" lint --strict charts/remora --set certMode=certManager
+"$helm" lint --strict charts/remora -f charts/remora/values-local.yaml
 "$helm" template remora charts/remora --namespace remora-system >/dev/null
 "$helm" template remora charts/remora --namespace remora-system --set certMode=certManager >/dev/null
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+phase "fmt + clippy"
 cargo test --workspace --locked --no-run
+phase "build tests"
+# The images' binaries (scripts/images.sh builds them too; here it overlaps
+# the Kubernetes build).
+cargo build --locked --release -p remora-agent --bin remora-agent \
+  -p remora-injector --bin remora-injector -p e2e --bin test-app
+phase "build release binaries"
 
 if ! wait "$k8s_pid"; then
   cat "$k8s_log" >&2
-  echo "test.sh: building the Kubernetes control plane failed" >&2
+  echo "test.sh: building Kubernetes (scripts/build-k8s.sh --node) failed" >&2
   exit 1
 fi
+tail -n 4 "$k8s_log"
+phase "wait for build-k8s"
+
+# The real node. Brought down at the end unless it was up before (a
+# developer's) or REMORA_KEEP_CLUSTER=1.
+was_up=0
+bash scripts/cluster.sh status 2>/dev/null | grep -q '^kubelet: running' && was_up=1
+cleanup() {
+  kill "$k8s_pid" 2>/dev/null || true
+  if ((was_up == 0)) && [[ "${REMORA_KEEP_CLUSTER:-}" != 1 ]]; then
+    bash scripts/cluster.sh down || echo "test.sh: cluster.sh down failed" >&2
+  fi
+  write_phases
+}
+bash scripts/cluster.sh up | tail -n 1
+phase "cluster up"
+bash scripts/images.sh
+phase "images"
+
+REMORA_NODE_TESTS=1 cargo test --workspace --locked
+phase "tests"
+drops=$(bash scripts/cluster.sh status | sed -n 's/^egress guard dropped: //p')
+if [[ "$drops" != 0 ]]; then
+  echo "test.sh: the egress guard dropped '$drops' packets: pod or Service traffic tried to leave the machine" >&2
+  exit 1
+fi
+echo "test.sh: egress guard dropped 0 packets"
+cleanup
 trap - EXIT
-tail -n 3 "$k8s_log"
-cargo test --workspace --locked
+phase "cluster down"
+write_phases
+echo "test.sh: phases (target/ci-phases.json)"
+printf '%s\n' "${table[@]}"
+printf '  %-28s %5d s\n' total $(($(date +%s) - t_all))
