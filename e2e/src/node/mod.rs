@@ -350,7 +350,6 @@ pub async fn pod_http_get(
     port: u16,
     path: &str,
 ) -> Result<(http::StatusCode, String), Error> {
-    use http_body_util::BodyExt as _;
     let what = format!("GET {path} on {namespace}/{pod}:{port} (port-forward)");
     let failed = |detail: String| Error::Failed {
         what: what.clone(),
@@ -361,33 +360,11 @@ pub async fn pod_http_get(
     let stream = forwarder
         .take_stream(port)
         .ok_or_else(|| failed("no stream for the port".to_owned()))?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(|e| failed(e.to_string()))?;
-    let conn = tokio::spawn(conn);
-    let request = http::Request::get(path)
-        .header(http::header::HOST, "localhost")
-        .header(http::header::CONNECTION, "close")
-        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-        .map_err(|e| failed(e.to_string()))?;
-    let result = async {
-        let response = tokio::time::timeout(Duration::from_secs(10), sender.send_request(request))
-            .await
-            .map_err(|_| failed("no response in 10 s".to_owned()))?
-            .map_err(|e| failed(e.to_string()))?;
-        let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| failed(e.to_string()))?
-            .to_bytes();
-        Ok((status, String::from_utf8_lossy(&body).into_owned()))
-    }
-    .await;
-    drop(sender);
-    conn.abort();
+    let result = tokio::time::timeout(Duration::from_secs(10), get_once(stream, "localhost", path))
+        .await
+        .map_err(|_| failed("no response in 10 s".to_owned()))
+        .and_then(|r| r.map_err(failed))
+        .map(|r| (r.status(), r.into_body()));
     forwarder.abort();
     result
 }
@@ -1080,4 +1057,42 @@ pub fn test_app_container<S: AsRef<str>>(name: &str, args: &[S]) -> serde_json::
             "capabilities": {"drop": ["ALL"]}
         }
     })
+}
+
+/// One HTTP/1.1 `GET path` (`connection: close`) over `stream`: the
+/// response with its body as text, or what went wrong.
+pub async fn get_once<S>(
+    stream: S,
+    host: &str,
+    path: &str,
+) -> Result<http::Response<String>, String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use http_body_util::BodyExt as _;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+    let conn = tokio::spawn(conn);
+    let exchange = async {
+        let request = http::Request::get(path)
+            .header(http::header::HOST, host)
+            .header(http::header::CONNECTION, "close")
+            .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+            .map_err(|e| e.to_string())?;
+        let (parts, body) = sender
+            .send_request(request)
+            .await
+            .map_err(|e| e.to_string())?
+            .into_parts();
+        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok(http::Response::from_parts(
+            parts,
+            String::from_utf8_lossy(&body).into_owned(),
+        ))
+    };
+    let result = exchange.await;
+    conn.abort();
+    result
 }

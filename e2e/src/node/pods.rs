@@ -438,7 +438,6 @@ pub async fn http_get(
     path: &str,
     timeout: Duration,
 ) -> Result<http::Response<String>, Error> {
-    use http_body_util::BodyExt as _;
     let what = format!("GET http://{addr}{path}");
     let failed = |detail: String| Error::Failed {
         what: what.clone(),
@@ -448,31 +447,9 @@ pub async fn http_get(
         let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| failed(format!("connect: {e}")))?;
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                .await
-                .map_err(|e| failed(e.to_string()))?;
-        let conn = tokio::spawn(conn);
-        let request = http::Request::get(path)
-            .header(http::header::HOST, addr.to_string())
-            .header(http::header::CONNECTION, "close")
-            .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-            .map_err(|e| failed(e.to_string()))?;
-        let response = sender
-            .send_request(request)
+        get_once(stream, &addr.to_string(), path)
             .await
-            .map_err(|e| failed(e.to_string()))?;
-        let (parts, body) = response.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map_err(|e| failed(e.to_string()))?
-            .to_bytes();
-        conn.abort();
-        Ok(http::Response::from_parts(
-            parts,
-            String::from_utf8_lossy(&body).into_owned(),
-        ))
+            .map_err(failed)
     };
     tokio::time::timeout(timeout, exchange)
         .await

@@ -3,11 +3,10 @@
 //! container and Job conditions, an agent's `/debug/config`, rollouts.
 
 use super::*;
-use futures::TryStreamExt as _;
+use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::{Job, JobCondition};
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus};
-use kube::api::{WatchEvent, WatchParams};
 use remora_contract::lifecycle::SidecarStatus;
 
 /// Every version of some objects that a watch delivered, each stamped
@@ -65,8 +64,8 @@ impl<K> Drop for Recording<K> {
     }
 }
 
-/// List, then watch from the list's version; after a watch ends (its
-/// server timeout, an expired version) list again.
+/// kube's watcher (list, then watch; relists after an expired version,
+/// backing off on errors): every object it delivers, deletions included.
 async fn follow<K>(
     api: Api<K>,
     labels: Option<String>,
@@ -75,41 +74,29 @@ async fn follow<K>(
 ) where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
+    use kube::runtime::WatchStreamExt as _;
+    use kube::runtime::watcher::{self, Event};
+    let mut config = watcher::Config::default();
+    if let Some(l) = &labels {
+        config = config.labels(l);
+    }
     let mut ready = Some(ready);
-    let push = |k: K| {
+    let events = watcher::watcher(api, config).default_backoff();
+    let mut events = std::pin::pin!(events);
+    while let Some(event) = events.next().await {
+        let k = match event {
+            Ok(Event::Apply(k) | Event::InitApply(k) | Event::Delete(k)) => k,
+            Ok(Event::InitDone) => {
+                if let Some(tx) = ready.take() {
+                    let _ = tx.send(());
+                }
+                continue;
+            }
+            Ok(Event::Init) | Err(_) => continue,
+        };
         seen.lock()
             .unwrap_or_else(|p| p.into_inner())
             .push((Instant::now(), k));
-    };
-    loop {
-        let mut lp = ListParams::default();
-        let mut wp = WatchParams::default();
-        if let Some(l) = &labels {
-            lp = lp.labels(l);
-            wp = wp.labels(l);
-        }
-        let Ok(list) = api.list(&lp).await else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            continue;
-        };
-        let version = list.metadata.resource_version.clone().unwrap_or_default();
-        list.items.into_iter().for_each(push);
-        if let Some(tx) = ready.take() {
-            let _ = tx.send(());
-        }
-        if let Ok(stream) = api.watch(&wp, &version).await {
-            let mut stream = std::pin::pin!(stream);
-            while let Ok(Some(event)) = stream.try_next().await {
-                match event {
-                    WatchEvent::Added(k) | WatchEvent::Modified(k) | WatchEvent::Deleted(k) => {
-                        push(k)
-                    }
-                    WatchEvent::Bookmark(_) => {}
-                    WatchEvent::Error(_) => break,
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
