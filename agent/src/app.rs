@@ -182,7 +182,11 @@ impl App {
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn(servers::serve(
             self.health,
-            servers::health_router(self.readiness.clone(), self.metrics.clone()),
+            servers::health_router(
+                self.readiness.clone(),
+                self.metrics.clone(),
+                servers::AppPrestop::new(&self.cfg, self.handle.clone()),
+            ),
             shutdown.clone(),
         )));
         tasks.push(tokio::spawn(servers::serve(

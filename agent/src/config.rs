@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches, Parser, Subcommand, ValueEnum};
 use remora_contract::traffic::{InboundSpec, OutboundSpec};
-use remora_contract::{defaults, duration, env, pod, value};
+use remora_contract::{DrainMode, defaults, duration, env, pod, value};
 use serde::Serialize;
 
 /// Errors found after clap has parsed the command line (aliases, cross-field checks).
@@ -113,12 +113,16 @@ pub struct RunConfig {
     #[arg(long, env = env::DRAIN_DURATION, value_parser = duration::parse, default_value = defaults::DRAIN_DURATION)]
     #[serde(with = "duration_text")]
     pub drain_duration: Duration,
-    /// Envoy's drain strategy.
+    /// Envoy's drain strategy. Immediate: once the drain starts every inbound
+    /// response carries `connection: close` and HTTP/2 clients get GOAWAY, so
+    /// keep-alive clients pinned to this pod leave while it still serves;
+    /// gradual spreads that over the whole drain duration (45 s), too late
+    /// for a pod that stops within seconds.
     #[arg(
         long,
         env = "REMORA_DRAIN_STRATEGY",
         value_enum,
-        default_value = "gradual"
+        default_value = "immediate"
     )]
     pub drain_strategy: DrainStrategy,
     /// How long the old Envoy lives after a hot restart (Envoy `--parent-shutdown-time-s`).
@@ -140,12 +144,26 @@ pub struct RunConfig {
     #[arg(long, env = env::MINIMUM_DRAIN_DURATION, value_parser = duration::parse, default_value = defaults::MINIMUM_DRAIN_DURATION)]
     #[serde(with = "duration_text")]
     pub minimum_drain_duration: Duration,
+    /// How a drain ends: adaptive (when the pod is no longer used, see
+    /// --quiet-period) or fixed (--termination-drain-duration, or exit-on-zero).
+    #[arg(long, env = env::DRAIN_MODE, value_parser = parse_drain_mode, default_value = defaults::DRAIN_MODE.as_str())]
+    pub drain_mode: DrainMode,
+    /// Adaptive drain: no new connection or request for this long, and none in
+    /// flight, ends it.
+    #[arg(long, env = env::QUIET_PERIOD, value_parser = duration::parse, default_value = defaults::QUIET_PERIOD)]
+    #[serde(with = "duration_text")]
+    pub quiet_period: Duration,
+    /// The secret the app containers' preStop hook must present to start the
+    /// drain on the health port (the injector sets it); unset: that endpoint
+    /// is off.
+    #[arg(long, env = env::DRAIN_TOKEN, hide_env_values = true)]
+    pub drain_token: Option<String>,
     /// Hard upper bound of a drain, from its start to Envoy stopped (the injector
     /// derives it from terminationGracePeriodSeconds).
     #[arg(long, env = env::DRAIN_DEADLINE, value_parser = duration::parse, default_value = defaults::DRAIN_DEADLINE)]
     #[serde(with = "duration_text")]
     pub drain_deadline: Duration,
-    /// How often active connections are counted during an exit-on-zero drain.
+    /// How often Envoy's counters are read during a drain.
     #[arg(long, env = "REMORA_DRAIN_POLL_INTERVAL", value_parser = duration::parse, default_value = "50ms")]
     #[serde(with = "duration_text")]
     pub drain_poll_interval: Duration,
@@ -372,6 +390,10 @@ fn is_secret_key(key: &str) -> bool {
         || k.contains("password")
         || k.contains("secret")
         || k.ends_with("_key")
+}
+
+fn parse_drain_mode(s: &str) -> Result<DrainMode, String> {
+    s.parse()
 }
 
 /// `remora-agent wait`.

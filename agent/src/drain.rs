@@ -1,19 +1,28 @@
 //! The graceful drain of Envoy's inbound side.
 //!
 //! Readiness has already failed when this runs. It asks Envoy to drain its
-//! inbound listeners gracefully (clients are told `connection: close`,
-//! outbound keeps serving), then waits either the termination drain duration,
-//! or — with exit-on-zero — the minimum drain duration and then until no
-//! workload connection is left. It never runs past the drain deadline, minus
-//! a reserve kept for stopping Envoy.
+//! inbound listeners gracefully (clients are told `connection: close` or
+//! GOAWAY, outbound keeps serving), then waits:
+//! - adaptive (the default): until the pod is no longer used — no new
+//!   connection or request, inbound or outbound, for the quiet period, and
+//!   none in flight. A fixed timer cannot know how far the load balancers lag
+//!   behind the endpoints; Envoy's counters can see when they have caught up.
+//!   On the way it reports when inbound alone has gone quiet: that is when the
+//!   app containers' preStop hook lets the kubelet send them SIGTERM;
+//! - fixed: the termination drain duration, or — with exit-on-zero — the
+//!   minimum drain duration and then until no workload connection is left.
+//!
+//! It never runs past the drain deadline, minus a reserve kept for stopping
+//! Envoy.
 
 use std::future::Future;
 use std::time::Duration;
 
 use serde::Serialize;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::envoy::admin::{AdminError, EnvoyAdmin};
+use crate::envoy::admin::{AdminError, EnvoyAdmin, Traffic};
 use crate::lifecycle::DrainSettings;
 use crate::metrics::DrainOutcomeLabel;
 
@@ -21,6 +30,7 @@ use crate::metrics::DrainOutcomeLabel;
 pub trait DrainTarget {
     fn drain_inbound(&self) -> impl Future<Output = Result<(), AdminError>> + Send;
     fn active_connections(&self) -> impl Future<Output = Result<u64, AdminError>> + Send;
+    fn traffic(&self) -> impl Future<Output = Result<Traffic, AdminError>> + Send;
 }
 
 impl DrainTarget for EnvoyAdmin {
@@ -30,11 +40,16 @@ impl DrainTarget for EnvoyAdmin {
     async fn active_connections(&self) -> Result<u64, AdminError> {
         EnvoyAdmin::active_connections(self).await
     }
+    async fn traffic(&self) -> Result<Traffic, AdminError> {
+        EnvoyAdmin::traffic(self).await
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "outcome")]
 pub enum DrainOutcome {
+    /// Adaptive: nothing new arrived for the quiet period and nothing was in flight.
+    Quiet,
     /// No workload connection was left (exit-on-zero).
     Drained,
     /// The termination drain duration elapsed.
@@ -48,6 +63,7 @@ pub enum DrainOutcome {
 impl DrainOutcome {
     pub fn label(&self) -> DrainOutcomeLabel {
         match self {
+            Self::Quiet => DrainOutcomeLabel::Quiet,
             Self::Drained => DrainOutcomeLabel::Drained,
             Self::Elapsed => DrainOutcomeLabel::Elapsed,
             Self::DeadlineExceeded { .. } => DrainOutcomeLabel::DeadlineExceeded,
@@ -57,7 +73,7 @@ impl DrainOutcome {
 
     /// Whether the drain ended the way the configuration intended.
     pub fn is_clean(&self) -> bool {
-        matches!(self, Self::Drained | Self::Elapsed)
+        matches!(self, Self::Quiet | Self::Drained | Self::Elapsed)
     }
 }
 
@@ -68,6 +84,9 @@ pub struct DrainReport {
     /// Workload connections when the drain began (None if Envoy did not say).
     pub active_at_start: Option<u64>,
     pub duration_seconds: f64,
+    /// Adaptive: when inbound traffic went quiet (the app's SIGTERM), since the start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inbound_quiet_seconds: Option<f64>,
     pub settings: DrainSettings,
 }
 
@@ -76,12 +95,15 @@ pub fn stop_reserve(deadline: Duration) -> Duration {
     (deadline / 10).min(Duration::from_secs(1))
 }
 
-/// Run one drain with `settings`, started at `started` (the deadline counts from there).
+/// Run one drain with `settings`, started at `started` (the deadline counts
+/// from there). `inbound_quiet` turns true once inbound traffic has gone
+/// quiet (adaptive), at once (fixed: the app is not held), and always by the end.
 pub async fn run<T: DrainTarget>(
     target: &T,
     settings: DrainSettings,
     poll: Duration,
     started: Instant,
+    inbound_quiet: &watch::Sender<bool>,
 ) -> DrainReport {
     let wait_until = started
         + settings
@@ -94,13 +116,34 @@ pub async fn run<T: DrainTarget>(
             None
         }
     };
+    // The baseline the adaptive drain compares with, read before Envoy starts
+    // telling clients to leave.
+    let baseline = if settings.adaptive() {
+        target.traffic().await.ok()
+    } else {
+        None
+    };
     if let Err(e) = target.drain_inbound().await {
         // Without Envoy's drain the wait still protects in-flight requests.
         tracing::warn!(error = %e, "Envoy did not accept drain_listeners");
     }
     tracing::info!(?active_at_start, ?settings, "draining inbound listeners");
 
-    let outcome = if settings.exit_on_zero_active_connections {
+    let mut inbound_quiet_at = None;
+    let outcome = if settings.adaptive() {
+        let (outcome, quiet_at) = wait_for_quiet(
+            target,
+            settings.quiet_period,
+            poll,
+            (started, wait_until),
+            baseline,
+            inbound_quiet,
+        )
+        .await;
+        inbound_quiet_at = quiet_at;
+        outcome
+    } else if settings.exit_on_zero_active_connections {
+        inbound_quiet.send_replace(true);
         let min_end = started + settings.minimum_drain_duration;
         if min_end >= wait_until {
             tokio::time::sleep_until(wait_until).await;
@@ -112,6 +155,7 @@ pub async fn run<T: DrainTarget>(
             wait_for_zero(target, poll, wait_until).await
         }
     } else {
+        inbound_quiet.send_replace(true);
         let end = started + settings.termination_drain_duration;
         if end > wait_until {
             tokio::time::sleep_until(wait_until).await;
@@ -123,11 +167,77 @@ pub async fn run<T: DrainTarget>(
             DrainOutcome::Elapsed
         }
     };
+    inbound_quiet.send_replace(true);
     DrainReport {
         outcome,
         active_at_start,
         duration_seconds: started.elapsed().as_secs_f64(),
+        inbound_quiet_seconds: inbound_quiet_at.map(|t: Instant| (t - started).as_secs_f64()),
         settings,
+    }
+}
+
+/// The adaptive wait. A counter that moved (or could not be read) restarts
+/// its quiet period; the drain ends when every counter has been still for
+/// `quiet` and no request is in flight. Returns when inbound went quiet too.
+async fn wait_for_quiet<T: DrainTarget>(
+    target: &T,
+    quiet: Duration,
+    poll: Duration,
+    (started, wait_until): (Instant, Instant),
+    baseline: Option<Traffic>,
+    inbound_quiet: &watch::Sender<bool>,
+) -> (DrainOutcome, Option<Instant>) {
+    let mut last = baseline;
+    let (mut inbound_since, mut any_since) = (started, started);
+    let mut inbound_quiet_at = None;
+    loop {
+        let now = Instant::now();
+        let in_flight = match target.traffic().await {
+            Ok(t) => {
+                match last {
+                    Some(prev) => {
+                        if t.inbound_arrivals != prev.inbound_arrivals {
+                            inbound_since = now;
+                        }
+                        if t.arrivals != prev.arrivals {
+                            any_since = now;
+                        }
+                    }
+                    // No baseline: this read is one, and counts as activity.
+                    None => (inbound_since, any_since) = (now, now),
+                }
+                last = Some(t);
+                Some(t.in_flight)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read Envoy's counters");
+                (inbound_since, any_since) = (now, now);
+                None
+            }
+        };
+        if inbound_quiet_at.is_none() && now.duration_since(inbound_since) >= quiet {
+            inbound_quiet_at = Some(now);
+            inbound_quiet.send_replace(true);
+            tracing::info!(
+                after = ?now.duration_since(started),
+                "inbound traffic has gone quiet: the app may stop"
+            );
+        }
+        if now.duration_since(any_since) >= quiet && in_flight == Some(0) {
+            return (DrainOutcome::Quiet, inbound_quiet_at);
+        }
+        let next = Instant::now() + poll;
+        if next >= wait_until {
+            tokio::time::sleep_until(wait_until).await;
+            return (
+                DrainOutcome::DeadlineExceeded {
+                    active: target.active_connections().await.ok(),
+                },
+                inbound_quiet_at,
+            );
+        }
+        tokio::time::sleep_until(next).await;
     }
 }
 
@@ -165,10 +275,16 @@ mod tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    /// Test double of Envoy's admin API: connections close at given instants.
+    use remora_contract::DrainMode;
+
+    /// Test double of Envoy's admin API: connections close at given instants;
+    /// requests arrive (inbound or outbound) and are in flight at given times.
     struct FakeEnvoy {
         start: Instant,
         closes_at: Mutex<Vec<Duration>>,
+        inbound_at: Vec<Duration>,
+        outbound_at: Vec<Duration>,
+        in_flight: Vec<(Duration, Duration)>,
         drained: AtomicBool,
         fail_counts: bool,
     }
@@ -178,10 +294,24 @@ mod tests {
             Self {
                 start: Instant::now(),
                 closes_at: Mutex::new(closes_at),
+                inbound_at: Vec::new(),
+                outbound_at: Vec::new(),
+                in_flight: Vec::new(),
                 drained: AtomicBool::new(false),
                 fail_counts: false,
             }
         }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// Arrivals every `every` from `from` until `until` (exclusive).
+    fn arrivals(from: Duration, until: Duration, every: Duration) -> Vec<Duration> {
+        std::iter::successors(Some(from), |t| Some(*t + every))
+            .take_while(|t| *t < until)
+            .collect()
     }
 
     impl DrainTarget for FakeEnvoy {
@@ -207,6 +337,27 @@ mod tests {
                 .count();
             Ok(open as u64)
         }
+        async fn traffic(&self) -> Result<Traffic, AdminError> {
+            if self.fail_counts {
+                return Err(AdminError::Status {
+                    path: "/stats".into(),
+                    status: 503,
+                    body: String::new(),
+                });
+            }
+            let now = self.start.elapsed();
+            let seen = |v: &[Duration]| v.iter().filter(|t| **t <= now).count() as u64;
+            let inbound = seen(&self.inbound_at);
+            Ok(Traffic {
+                inbound_arrivals: inbound,
+                arrivals: inbound + seen(&self.outbound_at),
+                in_flight: self
+                    .in_flight
+                    .iter()
+                    .filter(|(a, b)| *a <= now && now < *b)
+                    .count() as u64,
+            })
+        }
     }
 
     fn settings(exit_on_zero: bool) -> DrainSettings {
@@ -216,7 +367,21 @@ mod tests {
             exit_on_zero_active_connections: exit_on_zero,
             minimum_drain_duration: Duration::from_secs(2),
             drain_deadline: Duration::from_secs(25),
+            drain_mode: DrainMode::Fixed,
+            quiet_period: Duration::from_secs(3),
         }
+    }
+
+    fn adaptive() -> DrainSettings {
+        DrainSettings {
+            drain_mode: DrainMode::Adaptive,
+            ..settings(false)
+        }
+    }
+
+    async fn drain(envoy: &FakeEnvoy, s: DrainSettings) -> (DrainReport, watch::Receiver<bool>) {
+        let (tx, rx) = watch::channel(false);
+        (run(envoy, s, POLL, envoy.start, &tx).await, rx)
     }
 
     const POLL: Duration = Duration::from_millis(50);
@@ -225,7 +390,7 @@ mod tests {
     async fn termination_duration_mode_waits_exactly_that_long() {
         let envoy = FakeEnvoy::new(vec![Duration::from_secs(1)]);
         let start = Instant::now();
-        let r = run(&envoy, settings(false), POLL, start).await;
+        let (r, _) = drain(&envoy, settings(false)).await;
         assert_eq!(r.outcome, DrainOutcome::Elapsed);
         assert_eq!(start.elapsed(), Duration::from_secs(5));
         assert_eq!(r.active_at_start, Some(1));
@@ -236,7 +401,7 @@ mod tests {
     async fn exit_on_zero_waits_minimum_then_for_last_connection() {
         let envoy = FakeEnvoy::new(vec![Duration::from_secs(1), Duration::from_millis(7300)]);
         let start = Instant::now();
-        let r = run(&envoy, settings(true), POLL, start).await;
+        let (r, _) = drain(&envoy, settings(true)).await;
         assert_eq!(r.outcome, DrainOutcome::Drained);
         let took = start.elapsed();
         assert!(took >= Duration::from_millis(7300), "{took:?}");
@@ -247,7 +412,7 @@ mod tests {
     async fn exit_on_zero_with_no_connections_ends_at_minimum() {
         let envoy = FakeEnvoy::new(vec![]);
         let start = Instant::now();
-        let r = run(&envoy, settings(true), POLL, start).await;
+        let (r, _) = drain(&envoy, settings(true)).await;
         assert_eq!(r.outcome, DrainOutcome::Drained);
         assert_eq!(start.elapsed(), Duration::from_secs(2));
     }
@@ -256,7 +421,7 @@ mod tests {
     async fn deadline_bounds_a_connection_that_never_closes() {
         let envoy = FakeEnvoy::new(vec![Duration::from_secs(3600)]);
         let start = Instant::now();
-        let r = run(&envoy, settings(true), POLL, start).await;
+        let (r, _) = drain(&envoy, settings(true)).await;
         assert_eq!(
             r.outcome,
             DrainOutcome::DeadlineExceeded { active: Some(1) }
@@ -272,7 +437,7 @@ mod tests {
         s.termination_drain_duration = Duration::from_secs(60);
         s.drain_deadline = Duration::from_secs(5);
         let start = Instant::now();
-        let r = run(&envoy, s, POLL, start).await;
+        let (r, _) = drain(&envoy, s).await;
         assert!(matches!(r.outcome, DrainOutcome::DeadlineExceeded { .. }));
         assert_eq!(start.elapsed(), Duration::from_millis(4500));
     }
@@ -282,9 +447,114 @@ mod tests {
         let mut envoy = FakeEnvoy::new(vec![]);
         envoy.fail_counts = true;
         let start = Instant::now();
-        let r = run(&envoy, settings(true), POLL, start).await;
+        let (r, _) = drain(&envoy, settings(true)).await;
         assert_eq!(r.active_at_start, None);
         assert_eq!(r.outcome, DrainOutcome::DeadlineExceeded { active: None });
         assert_eq!(start.elapsed(), Duration::from_secs(24));
+    }
+
+    /// The drain, and when (since the start) the app was released.
+    async fn drain_timed(envoy: &FakeEnvoy, s: DrainSettings) -> (DrainReport, Duration) {
+        let (tx, mut rx) = watch::channel(false);
+        let start = envoy.start;
+        let (r, released) = tokio::join!(run(envoy, s, POLL, start, &tx), async {
+            let _ = rx.wait_for(|q| *q).await;
+            start.elapsed()
+        });
+        (r, released)
+    }
+
+    fn near(got: Duration, want: Duration) -> bool {
+        got >= want && got <= want + POLL
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_ends_one_quiet_period_after_the_load_balancer_stops_sending() {
+        // The load balancer lags 2 s behind the endpoints: requests keep coming until then.
+        let mut envoy = FakeEnvoy::new(vec![]);
+        envoy.inbound_at = arrivals(ms(0), ms(2000), ms(100));
+        let (r, released) = drain_timed(&envoy, adaptive()).await;
+        assert_eq!(r.outcome, DrainOutcome::Quiet);
+        let took = Duration::from_secs_f64(r.duration_seconds);
+        assert!(near(took, ms(1900 + 3000)), "{took:?}");
+        assert!(near(released, ms(1900 + 3000)), "{released:?}");
+        assert!(envoy.drained.load(Ordering::SeqCst));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_releases_the_app_on_inbound_quiet_and_waits_for_its_outbound_calls() {
+        // The app calls out every 100 ms while it shuts down, until 6 s.
+        let mut envoy = FakeEnvoy::new(vec![]);
+        envoy.inbound_at = arrivals(ms(0), ms(1000), ms(100));
+        envoy.outbound_at = arrivals(ms(0), ms(6000), ms(100));
+        let (r, released) = drain_timed(&envoy, adaptive()).await;
+        assert_eq!(r.outcome, DrainOutcome::Quiet);
+        assert!(near(released, ms(900 + 3000)), "{released:?}");
+        let took = Duration::from_secs_f64(r.duration_seconds);
+        assert!(near(took, ms(5900 + 3000)), "{took:?}");
+        let quiet = r.inbound_quiet_seconds.map(Duration::from_secs_f64);
+        assert!(quiet.is_some_and(|q| near(q, ms(3900))), "{quiet:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_waits_for_requests_in_flight() {
+        let mut envoy = FakeEnvoy::new(vec![]);
+        envoy.inbound_at = vec![ms(0)];
+        envoy.in_flight = vec![(ms(0), ms(10_000))];
+        let (r, released) = drain_timed(&envoy, adaptive()).await;
+        assert_eq!(r.outcome, DrainOutcome::Quiet);
+        // The app is released (it finishes in-flight work itself); the proxy stays.
+        assert!(near(released, ms(3000)), "{released:?}");
+        let took = Duration::from_secs_f64(r.duration_seconds);
+        assert!(near(took, ms(10_000)), "{took:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_with_no_traffic_ends_after_one_quiet_period() {
+        let envoy = FakeEnvoy::new(vec![Duration::from_secs(3600)]);
+        let (r, _) = drain_timed(&envoy, adaptive()).await;
+        // An idle keep-alive connection does not hold the drain: it was told to close.
+        assert_eq!(r.outcome, DrainOutcome::Quiet);
+        assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(3000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_never_outlives_the_deadline() {
+        let mut envoy = FakeEnvoy::new(vec![]);
+        envoy.inbound_at = arrivals(ms(0), ms(60_000), ms(100));
+        let (r, released) = drain_timed(&envoy, adaptive()).await;
+        assert!(matches!(r.outcome, DrainOutcome::DeadlineExceeded { .. }));
+        assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(24_000));
+        assert_eq!(
+            released,
+            ms(24_000),
+            "the app is released by the end at the latest"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_unreadable_counters_never_count_as_quiet() {
+        let mut envoy = FakeEnvoy::new(vec![]);
+        envoy.fail_counts = true;
+        let (r, _) = drain_timed(&envoy, adaptive()).await;
+        assert_eq!(r.outcome, DrainOutcome::DeadlineExceeded { active: None });
+        assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(24_000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fixed_and_exit_on_zero_release_the_app_at_once() {
+        for s in [
+            settings(false),
+            settings(true),
+            DrainSettings {
+                exit_on_zero_active_connections: true,
+                ..adaptive()
+            },
+        ] {
+            let envoy = FakeEnvoy::new(vec![]);
+            let (r, released) = drain_timed(&envoy, s).await;
+            assert_eq!(released, Duration::ZERO, "{s:?}");
+            assert_ne!(r.outcome, DrainOutcome::Quiet, "{s:?}");
+        }
     }
 }

@@ -10,8 +10,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use remora_contract::Overlay;
 use remora_contract::downward::read_annotations_file;
+use remora_contract::{DrainMode, Overlay};
 use serde::Serialize;
 
 use crate::config::RunConfig;
@@ -28,6 +28,9 @@ pub struct DrainSettings {
     pub minimum_drain_duration: Duration,
     #[serde(with = "secs")]
     pub drain_deadline: Duration,
+    pub drain_mode: DrainMode,
+    #[serde(with = "secs")]
+    pub quiet_period: Duration,
 }
 
 mod secs {
@@ -45,7 +48,14 @@ impl DrainSettings {
             exit_on_zero_active_connections: cfg.exit_on_zero_active_connections,
             minimum_drain_duration: cfg.minimum_drain_duration,
             drain_deadline: cfg.drain_deadline,
+            drain_mode: cfg.drain_mode,
+            quiet_period: cfg.quiet_period,
         }
+    }
+
+    /// How this drain ends: exit-on-zero always means the fixed model.
+    pub fn adaptive(&self) -> bool {
+        self.drain_mode == DrainMode::Adaptive && !self.exit_on_zero_active_connections
     }
 
     /// Apply the pod's annotations over these settings, through the
@@ -64,6 +74,8 @@ impl DrainSettings {
             .minimum_drain_duration
             .unwrap_or(self.minimum_drain_duration);
         self.drain_deadline = o.drain_deadline.unwrap_or(self.drain_deadline);
+        self.drain_mode = o.drain_mode.unwrap_or(self.drain_mode);
+        self.quiet_period = o.quiet_period.unwrap_or(self.quiet_period);
         (self, problems.iter().map(ToString::to_string).collect())
     }
 }
@@ -122,6 +134,8 @@ mod tests {
             exit_on_zero_active_connections: false,
             minimum_drain_duration: Duration::from_secs(5),
             drain_deadline: Duration::from_secs(25),
+            drain_mode: DrainMode::Adaptive,
+            quiet_period: Duration::from_secs(3),
         }
     }
 

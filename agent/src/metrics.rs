@@ -23,6 +23,8 @@ pub struct RestartLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum DrainOutcomeLabel {
+    /// Adaptive: the pod was no longer used.
+    Quiet,
     /// Active connections reached zero (exit-on-zero).
     Drained,
     /// The termination drain duration elapsed.

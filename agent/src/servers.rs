@@ -5,13 +5,15 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{Query, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+
+use remora_contract::pod;
 
 use crate::config::RunConfig;
 use crate::lifecycle::LiveSettings;
@@ -42,13 +44,75 @@ pub async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, S
 struct HealthState {
     readiness: Readiness,
     metrics: Metrics,
+    prestop: AppPrestop,
 }
 
-pub fn health_router(readiness: Readiness, metrics: Metrics) -> Router {
+/// What the app containers' preStop hook needs (see [`app_prestop`]).
+#[derive(Clone)]
+pub struct AppPrestop {
+    /// None: the endpoint is off (no token configured).
+    token: Option<Arc<str>>,
+    supervisor: SupervisorHandle,
+    live: LiveSettings,
+}
+
+impl AppPrestop {
+    pub fn new(cfg: &RunConfig, supervisor: SupervisorHandle) -> Self {
+        Self {
+            token: cfg
+                .drain_token
+                .as_deref()
+                .filter(|t| !t.is_empty())
+                .map(Arc::from),
+            supervisor,
+            live: LiveSettings::new(cfg),
+        }
+    }
+}
+
+pub fn health_router(readiness: Readiness, metrics: Metrics, prestop: AppPrestop) -> Router {
     Router::new()
         .route("/healthz/ready", get(ready))
         .route("/healthz/live", get(|| async { "live\n" }))
-        .with_state(HealthState { readiness, metrics })
+        .route(pod::APP_PRESTOP_PATH, get(app_prestop))
+        .with_state(HealthState {
+            readiness,
+            metrics,
+            prestop,
+        })
+}
+
+/// The app containers' preStop hook (the kubelet's `httpGet`, hence on the
+/// pod-facing port, and hence the token): start the drain if it has not
+/// started, and answer once the app may stop — inbound traffic quiet, or at
+/// once for a fixed drain — bounded by the drain deadline.
+async fn app_prestop(State(s): State<HealthState>, headers: HeaderMap) -> Response {
+    let p = &s.prestop;
+    let Some(token) = &p.token else {
+        return (StatusCode::NOT_FOUND, "no drain token configured\n").into_response();
+    };
+    let presented = headers
+        .get(pod::DRAIN_TOKEN_HEADER)
+        .map(|v| v.as_bytes())
+        .unwrap_or_default();
+    if !same_secret(presented, token.as_bytes()) {
+        return (StatusCode::FORBIDDEN, "missing or wrong drain token\n").into_response();
+    }
+    let mut quiet = p.supervisor.inbound_quiet.clone();
+    if !*quiet.borrow() && p.supervisor.control.send(Control::Drain).await.is_err() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "the agent is stopping\n").into_response();
+    }
+    let bound = p.live.current().drain_deadline;
+    match tokio::time::timeout(bound, quiet.wait_for(|q| *q)).await {
+        Ok(Ok(_)) => (StatusCode::OK, "the app may stop\n").into_response(),
+        Ok(Err(_)) => (StatusCode::OK, "the agent stopped\n").into_response(),
+        Err(_) => (StatusCode::OK, "drain deadline reached\n").into_response(),
+    }
+}
+
+/// Equality that takes as long whatever the first differing byte.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn ready(State(s): State<HealthState>) -> Response {

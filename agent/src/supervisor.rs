@@ -152,6 +152,9 @@ pub struct SupervisorHandle {
     pub control: mpsc::Sender<Control>,
     /// `Some` once a drain has finished.
     pub drained: watch::Receiver<Option<DrainReport>>,
+    /// True once a drain has let the app stop (inbound quiet, or at once when
+    /// the drain is fixed); what the app containers' preStop hook waits for.
+    pub inbound_quiet: watch::Receiver<bool>,
     pub state: watch::Receiver<EnvoyState>,
 }
 
@@ -172,6 +175,7 @@ pub struct Supervisor {
     base_id: Option<u32>,
     rx: mpsc::Receiver<Control>,
     drained_tx: watch::Sender<Option<DrainReport>>,
+    inbound_quiet_tx: watch::Sender<bool>,
     state_tx: watch::Sender<EnvoyState>,
 }
 
@@ -194,6 +198,7 @@ impl Supervisor {
     ) -> (Self, SupervisorHandle) {
         let (control, rx) = mpsc::channel(16);
         let (drained_tx, drained) = watch::channel(None);
+        let (inbound_quiet_tx, inbound_quiet) = watch::channel(false);
         let (state_tx, state) = watch::channel(EnvoyState::default());
         let envoy_guard = Arc::new(readiness.register("envoy", "Envoy is not started yet"));
         let sup = Self {
@@ -213,11 +218,13 @@ impl Supervisor {
             monitor: None,
             rx,
             drained_tx,
+            inbound_quiet_tx,
             state_tx,
         };
         let handle = SupervisorHandle {
             control,
             drained,
+            inbound_quiet,
             state,
         };
         (sup, handle)
@@ -423,7 +430,8 @@ impl Supervisor {
         let admin = self.admin.clone();
         let poll = self.cfg.drain_poll_interval;
         let started = Instant::now();
-        Box::pin(async move { drain::run(&admin, settings, poll, started).await })
+        let inbound_quiet = self.inbound_quiet_tx.clone();
+        Box::pin(async move { drain::run(&admin, settings, poll, started, &inbound_quiet).await })
     }
 
     fn record_drain(&self, report: &DrainReport) {
@@ -554,8 +562,10 @@ impl Supervisor {
                             duration_seconds: drain_started
                                 .map(|(t, _)| t.elapsed().as_secs_f64())
                                 .unwrap_or(0.0),
+                            inbound_quiet_seconds: None,
                             settings: self.live.current(),
                         };
+                        self.inbound_quiet_tx.send_replace(true);
                         if drained.is_none() {
                             self.record_drain(&report);
                         }

@@ -229,9 +229,100 @@ fn inbound_drain_tells_clients_connection_close() {
 }
 
 #[test]
+fn adaptive_drain_lasts_while_traffic_arrives_then_one_quiet_period() {
+    let mut agent = Agent::builder().args(["--quiet-period", "1s"]).start();
+    agent.signal(Signal::SIGTERM);
+    let start = Instant::now();
+    agent.wait_unready();
+    // A keep-alive client the load balancer still sends to for 2 s: every
+    // response says `connection: close` (immediate strategy), so it reconnects.
+    let lag = Duration::from_secs(2);
+    let (mut sent, mut closes) = (0, 0);
+    let mut conn = Conn::open(agent.ports.inbound).expect("connect");
+    while start.elapsed() < lag {
+        let r = conn.get("/").expect("served while draining");
+        assert_eq!(r.status, 200);
+        sent += 1;
+        if r.header("connection") == Some("close") {
+            closes += 1;
+            conn = Conn::open(agent.ports.inbound).expect("reconnect while draining");
+        }
+        // The client's pace, not a wait for a condition.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(conn);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    let took = start.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    assert_eq!(
+        closes, sent,
+        "every response in the drain said connection: close"
+    );
+    assert!(took >= lag + Duration::from_secs(1), "left after {took:?}");
+    assert!(
+        agent.log().contains("\"outcome\":\"quiet\""),
+        "{}",
+        agent.log()
+    );
+    println!("adaptive drain: {sent} requests over {lag:?} of lag, agent exited after {took:?}");
+}
+
+#[test]
+fn app_prestop_needs_the_token_and_answers_when_inbound_is_quiet() {
+    let path = remora_contract::pod::APP_PRESTOP_PATH;
+    let header = remora_contract::pod::DRAIN_TOKEN_HEADER;
+    let mut agent = Agent::builder()
+        .args(["--quiet-period", "500ms", "--drain-token", "s3cret-token"])
+        .start();
+    for presented in [None, Some("wrong")] {
+        let headers: Vec<(&str, &str)> = presented.map(|t| (header, t)).into_iter().collect();
+        let r = Conn::open(agent.ports.health)
+            .and_then(|mut c| c.request_with("GET", path, &headers))
+            .expect("answered");
+        assert_eq!(r.status, 403, "{presented:?}");
+    }
+    assert_eq!(
+        get(agent.ports.health, "/healthz/ready")
+            .expect("ready")
+            .status,
+        200
+    );
+    assert!(
+        !agent.log().contains("s3cret-token"),
+        "the token is never logged"
+    );
+
+    let start = Instant::now();
+    let r = Conn::open(agent.ports.health)
+        .and_then(|mut c| c.request_with("GET", path, &[(header, "s3cret-token")]))
+        .expect("answered");
+    let took = start.elapsed();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        took >= Duration::from_millis(500),
+        "answered before quiet: {took:?}"
+    );
+    agent.wait_unready();
+    // The proxy keeps serving the app until its own SIGTERM, then stops at once.
+    assert!(agent.is_running());
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.wait_exit(Duration::from_secs(5)).code(), Some(0));
+    assert!(
+        agent.log().contains("\"outcome\":\"quiet\""),
+        "{}",
+        agent.log()
+    );
+}
+
+#[test]
 fn sigterm_termination_drain_duration_mode() {
     let mut agent = Agent::builder()
-        .args(["--termination-drain-duration", "1500ms"])
+        .args([
+            "--drain-mode",
+            "fixed",
+            "--termination-drain-duration",
+            "1500ms",
+        ])
         .start();
     let start = Instant::now();
     agent.signal(Signal::SIGTERM);
@@ -274,6 +365,8 @@ fn drain_deadline_bounds_the_drain_and_is_reported() {
 fn second_signal_aborts_the_drain() {
     let mut agent = Agent::builder()
         .args([
+            "--drain-mode",
+            "fixed",
             "--termination-drain-duration",
             "30s",
             "--drain-deadline",
@@ -292,7 +385,12 @@ fn second_signal_aborts_the_drain() {
 #[test]
 fn drain_helper_blocks_until_drained_then_sigterm_stops() {
     let mut agent = Agent::builder()
-        .args(["--termination-drain-duration", "700ms"])
+        .args([
+            "--drain-mode",
+            "fixed",
+            "--termination-drain-duration",
+            "700ms",
+        ])
         .start();
     let start = Instant::now();
     let out = std::process::Command::new(agent_bin())
@@ -439,6 +537,8 @@ fn envoy_never_outlives_a_killed_agent() {
 fn annotations_file_overrides_drain_settings_at_drain_time() {
     let mut agent = Agent::builder()
         .args([
+            "--drain-mode",
+            "fixed",
             "--termination-drain-duration",
             "30s",
             "--drain-deadline",
@@ -522,7 +622,12 @@ fn annotation_changing_drain_duration_restarts_envoy_hot() {
 #[test]
 fn metrics_record_drains() {
     let mut agent = Agent::builder()
-        .args(["--termination-drain-duration", "200ms"])
+        .args([
+            "--drain-mode",
+            "fixed",
+            "--termination-drain-duration",
+            "200ms",
+        ])
         .start();
     let out = std::process::Command::new(agent_bin())
         .args(["drain", "--admin-url"])

@@ -29,11 +29,13 @@ pub const DRAIN_DURATION: &str = "remora.dev/drain-duration";
 pub const TERMINATION_DRAIN_DURATION: &str = "remora.dev/termination-drain-duration";
 pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: &str = "remora.dev/exit-on-zero-active-connections";
 pub const MINIMUM_DRAIN_DURATION: &str = "remora.dev/minimum-drain-duration";
+pub const DRAIN_MODE: &str = "remora.dev/drain-mode";
+pub const QUIET_PERIOD: &str = "remora.dev/quiet-period";
 pub const CONCURRENCY: &str = "remora.dev/concurrency";
 pub const LOG_LEVEL: &str = "remora.dev/log-level";
 
 /// The per-field keys, in the order [`crate::overlay::Overlay`] reads them.
-pub const PER_FIELD: [&str; 9] = [
+pub const PER_FIELD: [&str; 11] = [
     MODE,
     HOLD_APPLICATION_UNTIL_PROXY_STARTS,
     STARTUP_TIMEOUT,
@@ -41,6 +43,8 @@ pub const PER_FIELD: [&str; 9] = [
     TERMINATION_DRAIN_DURATION,
     EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
     MINIMUM_DRAIN_DURATION,
+    DRAIN_MODE,
+    QUIET_PERIOD,
     CONCURRENCY,
     LOG_LEVEL,
 ];

@@ -8,6 +8,11 @@ pub const DRAIN_DURATION: &str = "45s";
 pub const TERMINATION_DRAIN_DURATION: &str = "5s";
 pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: bool = false;
 pub const MINIMUM_DRAIN_DURATION: &str = "5s";
+pub const DRAIN_MODE: crate::DrainMode = crate::DrainMode::Adaptive;
+/// Adaptive drain: how long no new connection or request must arrive before
+/// the pod counts as no longer used. Longer than a kube-proxy resync and the
+/// gap between requests of a steadily used keep-alive client.
+pub const QUIET_PERIOD: &str = "3s";
 /// The agent's drain deadline when nothing derives one (25 s fits Kubernetes'
 /// default 30 s grace period with [`crate::pod::drain_deadline`]'s margin).
 pub const DRAIN_DEADLINE: &str = "25s";
@@ -27,6 +32,7 @@ mod tests {
             DRAIN_DURATION,
             TERMINATION_DRAIN_DURATION,
             MINIMUM_DRAIN_DURATION,
+            QUIET_PERIOD,
             DRAIN_DEADLINE,
         ] {
             assert!(crate::duration::parse(d).is_ok(), "{d}");

@@ -12,6 +12,12 @@ pub const DRAIN_DURATION: &str = "REMORA_DRAIN_DURATION";
 pub const TERMINATION_DRAIN_DURATION: &str = "REMORA_TERMINATION_DRAIN_DURATION";
 pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: &str = "REMORA_EXIT_ON_ZERO_ACTIVE_CONNECTIONS";
 pub const MINIMUM_DRAIN_DURATION: &str = "REMORA_MINIMUM_DRAIN_DURATION";
+pub const DRAIN_MODE: &str = "REMORA_DRAIN_MODE";
+pub const QUIET_PERIOD: &str = "REMORA_QUIET_PERIOD";
+/// The secret the app containers' preStop hook presents to the agent's
+/// [`crate::pod::APP_PRESTOP_PATH`]: without it anyone on the pod network
+/// could make the pod drain.
+pub const DRAIN_TOKEN: &str = "REMORA_DRAIN_TOKEN";
 pub const DRAIN_DEADLINE: &str = "REMORA_DRAIN_DEADLINE";
 pub const RUN_DIR: &str = "REMORA_RUN_DIR";
 pub const ANNOTATIONS_FILE: &str = "REMORA_ANNOTATIONS_FILE";

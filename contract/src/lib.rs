@@ -22,5 +22,5 @@ pub mod traffic;
 pub mod value;
 
 pub use duration::DurationError;
-pub use mode::{LogLevel, SidecarMode};
+pub use mode::{DrainMode, LogLevel, SidecarMode};
 pub use overlay::Overlay;

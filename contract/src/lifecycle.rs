@@ -51,6 +51,10 @@ pub struct ShutdownAnnotation {
     pub exit_on_zero_active_connections: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub minimum_drain_duration: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_mode: Option<crate::DrainMode>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quiet_period: Option<String>,
 }
 
 /// The value of `remora.dev/stop` as the operator writes it. Informational:

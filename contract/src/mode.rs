@@ -44,6 +44,49 @@ impl std::str::FromStr for SidecarMode {
     }
 }
 
+/// How a drain ends (`spec.shutdown.drainMode`, `remora.dev/drain-mode`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DrainMode {
+    /// End when the pod has stopped being used: no new connection or request
+    /// (inbound or outbound) for the quiet period and none in flight, bounded
+    /// by the drain deadline. Follows the load balancer's real lag instead of
+    /// guessing it.
+    #[default]
+    Adaptive,
+    /// End after `terminationDrainDuration`, or with
+    /// `exitOnZeroActiveConnections` when no connection is left (Istio's model).
+    Fixed,
+}
+
+impl DrainMode {
+    pub const ALL: [Self; 2] = [Self::Adaptive, Self::Fixed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Adaptive => "Adaptive",
+            Self::Fixed => "Fixed",
+        }
+    }
+}
+
+impl std::fmt::Display for DrainMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for DrainMode {
+    type Err = String;
+    /// Case-insensitive, surrounding whitespace ignored.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str().eq_ignore_ascii_case(t))
+            .ok_or_else(|| format!("{:?} is not a drain mode (Adaptive, Fixed)", short(t)))
+    }
+}
+
 /// Envoy's log level (`spec.proxy.logLevel`, `remora.dev/log-level`).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[serde(rename_all = "lowercase")]
@@ -124,6 +167,11 @@ mod tests {
             assert_eq!(serde_json::to_value(l).ok(), Some(l.as_str().into()));
             assert_eq!(l.as_str().parse::<LogLevel>(), Ok(l));
         }
+        for m in DrainMode::ALL {
+            assert_eq!(serde_json::to_value(m).ok(), Some(m.as_str().into()));
+            assert_eq!(m.as_str().to_uppercase().parse::<DrainMode>(), Ok(m));
+        }
+        assert!("gradual".parse::<DrainMode>().is_err());
         assert!("loud".parse::<LogLevel>().is_err());
         assert!("Sidecar".parse::<SidecarMode>().is_err());
     }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::lifecycle::LifecycleAnnotation;
-use crate::{LogLevel, SidecarMode, annotations, duration, value};
+use crate::{DrainMode, LogLevel, SidecarMode, annotations, duration, value};
 
 /// Settings a pod's annotations override; `None` keeps the weaker layer.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -19,6 +19,8 @@ pub struct Overlay {
     pub termination_drain_duration: Option<Duration>,
     pub exit_on_zero_active_connections: Option<bool>,
     pub minimum_drain_duration: Option<Duration>,
+    pub drain_mode: Option<DrainMode>,
+    pub quiet_period: Option<Duration>,
     /// Only in `remora.dev/lifecycle`: the injector derives it.
     pub drain_deadline: Option<Duration>,
     pub concurrency: Option<u32>,
@@ -86,6 +88,12 @@ impl Overlay {
             duration::parse
         );
         field!(
+            o.drain_mode,
+            annotations::DRAIN_MODE,
+            str::parse::<DrainMode>
+        );
+        field!(o.quiet_period, annotations::QUIET_PERIOD, duration::parse);
+        field!(
             o.concurrency,
             annotations::CONCURRENCY,
             value::parse_concurrency
@@ -122,6 +130,8 @@ impl Overlay {
             o.exit_on_zero_active_connections = s.exit_on_zero_active_connections;
             o.minimum_drain_duration =
                 dur("shutdown.minimumDrainDuration", &s.minimum_drain_duration);
+            o.drain_mode = s.drain_mode;
+            o.quiet_period = dur("shutdown.quietPeriod", &s.quiet_period);
         }
         o.drain_deadline = dur("drainDeadline", &l.drain_deadline);
         (o, problems)
@@ -167,6 +177,8 @@ impl Overlay {
             minimum_drain_duration: stronger
                 .minimum_drain_duration
                 .or(self.minimum_drain_duration),
+            drain_mode: stronger.drain_mode.or(self.drain_mode),
+            quiet_period: stronger.quiet_period.or(self.quiet_period),
             drain_deadline: stronger.drain_deadline.or(self.drain_deadline),
             concurrency: stronger.concurrency.or(self.concurrency),
             log_level: stronger.log_level.or(self.log_level),
@@ -190,6 +202,8 @@ mod tests {
             (annotations::TERMINATION_DRAIN_DURATION, "7s"),
             (annotations::EXIT_ON_ZERO_ACTIVE_CONNECTIONS, "true"),
             (annotations::MINIMUM_DRAIN_DURATION, "1s"),
+            (annotations::DRAIN_MODE, "fixed"),
+            (annotations::QUIET_PERIOD, "500ms"),
             (annotations::CONCURRENCY, "4"),
             (annotations::LOG_LEVEL, "debug"),
         ]);
@@ -207,6 +221,8 @@ mod tests {
                 termination_drain_duration: Some(s(7)),
                 exit_on_zero_active_connections: Some(true),
                 minimum_drain_duration: Some(s(1)),
+                drain_mode: Some(DrainMode::Fixed),
+                quiet_period: Some(Duration::from_millis(500)),
                 drain_deadline: None,
                 concurrency: Some(4),
                 log_level: Some(LogLevel::Debug),

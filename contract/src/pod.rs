@@ -22,6 +22,12 @@ pub const STATS_PORT: u16 = 15090;
 pub const STATS_PORT_NAME: &str = "remora-stats";
 pub const READY_PATH: &str = "/healthz/ready";
 pub const LIVE_PATH: &str = "/healthz/live";
+/// On the health port: the app containers' preStop hook (`httpGet`). Starts
+/// the drain if it has not started and answers once inbound traffic has gone
+/// quiet, so the kubelet sends the app SIGTERM only when the load balancer
+/// has stopped sending. Needs [`DRAIN_TOKEN_HEADER`].
+pub const APP_PRESTOP_PATH: &str = "/drain/app-prestop";
+pub const DRAIN_TOKEN_HEADER: &str = "x-remora-drain-token";
 
 /// Every port the sidecar binds in the pod's network namespace, and what for.
 pub const SIDECAR_PORTS: [(u16, &str); 5] = [

@@ -24,7 +24,7 @@ pub const VERSION: &str = "v1alpha1";
 
 /// The built-in defaults (the weakest layer, "chart defaults").
 pub use remora_contract::defaults;
-pub use remora_contract::{LogLevel, SidecarMode};
+pub use remora_contract::{DrainMode, LogLevel, SidecarMode};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CrdError {
@@ -185,6 +185,20 @@ pub struct ShutdownSpec {
     /// warns otherwise). Default: 5s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub minimum_drain_duration: Option<DurationString>,
+    /// How the drain ends. Adaptive: when the pod is no longer used — no new
+    /// connection or request (inbound or outbound) for quietPeriod and none
+    /// in flight — bounded by the grace period; the app containers' SIGTERM
+    /// waits (a preStop hook) until inbound traffic has gone quiet, so the
+    /// drain follows the load balancer's real lag. Fixed:
+    /// terminationDrainDuration, or exitOnZeroActiveConnections.
+    /// exitOnZeroActiveConnections: true always means Fixed. Default: Adaptive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "drain_mode_schema")]
+    pub drain_mode: Option<DrainMode>,
+    /// Adaptive drain: how long no new connection or request must arrive
+    /// before the pod counts as no longer used. Default: 3s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quiet_period: Option<DurationString>,
 }
 
 /// Envoy process settings.
@@ -218,6 +232,10 @@ fn string_enum(values: &[&str]) -> Schema {
 
 fn mode_schema(_: &mut SchemaGenerator) -> Schema {
     string_enum(&SidecarMode::ALL.map(SidecarMode::as_str))
+}
+
+fn drain_mode_schema(_: &mut SchemaGenerator) -> Schema {
+    string_enum(&DrainMode::ALL.map(DrainMode::as_str))
 }
 
 fn log_level_schema(_: &mut SchemaGenerator) -> Schema {

@@ -310,6 +310,15 @@ pub fn mutate(
     let lifecycle = lifecycle_annotation(cfg, mode, deadline);
     let mut container = proxy_container(cfg, mode, deadline);
     plumb_traffic(&mut container, &annotations, containers, &mut warnings);
+    // Hashed before the token goes in: the token differs on every injection,
+    // the sidecar it belongs to does not.
+    let config_hash = config_hash(&container, &lifecycle);
+    let token = drain_token();
+    container
+        .env
+        .get_or_insert_with(Vec::new)
+        .push(env(env_name::DRAIN_TOKEN, token.clone()));
+    let app_hooks = app_prestop_hooks(containers, &token, &mut warnings);
     let only_in = |m: SidecarMode| {
         if mode == m {
             vec![PROXY_CONTAINER.to_string()]
@@ -323,7 +332,7 @@ pub fn mutate(
         containers: only_in(SidecarMode::Legacy),
         init_containers: only_in(SidecarMode::Native),
         volumes: vec![RUN_VOLUME.into(), PODINFO_VOLUME.into()],
-        config_hash: config_hash(&container, &lifecycle),
+        config_hash,
         restart_hash: Some(cfg.restart_hash()),
         sources: cfg.sources.clone(),
     };
@@ -357,6 +366,8 @@ pub fn mutate(
             ops.push(add(&["spec", "volumes", "-"], v));
         }
     }
+    // Before the Legacy sidecar goes in at index 0: these indexes are the app's.
+    ops.extend(app_hooks);
     let container = to_json(&container);
     match mode {
         SidecarMode::Native if spec["initContainers"].is_null() => {
@@ -371,6 +382,56 @@ pub fn mutate(
         outcome: Outcome::Injected(mode),
         warnings,
     })
+}
+
+/// A fresh secret for the app containers' preStop hook (see
+/// [`remora_contract::pod::APP_PRESTOP_PATH`]): 128 random bits, hex.
+fn drain_token() -> String {
+    let bytes: [u8; 16] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The preStop hook of every app container: an `httpGet` on the sidecar's
+/// health port that returns once inbound traffic has gone quiet (adaptive
+/// drain), so the kubelet sends the app SIGTERM only when the load balancer
+/// has stopped sending to the pod. A container with its own preStop keeps it
+/// (warned): its SIGTERM does not wait for the drain.
+fn app_prestop_hooks(
+    containers: &[Value],
+    token: &str,
+    warnings: &mut Vec<String>,
+) -> Vec<PatchOperation> {
+    let hook = json!({
+        "httpGet": {
+            "path": remora_contract::pod::APP_PRESTOP_PATH,
+            "port": HEALTH_PORT,
+            "scheme": "HTTP",
+            "httpHeaders": [{"name": remora_contract::pod::DRAIN_TOKEN_HEADER, "value": token}],
+        }
+    });
+    let mut ops = Vec::new();
+    for (i, c) in containers.iter().enumerate() {
+        let i = i.to_string();
+        let lifecycle = &c["lifecycle"];
+        if !lifecycle["preStop"].is_null() {
+            warnings.push(format!(
+                "remora: container {} has its own preStop hook: its SIGTERM does not wait for \
+                 the sidecar's drain",
+                c["name"].as_str().unwrap_or("?")
+            ));
+        } else if lifecycle.is_object() {
+            ops.push(add(
+                &["spec", "containers", &i, "lifecycle", "preStop"],
+                hook.clone(),
+            ));
+        } else {
+            ops.push(add(
+                &["spec", "containers", &i, "lifecycle"],
+                json!({ "preStop": hook }),
+            ));
+        }
+    }
+    ops
 }
 
 /// Give the sidecar its static-mode listeners: inbound from the pod's
@@ -481,6 +542,8 @@ pub fn lifecycle_annotation(
             termination_drain_duration: Some(format_duration(cfg.termination_drain_duration)),
             exit_on_zero_active_connections: Some(cfg.exit_on_zero_active_connections),
             minimum_drain_duration: Some(format_duration(cfg.minimum_drain_duration)),
+            drain_mode: Some(cfg.drain_mode),
+            quiet_period: Some(format_duration(cfg.quiet_period)),
         }),
         drain_deadline: Some(format_duration(deadline)),
     }
@@ -552,6 +615,8 @@ pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Durat
             env_name::MINIMUM_DRAIN_DURATION,
             d(cfg.minimum_drain_duration),
         ),
+        env(env_name::DRAIN_MODE, cfg.drain_mode.as_str().to_string()),
+        env(env_name::QUIET_PERIOD, d(cfg.quiet_period)),
         env(env_name::DRAIN_DEADLINE, d(deadline)),
         env(env_name::RUN_DIR, RUN_DIR.into()),
         env(

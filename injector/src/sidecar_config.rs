@@ -9,7 +9,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use remora_contract::{Overlay, defaults, duration};
-use remora_crds::{LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode};
+use remora_crds::{DrainMode, LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode};
 use serde::Serialize;
 
 /// The defaults the chart (or the command line) gives; the weakest layer.
@@ -59,6 +59,8 @@ pub struct EffectiveConfig {
     pub termination_drain_duration: Duration,
     pub exit_on_zero_active_connections: bool,
     pub minimum_drain_duration: Duration,
+    pub drain_mode: DrainMode,
+    pub quiet_period: Duration,
     pub concurrency: i32,
     pub log_level: LogLevel,
     pub resources: ResourceRequirements,
@@ -107,6 +109,8 @@ impl EffectiveConfig {
             termination_drain_duration: dur(defaults::TERMINATION_DRAIN_DURATION),
             exit_on_zero_active_connections: defaults::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
             minimum_drain_duration: dur(defaults::MINIMUM_DRAIN_DURATION),
+            drain_mode: defaults::DRAIN_MODE,
+            quiet_period: dur(defaults::QUIET_PERIOD),
             concurrency: concurrency(defaults::CONCURRENCY),
             log_level: defaults::LOG_LEVEL,
             resources: d.resources.clone(),
@@ -152,8 +156,16 @@ impl EffectiveConfig {
                 &s.minimum_drain_duration,
                 &mut self.minimum_drain_duration,
             );
+            set(
+                "shutdown.quietPeriod",
+                &s.quiet_period,
+                &mut self.quiet_period,
+            );
             if let Some(b) = s.exit_on_zero_active_connections {
                 self.exit_on_zero_active_connections = b;
+            }
+            if let Some(m) = s.drain_mode {
+                self.drain_mode = m;
             }
         }
         if let Some(p) = &spec.proxy {
@@ -192,6 +204,8 @@ impl EffectiveConfig {
         self.minimum_drain_duration = o
             .minimum_drain_duration
             .unwrap_or(self.minimum_drain_duration);
+        self.drain_mode = o.drain_mode.unwrap_or(self.drain_mode);
+        self.quiet_period = o.quiet_period.unwrap_or(self.quiet_period);
         self.concurrency = o.concurrency.map_or(self.concurrency, concurrency);
         self.log_level = o.log_level.unwrap_or(self.log_level);
         self.problems

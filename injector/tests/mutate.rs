@@ -483,3 +483,81 @@ fn traffic_annotations_are_validated_entry_by_entry() {
         "{names:?}"
     );
 }
+
+/// The token in the sidecar's environment.
+fn drain_token(sidecar: &Value) -> Option<String> {
+    sidecar["env"]
+        .as_array()?
+        .iter()
+        .find(|e| e["name"] == remora_contract::env::DRAIN_TOKEN)
+        .and_then(|e| e["value"].as_str())
+        .map(str::to_string)
+}
+
+#[test]
+fn app_containers_wait_for_the_drain_in_their_prestop_with_the_sidecars_token() {
+    let ns = enabled();
+    let mut p = pod();
+    p["spec"]["containers"] = json!([
+        {"name": "app", "image": "a", "lifecycle": {"postStart": {"exec": {"command": ["x"]}}}},
+        {"name": "worker", "image": "w"},
+        {"name": "own", "image": "o", "lifecycle": {"preStop": {"sleep": {"seconds": 5}}}},
+    ]);
+    for (mode, native) in [(SidecarMode::Legacy, false), (SidecarMode::Native, true)] {
+        let (out, _, warnings) = apply(&p, &target("shop", &ns, native), &cfg(mode));
+        let sidecar = if native {
+            &out["spec"]["initContainers"][0]
+        } else {
+            &out["spec"]["containers"][0]
+        };
+        let token = drain_token(sidecar).expect("the sidecar has a token");
+        assert_eq!(token.len(), 32);
+        let app = |name: &str| {
+            out["spec"]["containers"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+                .cloned()
+                .unwrap_or_default()
+        };
+        for name in ["app", "worker"] {
+            let hook = &app(name)["lifecycle"]["preStop"]["httpGet"];
+            assert_eq!(
+                hook["path"],
+                remora_contract::pod::APP_PRESTOP_PATH,
+                "{name}"
+            );
+            assert_eq!(hook["port"], 15021, "{name}");
+            assert_eq!(
+                hook["httpHeaders"],
+                json!([{"name": remora_contract::pod::DRAIN_TOKEN_HEADER, "value": token}]),
+                "{name}"
+            );
+        }
+        assert!(
+            !app("app")["lifecycle"]["postStart"].is_null(),
+            "the app's own hooks stay"
+        );
+        assert_eq!(
+            app("own")["lifecycle"]["preStop"],
+            json!({"sleep": {"seconds": 5}}),
+            "an app's own preStop is kept"
+        );
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("own") && w.contains("preStop")),
+            "{warnings:?}"
+        );
+    }
+    // A fresh token per injection; the recorded hash does not depend on it.
+    let once = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Native)).0;
+    let twice = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Native)).0;
+    assert_ne!(
+        drain_token(&once["spec"]["initContainers"][0]),
+        drain_token(&twice["spec"]["initContainers"][0])
+    );
+    assert_eq!(
+        once["metadata"]["annotations"][STATUS_ANNOTATION],
+        twice["metadata"]["annotations"][STATUS_ANNOTATION]
+    );
+}

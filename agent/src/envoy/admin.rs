@@ -119,6 +119,17 @@ impl EnvoyAdmin {
         Ok(count_active_connections(&body))
     }
 
+    /// The counters the adaptive drain follows (see [`Traffic::parse`]).
+    pub async fn traffic(&self) -> Result<Traffic, AdminError> {
+        let body = self
+            .call(
+                hyper::Method::GET,
+                "/stats?usedonly&filter=downstream_(cx_total|rq_total|rq_active)$",
+            )
+            .await?;
+        Ok(Traffic::parse(&body))
+    }
+
     /// Start a graceful drain of the inbound listeners only.
     pub async fn drain_inbound_listeners(&self) -> Result<(), AdminError> {
         self.call(hyper::Method::POST, "/drain_listeners?inboundonly&graceful")
@@ -160,6 +171,67 @@ pub fn count_active_connections(body: &str) -> u64 {
         .sum()
 }
 
+/// What the workload's listeners have seen, from Envoy's own counters: enough
+/// to tell whether the pod is still being used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Connections and requests that arrived on inbound listeners so far: HTTP
+    /// connection managers and TCP proxies whose stat prefix starts with
+    /// `inbound` (the agent's static listeners, and Istio-style xDS names).
+    pub inbound_arrivals: u64,
+    /// Connections on every workload listener (the app's outbound ones too)
+    /// plus requests on every HTTP connection manager.
+    pub arrivals: u64,
+    /// Requests in flight on every HTTP connection manager.
+    pub in_flight: u64,
+}
+
+impl Traffic {
+    /// Read `downstream_cx_total`, `downstream_rq_total` and
+    /// `downstream_rq_active` out of a `/stats` body. Left out, as in
+    /// [`count_active_connections`]: the admin listener (the stats request
+    /// itself), the agent's Prometheus listener, per-worker copies.
+    pub fn parse(body: &str) -> Self {
+        let mut t = Self::default();
+        for (name, value) in parse_stats(body) {
+            let Some((scope, rest)) = name.split_once('.') else {
+                continue;
+            };
+            let Some((prefix, stat)) = rest.rsplit_once('.') else {
+                continue;
+            };
+            if prefix == "admin" || prefix == PROMETHEUS_STAT_PREFIX {
+                continue;
+            }
+            let inbound = prefix.starts_with("inbound");
+            match (scope, stat) {
+                ("listener", "downstream_cx_total") => {
+                    let per_thread = prefix
+                        .rsplit_once('.')
+                        .is_some_and(|(_, last)| last == "main_thread" || is_worker(last));
+                    if !per_thread {
+                        t.arrivals = t.arrivals.saturating_add(value);
+                    }
+                }
+                ("http", "downstream_rq_total") => {
+                    t.arrivals = t.arrivals.saturating_add(value);
+                    if inbound {
+                        t.inbound_arrivals = t.inbound_arrivals.saturating_add(value);
+                    }
+                }
+                ("http" | "tcp", "downstream_cx_total") if inbound => {
+                    t.inbound_arrivals = t.inbound_arrivals.saturating_add(value);
+                }
+                ("http", "downstream_rq_active") => {
+                    t.in_flight = t.in_flight.saturating_add(value);
+                }
+                _ => {}
+            }
+        }
+        t
+    }
+}
+
 fn is_worker(segment: &str) -> bool {
     segment
         .strip_prefix("worker_")
@@ -169,6 +241,36 @@ fn is_worker(segment: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn traffic_counts_workload_listeners_and_splits_inbound() {
+        let body = "\
+http.admin.downstream_rq_total: 50
+http.admin.downstream_rq_active: 1
+http.inbound_15006.downstream_cx_total: 4
+http.inbound_15006.downstream_rq_total: 40
+http.inbound_15006.downstream_rq_active: 2
+http.outbound_http.downstream_rq_total: 7
+http.outbound_http.downstream_rq_active: 1
+http.remora_prometheus.downstream_rq_total: 9
+listener.0.0.0.0_15006.downstream_cx_total: 4
+listener.0.0.0.0_15006.worker_0.downstream_cx_total: 3
+listener.127.0.0.1_15001.downstream_cx_total: 5
+listener.admin.downstream_cx_total: 60
+listener.remora_prometheus.downstream_cx_total: 9
+tcp.inbound_tcp_9000.downstream_cx_total: 2
+tcp.outbound_15001.downstream_cx_total: 5
+";
+        assert_eq!(
+            Traffic::parse(body),
+            Traffic {
+                inbound_arrivals: 4 + 40 + 2,
+                arrivals: 4 + 5 + 40 + 7,
+                in_flight: 2 + 1,
+            }
+        );
+        assert_eq!(Traffic::parse("garbage\n"), Traffic::default());
+    }
 
     #[test]
     fn counts_only_workload_listeners() {

@@ -99,7 +99,21 @@ impl Conn {
     }
 
     pub fn request(&mut self, method: &str, path: &str) -> std::io::Result<HttpResponse> {
-        let req = format!("{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n\r\n");
+        self.request_with(method, path, &[])
+    }
+
+    pub fn request_with(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> std::io::Result<HttpResponse> {
+        let extra: String = headers
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}\r\n"))
+            .collect();
+        let req =
+            format!("{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n{extra}\r\n");
         self.stream.write_all(req.as_bytes())?;
         let head_end = loop {
             if let Some(p) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
