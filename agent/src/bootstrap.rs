@@ -94,7 +94,11 @@ pub fn generate(
             return Err(BootstrapError::DuplicatePort(port));
         }
         let cluster = format!("inbound|{}", spec.app_port);
-        clusters.push(static_cluster(&cluster, "127.0.0.1", spec.app_port));
+        let mut app = static_cluster(&cluster, "127.0.0.1", spec.app_port);
+        // The app gets the protocol its client spoke: h2c and gRPC pass
+        // through, and HTTP/1.1 stays HTTP/1.1.
+        app["typed_extension_protocol_options"] = downstream_protocol_options();
+        clusters.push(app);
         listeners.push(inbound_listener(
             port,
             &cluster,
@@ -218,6 +222,18 @@ fn http2_options() -> Value {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}}
+        }
+    })
+}
+
+fn downstream_protocol_options() -> Value {
+    json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "use_downstream_protocol_config": {
+                "http_protocol_options": {},
+                "http2_protocol_options": {}
+            }
         }
     })
 }

@@ -237,15 +237,22 @@ fn adaptive_drain_lasts_while_traffic_arrives_then_one_quiet_period() {
     // A keep-alive client the load balancer still sends to for 2 s: every
     // response says `connection: close` (immediate strategy), so it reconnects.
     let lag = Duration::from_secs(2);
-    let (mut sent, mut closes) = (0, 0);
+    let (mut sent, mut closes, mut last_request) = (0, 0, Duration::ZERO);
     let mut conn = Conn::open(agent.ports.inbound).expect("connect");
     while start.elapsed() < lag {
+        last_request = start.elapsed();
         let r = conn.get("/").expect("served while draining");
         assert_eq!(r.status, 200);
         sent += 1;
         if r.header("connection") == Some("close") {
             closes += 1;
             conn = Conn::open(agent.ports.inbound).expect("reconnect while draining");
+        } else {
+            // Readiness fails a moment before Envoy's drain starts.
+            assert_eq!(
+                closes, 0,
+                "a response after Envoy's drain began kept the connection"
+            );
         }
         // The client's pace, not a wait for a condition.
         std::thread::sleep(Duration::from_millis(100));
@@ -254,11 +261,14 @@ fn adaptive_drain_lasts_while_traffic_arrives_then_one_quiet_period() {
     let status = agent.wait_exit(Duration::from_secs(10));
     let took = start.elapsed();
     assert_eq!(status.code(), Some(0), "{}", agent.log());
-    assert_eq!(
-        closes, sent,
-        "every response in the drain said connection: close"
+    assert!(
+        closes + 1 >= sent,
+        "{closes} of {sent} said connection: close"
     );
-    assert!(took >= lag + Duration::from_secs(1), "left after {took:?}");
+    assert!(
+        took >= last_request + Duration::from_secs(1),
+        "left {took:?} after SIGTERM, the last request was at {last_request:?}"
+    );
     assert!(
         agent.log().contains("\"outcome\":\"quiet\""),
         "{}",

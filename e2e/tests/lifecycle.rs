@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-/// Run `lifecycle-bench` with `args`, within `deadline`; its JSON report and stdout.
+/// Run `lifecycle-bench-emulated` with `args`, within `deadline`; its JSON report and stdout.
 fn bench(args: &[&str], deadline: Duration) -> (serde_json::Value, String) {
     let dir = tempfile::tempdir().expect("temp dir");
     let out = dir.path().join("lifecycle.json");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lifecycle-bench"))
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lifecycle-bench-emulated"))
         .args(args)
         .args(["--svg", ""])
         .arg("--out")
@@ -17,7 +17,7 @@ fn bench(args: &[&str], deadline: Duration) -> (serde_json::Value, String) {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("lifecycle-bench runs");
+        .expect("lifecycle-bench-emulated runs");
     // The bench bounds every wait itself; this deadline only guards the test.
     let until = std::time::Instant::now() + deadline;
     loop {
@@ -25,7 +25,7 @@ fn bench(args: &[&str], deadline: Duration) -> (serde_json::Value, String) {
             Some(_) => break,
             None if std::time::Instant::now() > until => {
                 let _ = child.kill();
-                panic!("lifecycle-bench did not finish within {deadline:?}");
+                panic!("lifecycle-bench-emulated did not finish within {deadline:?}");
             }
             None => std::thread::sleep(Duration::from_millis(100)),
         }
@@ -34,7 +34,7 @@ fn bench(args: &[&str], deadline: Duration) -> (serde_json::Value, String) {
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
-        "lifecycle-bench failed:\n{stdout}\n{}",
+        "lifecycle-bench-emulated failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
     let doc = serde_json::from_str(&std::fs::read_to_string(&out).expect("report")).expect("JSON");

@@ -1,7 +1,11 @@
-//! Rolling replacements of real pods (pod runner + remora-agent + real Envoy +
-//! test-app) under steady load, per sidecar mode; counts every lost request.
+//! Rolling replacements of emulated pods (pod runner + remora-agent + real
+//! Envoy + test-app) under steady load, per sidecar mode; counts every lost
+//! request. The real-node benchmark is `lifecycle-bench`; this one stays for
+//! what the node does not give cheaply (hot restart, Envoy crash and cert
+//! rotation under load, many cycles). Its load balancer, a fixed endpoint lag
+//! and client-side balancing, is the emulator's, not a real one.
 //!
-//! `cargo run -p e2e --release --bin lifecycle-bench -- --cycles 50`
+//! `cargo run -p e2e --release --bin lifecycle-bench-emulated -- --cycles 50`
 //! (needs `cargo build --release -p remora-agent -p remora-injector` first).
 
 use std::collections::BTreeMap;
