@@ -11,4 +11,5 @@ pub mod load;
 pub mod node;
 pub mod podrunner;
 pub mod stats;
+pub mod traffic;
 pub mod webhook;

@@ -8,6 +8,7 @@
 //! `REMORA_NODE_TESTS=1`; otherwise [`Node::for_test`] prints why and the
 //! test returns. Each test gets its own namespace ([`TestNamespace`]).
 
+pub mod ingress;
 pub mod pods;
 pub mod workloads;
 
