@@ -11,6 +11,7 @@
 pub mod ingress;
 pub mod pods;
 pub mod workloads;
+pub mod zero_loss;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
