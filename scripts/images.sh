@@ -16,11 +16,14 @@
 # Images (all :dev, under localhost/remora/): pause, remora-agent,
 # remora-injector, test-app, and envoy:v1.40.0-local (also the agent's base;
 # imported for the plain-Envoy sidecar of the lifecycle bench); and the base
-# image base.
+# image base. Asked for by name only, not in the default set (CI does not
+# build Istio): istio-proxy, Istio's real pilot-agent on the same Envoy
+# (images/istio-proxy; the binary from scripts/build-pilot-agent.sh), the
+# peer contender of the lifecycle benchmark.
 #
-# Usage: scripts/images.sh [--build-only] [pause|agent|injector|test-app|envoy ...]
-#            build (default: all) and import; --build-only: write the OCI
-#            archives, import nothing
+# Usage: scripts/images.sh [--build-only] [pause|agent|injector|test-app|envoy|istio-proxy ...]
+#            build (default: all but istio-proxy) and import; --build-only:
+#            write the OCI archives, import nothing
 #        scripts/images.sh static NAME BINARY [ARGS...]
 #            wrap one static binary into a scratch image NAME (entrypoint
 #            /<basename> ARGS) and import it: for trying the node by hand.
@@ -133,8 +136,8 @@ WANT=()
 for arg in "$@"; do
   case "$arg" in
     --build-only) BUILD_ONLY=1 ;;
-    pause | agent | injector | test-app | envoy) WANT+=("$arg") ;;
-    *) echo "images: unknown argument $arg (usage: images.sh [--build-only] [pause|agent|injector|test-app|envoy ...])" >&2; exit 2 ;;
+    pause | agent | injector | test-app | envoy | istio-proxy) WANT+=("$arg") ;;
+    *) echo "images: unknown argument $arg (usage: images.sh [--build-only] [pause|agent|injector|test-app|envoy|istio-proxy ...])" >&2; exit 2 ;;
   esac
 done
 ((${#WANT[@]})) || WANT=(pause agent injector test-app envoy)
@@ -222,14 +225,29 @@ build_base() {
 }
 [[ "${WANT[*]}" == pause ]] || build_base
 
+# The Envoy base (agent and istio-proxy are built on it).
 envoy_built=0
 build_envoy() {
-  ((envoy_built)) && return 0
+  ((envoy_built)) && return
   mkdir -p "$BUILDAH_DIR/ctx/envoy"
   install -m 0755 "$envoy_bin" "$BUILDAH_DIR/ctx/envoy/envoy"
   bud "$ENVOY_IMAGE" "$ROOT/images/envoy/Dockerfile" "$BUILDAH_DIR/ctx/envoy" \
     --build-arg "BASE_IMAGE=$BASE_IMAGE"
   envoy_built=1
+}
+
+# pilot-agent (built once into the cache) and Istio's bootstrap template
+# made to read LDS/CDS from files, staged as the build context `bin`.
+stage_istio() {
+  local ctx="$BUILDAH_DIR/ctx/istio" agent
+  bash "$ROOT/scripts/build-pilot-agent.sh"
+  agent=$(bash "$ROOT/scripts/build-pilot-agent.sh" --print-path)
+  mkdir -p "$ctx"
+  install -m 0755 "$agent" "$ctx/pilot-agent"
+  sed -f "$ROOT/images/istio-proxy/file-xds.sed" "$(dirname "$agent")/envoy_bootstrap.json" \
+    >"$ctx/envoy_bootstrap_tmpl.json"
+  grep -q '"path_config_source"' "$ctx/envoy_bootstrap_tmpl.json" && ! grep -q ads_config "$ctx/envoy_bootstrap_tmpl.json" ||
+    die "images/istio-proxy/file-xds.sed no longer matches Istio's bootstrap template"
 }
 
 for img in "${WANT[@]}"; do
@@ -256,6 +274,13 @@ for img in "${WANT[@]}"; do
       bud "$REPO/test-app:$TAG" "$ROOT/e2e/Dockerfile" "$ROOT" \
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "RUNTIME_IMAGE=$BASE_IMAGE"
       archive "$REPO/test-app:$TAG" test-app ;;
+    istio-proxy)
+      build_envoy
+      stage_istio
+      bud "$REPO/istio-proxy:$TAG" "$ROOT/images/istio-proxy/Dockerfile" "$ROOT" \
+        --build-arg BINARY_FROM=prebuilt --build-context "bin=$BUILDAH_DIR/ctx/istio" \
+        --build-arg "ENVOY_IMAGE=$ENVOY_IMAGE"
+      archive "$REPO/istio-proxy:$TAG" istio-proxy ;;
   esac
 done
 
