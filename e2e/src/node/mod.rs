@@ -9,6 +9,7 @@
 //! test returns. Each test gets its own namespace ([`TestNamespace`]).
 
 pub mod ingress;
+pub mod istio;
 pub mod pods;
 pub mod workloads;
 pub mod zero_loss;
