@@ -53,15 +53,17 @@ fn outbound_url() -> String {
 
 /// The node, when both opt-ins are set and the image is there.
 async fn istio_node(test: &str) -> anyhow::Result<Option<&'static Node>> {
-    let Some(node) = Node::for_test(test).await? else {
-        return Ok(None);
-    };
+    // Asked first: without it, the node is not even brought up.
     if std::env::var(ENV_ISTIO_TESTS).as_deref() != Ok("1") {
         report(&format!(
-            "{test}: skipped: set {ENV_ISTIO_TESTS}=1 (after scripts/images.sh istio-proxy) to run Istio's pilot-agent"
+            "{test}: skipped: set {}=1 {ENV_ISTIO_TESTS}=1 (after scripts/images.sh istio-proxy) to run Istio's pilot-agent",
+            node::ENV_NODE_TESTS
         ));
         return Ok(None);
     }
+    let Some(node) = Node::for_test(test).await? else {
+        return Ok(None);
+    };
     istio::require_image().await?;
     Ok(Some(node))
 }
