@@ -18,6 +18,7 @@ use serde::Serialize;
 use serde_json::json;
 use std::net::{IpAddr, SocketAddr};
 
+use super::istio;
 use super::workloads::{Recording, container_status};
 
 /// The app's port inside the pod.
@@ -38,15 +39,37 @@ pub enum Contender {
     /// Remora Native with a shorter quiet period (1 s): stops sooner where
     /// clients send often, at the risk of a sparse client's next request.
     RemoraTuned,
+    /// Istio 1.31's real pilot-agent, injected as its template does
+    /// ([`istio::Profile`]): its defaults here (a native sidecar), its best
+    /// lifecycle settings, and the non-native shapes.
+    IstioDefaults,
+    IstioBest,
+    IstioLegacyDefaults,
+    IstioLegacyBest,
 }
 
 impl Contender {
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 8] = [
         Self::PlainEnvoy,
         Self::RemoraLegacy,
         Self::RemoraNative,
         Self::RemoraTuned,
+        Self::IstioDefaults,
+        Self::IstioBest,
+        Self::IstioLegacyDefaults,
+        Self::IstioLegacyBest,
     ];
+
+    /// Istio's profile, for the Istio contenders.
+    pub fn istio(self) -> Option<istio::Profile> {
+        match self {
+            Self::IstioDefaults => Some(istio::Profile::Defaults),
+            Self::IstioBest => Some(istio::Profile::Best),
+            Self::IstioLegacyDefaults => Some(istio::Profile::LegacyDefaults),
+            Self::IstioLegacyBest => Some(istio::Profile::LegacyBest),
+            _ => None,
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -54,6 +77,7 @@ impl Contender {
             Self::RemoraLegacy => "remora-legacy-defaults",
             Self::RemoraNative => "remora-native-defaults",
             Self::RemoraTuned => "remora-native-tuned",
+            c => c.istio().map_or("?", istio::Profile::name),
         }
     }
 
@@ -61,14 +85,19 @@ impl Contender {
         Self::ALL.into_iter().find(|c| c.name() == name)
     }
 
+    /// Remora's webhook injects it.
     fn injected(self) -> bool {
-        !matches!(self, Self::PlainEnvoy)
+        matches!(
+            self,
+            Self::RemoraLegacy | Self::RemoraNative | Self::RemoraTuned
+        )
     }
 
     /// The container that is the proxy, to read its exit.
     fn proxy_container(self) -> &'static str {
         match self {
             Self::PlainEnvoy => "envoy",
+            c if c.istio().is_some() => istio::PROXY_CONTAINER,
             _ => PROXY_CONTAINER,
         }
     }
@@ -245,15 +274,18 @@ fn failed(what: impl Into<String>, e: impl std::fmt::Display) -> Error {
 /// The Deployment and Service of `contender`, named `name`. The app is not
 /// cooperative: on SIGTERM it closes its listener at once (no shutdown
 /// delay) and finishes what is in flight.
-pub fn manifests(run: &Run, name: &str) -> Result<(Deployment, Service), Error> {
+pub fn manifests(
+    run: &Run,
+    name: &str,
+) -> Result<(Deployment, Service, Option<istio::Injected>), Error> {
     let app = test_app_container("app", &["--port", &APP_PORT.to_string(), "--delay", "5ms"]);
     let mut annotations = serde_json::Map::new();
     let mut containers = vec![app];
     let mut volumes = vec![];
     let mode = match run.contender {
-        Contender::PlainEnvoy => None,
         Contender::RemoraLegacy => Some("Legacy"),
         Contender::RemoraNative | Contender::RemoraTuned => Some("Native"),
+        _ => None,
     };
     if run.contender == Contender::RemoraTuned {
         annotations.insert(
@@ -262,6 +294,7 @@ pub fn manifests(run: &Run, name: &str) -> Result<(Deployment, Service), Error> 
         );
     }
     match mode {
+        None if run.contender.istio().is_some() => {}
         None => {
             containers.push(json!({
                 "name": "envoy",
@@ -285,7 +318,7 @@ pub fn manifests(run: &Run, name: &str) -> Result<(Deployment, Service), Error> 
             annotations.insert(INBOUND.into(), json!(format!("{INBOUND_PORT}:{APP_PORT}")));
         }
     }
-    let deploy: Deployment = serde_json::from_value(json!({
+    let mut deploy: Deployment = serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {
             "replicas": run.replicas,
@@ -305,8 +338,18 @@ pub fn manifests(run: &Run, name: &str) -> Result<(Deployment, Service), Error> 
         }
     }))
     .map_err(|e| failed(format!("building Deployment {name}"), e))?;
+    let mut objects = None;
+    if let (Some(profile), Some(spec)) = (run.contender.istio(), deploy.spec.as_mut()) {
+        let injected = istio::inject(
+            &spec.template,
+            &istio::Sidecar::new(name, profile, APP_PORT),
+        )
+        .map_err(|e| failed("injecting Istio's sidecar", e))?;
+        spec.template = injected.template.clone();
+        objects = Some(injected);
+    }
     let svc = super::pods::test_app_service(name, 80, INBOUND_PORT)?;
-    Ok((deploy, svc))
+    Ok((deploy, svc, objects))
 }
 
 /// The clients of `run`, aimed at the ingress and the ClusterIP.
@@ -379,7 +422,16 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
             .create(&PostParams::default(), &cm)
             .await?;
     }
-    let (deploy, svc) = manifests(run, name)?;
+    let (deploy, svc, istio_objects) = manifests(run, name)?;
+    if let Some(objects) = &istio_objects {
+        istio::require_image()
+            .await
+            .map_err(|e| failed("the istio-proxy image", e))?;
+        objects
+            .create_objects(client, ns.name())
+            .await
+            .map_err(|e| failed("creating Istio's ConfigMap and Secret", e))?;
+    }
     let deploys = ns.api::<Deployment>();
     deploys.create(&PostParams::default(), &deploy).await?;
     let svc = ns
