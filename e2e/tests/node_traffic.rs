@@ -286,9 +286,9 @@ async fn every_client_kind_in_steady_state() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// gRPC through the Service and the sidecar.
+/// gRPC through the Service and the sidecar: the agent's inbound cluster
+/// speaks the client's protocol to the app, so trailers survive.
 #[tokio::test]
-#[ignore = "the agent's inbound cluster speaks HTTP/1.1 to the app today, which drops gRPC's trailers: every unary call fails with 'missing grpc-status trailer' (h2c GETs survive the downgrade); the lead makes it follow the downstream protocol (issue 12)"]
 async fn grpc_through_the_sidecar() -> anyhow::Result<()> {
     let Some(node) = Node::for_test("node_traffic::grpc_through_the_sidecar").await? else {
         return Ok(());
