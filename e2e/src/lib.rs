@@ -1,7 +1,9 @@
 //! End-to-end harness: a test app, a load generator, workload certificates,
-//! the control plane, the injector as a process, the chart rendered by helm,
-//! and the real single-node cluster with Remora installed by helm.
+//! remora-agent and pilot-agent side by side on the host, the control plane,
+//! the injector as a process, the chart rendered by helm, and the real
+//! single-node cluster with Remora installed by helm.
 
+pub mod agentbench;
 pub mod certs;
 pub mod chart;
 pub mod controlplane;
