@@ -38,11 +38,9 @@ struct Args {
     /// Requests per second through the Service.
     #[arg(long, default_value_t = 100)]
     rate: u32,
-    /// Sidecar mode of the demo pods: Legacy or Native. Legacy by default:
-    /// a Native sidecar is told nothing until the app has exited, so
-    /// keep-alive clients pinned to a stopping pod meet 503s once the app is
-    /// gone (about 5% of requests in a rolling restart here; issue 12).
-    #[arg(long, default_value = "Legacy")]
+    /// Sidecar mode of the demo pods: Auto (the chart's default: Native on
+    /// this kubelet), Legacy or Native.
+    #[arg(long, default_value = "Auto")]
     mode: String,
     /// Traffic before and after the rolling restart.
     #[arg(long, value_parser = remora_contract::duration::parse, default_value = "5s")]
@@ -86,12 +84,12 @@ fn manifests(replicas: i32, mode: &str) -> Result<(Deployment, Service)> {
                 "spec": {
                     "terminationGracePeriodSeconds": 30,
                     "securityContext": {"runAsNonRoot": true, "runAsUser": 65532},
-                    // A well-behaved app: keeps serving 5 s after SIGTERM
-                    // (endpoint removal catches up), then finishes its
-                    // in-flight requests and exits.
+                    // An app that does nothing for the load balancer: on
+                    // SIGTERM it closes its port and finishes what is in
+                    // flight. The sidecar's preStop hook on it holds the
+                    // SIGTERM until traffic has stopped coming.
                     "containers": [test_app_container("app", &[
                         "--port", &APP_PORT.to_string(), "--delay", "5ms",
-                        "--shutdown-delay", "5s",
                     ])]
                 }
             }
@@ -177,8 +175,8 @@ async fn rollout_done(deploys: &Api<Deployment>, replicas: i32) -> Result<()> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    if !matches!(args.mode.as_str(), "Legacy" | "Native") {
-        bail!("--mode must be Legacy or Native, not {:?}", args.mode);
+    if !matches!(args.mode.as_str(), "Auto" | "Legacy" | "Native") {
+        bail!("--mode must be Auto, Legacy or Native, not {:?}", args.mode);
     }
     let t0 = Instant::now();
     let node = Node::shared().await?;

@@ -208,7 +208,8 @@ pub struct RunResult {
     pub failed: usize,
     /// Failures of every client, by class (`traffic::Outcome::class`).
     pub failures: BTreeMap<&'static str, usize>,
-    /// Up to 8 failures: when (since the scenario started), which client, what.
+    /// Up to 3 failures per (client, class): when (since the scenario
+    /// started), which client, what.
     pub examples: Vec<String>,
     pub stops: Vec<PodStop>,
     pub stop_p50_seconds: f64,
@@ -515,9 +516,14 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
     let mut failures = BTreeMap::new();
     let mut examples = Vec::new();
     let since = tokio::time::Instant::from_std(t0).duration_since(epoch);
+    let mut shown: BTreeMap<(String, &str), usize> = BTreeMap::new();
     for s in samples.iter().filter(|s| !s.outcome.is_ok()) {
         *failures.entry(s.outcome.class()).or_insert(0) += 1;
-        if examples.len() < 8 {
+        let n = shown
+            .entry((s.load.to_string(), s.outcome.class()))
+            .or_insert(0);
+        *n += 1;
+        if *n <= 3 {
             examples.push(format!(
                 "{:+.2}s {} {:?}",
                 s.at.as_secs_f64() - since.as_secs_f64(),
