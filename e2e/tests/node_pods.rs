@@ -336,10 +336,12 @@ struct Deletion {
 }
 
 /// Deletes `pod` (default grace) and follows it until it is gone: the
-/// sidecar drains (Legacy: from its preStop hook, while the app is still
-/// stopping, before its SIGTERM; Native: after the app has exited, on the
-/// SIGTERM the kubelet sends it then), every container exits 0, and the pod
-/// is gone within its grace period.
+/// sidecar drains from the app's preStop hook (and in Legacy its own), the
+/// adaptive drain ends `quiet`, the app exits only after the drain began and
+/// inbound went quiet (its SIGTERM waits for the hook), the sidecar's
+/// SIGTERM comes after its preStop (Legacy) or after the app exited
+/// (Native), every container exits 0, and the pod is gone within its grace
+/// period.
 async fn check_deletion(
     client: &Client,
     ns: &TestNamespace,
@@ -414,25 +416,30 @@ async fn check_deletion(
         .unwrap_or("?")
         .to_owned();
     ensure!(
-        matches!(outcome.as_str(), "elapsed" | "drained"),
-        "pod {name}: drain ended {outcome}: {report_json}"
+        outcome == "quiet",
+        "pod {name}: the chart's adaptive drain ended {outcome}: {report_json}"
     );
     let app_exit = app_log
         .iter()
         .find(|l| l.text.starts_with("test-app: served") && l.text.ends_with("exiting"))
         .map(|l| l.at)
         .with_context(|| format!("pod {name}: app never logged its exit: {app_log:?}"))?;
+    // The app's preStop hook holds its SIGTERM until inbound has been quiet
+    // for the quiet period (3 s by default; log times are whole ms).
+    ensure!(
+        pods::ms_between(app_exit, drain_start) >= 2900,
+        "pod {name}: app exit {app_exit} less than a quiet period after the drain began {drain_start}"
+    );
     if mode == "Legacy" {
-        // The preStop hook drains while the app still serves its 2 s, and
-        // the agent's SIGTERM comes only after the hook returned.
+        // The agent's SIGTERM comes only after its own preStop returned.
         ensure!(
-            drain_start < app_exit && drain_end < signal,
+            drain_end < signal,
             "pod {name}: Legacy drain {drain_start}..{drain_end}, SIGTERM {signal}, app exit {app_exit}"
         );
     } else {
         // The kubelet stops a native sidecar after the app has exited.
         ensure!(
-            app_exit < signal && signal <= drain_start,
+            app_exit < signal,
             "pod {name}: Native app exit {app_exit}, SIGTERM {signal}, drain {drain_start}"
         );
     }
