@@ -146,10 +146,7 @@ pub async fn run<T: DrainTarget>(
         inbound_quiet.send_replace(true);
         let min_end = started + settings.minimum_drain_duration;
         if min_end >= wait_until {
-            tokio::time::sleep_until(wait_until).await;
-            DrainOutcome::DeadlineExceeded {
-                active: target.active_connections().await.ok(),
-            }
+            at_deadline(target, wait_until, None).await
         } else {
             tokio::time::sleep_until(min_end).await;
             wait_for_zero(target, poll, wait_until).await
@@ -158,10 +155,7 @@ pub async fn run<T: DrainTarget>(
         inbound_quiet.send_replace(true);
         let end = started + settings.termination_drain_duration;
         if end > wait_until {
-            tokio::time::sleep_until(wait_until).await;
-            DrainOutcome::DeadlineExceeded {
-                active: target.active_connections().await.ok(),
-            }
+            at_deadline(target, wait_until, None).await
         } else {
             tokio::time::sleep_until(end).await;
             DrainOutcome::Elapsed
@@ -229,15 +223,25 @@ async fn wait_for_quiet<T: DrainTarget>(
         }
         let next = Instant::now() + poll;
         if next >= wait_until {
-            tokio::time::sleep_until(wait_until).await;
             return (
-                DrainOutcome::DeadlineExceeded {
-                    active: target.active_connections().await.ok(),
-                },
+                at_deadline(target, wait_until, None).await,
                 inbound_quiet_at,
             );
         }
         tokio::time::sleep_until(next).await;
+    }
+}
+
+/// Wait for the deadline and say how many connections were still open
+/// (`last` when Envoy cannot say now).
+async fn at_deadline<T: DrainTarget>(
+    target: &T,
+    wait_until: Instant,
+    last: Option<u64>,
+) -> DrainOutcome {
+    tokio::time::sleep_until(wait_until).await;
+    DrainOutcome::DeadlineExceeded {
+        active: target.active_connections().await.ok().or(last),
     }
 }
 
@@ -260,10 +264,7 @@ async fn wait_for_zero<T: DrainTarget>(
         }
         let next = Instant::now() + poll;
         if next >= wait_until {
-            tokio::time::sleep_until(wait_until).await;
-            return DrainOutcome::DeadlineExceeded {
-                active: target.active_connections().await.ok().or(last),
-            };
+            return at_deadline(target, wait_until, last).await;
         }
         tokio::time::sleep_until(next).await;
     }
@@ -303,6 +304,14 @@ mod tests {
         }
     }
 
+    fn stats_unavailable() -> AdminError {
+        AdminError::Status {
+            path: "/stats".into(),
+            status: 503,
+            body: String::new(),
+        }
+    }
+
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
     }
@@ -321,11 +330,7 @@ mod tests {
         }
         async fn active_connections(&self) -> Result<u64, AdminError> {
             if self.fail_counts {
-                return Err(AdminError::Status {
-                    path: "/stats".into(),
-                    status: 503,
-                    body: String::new(),
-                });
+                return Err(stats_unavailable());
             }
             let now = self.start.elapsed();
             let open = self
@@ -339,11 +344,7 @@ mod tests {
         }
         async fn traffic(&self) -> Result<Traffic, AdminError> {
             if self.fail_counts {
-                return Err(AdminError::Status {
-                    path: "/stats".into(),
-                    status: 503,
-                    body: String::new(),
-                });
+                return Err(stats_unavailable());
             }
             let now = self.start.elapsed();
             let seen = |v: &[Duration]| v.iter().filter(|t| **t <= now).count() as u64;

@@ -826,6 +826,21 @@ async fn grpc_stream(
     }
 }
 
+/// Test servers: read a request's head off `s` (up to the blank line, or
+/// until the peer stops sending).
+#[cfg(test)]
+pub(crate) async fn read_request_head(s: &mut tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt as _;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -843,14 +858,7 @@ mod tests {
         let addr = listener.local_addr().expect("addr");
         tokio::spawn(async move {
             while let Ok((mut s, _)) = listener.accept().await {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
+                read_request_head(&mut s).await;
                 then(s).await;
             }
         });

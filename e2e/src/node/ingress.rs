@@ -521,7 +521,7 @@ mod tests {
     use super::*;
     use crate::traffic::http1_client;
     use std::sync::atomic::AtomicU64;
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::io::AsyncWriteExt as _;
     use tokio::net::TcpListener;
 
     /// A loopback backend answering `name` (keep-alive, with `extra`
@@ -567,14 +567,7 @@ mod tests {
         let seen = count.clone();
         tokio::spawn(async move {
             while let Ok((mut s, _)) = listener.accept().await {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
+                crate::traffic::read_request_head(&mut s).await;
                 seen.fetch_add(1, Ordering::SeqCst);
                 let _ = s.shutdown().await;
             }

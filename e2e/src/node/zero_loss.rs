@@ -508,7 +508,37 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
         })
     })
     .await?;
-    tokio::time::sleep(run.ingress_lag + run.settle).await;
+    // The ingress applies the last endpoint change its lag later; requests
+    // it sends meanwhile are in the counts. Then the settle time of traffic.
+    let slices = ns.api::<EndpointSlice>();
+    let service_label = format!("kubernetes.io/service-name={name}");
+    wait_for(
+        "the ingress to apply the last endpoint change",
+        run.ingress_lag + ROLLOUT_TIMEOUT,
+        || async {
+            let mut want: Vec<SocketAddr> = slices
+                .list(&ListParams::default().labels(&service_label))
+                .await?
+                .items
+                .iter()
+                .flat_map(|s| crate::node::ingress::ready_addresses(s, None))
+                .collect();
+            want.sort();
+            want.dedup();
+            let have = feed.current();
+            Ok(if have == want {
+                Check::Done(())
+            } else {
+                Check::NotYet(format!(
+                    "the ingress has {} endpoints, the slices {}",
+                    have.len(),
+                    want.len()
+                ))
+            })
+        },
+    )
+    .await?;
+    tokio::time::sleep(run.settle).await;
     let samples = traffic.stop().await;
     drop(ingress);
 
