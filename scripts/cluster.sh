@@ -558,6 +558,9 @@ up() {
     --initial-cluster="remora=http://$ETCD_PEER" --unsafe-no-fsync=true --log-level=warn
   # containerd next: it is independent of the API server, so both start
   # while etcd does.
+  # A socket left by a node that was killed (machine restart) would satisfy
+  # a wait on the file alone: remove it, and wait until containerd answers.
+  rm -f "$CTRD_SOCK" "$CTRD_SOCK.ttrpc"
   PATH="$CTRD_BIN:$PATH" start containerd "$CTRD_BIN/containerd" --config "$CTRD/config.toml" --address "$CTRD_SOCK"
 
   start kube-apiserver "$K8S/kube-apiserver" \
@@ -578,7 +581,7 @@ up() {
     --enable-admission-plugins=NodeRestriction \
     --allow-privileged=true
 
-  wait_for containerd 30 test -S "$CTRD_SOCK"
+  wait_for containerd 30 "$CTRD_BIN/ctr" --address "$CTRD_SOCK" version
   bash "$ROOT/scripts/images.sh" pause >&2
 
   # Ready, not just live: the controller manager exits at once if RBAC's
