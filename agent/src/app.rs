@@ -61,6 +61,8 @@ pub struct App {
     handle: SupervisorHandle,
     health: TcpListener,
     admin: TcpListener,
+    health_server: remora_serve::Server,
+    admin_server: remora_serve::Server,
     registry: Arc<Registry>,
     readiness: Readiness,
     metrics: Metrics,
@@ -101,6 +103,8 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
 
     let mut registry = Registry::with_prefix("remora_agent");
     let metrics = Metrics::new(&mut registry);
+    let health_server = servers::server("health", &mut registry);
+    let admin_server = servers::server("admin", &mut registry);
     let readiness = Readiness::new();
     let shutdown = CancellationToken::new();
     // SDS always runs, so xDS-delivered configs can use `default`, `ROOTCA` and
@@ -128,6 +132,8 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         handle,
         health,
         admin,
+        health_server,
+        admin_server,
         registry: Arc::new(registry),
         readiness,
         metrics,
@@ -181,6 +187,7 @@ impl App {
         let shutdown = self.shutdown.clone();
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn(servers::serve(
+            self.health_server,
             self.health,
             servers::health_router(
                 self.readiness.clone(),
@@ -190,6 +197,7 @@ impl App {
             shutdown.clone(),
         )));
         tasks.push(tokio::spawn(servers::serve(
+            self.admin_server,
             self.admin,
             servers::admin_router(
                 self.registry.clone(),

@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Query, State};
@@ -237,11 +238,48 @@ async fn logging(
     }
 }
 
+/// The bounds of the agent's two ports. The health port faces the pod
+/// network, so anyone there can open connections to it: they are capped
+/// (the oldest idle or slow one makes room for a new one, so probes get
+/// through a flood) and short-lived; its requests are kubelet probes and
+/// the app containers' preStop hooks (one each, held during the drain), so
+/// a few dozen in flight is plenty. The admin port is loopback only, with
+/// the same bounds.
+pub fn limits() -> remora_serve::Limits {
+    remora_serve::Limits {
+        max_connections: 128,
+        max_in_flight: 32,
+        header_read_timeout: Duration::from_secs(5),
+        body_read_timeout: Duration::from_secs(5),
+        max_header_bytes: 16 * 1024,
+        tls_handshake_timeout: Duration::from_secs(5),
+        // The agent is exiting: it waits at most 1 s for its servers anyway.
+        drain_grace: Duration::from_secs(1),
+    }
+}
+
+/// One of the agent's bounded servers, counting into `registry` under the
+/// label `server=<name>`.
+pub fn server(name: &'static str, registry: &mut Registry) -> remora_serve::Server {
+    let metrics = remora_serve::Metrics::register(
+        registry.sub_registry_with_label(("server".into(), name.into())),
+    );
+    // The limits are constants that validate.
+    remora_serve::Server::new(name, limits())
+        .unwrap_or_else(|e| unreachable!("agent server limits: {e}"))
+        .with_metrics(metrics)
+}
+
 /// Serve `router` on `listener` until `shutdown` is cancelled.
-pub async fn serve(listener: TcpListener, router: Router, shutdown: CancellationToken) {
+pub async fn serve(
+    server: remora_serve::Server,
+    listener: TcpListener,
+    router: Router,
+    shutdown: CancellationToken,
+) {
     let addr = listener.local_addr().ok();
-    if let Err(e) = axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
+    if let Err(e) = server
+        .serve(listener, router, shutdown.cancelled_owned())
         .await
     {
         tracing::error!(?addr, error = %e, "server failed");

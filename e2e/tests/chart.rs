@@ -101,6 +101,7 @@ async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
             "ClusterRoleBinding",
             "Deployment",
             "MutatingWebhookConfiguration",
+            "NetworkPolicy",
             "PodDisruptionBudget",
             "Role",
             "RoleBinding",
@@ -123,6 +124,20 @@ async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
     assert_eq!(sc["runAsNonRoot"], true);
     assert_eq!(sc["capabilities"]["drop"][0], "ALL");
     assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+    let probes = &pod["containers"][0];
+    assert_eq!(probes["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(probes["livenessProbe"]["httpGet"]["path"], "/healthz");
+    // Only the webhook port, only from addresses (the API servers).
+    let np = find(&objects, "NetworkPolicy")?;
+    assert_eq!(np["spec"]["policyTypes"][0], "Ingress");
+    let rule = &np["spec"]["ingress"][0];
+    assert_eq!(rule["ports"][0]["port"], 9443);
+    assert!(
+        rule["from"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty() && f.iter().all(|p| p["ipBlock"].is_object())),
+        "{rule:#}"
+    );
     let mwc = find(&objects, "MutatingWebhookConfiguration")?;
     let hooks = mwc["webhooks"].as_array().context("no webhooks")?;
     assert_eq!(hooks.len(), 2);

@@ -20,10 +20,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::flags::ServeArgs;
 use crate::leader::{self, LeaderError};
-use crate::server::{AppState, METRICS_PREFIX, ServerError, router, serve_tls_draining};
+use crate::server::{AppState, METRICS_PREFIX, ReviewBudget, ServerError, router, webhook_server};
 use crate::tls::{ReloadingCert, TlsError};
 use crate::watch::SharedWatch;
 use crate::webhook::Injector;
+use remora_serve::readiness::Readiness;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -203,12 +204,24 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         view,
     } = started;
     let chart = args.proxy.chart(args.default_mode);
+    // Not ready (out of the Service) until the first listing is in, even
+    // when the sync timeout let the server start without it.
+    let readiness = Readiness::new();
+    let synced = readiness.register("cluster-view", "listing SidecarLifecycles and namespaces");
+    {
+        let view = view.clone();
+        tokio::spawn(shutdown.clone().run_until_cancelled_owned(async move {
+            view.wait_synced().await;
+            synced.ready();
+        }));
+    }
     // One registry; each component registers its own metrics in it.
     let mut registry = Registry::with_prefix(METRICS_PREFIX);
     let webhook_metrics = crate::webhook::Metrics::register(&mut registry);
     let controller_metrics = crate::controller::Metrics::register(&mut registry);
     let jobs_metrics = crate::jobs::Metrics::register(&mut registry);
     let leader_metrics = leader::Metrics::register(&mut registry);
+    let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
     let ctx = Arc::new(LeaderContext {
         client: client.clone(),
         controller: args.controller.then(|| crate::controller::Settings {
@@ -232,21 +245,21 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         metrics: webhook_metrics,
         registry,
         max_body_bytes: args.max_request_bytes,
+        readiness: readiness.clone(),
+        budget: ReviewBudget::new(args.review_memory_budget),
     });
     tracing::info!(listen = %args.listen, "remora-injector serving");
 
     let server = {
         let shutdown = shutdown.clone();
-        let grace = args.shutdown_grace;
         async move {
-            let r = serve_tls_draining(
-                listener,
-                tls,
-                router(state),
-                shutdown.clone().cancelled_owned(),
-                grace,
-            )
-            .await;
+            let r = match server {
+                Ok(server) => server
+                    .serve(listener, router(state), shutdown.clone().cancelled_owned())
+                    .await
+                    .map_err(ServerError::from),
+                Err(e) => Err(e),
+            };
             // A server that failed takes the rest down the same way.
             shutdown.cancel();
             r

@@ -58,6 +58,7 @@ pub fn native_supported(kubelet_versions: &[String], apiserver: Option<(u32, u32
         .all(|v| parse_kube_version(v).is_some_and(supports_native))
 }
 
+#[derive(Clone)]
 pub struct KubeView {
     lifecycles: SharedWatch<SidecarLifecycle>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
@@ -149,21 +150,27 @@ pub async fn start(
             }
         });
     }
-    let ready = async {
-        let _ = lifecycles.store().wait_until_ready().await;
-        let _ = namespaces.wait_until_ready().await;
-    };
-    if tokio::time::timeout(sync_timeout, ready).await.is_err() {
-        tracing::warn!("stores not synced in time; serving with what is known");
-    }
-    Ok(KubeView {
+    let view = KubeView {
         lifecycles,
         namespaces,
         native,
-    })
+    };
+    if tokio::time::timeout(sync_timeout, view.wait_synced())
+        .await
+        .is_err()
+    {
+        tracing::warn!("stores not synced in time; serving, but not ready until they are");
+    }
+    Ok(view)
 }
 
 impl KubeView {
+    /// Resolves once the SidecarLifecycles and namespaces have been listed.
+    pub async fn wait_synced(&self) {
+        let _ = self.lifecycles.store().wait_until_ready().await;
+        let _ = self.namespaces.wait_until_ready().await;
+    }
+
     /// The one SidecarLifecycle watch of this replica: the leader's
     /// controller reads it too, rather than opening its own.
     pub fn lifecycle_watch(&self) -> SharedWatch<SidecarLifecycle> {

@@ -66,9 +66,15 @@ pub struct ServeArgs {
     /// the cluster default; the leader Lease lives there too.
     #[arg(long, env = "POD_NAMESPACE", default_value = "remora-system")]
     pub operator_namespace: String,
-    /// Largest AdmissionReview body read.
-    #[arg(long, env = "REMORA_MAX_REQUEST_BYTES", default_value_t = 8 << 20)]
+    /// Largest AdmissionReview body read. The API server takes request
+    /// bodies of at most 3 MiB, and a Pod CREATE review carries the object
+    /// once: 4 MiB leaves room for the review's envelope and JSON growth.
+    #[arg(long, env = "REMORA_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
     pub max_request_bytes: usize,
+    /// Memory the reviews in progress may hold together (each counts twelve
+    /// times its body size); a review that finds none within 2 s gets a 503.
+    #[arg(long, env = "REMORA_REVIEW_MEMORY_BUDGET", default_value_t = crate::server::DEFAULT_REVIEW_MEMORY_BUDGET)]
+    pub review_memory_budget: usize,
     /// Mode when no SidecarLifecycle or annotation says.
     #[arg(long, env = "REMORA_DEFAULT_MODE", default_value = "Auto")]
     pub default_mode: SidecarMode,

@@ -1,4 +1,12 @@
-//! The HTTPS server: `POST /inject`, `/healthz`, `/metrics`.
+//! The HTTPS server: `POST /inject`, `/healthz` (live), `/readyz` (ready:
+//! says what is pending), `/metrics`.
+//!
+//! Memory per review is bounded twice: the body may not exceed
+//! `--max-request-bytes`, and the reviews being read and answered at once
+//! share a budget (`--review-memory-budget`) counted as [`REVIEW_COST`]
+//! times their body size (the body and its copies while parsed, mutated
+//! and answered). A review waits for budget at most [`BUDGET_WAIT`], then
+//! gets a fast 503 (the API server then applies the webhook's failurePolicy).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,20 +17,17 @@ use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use prometheus_client::registry::Registry;
+use remora_serve::readiness::Readiness;
 use tokio::net::TcpListener;
-use tokio::task::JoinSet;
-use tokio_rustls::TlsAcceptor;
-use tokio_util::sync::CancellationToken;
+use tokio::sync::Semaphore;
 
 use crate::webhook::{AdmissionOutcome, Injector, Metrics, encode_review, unreadable};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("accept: {0}")]
-    Accept(#[source] std::io::Error),
+    #[error(transparent)]
+    Serve(#[from] remora_serve::ServeError),
 }
 
 /// The prefix of every metric the injector exports.
@@ -35,11 +40,60 @@ pub struct AppState {
     /// Every component's metrics: what `/metrics` encodes.
     pub registry: Registry,
     pub max_body_bytes: usize,
+    /// What `/readyz` reports.
+    pub readiness: Readiness,
+    /// Memory of the reviews in progress, in KiB.
+    pub budget: ReviewBudget,
+}
+
+/// How many times its body size a review costs while it is handled: the
+/// body, the parsed review, the pod and its mutated copy, the patch and the
+/// encoded answer, and the allocator's slack (hostile-bench measured 11-18x
+/// for one 4 MiB review).
+pub const REVIEW_COST: usize = 12;
+/// How long a review waits for memory budget before a 503.
+pub const BUDGET_WAIT: Duration = Duration::from_secs(2);
+/// The default of `--review-memory-budget`.
+pub const DEFAULT_REVIEW_MEMORY_BUDGET: usize = 24 << 20;
+
+/// The memory the reviews in progress may hold, shared by all of them.
+#[derive(Clone)]
+pub struct ReviewBudget {
+    kib: Arc<Semaphore>,
+    total_kib: u32,
+}
+
+impl ReviewBudget {
+    pub fn new(bytes: usize) -> Self {
+        let total_kib = u32::try_from(bytes.div_ceil(1024))
+            .unwrap_or(u32::MAX)
+            .clamp(1, Semaphore::MAX_PERMITS as u32);
+        Self {
+            kib: Arc::new(Semaphore::new(total_kib as usize)),
+            total_kib,
+        }
+    }
+
+    /// The share of a review of `body_bytes`, waited for up to `wait`; a
+    /// review larger than the whole budget takes all of it.
+    async fn acquire(
+        &self,
+        body_bytes: usize,
+        wait: Duration,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let kib = u32::try_from(body_bytes.saturating_mul(REVIEW_COST).div_ceil(1024))
+            .unwrap_or(u32::MAX)
+            .clamp(1, self.total_kib);
+        tokio::time::timeout(wait, Arc::clone(&self.kib).acquire_many_owned(kib))
+            .await
+            .ok()?
+            .ok()
+    }
 }
 
 impl AppState {
     /// A webhook server alone (tests, the benchmark): its registry holds
-    /// the webhook's metrics only.
+    /// the webhook's metrics only; ready at once.
     pub fn new(injector: Injector, max_body_bytes: usize) -> Self {
         let mut registry = Registry::with_prefix(METRICS_PREFIX);
         Self {
@@ -47,6 +101,8 @@ impl AppState {
             metrics: Metrics::register(&mut registry),
             registry,
             max_body_bytes,
+            readiness: Readiness::new(),
+            budget: ReviewBudget::new(DEFAULT_REVIEW_MEMORY_BUDGET),
         }
     }
 
@@ -62,8 +118,21 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/inject", post(inject))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
         .with_state(state)
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let pending = state.readiness.pending();
+    if pending.is_empty() {
+        return (StatusCode::OK, "ready\n").into_response();
+    }
+    let mut body = String::from("not ready:\n");
+    for (name, reason) in pending {
+        body.push_str(&format!("  {name}: {reason}\n"));
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
@@ -80,6 +149,35 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let start = Instant::now();
     let _in_flight = state.metrics.in_flight();
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    // Chunked: it may be as large as allowed.
+    let size = declared.unwrap_or(state.max_body_bytes);
+    if size > state.max_body_bytes {
+        // Refused before a byte of it is read.
+        let review = unreadable(
+            String::new(),
+            &format!(
+                "request body of {size} bytes is over the limit of {} bytes",
+                state.max_body_bytes
+            ),
+        );
+        return json_review(review, &state, AdmissionOutcome::Invalid, start);
+    }
+    let Some(_budget) = state.budget.acquire(size, BUDGET_WAIT).await else {
+        state
+            .metrics
+            .observe(AdmissionOutcome::Overloaded, start.elapsed());
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::CONNECTION, "close")],
+            "remora-injector: over its memory budget for reviews in progress; try again\n",
+        )
+            .into_response();
+    };
     let (review, outcome) = match axum::body::to_bytes(req.into_body(), state.max_body_bytes).await
     {
         Ok(body) => state.injector.review(&body),
@@ -94,6 +192,16 @@ async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
             AdmissionOutcome::Invalid,
         ),
     };
+    json_review(review, &state, outcome, start)
+}
+
+/// Encode the answer to a review, counting it under `outcome`.
+fn json_review(
+    review: kube::core::admission::AdmissionReview<kube::core::DynamicObject>,
+    state: &AppState,
+    outcome: AdmissionOutcome,
+    start: Instant,
+) -> Response {
     let body = match encode_review(review) {
         Ok(b) => b,
         Err(e) => {
@@ -117,6 +225,39 @@ async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
 /// How long in-flight requests get by default once shutdown begins.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
+/// The webhook port's bounds. Its clients are the API servers (a few
+/// keep-alive connections each, requests of at most `--max-request-bytes`
+/// that they give up on after the webhook's timeout, 10 s by default) and
+/// the kubelet's probes; anyone on the pod network can reach it too.
+pub fn limits(grace: Duration) -> remora_serve::Limits {
+    remora_serve::Limits {
+        max_connections: 256,
+        max_in_flight: 128,
+        // API servers keep idle connections for 90 s; closing ours after 30 s
+        // costs them a new handshake now and then, not an error.
+        header_read_timeout: Duration::from_secs(30),
+        body_read_timeout: Duration::from_secs(10),
+        max_header_bytes: 64 * 1024,
+        tls_handshake_timeout: Duration::from_secs(10),
+        drain_grace: grace,
+    }
+}
+
+/// The webhook server, counting into `registry` when given one.
+pub fn webhook_server(
+    tls: Arc<rustls::ServerConfig>,
+    grace: Duration,
+    registry: Option<&mut Registry>,
+) -> Result<remora_serve::Server, ServerError> {
+    let mut server = remora_serve::Server::new("webhook", limits(grace))?.with_tls(tls);
+    if let Some(registry) = registry {
+        server = server.with_metrics(remora_serve::Metrics::register(
+            registry.sub_registry_with_label(("server".into(), "webhook".into())),
+        ));
+    }
+    Ok(server)
+}
+
 /// Serve `app` over TLS on `listener` until `shutdown` resolves, then drain
 /// for up to [`DEFAULT_SHUTDOWN_GRACE`]; see [`serve_tls_draining`].
 pub async fn serve_tls(
@@ -130,17 +271,12 @@ pub async fn serve_tls(
         .map(|_| ())
 }
 
-/// How a drain ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Drained {
-    /// Connections still open at the deadline, closed by force.
-    pub forced: usize,
-}
+pub use remora_serve::Drained;
 
-/// Serve `app` over TLS on `listener` until `shutdown` resolves. Then stop
-/// accepting (the listener is closed), let every connection finish the
-/// request it is in (idle keep-alive connections close at once), and after
-/// `grace` close whatever is left.
+/// Serve `app` over TLS on `listener`, bounded by [`limits`], until
+/// `shutdown` resolves. Then stop accepting, let every connection finish
+/// the request it is in (idle keep-alive connections close at once), and
+/// after `grace` close whatever is left.
 pub async fn serve_tls_draining(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
@@ -148,76 +284,123 @@ pub async fn serve_tls_draining(
     shutdown: impl std::future::Future<Output = ()>,
     grace: Duration,
 ) -> Result<Drained, ServerError> {
-    let acceptor = TlsAcceptor::from(tls);
-    // Tells the connections to finish their request and close.
-    let draining = CancellationToken::new();
-    let mut conns = JoinSet::new();
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            biased;
-            () = &mut shutdown => break,
-            // Reap finished connections as we go.
-            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
-            r = listener.accept() => r.map_err(ServerError::Accept)?,
+    Ok(webhook_server(tls, grace, None)?
+        .serve(listener, app, shutdown)
+        .await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::webhook::StaticView;
+    use tower::ServiceExt;
+
+    fn state(max_body_bytes: usize, budget: usize) -> AppState {
+        let injector = Injector {
+            chart: Default::default(),
+            operator_namespace: "remora-system".into(),
+            view: Arc::new(StaticView::default()),
         };
-        let _ = stream.set_nodelay(true);
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        let draining = draining.clone();
-        conns.spawn(async move {
-            let handshake = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream));
-            let tls = tokio::select! {
-                // A handshake not done when draining starts carries no request yet.
-                () = draining.cancelled() => return,
-                r = handshake => match r {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(%peer, "TLS handshake timed out");
-                        return;
-                    }
-                },
-            };
-            let svc = TowerToHyperService::new(app);
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(30))
-                .keep_alive(true)
-                .serve_connection(TokioIo::new(tls), svc);
-            tokio::pin!(conn);
-            let r = tokio::select! {
-                r = conn.as_mut() => r,
-                () = draining.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.await
-                }
-            };
-            if let Err(e) = r {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
+        AppState {
+            budget: ReviewBudget::new(budget),
+            ..AppState::new(injector, max_body_bytes)
+        }
     }
-    drop(listener);
-    draining.cancel();
-    let open = conns.len();
-    tracing::info!(connections = open, ?grace, "webhook server draining");
-    let drained =
-        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
-    let forced = if drained.is_err() {
-        let n = conns.len();
-        tracing::warn!(
-            connections = n,
-            ?grace,
-            "shutdown grace over; closing connections"
+
+    async fn call(state: &Arc<AppState>, req: Request) -> (StatusCode, String) {
+        let res = router(Arc::clone(state))
+            .oneshot(req)
+            .await
+            .unwrap_or_else(|never| match never {});
+        let status = res.status();
+        let body = axum::body::to_bytes(res.into_body(), 1 << 20)
+            .await
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    fn inject_request(body: Body, content_length: Option<usize>) -> Request {
+        let mut b = Request::post("/inject").header(header::CONTENT_TYPE, "application/json");
+        if let Some(n) = content_length {
+            b = b.header(header::CONTENT_LENGTH, n);
+        }
+        b.body(body).unwrap_or_else(|e| panic!("request: {e}"))
+    }
+
+    #[tokio::test]
+    async fn readyz_names_what_is_pending_and_healthz_stays_live() {
+        let state = Arc::new(state(1 << 20, 1 << 20));
+        let guard = state
+            .readiness
+            .register("cluster-view", "listing SidecarLifecycles and namespaces");
+        let get = |p: &str| {
+            Request::get(p)
+                .body(Body::empty())
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let (status, body) = call(&state, get("/readyz")).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("cluster-view: listing"), "{body}");
+        assert_eq!(call(&state, get("/healthz")).await.0, StatusCode::OK);
+        guard.ready();
+        assert_eq!(call(&state, get("/readyz")).await.0, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn a_declared_body_over_the_limit_is_answered_without_reading_it() {
+        let state = Arc::new(state(1024, 1 << 20));
+        // A body that never comes: only the header is looked at.
+        let (_tx, rx) = tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::io::Error>>(1);
+        let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let (status, text) = call(&state, inject_request(body, Some(4096))).await;
+        assert_eq!(status, StatusCode::OK);
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!(v["kind"], "AdmissionReview");
+        assert!(
+            v["response"]["status"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("over the limit of 1024 bytes")),
+            "{v}"
         );
-        conns.shutdown().await;
-        n
-    } else {
-        0
-    };
-    Ok(Drained { forced })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reviews_over_the_memory_budget_wait_then_get_a_503() {
+        // Room for one review of 1 KiB (12 KiB of budget), not two.
+        let state = Arc::new(state(1 << 20, 16 << 10));
+        let held = state.budget.acquire(1024, BUDGET_WAIT).await;
+        assert!(held.is_some());
+        let t = tokio::time::Instant::now();
+        let (status, body) = call(
+            &state,
+            inject_request(Body::from(vec![b'{'; 1024]), Some(1024)),
+        )
+        .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.contains("memory budget"), "{body}");
+        assert_eq!(t.elapsed(), BUDGET_WAIT);
+        // Once the first is done, the next gets its turn (an unreadable
+        // body still gets a valid AdmissionReview back).
+        drop(held);
+        let (status, body) = call(
+            &state,
+            inject_request(Body::from(vec![b'{'; 1024]), Some(1024)),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(body.contains("AdmissionReview"), "{body}");
+    }
+
+    #[test]
+    fn a_review_larger_than_the_budget_takes_all_of_it_not_more() {
+        let b = ReviewBudget::new(10 << 10);
+        assert_eq!(b.total_kib, 10);
+        let b = ReviewBudget::new(0);
+        assert_eq!(
+            b.total_kib, 1,
+            "a zero budget still lets one review through"
+        );
+    }
 }

@@ -60,6 +60,8 @@ pub enum AdmissionOutcome {
     Ignored,
     Invalid,
     Error,
+    /// Refused with a 503: the reviews in progress hold the memory budget.
+    Overloaded,
 }
 
 impl AdmissionOutcome {
@@ -70,6 +72,7 @@ impl AdmissionOutcome {
             Self::Ignored => "ignored",
             Self::Invalid => "invalid",
             Self::Error => "error",
+            Self::Overloaded => "overloaded",
         }
     }
 }

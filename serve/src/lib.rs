@@ -1,0 +1,359 @@
+//! Bounded HTTP/1.1 serving for every Remora listener (the agent's health
+//! and admin ports, the injector's webhook), plain or TLS.
+//!
+//! What a hostile or broken client can hold is capped:
+//! - connections: at [`Limits::max_connections`] a new connection evicts the
+//!   oldest one with no request in flight (a slow-loris connection still
+//!   sending its head, or an idle keep-alive one) of the source address
+//!   holding the most of them; only when every connection is busy is the
+//!   new one closed at once. A flood of slow connections from one client
+//!   therefore churns only its own connections and cannot lock a kubelet
+//!   probe or the API server out.
+//! - time: the TLS handshake, the request head (hyper restarts that timer
+//!   for every head, so it is also the keep-alive idle timeout) and the
+//!   whole request body each have a deadline;
+//! - memory per connection: the head's size is capped;
+//! - requests in flight: over [`Limits::max_in_flight`] a request gets a
+//!   fast `503` instead of queueing.
+//!
+//! Shutdown: stop accepting, let each connection finish the request it is
+//! in (idle ones close at once), then after [`Limits::drain_grace`] close
+//! what is left.
+
+mod conns;
+mod metrics;
+pub mod readiness;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+use tower_http::timeout::DeadlineBody;
+
+use conns::{Admission, BusyGuard, Table};
+pub use metrics::Metrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("invalid server limits: {0}")]
+    Limits(String),
+    #[error("accept: {0}")]
+    Accept(#[source] std::io::Error),
+}
+
+/// The bounds of one server. Every field has a floor checked by
+/// [`Limits::validate`]; zero would mean "refuse everything".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections held open at once.
+    pub max_connections: usize,
+    /// Requests being handled at once, over all connections.
+    pub max_in_flight: usize,
+    /// Time to receive a request head; also how long a keep-alive connection
+    /// may sit idle between requests.
+    pub header_read_timeout: Duration,
+    /// Time to receive a whole request body.
+    pub body_read_timeout: Duration,
+    /// Largest request head (request line and headers).
+    pub max_header_bytes: usize,
+    /// Time to complete a TLS handshake (TLS servers only).
+    pub tls_handshake_timeout: Duration,
+    /// After shutdown begins: how long requests in progress get.
+    pub drain_grace: Duration,
+}
+
+/// hyper refuses a read buffer smaller than this.
+const MIN_HEADER_BYTES: usize = 8192;
+
+impl Default for Limits {
+    /// Sized for a port that serves probes and small admin requests.
+    fn default() -> Self {
+        Self {
+            max_connections: 128,
+            max_in_flight: 64,
+            header_read_timeout: Duration::from_secs(5),
+            body_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 16 * 1024,
+            tls_handshake_timeout: Duration::from_secs(5),
+            drain_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Limits {
+    pub fn validate(&self) -> Result<(), ServeError> {
+        let bad = |what: &str| Err(ServeError::Limits(what.to_string()));
+        if self.max_connections == 0 {
+            return bad("max_connections must be at least 1");
+        }
+        if self.max_in_flight == 0 {
+            return bad("max_in_flight must be at least 1");
+        }
+        if self.max_header_bytes < MIN_HEADER_BYTES {
+            return Err(ServeError::Limits(format!(
+                "max_header_bytes must be at least {MIN_HEADER_BYTES}"
+            )));
+        }
+        if self.header_read_timeout.is_zero()
+            || self.body_read_timeout.is_zero()
+            || self.tls_handshake_timeout.is_zero()
+        {
+            return bad("read timeouts must be longer than 0");
+        }
+        Ok(())
+    }
+}
+
+/// How a drain ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drained {
+    /// Connections still open at the deadline, closed by force.
+    pub forced: usize,
+}
+
+/// One bounded server: a name (for logs), its limits, its metrics, and TLS
+/// if it has any.
+#[derive(Clone)]
+pub struct Server {
+    name: &'static str,
+    limits: Limits,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    metrics: Metrics,
+}
+
+impl Server {
+    pub fn new(name: &'static str, limits: Limits) -> Result<Self, ServeError> {
+        limits.validate()?;
+        Ok(Self {
+            name,
+            limits,
+            tls: None,
+            metrics: Metrics::default(),
+        })
+    }
+
+    /// Serve TLS with this configuration.
+    pub fn with_tls(mut self, tls: Arc<rustls::ServerConfig>) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Count into these metrics (registered by the caller) instead of
+    /// private ones.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Serve `app` on `listener` until `shutdown` resolves, then drain (see
+    /// the crate doc).
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        app: Router,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<Drained, ServeError> {
+        let shared = Arc::new(Shared {
+            limits: self.limits.clone(),
+            acceptor: self.tls.clone().map(TlsAcceptor::from),
+            app,
+            in_flight: Arc::new(Semaphore::new(self.limits.max_in_flight)),
+            metrics: self.metrics.clone(),
+            table: Table::default(),
+            draining: CancellationToken::new(),
+        });
+        let mut conns = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            let (stream, peer) = tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                // Reap finished connections as we go.
+                Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+                r = listener.accept() => match r {
+                    Ok(accepted) => accepted,
+                    // Out of file descriptors and the like: wait a moment
+                    // instead of spinning; the server stays up.
+                    Err(e) if is_transient(&e) => {
+                        tracing::warn!(server = self.name, error = %e, "accept failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    Err(e) => return Err(ServeError::Accept(e)),
+                },
+            };
+            let admission =
+                shared
+                    .table
+                    .admit(shared.limits.max_connections, peer.ip(), &shared.metrics);
+            let Admission::Admitted(slot) = admission else {
+                tracing::debug!(server = self.name, %peer, "every connection busy; refused");
+                drop(stream);
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let shared = Arc::clone(&shared);
+            let name = self.name;
+            conns.spawn(async move {
+                let id = slot.id;
+                let _open = shared.metrics.open_guard();
+                shared.connection(stream, slot).await;
+                shared.table.remove(id);
+                tracing::trace!(server = name, %peer, "connection closed");
+            });
+            // Let the new connection read its head before more arrivals can
+            // evict it: under a flood, accepting alone would outrun every
+            // connection task, and a probe would be evicted unread.
+            tokio::task::yield_now().await;
+        }
+        drop(listener);
+        shared.draining.cancel();
+        let open = conns.len();
+        let grace = self.limits.drain_grace;
+        tracing::info!(server = self.name, connections = open, ?grace, "draining");
+        let drained =
+            tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
+        let forced = if drained.is_err() {
+            let n = conns.len();
+            tracing::warn!(
+                server = self.name,
+                connections = n,
+                ?grace,
+                "drain grace over; closing connections"
+            );
+            conns.shutdown().await;
+            n
+        } else {
+            0
+        };
+        Ok(Drained { forced })
+    }
+}
+
+fn is_transient(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionReset | Interrupted | WouldBlock
+    ) || matches!(e.raw_os_error(), Some(23 | 24 | 12 | 105)) // ENFILE, EMFILE, ENOMEM, ENOBUFS
+}
+
+struct Shared {
+    limits: Limits,
+    acceptor: Option<TlsAcceptor>,
+    app: Router,
+    in_flight: Arc<Semaphore>,
+    metrics: Metrics,
+    table: Table,
+    /// Tells the connections to finish their request and close.
+    draining: CancellationToken,
+}
+
+impl Shared {
+    /// One connection, from handshake to close; returns early when evicted.
+    async fn connection(self: &Arc<Self>, stream: TcpStream, slot: conns::Slot) {
+        let evicted = slot.evict.clone();
+        tokio::select! {
+            () = evicted.cancelled() => {}
+            () = self.handshake_and_serve(stream, slot) => {}
+        }
+    }
+
+    async fn handshake_and_serve(self: &Arc<Self>, stream: TcpStream, slot: conns::Slot) {
+        match &self.acceptor {
+            None => self.http(TokioIo::new(stream), slot).await,
+            Some(acceptor) => {
+                let handshake = tokio::time::timeout(
+                    self.limits.tls_handshake_timeout,
+                    acceptor.accept(stream),
+                );
+                let tls = tokio::select! {
+                    // A handshake not done when draining starts carries no request yet.
+                    () = self.draining.cancelled() => return,
+                    r = handshake => match r {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!("TLS handshake timed out");
+                            return;
+                        }
+                    },
+                };
+                self.http(TokioIo::new(tls), slot).await;
+            }
+        }
+    }
+
+    async fn http<I>(self: &Arc<Self>, io: I, slot: conns::Slot)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let shared = Arc::clone(self);
+        let busy = slot.busy;
+        let svc = tower::service_fn(move |req: Request<Incoming>| {
+            let shared = Arc::clone(&shared);
+            let busy = BusyGuard::new(&busy);
+            async move {
+                let _busy = busy;
+                Ok::<_, Infallible>(shared.request(req).await)
+            }
+        });
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.limits.header_read_timeout)
+            .max_buf_size(self.limits.max_header_bytes)
+            .max_header_size(self.limits.max_header_bytes)
+            .keep_alive(true)
+            .serve_connection(io, TowerToHyperService::new(svc));
+        tokio::pin!(conn);
+        let r = tokio::select! {
+            r = conn.as_mut() => r,
+            () = self.draining.cancelled() => {
+                conn.as_mut().graceful_shutdown();
+                conn.await
+            }
+        };
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "connection ended with an error");
+        }
+    }
+
+    async fn request(&self, req: Request<Incoming>) -> Response {
+        let Ok(_permit) = Arc::clone(&self.in_flight).try_acquire_owned() else {
+            self.metrics.shed();
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [(header::CONNECTION, "close")],
+                "over capacity: too many requests in flight\n",
+            )
+                .into_response();
+        };
+        let deadline = self.limits.body_read_timeout;
+        let req = req.map(|b| Body::new(DeadlineBody::new(deadline, b)));
+        match self.app.clone().oneshot(req).await {
+            Ok(res) => res,
+            Err(never) => match never {},
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! The limits of a bounded server, against real sockets on loopback.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use axum::Router;
+use axum::body::Body;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use remora_serve::{Limits, Server};
+use remora_test_support::wait::wait_until;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+struct Running {
+    addr: std::net::SocketAddr,
+    server: Server,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<Result<remora_serve::Drained, remora_serve::ServeError>>,
+}
+
+async fn start(limits: Limits, app: Router) -> Result<Running> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = Server::new("test", limits)?;
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(
+        server
+            .clone()
+            .serve(listener, app, stop.clone().cancelled_owned()),
+    );
+    Ok(Running {
+        addr,
+        server,
+        stop,
+        task,
+    })
+}
+
+fn probe_app() -> Router {
+    Router::new().route("/healthz", get(|| async { "ok" }))
+}
+
+/// One request on a fresh connection; the status and how long it took.
+async fn get_once(addr: std::net::SocketAddr, path: &str) -> Result<(u16, Duration)> {
+    let t = Instant::now();
+    let mut s = TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = Vec::new();
+    tokio::time::timeout(DEADLINE, s.read_to_end(&mut out))
+        .await
+        .context("response timed out")??;
+    Ok((status_of(&out)?, t.elapsed()))
+}
+
+fn status_of(response: &[u8]) -> Result<u16> {
+    let text = String::from_utf8_lossy(response);
+    let code = text
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|r| r.get(..3))
+        .with_context(|| format!("not an HTTP response: {text:?}"))?;
+    Ok(code.parse()?)
+}
+
+/// Reads until the server closes; what it sent.
+async fn read_until_closed(s: &mut TcpStream) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    tokio::time::timeout(DEADLINE, s.read_to_end(&mut out))
+        .await
+        .context("the server never closed the connection")?
+        .or_else(|e| {
+            // A reset is a close too.
+            if e.kind() == std::io::ErrorKind::ConnectionReset {
+                Ok(0)
+            } else {
+                Err(e)
+            }
+        })?;
+    Ok(out)
+}
+
+#[tokio::test]
+async fn a_slow_loris_flood_does_not_lock_out_probes() -> Result<()> {
+    let limits = Limits {
+        max_connections: 32,
+        header_read_timeout: Duration::from_secs(60),
+        ..Limits::default()
+    };
+    let srv = start(limits, probe_app()).await?;
+    // 300 connections from another client (127.0.0.2), each starting a
+    // head and never finishing it.
+    let mut loris = Vec::new();
+    for _ in 0..300 {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind("127.0.0.2:0".parse()?)?;
+        let mut s = socket.connect(srv.addr).await?;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nx-slow: ").await?;
+        loris.push(s);
+    }
+    let m = srv.server.metrics().clone();
+    wait_until(DEADLINE, "every loris connection accepted", || async {
+        (m.evicted_total() >= 300 - 32).then_some(())
+    })
+    .await?;
+    assert!(m.open_now() <= 32, "open: {}", m.open_now());
+    // The probe still gets through, on a fresh connection, every time.
+    for _ in 0..20 {
+        let (status, _) = get_once(srv.addr, "/healthz").await?;
+        assert_eq!(status, 200);
+    }
+    assert!(m.open_now() <= 32, "open: {}", m.open_now());
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unfinished_head_is_closed_at_the_header_timeout() -> Result<()> {
+    let limits = Limits {
+        header_read_timeout: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let srv = start(limits, probe_app()).await?;
+    let t = Instant::now();
+    let mut s = TcpStream::connect(srv.addr).await?;
+    s.write_all(b"GET /healthz HTTP/1.1\r\nx-slow: a").await?;
+    read_until_closed(&mut s).await?;
+    let took = t.elapsed();
+    assert!(took >= Duration::from_millis(300), "closed after {took:?}");
+    // An idle keep-alive connection is closed the same way.
+    let mut s = TcpStream::connect(srv.addr).await?;
+    s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await?;
+    let out = read_until_closed(&mut s).await?;
+    assert_eq!(status_of(&out)?, 200);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_oversized_head_is_refused() -> Result<()> {
+    let srv = start(Limits::default(), probe_app()).await?;
+    let mut s = TcpStream::connect(srv.addr).await?;
+    let big = "a".repeat(64 * 1024);
+    s.write_all(format!("GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: {big}\r\n\r\n").as_bytes())
+        .await
+        .ok(); // The server may close before taking it all.
+    let out = read_until_closed(&mut s).await?;
+    assert_eq!(status_of(&out)?, 431);
+    Ok(())
+}
+
+/// A route that holds its request until released.
+fn held_app(release: Arc<Notify>, entered: Arc<tokio::sync::Semaphore>) -> Router {
+    probe_app().route(
+        "/hold",
+        get(move || {
+            let release = Arc::clone(&release);
+            let entered = Arc::clone(&entered);
+            async move {
+                entered.add_permits(1);
+                release.notified().await;
+                "released"
+            }
+        }),
+    )
+}
+
+#[tokio::test]
+async fn requests_over_the_in_flight_cap_get_a_fast_503() -> Result<()> {
+    let release = Arc::new(Notify::new());
+    let entered = Arc::new(tokio::sync::Semaphore::new(0));
+    let limits = Limits {
+        max_in_flight: 2,
+        ..Limits::default()
+    };
+    let srv = start(limits, held_app(Arc::clone(&release), Arc::clone(&entered))).await?;
+    let held: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(get_once(srv.addr, "/hold")))
+        .collect();
+    let _two = entered.acquire_many(2).await?;
+    let (status, _) = get_once(srv.addr, "/healthz").await?;
+    assert_eq!(status, 503);
+    assert_eq!(srv.server.metrics().shed_total(), 1);
+    release.notify_waiters();
+    for h in held {
+        assert_eq!(h.await??.0, 200);
+    }
+    let (status, _) = get_once(srv.addr, "/healthz").await?;
+    assert_eq!(status, 200);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_new_connection_is_refused_only_when_every_open_one_is_busy() -> Result<()> {
+    let release = Arc::new(Notify::new());
+    let entered = Arc::new(tokio::sync::Semaphore::new(0));
+    let limits = Limits {
+        max_connections: 2,
+        ..Limits::default()
+    };
+    let srv = start(limits, held_app(Arc::clone(&release), Arc::clone(&entered))).await?;
+    let held: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(get_once(srv.addr, "/hold")))
+        .collect();
+    let _two = entered.acquire_many(2).await?;
+    let mut s = TcpStream::connect(srv.addr).await?;
+    let out = read_until_closed(&mut s).await?;
+    assert!(out.is_empty(), "refused connections get nothing: {out:?}");
+    assert_eq!(srv.server.metrics().refused_total(), 1);
+    release.notify_waiters();
+    for h in held {
+        assert_eq!(h.await??.0, 200);
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_body_that_trickles_past_its_deadline_fails_the_read() -> Result<()> {
+    let app = Router::new().route(
+        "/upload",
+        post(|body: Body| async move {
+            match axum::body::to_bytes(body, 1 << 20).await {
+                Ok(b) => (StatusCode::OK, format!("{} bytes", b.len())),
+                Err(e) => (StatusCode::REQUEST_TIMEOUT, format!("body: {e}")),
+            }
+        }),
+    );
+    let limits = Limits {
+        body_read_timeout: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let srv = start(limits, app).await?;
+    let mut s = TcpStream::connect(srv.addr).await?;
+    s.write_all(b"POST /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\nabc")
+        .await?;
+    let out = read_until_closed(&mut s).await?;
+    assert_eq!(status_of(&out)?, 408, "{}", String::from_utf8_lossy(&out));
+    Ok(())
+}
+
+#[tokio::test]
+async fn shutdown_lets_the_request_in_progress_finish() -> Result<()> {
+    let release = Arc::new(Notify::new());
+    let entered = Arc::new(tokio::sync::Semaphore::new(0));
+    let srv = start(
+        Limits::default(),
+        held_app(Arc::clone(&release), Arc::clone(&entered)),
+    )
+    .await?;
+    let held = tokio::spawn(get_once(srv.addr, "/hold"));
+    let _one = entered.acquire().await?;
+    srv.stop.cancel();
+    // Not accepting any more.
+    wait_until(DEADLINE, "the listener to close", || async {
+        TcpStream::connect(srv.addr).await.is_err().then_some(())
+    })
+    .await?;
+    release.notify_waiters();
+    assert_eq!(held.await??.0, 200);
+    let drained = srv.task.await??;
+    assert_eq!(drained.forced, 0);
+    Ok(())
+}
+
+#[test]
+fn limits_that_would_refuse_everything_are_rejected() {
+    for bad in [
+        Limits {
+            max_connections: 0,
+            ..Limits::default()
+        },
+        Limits {
+            max_in_flight: 0,
+            ..Limits::default()
+        },
+        Limits {
+            max_header_bytes: 100,
+            ..Limits::default()
+        },
+        Limits {
+            header_read_timeout: Duration::ZERO,
+            ..Limits::default()
+        },
+    ] {
+        assert!(Server::new("bad", bad).is_err());
+    }
+}
