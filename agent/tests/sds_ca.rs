@@ -39,11 +39,15 @@ fn source(server: &CaServer, token_path: &Path, ttl: Duration, out: Option<&Path
             key_type: KeyType::EcdsaP256,
             ttl,
         },
+        // Seconds-long certificates renew on real time here: a floor below
+        // their half-life, and exact retry waits.
         policy: RenewPolicy {
             fraction: 0.5,
             jitter: 0.0,
+            min_interval: Duration::from_millis(500),
             min_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_millis(400),
+            backoff_jitter: 0.0,
         },
         output_dir: out.map(Path::to_path_buf),
     }
