@@ -426,6 +426,62 @@ async fn file_cert_and_file_root_names() -> Result<()> {
     Ok(())
 }
 
+/// File secrets are held only while a stream (or a fetch) asks for them:
+/// dropping the name from a request, closing the stream or a finished fetch
+/// releases the entry and its file watch task.
+#[tokio::test]
+async fn file_secrets_are_released_when_no_stream_asks() -> Result<()> {
+    let rig = rig().await?;
+    let root_file = rig._tmp.path().join("extra-root.pem");
+    std::fs::write(&root_file, &Ca::new("extra").pem)?;
+    let root_name = format!("file-root:{}", root_file.display());
+    let held = |n: usize| {
+        let (registry, handle) = (&rig.registry, &rig.handle);
+        async move {
+            let m = metric(registry, "sds_file_secrets");
+            (m == n as f64 && handle.file_secrets() == n).then_some(())
+        }
+    };
+    assert!(held(0).await.is_some());
+
+    let ch = channel(rig.socket.clone()).await?;
+    let mut a = Sub::open(&ch, &["default", &root_name]).await?;
+    let mut seen = Vec::new();
+    while !seen.contains(&root_name) {
+        seen.extend(names(&a.next().await?));
+    }
+    let mut b = Sub::open(&ch, &[&root_name]).await?;
+    assert_eq!(names(&b.next().await?), vec![root_name.clone()]);
+    assert!(held(1).await.is_some(), "one entry, shared by two streams");
+
+    // A drops the name but keeps streaming; B still holds it.
+    a.ack(&["default"]).await?;
+    assert!(held(1).await.is_some());
+    // B goes away: nobody asks any more.
+    drop(b);
+    wait_until(DEADLINE, "the file secret released", || held(0)).await?;
+
+    // A one-shot fetch loads it and lets it go again.
+    let r = SecretDiscoveryServiceClient::new(ch.clone())
+        .fetch_secrets(req(&[&root_name], "", "", None))
+        .await?
+        .into_inner();
+    assert_eq!(names(&r), vec![root_name.clone()]);
+    wait_until(DEADLINE, "released after the fetch", || held(0)).await?;
+
+    // Asked for again: a fresh entry serves it.
+    a.ack(&["default", &root_name]).await?;
+    let r = a.next().await?;
+    assert_eq!(names(&r), vec![root_name.clone()]);
+    assert!(held(1).await.is_some());
+    drop(a);
+    wait_until(DEADLINE, "released when the stream closed", || held(0)).await?;
+
+    rig.cancel.cancel();
+    rig.handle.join().await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn push_fans_out_to_100_streams() -> Result<()> {
     let rig = rig().await?;

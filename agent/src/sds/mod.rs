@@ -70,6 +70,7 @@ pub enum SdsError {
 pub struct SdsHandle {
     pub socket: PathBuf,
     bundles: Option<BundleReceiver>,
+    store: SecretStore,
     task: JoinHandle<Result<(), SdsError>>,
 }
 
@@ -81,6 +82,10 @@ impl SdsHandle {
     /// The bundle in service now.
     pub fn current(&self) -> Option<Arc<CertBundle>> {
         self.bundles.as_ref().and_then(|b| b.borrow().clone())
+    }
+    /// File secrets held now (see [`SecretStore::file_secrets`]).
+    pub fn file_secrets(&self) -> usize {
+        self.store.file_secrets()
     }
     /// Wait until the server stopped (after the cancel token fired).
     pub async fn join(self) -> Result<(), SdsError> {
@@ -134,8 +139,9 @@ pub async fn start_with(
         bundles.clone(),
         cancel.clone(),
         sds_metrics.file_secret_failures.clone(),
+        sds_metrics.file_secrets.clone(),
     );
-    let svc = SdsService::new(store, sds_metrics, served, cancel.clone());
+    let svc = SdsService::new(store.clone(), sds_metrics, served, cancel.clone());
     let sock = socket.clone();
     let task = tokio::spawn(async move {
         let res = tonic::transport::Server::builder()
@@ -151,6 +157,7 @@ pub async fn start_with(
     Ok(SdsHandle {
         socket,
         bundles,
+        store,
         task,
     })
 }
