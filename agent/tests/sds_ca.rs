@@ -70,11 +70,12 @@ async fn rig(tmp: tempfile::TempDir, src: CaSource) -> Result<Rig> {
     let handle = sds::start_with(
         socket.clone(),
         Some(Box::new(src)),
-        &readiness,
         &mut registry,
         cancel.clone(),
     )
     .await?;
+    // As the agent does when its listeners use both (`--inbound-tls`).
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     let envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
     Ok(Rig {
         tmp,
@@ -229,11 +230,12 @@ async fn ca_bad_token_holds_readiness_with_the_reason() -> Result<()> {
     let handle = sds::start_with(
         tmp.path().join("sds.sock"),
         Some(Box::new(src)),
-        &readiness,
         &mut registry,
         cancel.clone(),
     )
     .await?;
+    // As the agent does when its listeners use both (`--inbound-tls`).
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     let reason = wait_until(DEADLINE, "pending reason", || async {
         readiness
             .pending()

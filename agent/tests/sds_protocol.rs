@@ -160,11 +160,12 @@ async fn rig() -> Result<Rig> {
     let handle = sds::start_with(
         socket.clone(),
         Some(Box::new(FileSource::new(certs.clone()))),
-        &readiness,
         &mut registry,
         cancel.clone(),
     )
     .await?;
+    // As the agent does when its listeners use both (`--inbound-tls`).
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     wait_until(DEADLINE, "bundle", || async { handle.current() }).await?;
     Ok(Rig {
         _tmp: tmp,
@@ -541,7 +542,8 @@ async fn start_from_run_config_with_and_without_a_source() -> Result<()> {
     let readiness = Readiness::new();
     let mut registry = Registry::default();
     let cancel = CancellationToken::new();
-    let handle = sds::start(&cfg, &readiness, &mut registry, cancel.clone()).await?;
+    let handle = sds::start(&cfg, &mut registry, cancel.clone()).await?;
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     wait_until(DEADLINE, "waiting-for-Envoy reason", || async {
         readiness
             .pending()
@@ -562,13 +564,49 @@ async fn start_from_run_config_with_and_without_a_source() -> Result<()> {
     cancel.cancel();
     handle.join().await?;
 
-    // No certificate flags: no guard, file-root: names still work.
+    // Only `default` used: only `default` is waited for.
+    let sock = tmp.path().join("c").join("sds.sock");
+    let cfg = run_config(&[
+        "--cert-dir",
+        certs.to_str().unwrap(),
+        "--sds-socket",
+        sock.to_str().unwrap(),
+    ])?;
+    let readiness = Readiness::new();
+    let mut registry = Registry::default();
+    let cancel = CancellationToken::new();
+    let handle = sds::start(&cfg, &mut registry, cancel.clone()).await?;
+    let only_default = sds::UsedSecrets {
+        workload: true,
+        root_ca: false,
+    };
+    handle.hold_readiness(&readiness, only_default);
+    wait_until(DEADLINE, "waiting for default only", || async {
+        readiness
+            .pending()
+            .into_iter()
+            .find(|(_, r)| r == "waiting for Envoy to fetch default")
+    })
+    .await?;
+    let ch = channel(sock.clone()).await?;
+    let mut s = Sub::open(&ch, &["default"]).await?;
+    assert_eq!(names(&s.next().await?), vec!["default".to_string()]);
+    wait_until(DEADLINE, "ready without ROOTCA", || async {
+        readiness.is_ready().then_some(())
+    })
+    .await?;
+    cancel.cancel();
+    handle.join().await?;
+
+    // No certificate flags: no guard even when a listener would use them
+    // (nothing could ever be served), file-root: names still work.
     let sock = tmp.path().join("b").join("sds.sock");
     let cfg = run_config(&["--sds-socket", sock.to_str().unwrap()])?;
     let readiness = Readiness::new();
     let mut registry = Registry::default();
     let cancel = CancellationToken::new();
-    let handle = sds::start(&cfg, &readiness, &mut registry, cancel.clone()).await?;
+    let handle = sds::start(&cfg, &mut registry, cancel.clone()).await?;
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     assert!(handle.bundles().is_none());
     assert!(readiness.is_ready());
     let ch = channel(sock).await?;
