@@ -21,7 +21,6 @@ use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, Discovery
 use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
 use prometheus_client::registry::Registry;
 use remora_agent::certs::file::FileSource;
-use remora_agent::readiness::Readiness;
 use serde_json::json;
 use support_sds::*;
 use tokio::sync::mpsc;
@@ -49,13 +48,11 @@ fn serve(certs: PathBuf, socket: PathBuf) -> Result<()> {
         .enable_all()
         .build()?
         .block_on(async move {
-            let readiness = Readiness::new();
             let mut registry = Registry::default();
             let cancel = CancellationToken::new();
             let h = remora_agent::sds::start_with(
                 socket,
                 Some(Box::new(FileSource::new(certs))),
-                &readiness,
                 &mut registry,
                 cancel.clone(),
             )

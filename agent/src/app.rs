@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
-use crate::bootstrap::{self, Extras};
+use crate::bootstrap;
 use crate::config::RunConfig;
 use crate::envoy::process;
 use crate::lifecycle::LiveSettings;
@@ -108,15 +108,10 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
     let readiness = Readiness::new();
     let shutdown = CancellationToken::new();
     // SDS always runs, so xDS-delivered configs can use `default`, `ROOTCA` and
-    // `file-*` secrets; a certificate source (and its readiness guard) only
-    // when one is configured. It is up before Envoy asks for secrets.
-    let sds = sds::start(&cfg, &readiness, &mut registry, shutdown.clone()).await?;
-    let extras = Extras {
-        clusters: vec![sds::bootstrap::sds_cluster(&sds.socket)],
-        inbound_transport_socket: cfg
-            .inbound_tls
-            .then(|| sds::bootstrap::inbound_tls_transport_socket(&cfg.inbound_tls_san)),
-    };
+    // `file-*` secrets; a certificate source only when one is configured. It
+    // is up before Envoy asks for secrets.
+    let sds = sds::start(&cfg, &mut registry, shutdown.clone()).await?;
+    let extras = sds::bootstrap::extras(&cfg, &sds.socket);
     let (supervisor, handle) = Supervisor::new(
         cfg.clone(),
         envoy_bin,
@@ -125,7 +120,10 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         metrics.clone(),
     );
     // Render once now: an invalid configuration fails here, not in Envoy.
-    supervisor.render()?;
+    let rendered = supervisor.render()?;
+    // Readiness waits for the certificates only if the bootstrap makes Envoy
+    // fetch them (see `UsedSecrets::of_bootstrap` for xDS-delivered listeners).
+    sds.hold_readiness(&readiness, sds::UsedSecrets::of_bootstrap(&rendered));
     Ok(App {
         cfg,
         supervisor,

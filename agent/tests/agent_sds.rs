@@ -95,3 +95,34 @@ fn readiness_waits_for_certificates() {
     write_certs(certs.path(), &root.leaf(), &root.pem);
     agent.wait_ready();
 }
+
+/// Certificates configured but used by no listener (no `--inbound-tls`):
+/// Envoy never asks for them, so readiness does not wait for them, whether
+/// they are there, never come (an empty directory), or come from a CA that
+/// is down.
+#[test]
+fn certificates_no_listener_uses_do_not_hold_readiness() {
+    let root = Ca::new("unused root");
+    let certs = tempfile::tempdir().expect("tempdir");
+    write_certs(certs.path(), &root.leaf(), &root.pem);
+    let empty = tempfile::tempdir().expect("tempdir");
+    let ca_down = free_port();
+    for args in [
+        vec![format!("--cert-dir={}", certs.path().display())],
+        vec![format!("--cert-dir={}", empty.path().display())],
+        vec![
+            format!("--ca-address=http://127.0.0.1:{ca_down}"),
+            format!("--token-path={}", empty.path().join("token").display()),
+        ],
+    ] {
+        let mut agent = Agent::builder().args(args.clone()).spawn();
+        agent.wait_ready();
+        let r = get(agent.ports.health, "/healthz/ready").expect("readiness");
+        assert!(
+            r.status == 200 && !r.body.contains("certificates"),
+            "{args:?}: {} {}",
+            r.status,
+            r.body
+        );
+    }
+}

@@ -39,11 +39,15 @@ fn source(server: &CaServer, token_path: &Path, ttl: Duration, out: Option<&Path
             key_type: KeyType::EcdsaP256,
             ttl,
         },
+        // Seconds-long certificates renew on real time here: a floor below
+        // their half-life, and exact retry waits.
         policy: RenewPolicy {
             fraction: 0.5,
             jitter: 0.0,
+            min_interval: Duration::from_millis(500),
             min_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_millis(400),
+            backoff_jitter: 0.0,
         },
         output_dir: out.map(Path::to_path_buf),
     }
@@ -66,11 +70,12 @@ async fn rig(tmp: tempfile::TempDir, src: CaSource) -> Result<Rig> {
     let handle = sds::start_with(
         socket.clone(),
         Some(Box::new(src)),
-        &readiness,
         &mut registry,
         cancel.clone(),
     )
     .await?;
+    // As the agent does when its listeners use both (`--inbound-tls`).
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     let envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
     Ok(Rig {
         tmp,
@@ -225,11 +230,12 @@ async fn ca_bad_token_holds_readiness_with_the_reason() -> Result<()> {
     let handle = sds::start_with(
         tmp.path().join("sds.sock"),
         Some(Box::new(src)),
-        &readiness,
         &mut registry,
         cancel.clone(),
     )
     .await?;
+    // As the agent does when its listeners use both (`--inbound-tls`).
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     let reason = wait_until(DEADLINE, "pending reason", || async {
         readiness
             .pending()

@@ -39,11 +39,12 @@ impl Rig {
         let handle = sds::start_with(
             socket.clone(),
             Some(Box::new(FileSource::new(certs.clone()))),
-            &readiness,
             &mut registry,
             cancel.clone(),
         )
         .await?;
+        // As the agent does when its listeners use both (`--inbound-tls`).
+        handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
         let envoy = Envoy::start_inbound(tmp.path(), &socket).await?;
         Ok(Self {
             tmp,

@@ -160,11 +160,12 @@ async fn rig() -> Result<Rig> {
     let handle = sds::start_with(
         socket.clone(),
         Some(Box::new(FileSource::new(certs.clone()))),
-        &readiness,
         &mut registry,
         cancel.clone(),
     )
     .await?;
+    // As the agent does when its listeners use both (`--inbound-tls`).
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     wait_until(DEADLINE, "bundle", || async { handle.current() }).await?;
     Ok(Rig {
         _tmp: tmp,
@@ -426,6 +427,62 @@ async fn file_cert_and_file_root_names() -> Result<()> {
     Ok(())
 }
 
+/// File secrets are held only while a stream (or a fetch) asks for them:
+/// dropping the name from a request, closing the stream or a finished fetch
+/// releases the entry and its file watch task.
+#[tokio::test]
+async fn file_secrets_are_released_when_no_stream_asks() -> Result<()> {
+    let rig = rig().await?;
+    let root_file = rig._tmp.path().join("extra-root.pem");
+    std::fs::write(&root_file, &Ca::new("extra").pem)?;
+    let root_name = format!("file-root:{}", root_file.display());
+    let held = |n: usize| {
+        let (registry, handle) = (&rig.registry, &rig.handle);
+        async move {
+            let m = metric(registry, "sds_file_secrets");
+            (m == n as f64 && handle.file_secrets() == n).then_some(())
+        }
+    };
+    assert!(held(0).await.is_some());
+
+    let ch = channel(rig.socket.clone()).await?;
+    let mut a = Sub::open(&ch, &["default", &root_name]).await?;
+    let mut seen = Vec::new();
+    while !seen.contains(&root_name) {
+        seen.extend(names(&a.next().await?));
+    }
+    let mut b = Sub::open(&ch, &[&root_name]).await?;
+    assert_eq!(names(&b.next().await?), vec![root_name.clone()]);
+    assert!(held(1).await.is_some(), "one entry, shared by two streams");
+
+    // A drops the name but keeps streaming; B still holds it.
+    a.ack(&["default"]).await?;
+    assert!(held(1).await.is_some());
+    // B goes away: nobody asks any more.
+    drop(b);
+    wait_until(DEADLINE, "the file secret released", || held(0)).await?;
+
+    // A one-shot fetch loads it and lets it go again.
+    let r = SecretDiscoveryServiceClient::new(ch.clone())
+        .fetch_secrets(req(&[&root_name], "", "", None))
+        .await?
+        .into_inner();
+    assert_eq!(names(&r), vec![root_name.clone()]);
+    wait_until(DEADLINE, "released after the fetch", || held(0)).await?;
+
+    // Asked for again: a fresh entry serves it.
+    a.ack(&["default", &root_name]).await?;
+    let r = a.next().await?;
+    assert_eq!(names(&r), vec![root_name.clone()]);
+    assert!(held(1).await.is_some());
+    drop(a);
+    wait_until(DEADLINE, "released when the stream closed", || held(0)).await?;
+
+    rig.cancel.cancel();
+    rig.handle.join().await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn push_fans_out_to_100_streams() -> Result<()> {
     let rig = rig().await?;
@@ -485,7 +542,8 @@ async fn start_from_run_config_with_and_without_a_source() -> Result<()> {
     let readiness = Readiness::new();
     let mut registry = Registry::default();
     let cancel = CancellationToken::new();
-    let handle = sds::start(&cfg, &readiness, &mut registry, cancel.clone()).await?;
+    let handle = sds::start(&cfg, &mut registry, cancel.clone()).await?;
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     wait_until(DEADLINE, "waiting-for-Envoy reason", || async {
         readiness
             .pending()
@@ -506,13 +564,49 @@ async fn start_from_run_config_with_and_without_a_source() -> Result<()> {
     cancel.cancel();
     handle.join().await?;
 
-    // No certificate flags: no guard, file-root: names still work.
+    // Only `default` used: only `default` is waited for.
+    let sock = tmp.path().join("c").join("sds.sock");
+    let cfg = run_config(&[
+        "--cert-dir",
+        certs.to_str().unwrap(),
+        "--sds-socket",
+        sock.to_str().unwrap(),
+    ])?;
+    let readiness = Readiness::new();
+    let mut registry = Registry::default();
+    let cancel = CancellationToken::new();
+    let handle = sds::start(&cfg, &mut registry, cancel.clone()).await?;
+    let only_default = sds::UsedSecrets {
+        workload: true,
+        root_ca: false,
+    };
+    handle.hold_readiness(&readiness, only_default);
+    wait_until(DEADLINE, "waiting for default only", || async {
+        readiness
+            .pending()
+            .into_iter()
+            .find(|(_, r)| r == "waiting for Envoy to fetch default")
+    })
+    .await?;
+    let ch = channel(sock.clone()).await?;
+    let mut s = Sub::open(&ch, &["default"]).await?;
+    assert_eq!(names(&s.next().await?), vec!["default".to_string()]);
+    wait_until(DEADLINE, "ready without ROOTCA", || async {
+        readiness.is_ready().then_some(())
+    })
+    .await?;
+    cancel.cancel();
+    handle.join().await?;
+
+    // No certificate flags: no guard even when a listener would use them
+    // (nothing could ever be served), file-root: names still work.
     let sock = tmp.path().join("b").join("sds.sock");
     let cfg = run_config(&["--sds-socket", sock.to_str().unwrap()])?;
     let readiness = Readiness::new();
     let mut registry = Registry::default();
     let cancel = CancellationToken::new();
-    let handle = sds::start(&cfg, &readiness, &mut registry, cancel.clone()).await?;
+    let handle = sds::start(&cfg, &mut registry, cancel.clone()).await?;
+    handle.hold_readiness(&readiness, sds::UsedSecrets::BOTH);
     assert!(handle.bundles().is_none());
     assert!(readiness.is_ready());
     let ch = channel(sock).await?;

@@ -143,10 +143,22 @@ impl Ca {
         ttl: Duration,
         extra_dns: &[&str],
     ) -> Result<String, rcgen::Error> {
-        let mut csr = CertificateSigningRequestParams::from_pem(csr_pem)?;
         let now = SystemTime::now();
-        csr.params.not_before = now.into();
-        csr.params.not_after = (now + ttl).into();
+        self.sign_csr_valid(csr_pem, now, now + ttl, extra_dns)
+    }
+
+    /// [`Ca::sign_csr`] with an explicit validity window: a CA double that
+    /// back-dates, issues already-expired or very short certificates.
+    pub fn sign_csr_valid(
+        &self,
+        csr_pem: &str,
+        not_before: SystemTime,
+        not_after: SystemTime,
+        extra_dns: &[&str],
+    ) -> Result<String, rcgen::Error> {
+        let mut csr = CertificateSigningRequestParams::from_pem(csr_pem)?;
+        csr.params.not_before = not_before.into();
+        csr.params.not_after = not_after.into();
         for name in extra_dns {
             csr.params
                 .subject_alt_names

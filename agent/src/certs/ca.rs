@@ -2,10 +2,11 @@
 //!
 //! A fresh key and CSR (rcgen) per issuance, URI SAN
 //! `spiffe://<trust-domain>/ns/<ns>/sa/<sa>`. Renewal at a fraction of the
-//! lifetime (default 50%, minus jitter so a fleet does not renew in step); a
-//! failed call is retried with exponential backoff while the current cert
-//! keeps being served. The root is the last element of the returned chain, so
-//! a CA root change reaches `ROOTCA` on the next issuance.
+//! lifetime (default 50%, minus jitter so a fleet does not renew in step),
+//! never sooner than a minimum interval after the last issuance; a failed
+//! call is retried with jittered exponential backoff up to a cap while the
+//! current cert keeps being served. The root is the last element of the
+//! returned chain, so a CA root change reaches `ROOTCA` on the next issuance.
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -58,8 +59,18 @@ pub struct RenewPolicy {
     pub fraction: f64,
     /// Renew up to this fraction of the lifetime earlier, at random.
     pub jitter: f64,
+    /// Never ask the CA again sooner than this after a successful issuance.
+    /// A back-dated or very short certificate, or a clock skewed against the
+    /// CA's, puts the renewal point in the past at receipt; without a floor
+    /// renewal would call the CA in a loop.
+    pub min_interval: Duration,
+    /// First wait after a failure; doubles per consecutive failure.
     pub min_backoff: Duration,
+    /// Cap of the failure wait (jitter only ever shortens it).
     pub max_backoff: Duration,
+    /// Each failure wait is shortened by up to this fraction (0..1), at
+    /// random, so a fleet that lost its CA together does not retry in step.
+    pub backoff_jitter: f64,
 }
 
 impl Default for RenewPolicy {
@@ -67,28 +78,58 @@ impl Default for RenewPolicy {
         Self {
             fraction: 0.5,
             jitter: 0.05,
+            min_interval: Duration::from_secs(30),
             min_backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(60),
+            backoff_jitter: 0.25,
         }
+    }
+}
+
+/// `x` clamped to 0..=1; a NaN (a policy built by hand) counts as `default`.
+fn unit(x: f64, default: f64) -> f64 {
+    if x.is_nan() {
+        default
+    } else {
+        x.clamp(0.0, 1.0)
     }
 }
 
 impl RenewPolicy {
     /// Delay from `now` until renewal of `b`; `u` in [0,1) picks the jitter.
+    /// Never below [`RenewPolicy::min_interval`].
     pub fn renew_delay(&self, b: &CertBundle, now: SystemTime, u: f64) -> Duration {
-        let lifetime = b.lifetime();
-        let frac = (self.fraction - self.jitter * u.clamp(0.0, 1.0)).clamp(0.0, 1.0);
-        let at = b.not_before + lifetime.mul_f64(frac);
+        let due = self.renew_due(b, now, u);
+        due.max(self.min_interval)
+    }
+
+    /// Time from `now` to the renewal point itself (zero when already past).
+    fn renew_due(&self, b: &CertBundle, now: SystemTime, u: f64) -> Duration {
+        let frac = unit(
+            unit(self.fraction, 0.5) - unit(self.jitter, 0.0) * unit(u, 0.0),
+            0.5,
+        );
+        // `frac` is within 0..=1, so this stays within the certificate's own window.
+        let at = b
+            .not_before
+            .checked_add(b.lifetime().mul_f64(frac))
+            .unwrap_or(b.not_after);
         at.duration_since(now).unwrap_or_default()
     }
 
+    /// Consecutive failure waits: exponential from `min_backoff`, capped.
     fn backoff(&self) -> impl Iterator<Item = Duration> + Send + use<> {
         ExponentialBuilder::default()
             .with_min_delay(self.min_backoff)
-            .with_max_delay(self.max_backoff)
+            .with_max_delay(self.max_backoff.max(self.min_backoff))
             .with_factor(2.0)
             .without_max_times()
             .build()
+    }
+
+    /// A failure wait shortened by the jitter; `u` in [0,1).
+    pub fn jittered(&self, wait: Duration, u: f64) -> Duration {
+        wait.mul_f64(1.0 - unit(self.backoff_jitter, 0.0) * unit(u, 0.0))
     }
 }
 
@@ -194,7 +235,10 @@ pub fn write_output(dir: &Path, b: &CertBundle) -> Result<(), CertError> {
     Ok(())
 }
 
-/// Issue, publish, sleep until renewal; on failure back off. Runs until cancelled.
+/// Issue, publish, sleep until renewal; on failure back off. Runs until
+/// cancelled. Between two CA calls there is always at least
+/// `policy.min_interval` after a success and the (jittered, capped)
+/// backoff after a failure; the last good bundle stays published meanwhile.
 pub async fn run_renewal<I: Issuer>(
     issuer: I,
     ident: Identity,
@@ -206,6 +250,8 @@ pub async fn run_renewal<I: Issuer>(
 ) {
     let source = "CA";
     let mut backoff = policy.backoff();
+    // Warn once per run of certificates that are due at receipt, not every floor.
+    let mut warned_due = false;
     loop {
         let result = async {
             // Key generation is CPU work (seconds for RSA): keep it off the runtime's threads.
@@ -220,7 +266,19 @@ pub async fn run_renewal<I: Issuer>(
         let wait = match result {
             Ok(b) => {
                 backoff = policy.backoff();
-                let delay = policy.renew_delay(&b, SystemTime::now(), rand::rng().random());
+                let now = SystemTime::now();
+                let u: f64 = rand::rng().random();
+                let due = policy.renew_due(&b, now, u);
+                let delay = policy.renew_delay(&b, now, u);
+                if due < policy.min_interval {
+                    if !warned_due {
+                        tracing::warn!(serial = %b.serial, lifetime = ?b.lifetime(), renew_in = ?delay,
+                            "the CA's certificate is due for renewal already (back-dated, very short, or clocks disagree); renewing no sooner than the minimum interval");
+                    }
+                    warned_due = true;
+                } else {
+                    warned_due = false;
+                }
                 if let Some(dir) = &output_dir
                     && let Err(e) = write_output(dir, &b)
                 {
@@ -238,7 +296,7 @@ pub async fn run_renewal<I: Issuer>(
                 {
                     tracing::error!(serial = %cur.serial, "workload certificate expired and the CA is unreachable");
                 }
-                d
+                policy.jittered(d, rand::rng().random())
             }
         };
         tokio::select! {
@@ -434,41 +492,95 @@ mod tests {
     use rcgen::CertificateSigningRequestParams;
     use remora_test_support::pki::Ca;
     use std::sync::{Arc, Mutex};
+    use tokio::sync::Notify;
     use tokio::time::Instant;
 
-    /// A CA double whose answers are scripted: `fail` makes calls error.
+    /// A CA double whose answers are scripted: `fail` makes calls error;
+    /// `window` is the validity it signs, in seconds relative to the wall
+    /// clock at issuance (negative: in the past).
     struct FakeCa {
         root: Ca,
         fail: Arc<Mutex<bool>>,
         calls: Arc<Mutex<Vec<Instant>>>,
-        lifetime: Duration,
+        window: Arc<Mutex<(i64, i64)>>,
+        /// Signalled on every call, so a test sees a runaway loop at once.
+        called: Arc<Notify>,
     }
 
     fn fake_ca(lifetime: Duration) -> FakeCa {
+        let secs = i64::try_from(lifetime.as_secs()).expect("test lifetime");
         FakeCa {
             root: Ca::new("fake-ca"),
             fail: Arc::default(),
             calls: Arc::default(),
-            lifetime,
+            window: Arc::new(Mutex::new((0, secs))),
+            called: Arc::default(),
         }
+    }
+
+    fn offset(now: SystemTime, secs: i64) -> SystemTime {
+        let d = Duration::from_secs(secs.unsigned_abs());
+        if secs >= 0 { now + d } else { now - d }
     }
 
     impl Issuer for FakeCa {
         async fn issue(&self, csr_pem: String, _ttl: Duration) -> Result<Vec<String>, CaError> {
             self.calls.lock().expect("lock").push(Instant::now());
+            self.called.notify_one();
             if *self.fail.lock().expect("lock") {
                 return Err(CaError::Rpc {
                     code: tonic::Code::Unavailable,
                     message: "down".into(),
                 });
             }
-            // Wall-clock validity, exactly `lifetime` long, starting now.
+            let (from, to) = *self.window.lock().expect("lock");
+            let now = SystemTime::now();
             let leaf = self
                 .root
-                .sign_csr(&csr_pem, self.lifetime, &[])
+                .sign_csr_valid(&csr_pem, offset(now, from), offset(now, to), &[])
                 .expect("sign");
             Ok(vec![leaf, self.root.pem.clone()])
         }
+    }
+
+    /// Let `span` of (paused) time pass and return the CA calls made; fails
+    /// as soon as there are more than `limit`, since a loop that never
+    /// sleeps would also keep the paused clock from ever reaching `span`.
+    async fn calls_within(ca: &FakeCaHandles, span: Duration, limit: usize) -> Vec<Instant> {
+        let start = Instant::now();
+        let end = tokio::time::sleep(span);
+        tokio::pin!(end);
+        loop {
+            tokio::select! {
+                _ = &mut end => break,
+                _ = ca.called.notified() => {
+                    let n = ca.calls.lock().expect("lock").len();
+                    assert!(n <= limit, "{n} CA calls within {:?}: renewal loops", start.elapsed());
+                }
+            }
+        }
+        ca.calls.lock().expect("lock").clone()
+    }
+
+    /// What a test keeps of a [`FakeCa`] it handed to the renewal loop.
+    struct FakeCaHandles {
+        calls: Arc<Mutex<Vec<Instant>>>,
+        called: Arc<Notify>,
+        window: Arc<Mutex<(i64, i64)>>,
+    }
+
+    impl FakeCa {
+        fn handles(&self) -> FakeCaHandles {
+            FakeCaHandles {
+                calls: self.calls.clone(),
+                called: self.called.clone(),
+                window: self.window.clone(),
+            }
+        }
+    }
+
+    fn gaps(c: &[Instant]) -> Vec<Duration> {
+        c.windows(2).map(|w| w[1] - w[0]).collect()
     }
 
     fn ident() -> Identity {
@@ -534,10 +646,27 @@ mod tests {
         let p = RenewPolicy::default();
         assert_eq!(p.renew_delay(&b, now, 0.0), Duration::from_secs(500));
         assert_eq!(p.renew_delay(&b, now, 1.0), Duration::from_secs(450));
-        // Past the renewal point: renew at once.
+        // Past the renewal point, or past the end: the floor, never zero.
+        for late in [600, 5000] {
+            assert_eq!(
+                p.renew_delay(&b, now + Duration::from_secs(late), 0.0),
+                p.min_interval
+            );
+        }
+        // A policy built with nonsense fractions neither panics nor loops.
+        let odd = RenewPolicy {
+            fraction: f64::NAN,
+            jitter: f64::INFINITY,
+            ..RenewPolicy::default()
+        };
+        assert!(odd.renew_delay(&b, now, 0.5) >= odd.min_interval);
+        let odd = RenewPolicy {
+            backoff_jitter: f64::NAN,
+            ..RenewPolicy::default()
+        };
         assert_eq!(
-            p.renew_delay(&b, now + Duration::from_secs(600), 0.0),
-            Duration::ZERO
+            odd.jittered(Duration::from_secs(8), 0.9),
+            Duration::from_secs(8)
         );
     }
 
@@ -591,6 +720,7 @@ mod tests {
         let fail = ca.fail.clone();
         let policy = RenewPolicy {
             jitter: 0.0,
+            backoff_jitter: 0.0,
             ..RenewPolicy::default()
         };
         let (out, cancel) = spawn(ca, policy);
@@ -617,22 +747,110 @@ mod tests {
         cancel.cancel();
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn backoff_is_capped() {
-        let ca = fake_ca(Duration::from_secs(1000));
-        let calls = ca.calls.clone();
-        *ca.fail.lock().expect("lock") = true;
-        let policy = RenewPolicy {
-            max_backoff: Duration::from_secs(10),
-            ..RenewPolicy::default()
-        };
-        let (out, cancel) = spawn(ca, policy);
-        while calls.lock().expect("lock").len() < 8 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+    /// Checks failure waits: the n-th within [(1 - jitter) * base, base]
+    /// with base = min(min_backoff * 2^n, max_backoff), and the jitter seen.
+    fn assert_backoff(what: &str, waits: &[Duration], p: &RenewPolicy) {
+        // Paused-time sleeps end on the next whole millisecond.
+        let tick = Duration::from_millis(1);
+        let mut base = p.min_backoff;
+        let mut shortened = 0;
+        for (i, w) in waits.iter().enumerate() {
+            let low = base.mul_f64(1.0 - p.backoff_jitter);
+            assert!(
+                *w >= low && *w <= base + tick,
+                "{what}: wait {i} is {w:?}, not within [{low:?}, {base:?}]: {waits:?}"
+            );
+            if *w + tick < base {
+                shortened += 1;
+            }
+            base = (base * 2).min(p.max_backoff);
         }
-        let c = calls.lock().expect("lock").clone();
-        let last = (c[7] - c[6]).as_secs();
-        assert_eq!(last, 10);
+        assert!(
+            shortened * 2 >= waits.len(),
+            "{what}: jitter shortened only {shortened} of {} waits",
+            waits.len()
+        );
+    }
+
+    /// Certificates already due for renewal when they arrive: back-dated, a
+    /// CA clock behind ours, a lifetime of seconds. Over ten minutes of
+    /// paused time the CA is called once at start and then once per
+    /// `min_interval`, and every answer is published.
+    #[tokio::test(start_paused = true)]
+    async fn certificates_due_at_receipt_renew_no_sooner_than_the_floor() {
+        for (what, window) in [
+            ("back-dated by an hour, ten minutes left", (-3600, 600)),
+            ("CA clock 40 min behind, 1 h lifetime", (-2400, 1200)),
+            ("2 s lifetime", (0, 2)),
+        ] {
+            let ca = fake_ca(Duration::from_secs(1));
+            *ca.window.lock().expect("lock") = window;
+            let h = ca.handles();
+            let policy = RenewPolicy::default();
+            let (out, cancel) = spawn(ca, policy.clone());
+            let c = calls_within(&h, Duration::from_secs(600), 25).await;
+            cancel.cancel();
+            // t = 0, 30, …, 570 and maybe 600 (it ties with the end of the span).
+            assert!((20..=21).contains(&c.len()), "{what}: {} calls", c.len());
+            for g in gaps(&c) {
+                assert!(g >= policy.min_interval, "{what}: {g:?} between CA calls");
+            }
+            assert_eq!(out.metrics.failures.get(), 0, "{what}");
+            assert_eq!(
+                out.metrics.updates.get(),
+                u64::try_from(c.len()).expect("count"),
+                "{what}: each valid answer is served"
+            );
+        }
+    }
+
+    /// A CA that answers with certificates expired at receipt: each is
+    /// refused, the retries follow the failure backoff, and the last good
+    /// certificate stays in service.
+    #[tokio::test(start_paused = true)]
+    async fn expired_answers_back_off_and_keep_the_last_good() {
+        let ca = fake_ca(Duration::from_secs(1000));
+        let h = ca.handles();
+        let policy = RenewPolicy::default();
+        let (out, cancel) = spawn(ca, policy.clone());
+        out.subscribe()
+            .wait_for(|b| b.is_some())
+            .await
+            .expect("first");
+        let good = out.current().expect("bundle");
+        *h.window.lock().expect("lock") = (-7200, -3600);
+        // The renewal (before 500 s), then ten minutes of retries.
+        let c = calls_within(&h, Duration::from_secs(1100), 30).await;
+        cancel.cancel();
+        assert!(c.len() >= 14, "{} calls", c.len());
+        assert_backoff("expired answers", &gaps(&c[1..]), &policy);
+        assert_eq!(
+            out.metrics.failures.get(),
+            u64::try_from(c.len() - 1).expect("count")
+        );
+        assert_eq!(out.current(), Some(good), "last good bundle kept");
+        assert!(out.status().borrow().is_none(), "readiness does not flap");
+    }
+
+    /// A CA that is down: ten minutes of retries, exponential from 1 s with
+    /// jitter, capped at 60 s; nothing to serve and the reason in readiness.
+    #[tokio::test(start_paused = true)]
+    async fn failures_back_off_with_jitter_up_to_the_cap() {
+        let ca = fake_ca(Duration::from_secs(1000));
+        *ca.fail.lock().expect("lock") = true;
+        let h = ca.handles();
+        let policy = RenewPolicy::default();
+        let (out, cancel) = spawn(ca, policy.clone());
+        let c = calls_within(&h, Duration::from_secs(600), 25).await;
+        cancel.cancel();
+        let waits = gaps(&c);
+        assert_backoff("CA down", &waits, &policy);
+        // 1+2+…+32 = 63 s, then at most 60 s apart: the cap is reached and held.
+        assert!(waits.len() >= 14, "{waits:?}");
+        assert!(
+            waits[7..].iter().all(|w| *w > Duration::from_secs(44)),
+            "{waits:?}"
+        );
         assert!(out.current().is_none());
         assert!(
             out.status()
@@ -640,7 +858,6 @@ mod tests {
                 .as_deref()
                 .is_some_and(|s| s.contains("Unavailable"))
         );
-        cancel.cancel();
     }
 
     #[test]

@@ -6,6 +6,8 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use super::store::{ROOT_CA, WORKLOAD_CERT};
+use crate::bootstrap::Extras;
+use crate::config::RunConfig;
 
 /// Name of the static cluster that reaches the agent's SDS socket.
 pub const SDS_CLUSTER: &str = "sds-grpc";
@@ -30,6 +32,18 @@ pub fn sds_cluster(socket: &Path) -> Value {
             }}}]}]
         }
     })
+}
+
+/// What SDS adds to the generated bootstrap: the `sds-grpc` cluster always
+/// (xDS-delivered configs may use its secrets), and with `--inbound-tls`
+/// mTLS from `default`/`ROOTCA` on every inbound listener.
+pub fn extras(cfg: &RunConfig, socket: &Path) -> Extras {
+    Extras {
+        clusters: vec![sds_cluster(socket)],
+        inbound_transport_socket: cfg
+            .inbound_tls
+            .then(|| inbound_tls_transport_socket(&cfg.inbound_tls_san)),
+    }
 }
 
 /// An `SdsSecretConfig` for `name` served over the `sds-grpc` cluster.
@@ -86,9 +100,206 @@ pub fn inbound_tls_transport_socket(sans: &[String]) -> Value {
     })
 }
 
+/// Which of the workload secrets (`default`, `ROOTCA`) a configuration
+/// makes Envoy fetch from this agent's SDS.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UsedSecrets {
+    pub workload: bool,
+    pub root_ca: bool,
+}
+
+impl UsedSecrets {
+    pub const BOTH: Self = Self {
+        workload: true,
+        root_ca: true,
+    };
+
+    pub fn any(&self) -> bool {
+        self.workload || self.root_ca
+    }
+
+    /// What the bootstrap's static listeners and clusters (generated, or from
+    /// `--bootstrap-override`) fetch from the `sds-grpc` cluster: Envoy asks
+    /// for exactly those while it starts. Listeners and clusters an xDS
+    /// server sends later are not known here; Envoy is not LIVE before the
+    /// first ones have warmed, secrets included (within the `sds_config`'s
+    /// `initial_fetch_timeout`, the server's choice), so the `envoy` guard
+    /// covers them, and one that sends no TLS listener adds nothing to wait for.
+    pub fn of_bootstrap(bootstrap: &Value) -> Self {
+        let mut used = Self::default();
+        let statics = field(bootstrap, "static_resources");
+        for kind in ["listeners", "clusters"] {
+            if let Some(Value::Array(items)) = statics.and_then(|s| field(s, kind)) {
+                for item in items {
+                    used.collect(item);
+                }
+            }
+        }
+        used
+    }
+
+    fn collect(&mut self, v: &Value) {
+        match v {
+            Value::Object(map) => {
+                if let (Some(Value::String(name)), Some(cfg)) =
+                    (map.get("name"), field(v, "sds_config"))
+                    && uses_sds_cluster(cfg)
+                {
+                    match name.as_str() {
+                        WORKLOAD_CERT => self.workload = true,
+                        ROOT_CA => self.root_ca = true,
+                        _ => {}
+                    }
+                }
+                map.values().for_each(|c| self.collect(c));
+            }
+            Value::Array(items) => items.iter().for_each(|c| self.collect(c)),
+            _ => {}
+        }
+    }
+}
+
+impl std::fmt::Display for UsedSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = [(self.workload, WORKLOAD_CERT), (self.root_ca, ROOT_CA)]
+            .into_iter()
+            .filter_map(|(on, n)| on.then_some(n))
+            .collect();
+        f.write_str(&names.join(" and "))
+    }
+}
+
+/// A field by its proto name, in either JSON spelling Envoy accepts
+/// (`sds_config` or `sdsConfig`): an override may use either.
+fn field<'a>(v: &'a Value, snake: &str) -> Option<&'a Value> {
+    let map = v.as_object()?;
+    map.get(snake).or_else(|| {
+        let mut camel = String::with_capacity(snake.len());
+        let mut up = false;
+        for c in snake.chars() {
+            if c == '_' {
+                up = true;
+            } else if up {
+                camel.extend(c.to_uppercase());
+                up = false;
+            } else {
+                camel.push(c);
+            }
+        }
+        map.get(&camel)
+    })
+}
+
+/// Whether an SDS `ConfigSource` points at the `sds-grpc` cluster.
+fn uses_sds_cluster(cfg: &Value) -> bool {
+    match cfg {
+        Value::Object(map) => {
+            field(cfg, "cluster_name").and_then(Value::as_str) == Some(SDS_CLUSTER)
+                || map.values().any(uses_sds_cluster)
+        }
+        Value::Array(items) => items.iter().any(uses_sds_cluster),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    fn cfg(args: &[&str]) -> RunConfig {
+        let mut argv = vec!["remora-agent", "run"];
+        argv.extend_from_slice(args);
+        match crate::config::Cli::try_parse_from(argv)
+            .expect("parses")
+            .command
+        {
+            crate::config::Command::Run(c) => *c,
+            _ => unreachable!("a run command"),
+        }
+    }
+
+    /// What the agent's readiness waits for, per configuration.
+    fn used(args: &[&str], override_doc: Option<Value>) -> UsedSecrets {
+        let c = cfg(args);
+        let b = crate::bootstrap::generate(
+            &c,
+            &extras(&c, Path::new("/run/sds.sock")),
+            override_doc.as_ref(),
+        )
+        .expect("bootstrap");
+        UsedSecrets::of_bootstrap(&b)
+    }
+
+    #[test]
+    fn used_secrets_follow_the_listeners_of_the_bootstrap() {
+        let none = UsedSecrets::default();
+        // Certificates configured, but no listener uses them.
+        assert_eq!(
+            used(&["--inbound", "15006:8080", "--cert-dir", "/c"], None),
+            none
+        );
+        assert_eq!(
+            used(
+                &["--ca-address", "ca:15012", "--outbound", "15001:x:80"],
+                None
+            ),
+            none
+        );
+        // xDS mode: what the control plane sends later is not counted.
+        assert_eq!(
+            used(
+                &["--discovery-address", "xds:15010", "--cert-dir", "/c"],
+                None
+            ),
+            none
+        );
+        // `--inbound-tls`: both, in static and in xDS mode.
+        let tls = ["--inbound", "15006:8080", "--inbound-tls"];
+        assert_eq!(used(&tls, None), UsedSecrets::BOTH);
+        let xds_tls = [&tls[..], &["--discovery-address", "xds:15010"]].concat();
+        assert_eq!(used(&xds_tls, None), UsedSecrets::BOTH);
+        assert_eq!(UsedSecrets::BOTH.to_string(), "default and ROOTCA");
+
+        // An override's listener, in the proto's camelCase JSON, using only
+        // `default` from this agent and a root from elsewhere.
+        let ov = json!({"static_resources": {"listeners": [{
+            "name": "custom",
+            "filterChains": [{"transportSocket": {"typedConfig": {"commonTlsContext": {
+                "tlsCertificateSdsSecretConfigs": [{
+                    "name": "default",
+                    "sdsConfig": {"apiConfigSource": {"grpcServices": [
+                        {"envoyGrpc": {"clusterName": "sds-grpc"}}
+                    ]}}
+                }],
+                "validationContextSdsSecretConfig": {
+                    "name": "ROOTCA", "sdsConfig": {"ads": {}}
+                }
+            }}}}]
+        }]}});
+        assert_eq!(
+            used(&["--cert-dir", "/c"], Some(ov)),
+            UsedSecrets {
+                workload: true,
+                root_ca: false
+            }
+        );
+        // A cluster that uses ROOTCA (upstream mTLS) counts too.
+        let ov = json!({"static_resources": {"clusters": [{
+            "name": "up",
+            "transport_socket": {"typed_config": {"common_tls_context": {
+                "validation_context_sds_secret_config": sds_secret_config("ROOTCA")
+            }}}
+        }]}});
+        assert_eq!(
+            used(&["--cert-dir", "/c"], Some(ov)),
+            UsedSecrets {
+                workload: false,
+                root_ca: true
+            }
+        );
+        assert_eq!(UsedSecrets::of_bootstrap(&json!([1, {"a": null}])), none);
+    }
 
     #[test]
     fn snippets_have_the_contract_names() {

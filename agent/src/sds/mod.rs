@@ -13,15 +13,19 @@
 //!   an `SdsSecretConfig` for any other TLS context (e.g. outbound).
 //!
 //! App wiring:
-//! - [`start`]`(cfg: &RunConfig, readiness: &Readiness, registry: &mut Registry,
-//!   cancel: CancellationToken) -> Result<SdsHandle, SdsError>`: picks the
+//! - [`start`]`(cfg: &RunConfig, registry: &mut Registry, cancel:
+//!   CancellationToken) -> Result<SdsHandle, SdsError>`: picks the
 //!   certificate source from the flags (`--ca-address`, else `--cert-dir`,
 //!   else `/etc/certs` when `--inbound-tls`, else none), binds
-//!   `cfg.sds_socket_path()`, and runs until `cancel`. With a source, a
-//!   readiness guard `certificates` stays pending until `default` and
-//!   `ROOTCA` were each sent to Envoy once. Metrics go into `registry` (pass a
-//!   sub-registry, e.g. `registry.sub_registry_with_prefix("remora")`).
-//!   [`SdsHandle::join`] waits for a clean stop (socket removed).
+//!   `cfg.sds_socket_path()`, and runs until `cancel`. Metrics go into
+//!   `registry` (pass a sub-registry, e.g.
+//!   `registry.sub_registry_with_prefix("remora")`). [`SdsHandle::join`]
+//!   waits for a clean stop (socket removed).
+//! - [`SdsHandle::hold_readiness`]`(readiness, used)`: with a source and a
+//!   bootstrap that uses `default` or `ROOTCA`
+//!   ([`bootstrap::UsedSecrets::of_bootstrap`]), a readiness guard
+//!   `certificates` stays pending until each used one was sent to Envoy
+//!   once. Nothing uses them: no guard, since Envoy would never ask.
 //! - [`start_with`]: the same with an explicit socket and source (tests, benches).
 
 pub mod bootstrap;
@@ -35,6 +39,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_server::SecretDiscoveryServiceServer;
 use prometheus_client::registry::Registry;
 use tokio::net::UnixListener;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
@@ -42,10 +47,11 @@ use tokio_util::sync::CancellationToken;
 use crate::certs::{self, BundleReceiver, BundleSender, CertBundle, CertMetrics, CertSource};
 use crate::config::RunConfig;
 use crate::readiness::Readiness;
+pub use bootstrap::UsedSecrets;
 use server::{SdsMetrics, SdsService, Served};
 use store::SecretStore;
 
-/// Name of the readiness guard held until `default` and `ROOTCA` were served.
+/// Name of the readiness guard held until the used certificates were served.
 pub const READINESS_GUARD: &str = "certificates";
 
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +76,11 @@ pub enum SdsError {
 pub struct SdsHandle {
     pub socket: PathBuf,
     bundles: Option<BundleReceiver>,
+    /// The source's reason for having nothing to serve yet (with a source).
+    status: Option<watch::Receiver<Option<String>>>,
+    served: watch::Receiver<(bool, bool)>,
+    store: SecretStore,
+    cancel: CancellationToken,
     task: JoinHandle<Result<(), SdsError>>,
 }
 
@@ -82,6 +93,40 @@ impl SdsHandle {
     pub fn current(&self) -> Option<Arc<CertBundle>> {
         self.bundles.as_ref().and_then(|b| b.borrow().clone())
     }
+    /// File secrets held now (see [`SecretStore::file_secrets`]).
+    pub fn file_secrets(&self) -> usize {
+        self.store.file_secrets()
+    }
+    /// Hold readiness until Envoy got the workload secrets `used` says the
+    /// configuration uses. Only then: readiness must never wait for a
+    /// secret Envoy will not ask for. Without a source there is nothing that
+    /// could ever be served, so no guard either (a warning says why).
+    pub fn hold_readiness(&self, readiness: &Readiness, used: UsedSecrets) {
+        if !used.any() {
+            if self.bundles.is_some() {
+                tracing::info!(
+                    "no listener or cluster of the bootstrap uses the workload certificate; readiness does not wait for it"
+                );
+            }
+            return;
+        }
+        let (Some(bundle), Some(status)) = (self.bundles.clone(), self.status.clone()) else {
+            tracing::warn!(
+                secrets = %used,
+                "the bootstrap uses SDS workload secrets but no certificate source is configured (--cert-dir, --ca-address or --inbound-tls); Envoy will wait for them"
+            );
+            return;
+        };
+        let guard = readiness.register(READINESS_GUARD, "certificate source starting");
+        tokio::spawn(track_readiness(
+            guard,
+            used,
+            status,
+            bundle,
+            self.served.clone(),
+            self.cancel.clone(),
+        ));
+    }
     /// Wait until the server stopped (after the cancel token fired).
     pub async fn join(self) -> Result<(), SdsError> {
         self.task.await.map_err(|e| SdsError::Join(e.to_string()))?
@@ -91,19 +136,17 @@ impl SdsHandle {
 /// Start SDS as configured by the flags. See the module docs.
 pub async fn start(
     cfg: &RunConfig,
-    readiness: &Readiness,
     registry: &mut Registry,
     cancel: CancellationToken,
 ) -> Result<SdsHandle, SdsError> {
     let source = certs::source_from_config(cfg)?;
-    start_with(cfg.sds_socket_path(), source, readiness, registry, cancel).await
+    start_with(cfg.sds_socket_path(), source, registry, cancel).await
 }
 
 /// Start SDS on `socket` with `source` (if any).
 pub async fn start_with(
     socket: PathBuf,
     source: Option<Box<dyn CertSource>>,
-    readiness: &Readiness,
     registry: &mut Registry,
     cancel: CancellationToken,
 ) -> Result<SdsHandle, SdsError> {
@@ -115,34 +158,30 @@ pub async fn start_with(
 
     let listener = bind(&socket)?;
 
-    let mut bundles = None;
+    let (mut bundles, mut status) = (None, None);
     if let Some(src) = source {
         let tx = BundleSender::new(cert_metrics.clone());
         bundles = Some(tx.subscribe());
+        status = Some(tx.status());
         tracing::info!(source = %src.describe(), socket = %socket.display(), "SDS starting");
-        let guard = readiness.register(READINESS_GUARD, "certificate source starting");
-        tokio::spawn(track_readiness(
-            guard,
-            tx.status(),
-            tx.subscribe(),
-            served.subscribe(),
-            cancel.clone(),
-        ));
         tokio::spawn(src.run(tx, cancel.clone()));
     }
     let store = SecretStore::new(
         bundles.clone(),
         cancel.clone(),
         sds_metrics.file_secret_failures.clone(),
+        sds_metrics.file_secrets.clone(),
     );
-    let svc = SdsService::new(store, sds_metrics, served, cancel.clone());
+    let served_rx = served.subscribe();
+    let svc = SdsService::new(store.clone(), sds_metrics, served, cancel.clone());
     let sock = socket.clone();
+    let shutdown = cancel.clone();
     let task = tokio::spawn(async move {
         let res = tonic::transport::Server::builder()
             .add_service(SecretDiscoveryServiceServer::new(svc))
             .serve_with_incoming_shutdown(
                 UnixListenerStream::new(listener),
-                cancel.cancelled_owned(),
+                shutdown.cancelled_owned(),
             )
             .await;
         let _ = std::fs::remove_file(&sock);
@@ -151,6 +190,10 @@ pub async fn start_with(
     Ok(SdsHandle {
         socket,
         bundles,
+        status,
+        served: served_rx,
+        store,
+        cancel,
         task,
     })
 }
@@ -180,33 +223,28 @@ fn bind(path: &Path) -> Result<UnixListener, SdsError> {
 }
 
 /// Readiness: pending with the source's reason until it has a bundle, then
-/// until Envoy got `default` and `ROOTCA` once; then ready for good (a later
+/// until Envoy got each secret in `used` once; then ready for good (a later
 /// bad update keeps the old cert in service, so it must not flap readiness).
 async fn track_readiness(
     guard: crate::readiness::ReadinessGuard,
-    mut status: tokio::sync::watch::Receiver<Option<String>>,
+    used: UsedSecrets,
+    mut status: watch::Receiver<Option<String>>,
     mut bundle: BundleReceiver,
-    mut served: tokio::sync::watch::Receiver<(bool, bool)>,
+    mut served: watch::Receiver<(bool, bool)>,
     cancel: CancellationToken,
 ) {
     loop {
         let have = bundle.borrow_and_update().is_some();
         let reason = status.borrow_and_update().clone();
         let (w, r) = *served.borrow_and_update();
+        let missing = UsedSecrets {
+            workload: used.workload && !w,
+            root_ca: used.root_ca && !r,
+        };
         if !have {
             guard.pending(reason.unwrap_or_else(|| "no workload certificate yet".into()));
-        } else if !(w && r) {
-            let mut missing = Vec::new();
-            if !w {
-                missing.push(store::WORKLOAD_CERT);
-            }
-            if !r {
-                missing.push(store::ROOT_CA);
-            }
-            guard.pending(format!(
-                "waiting for Envoy to fetch {}",
-                missing.join(" and ")
-            ));
+        } else if missing.any() {
+            guard.pending(format!("waiting for Envoy to fetch {missing}"));
         } else {
             guard.ready();
             // Keep the guard alive (ready) until shutdown; dropping it is fine too.

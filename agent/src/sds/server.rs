@@ -36,6 +36,7 @@ pub struct SdsMetrics {
     pub unknown_names: Counter,
     pub streams: Gauge,
     pub file_secret_failures: Counter,
+    pub file_secrets: Gauge,
 }
 
 impl SdsMetrics {
@@ -56,6 +57,11 @@ impl SdsMetrics {
             "sds_file_secret_failures",
             "Failed loads of file-cert:/file-root: secrets",
             self.file_secret_failures.clone(),
+        );
+        registry.register(
+            "sds_file_secrets",
+            "file-cert:/file-root: secrets held now, each with a file watch (released when no stream asks for it)",
+            self.file_secrets.clone(),
         );
     }
 }

@@ -4,7 +4,9 @@
 //! `default` and `ROOTCA` are derived from the workload [`CertBundle`]
 //! channel, each with its own version, so a leaf rotation does not push
 //! `ROOTCA` and vice versa. `file-cert:<cert>~<key>` and `file-root:<path>`
-//! (Istio's formats) are loaded and watched on first request.
+//! (Istio's formats) are loaded and watched on first request, and released
+//! (entry, file watch task) once no stream or fetch holds them any more: the
+//! names come from requests, so what is kept must follow what is asked.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -17,6 +19,8 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
     CertificateValidationContext, Secret, TlsCertificate, secret,
 };
 use envoy_types::pb::google::protobuf::Any;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prost::Message;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -130,21 +134,64 @@ pub struct SecretStore {
     inner: Arc<StoreInner>,
 }
 
+type ResourceTx = watch::Sender<Option<Arc<Resource>>>;
+
 #[derive(Debug)]
 struct StoreInner {
-    workload: watch::Sender<Option<Arc<Resource>>>,
-    root: watch::Sender<Option<Arc<Resource>>>,
-    files: Mutex<HashMap<String, watch::Sender<Option<Arc<Resource>>>>>,
+    workload: ResourceTx,
+    root: ResourceTx,
+    /// File secrets by name; an entry lives while someone holds a receiver.
+    files: Mutex<HashMap<String, ResourceTx>>,
     cancel: CancellationToken,
-    failures: prometheus_client::metrics::counter::Counter,
+    failures: Counter,
+    /// Running file watch tasks (one per entry of `files`).
+    file_watches: Gauge,
+}
+
+impl StoreInner {
+    fn files(&self) -> std::sync::MutexGuard<'_, HashMap<String, ResourceTx>> {
+        self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Drop the entry `name` if nobody holds `tx` any more. Under the map's
+    /// lock, so a concurrent [`SecretStore::subscribe`] either came first (and
+    /// holds a receiver: the entry stays) or creates a fresh entry after.
+    fn release(&self, name: &str, tx: &ResourceTx) -> bool {
+        let mut files = self.files();
+        if tx.receiver_count() > 0 {
+            return false;
+        }
+        if files.get(name).is_some_and(|t| t.same_channel(tx)) {
+            files.remove(name);
+        }
+        true
+    }
+}
+
+/// Counts a running file watch task for as long as it lives.
+struct WatchCount(Gauge);
+
+impl WatchCount {
+    fn new(g: &Gauge) -> Self {
+        g.inc();
+        Self(g.clone())
+    }
+}
+
+impl Drop for WatchCount {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl SecretStore {
-    /// Follows `bundles` until `cancel`.
+    /// Follows `bundles` until `cancel`. `failures` counts failed file
+    /// secret loads; `file_watches` the file secrets watched now.
     pub fn new(
         bundles: Option<BundleReceiver>,
         cancel: CancellationToken,
-        failures: prometheus_client::metrics::counter::Counter,
+        failures: Counter,
+        file_watches: Gauge,
     ) -> Self {
         let inner = Arc::new(StoreInner {
             workload: watch::channel(None).0,
@@ -152,6 +199,7 @@ impl SecretStore {
             files: Mutex::default(),
             cancel,
             failures,
+            file_watches,
         });
         if let Some(mut rx) = bundles {
             let inner2 = inner.clone();
@@ -211,30 +259,53 @@ impl SecretStore {
         build: fn(&str, (String, Option<String>)) -> Resource,
         paths: Vec<PathBuf>,
     ) -> ResourceRx {
-        let mut files = self.inner.files.lock().unwrap_or_else(|p| p.into_inner());
+        let mut files = self.inner.files();
         if let Some(tx) = files.get(name) {
             return tx.subscribe();
         }
-        let tx = watch::channel(None).0;
+        let tx: ResourceTx = watch::channel(None).0;
         let rx = tx.subscribe();
         files.insert(name.to_string(), tx.clone());
+        let inner = self.inner.clone();
+        let count = WatchCount::new(&inner.file_watches);
         let name = name.to_string();
-        let cancel = self.inner.cancel.clone();
-        let failures = self.inner.failures.clone();
-        tokio::spawn(file::watch_and_reload(
+        let stop = inner.cancel.child_token();
+        let failures = inner.failures.clone();
+        let (tx2, name2) = (tx.clone(), name.clone());
+        let reload = file::watch_and_reload(
             paths,
             DEFAULT_POLL,
             DEFAULT_RESYNC,
-            cancel,
+            stop.clone(),
             move || match load() {
-                Ok(v) => update(&tx, build(&name, v)),
+                Ok(v) => update(&tx2, build(&name2, v)),
                 Err(e) => {
                     failures.inc();
-                    tracing::warn!(secret = %name, error = %e, "cannot load secret files; keeping the last good one");
+                    tracing::warn!(secret = %name2, error = %e, "cannot load secret files; keeping the last good one");
                 }
             },
-        ));
+        );
+        tokio::spawn(async move {
+            let _count = count;
+            tokio::pin!(reload);
+            loop {
+                tokio::select! {
+                    // Ends only when the store's token fires.
+                    _ = &mut reload => return,
+                    _ = tx.closed() => if inner.release(&name, &tx) {
+                        stop.cancel();
+                        tracing::debug!(secret = %name, "file secret no longer requested; watch released");
+                        return;
+                    },
+                }
+            }
+        });
         rx
+    }
+
+    /// File secrets held now (entries, each with its watch task).
+    pub fn file_secrets(&self) -> usize {
+        self.inner.files().len()
     }
 
     /// The current value of a name, if known and loaded.
@@ -252,7 +323,7 @@ fn name_paths(name: &str) -> Vec<PathBuf> {
     }
 }
 
-fn update(tx: &watch::Sender<Option<Arc<Resource>>>, r: Resource) {
+fn update(tx: &ResourceTx, r: Resource) {
     tx.send_if_modified(|cur| {
         if cur.as_ref().is_some_and(|c| c.version == r.version) {
             return false;
@@ -265,6 +336,53 @@ fn update(tx: &watch::Sender<Option<Arc<Resource>>>, r: Resource) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    /// An entry lives exactly as long as a receiver: a second subscriber
+    /// shares it, and the last one gone releases entry and task, also for
+    /// lookups that never keep a receiver (`current`).
+    #[tokio::test]
+    async fn file_entries_follow_their_subscribers() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let path = tmp.path().join("r.pem");
+        std::fs::write(&path, remora_test_support::pki::Ca::new("r").pem).expect("write");
+        let name = format!("{FILE_ROOT_PREFIX}{}", path.display());
+        let watches = Gauge::default();
+        let store = SecretStore::new(
+            None,
+            CancellationToken::new(),
+            Counter::default(),
+            watches.clone(),
+        );
+        let held = |n: usize| {
+            let ok = store.file_secrets() == n && watches.get() == i64::try_from(n).unwrap_or(-1);
+            std::future::ready(ok.then_some(()))
+        };
+        let wait = |n: usize, what: &'static str| {
+            remora_test_support::wait::wait_until(Duration::from_secs(10), what, move || held(n))
+        };
+
+        let mut first = store.subscribe(&name).expect("known name");
+        let second = store.subscribe(&name).expect("known name");
+        assert_eq!(store.file_secrets(), 1, "one entry per name");
+        first.wait_for(Option::is_some).await.expect("loaded");
+        drop(first);
+        wait(1, "kept for the second subscriber")
+            .await
+            .expect("held");
+        drop(second);
+        wait(0, "released").await.expect("released");
+
+        for _ in 0..50 {
+            let _ = store.current(&name);
+        }
+        wait(0, "lookups leave nothing behind")
+            .await
+            .expect("released");
+        // Unknown names never make an entry.
+        assert!(store.subscribe("file-root:").is_none());
+        assert_eq!(store.file_secrets(), 0);
+    }
 
     #[test]
     fn names_parse_like_istio() {
