@@ -926,3 +926,24 @@ fn hot_restart_that_fails_at_start_keeps_epoch_0_serving_and_is_not_retried() {
     );
     drop(occupied);
 }
+
+#[test]
+fn drain_ends_by_the_deadline_when_envoy_hangs() {
+    let mut agent = Agent::builder().args(["--drain-deadline", "2s"]).start();
+    let envoy = agent.envoy_pid().expect("pid");
+    // A stopped Envoy: its admin port takes connections (the kernel's
+    // backlog) and never answers, and SIGTERM waits; only SIGKILL works.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(envoy), Signal::SIGSTOP).expect("stop");
+    let start = Instant::now();
+    agent.signal(Signal::SIGTERM);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    let took = start.elapsed();
+    println!("hung Envoy, 2 s drain deadline: the agent exited after {took:?}");
+    assert_eq!(status.code(), Some(3), "{}", agent.log());
+    assert!(
+        took < Duration::from_millis(2200),
+        "{took:?}\n{}",
+        agent.log()
+    );
+    assert!(!process_alive(envoy), "Envoy was killed");
+}
