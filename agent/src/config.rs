@@ -467,11 +467,13 @@ pub fn parse_cli() -> Result<Command, ConfigError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    fn run(args: &[&str], env: &[(&str, &str)]) -> Result<RunConfig, String> {
+    /// `remora-agent run` with these flags and this environment (also used by
+    /// other modules' tests).
+    pub(crate) fn run(args: &[&str], env: &[(&str, &str)]) -> Result<RunConfig, String> {
         let mut argv = vec!["remora-agent", "run"];
         argv.extend_from_slice(args);
         let m = Cli::command()

@@ -13,7 +13,9 @@
 //!   minimum drain duration and then until no workload connection is left.
 //!
 //! It never runs past the drain deadline, minus a reserve kept for stopping
-//! Envoy.
+//! Envoy: every admin call it makes is bounded, by [`ADMIN_CALL_TIMEOUT`] and
+//! by the end of the wait, so a hung or slow admin API cannot hold it (Envoy
+//! is then stopped by signal in the reserve).
 
 use std::future::Future;
 use std::time::Duration;
@@ -25,6 +27,38 @@ use tokio::time::Instant;
 use crate::envoy::admin::{AdminError, EnvoyAdmin, Traffic};
 use crate::lifecycle::DrainSettings;
 use crate::metrics::DrainOutcomeLabel;
+
+/// No admin call of a drain waits longer than this for its answer.
+pub const ADMIN_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+/// The last count of open connections (for the report) is made in this slot
+/// before the end of the wait, so it never eats into the stop reserve.
+const FINAL_COUNT_SLOT: Duration = Duration::from_millis(200);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DrainError {
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+    #[error("Envoy's admin API did not answer {what} within {after:?}")]
+    TimedOut { what: &'static str, after: Duration },
+}
+
+/// One admin call, given up after [`ADMIN_CALL_TIMEOUT`] or at `until`,
+/// whichever comes first.
+async fn bounded<T>(
+    what: &'static str,
+    call: impl Future<Output = Result<T, AdminError>>,
+    until: Instant,
+) -> Result<T, DrainError> {
+    let started = Instant::now();
+    let give_up = until.min(started + ADMIN_CALL_TIMEOUT);
+    match tokio::time::timeout_at(give_up, call).await {
+        Ok(r) => r.map_err(DrainError::from),
+        Err(_) => Err(DrainError::TimedOut {
+            what,
+            after: started.elapsed(),
+        }),
+    }
+}
 
 /// What the drain needs from Envoy.
 pub trait DrainTarget {
@@ -90,7 +124,8 @@ pub struct DrainReport {
     pub settings: DrainSettings,
 }
 
-/// Time kept back from the deadline for stopping Envoy afterwards.
+/// Time kept back from the deadline for stopping Envoy afterwards (SIGTERM,
+/// and SIGKILL when it does not stop in time). No admin call runs in it.
 pub fn stop_reserve(deadline: Duration) -> Duration {
     (deadline / 10).min(Duration::from_secs(1))
 }
@@ -109,21 +144,32 @@ pub async fn run<T: DrainTarget>(
         + settings
             .drain_deadline
             .saturating_sub(stop_reserve(settings.drain_deadline));
-    let active_at_start = match target.active_connections().await {
+    // Both read before Envoy starts telling clients to leave: the count for the
+    // report, and the baseline the adaptive drain compares with.
+    let (count, baseline) = tokio::join!(
+        bounded(
+            "the connection count",
+            target.active_connections(),
+            wait_until
+        ),
+        async {
+            if settings.adaptive() {
+                bounded("the traffic counters", target.traffic(), wait_until)
+                    .await
+                    .ok()
+            } else {
+                None
+            }
+        }
+    );
+    let active_at_start = match count {
         Ok(n) => Some(n),
         Err(e) => {
             tracing::warn!(error = %e, "cannot count connections at drain start");
             None
         }
     };
-    // The baseline the adaptive drain compares with, read before Envoy starts
-    // telling clients to leave.
-    let baseline = if settings.adaptive() {
-        target.traffic().await.ok()
-    } else {
-        None
-    };
-    if let Err(e) = target.drain_inbound().await {
+    if let Err(e) = bounded("drain_listeners", target.drain_inbound(), wait_until).await {
         // Without Envoy's drain the wait still protects in-flight requests.
         tracing::warn!(error = %e, "Envoy did not accept drain_listeners");
     }
@@ -187,7 +233,7 @@ async fn wait_for_quiet<T: DrainTarget>(
     let mut inbound_quiet_at = None;
     loop {
         let now = Instant::now();
-        let in_flight = match target.traffic().await {
+        let in_flight = match bounded("the traffic counters", target.traffic(), wait_until).await {
             Ok(t) => {
                 match last {
                     Some(prev) => {
@@ -233,15 +279,30 @@ async fn wait_for_quiet<T: DrainTarget>(
 }
 
 /// Wait for the deadline and say how many connections were still open
-/// (`last` when Envoy cannot say now).
+/// (`last` when Envoy cannot say in time).
 async fn at_deadline<T: DrainTarget>(
     target: &T,
     wait_until: Instant,
     last: Option<u64>,
 ) -> DrainOutcome {
+    let count_from = wait_until
+        .checked_sub(FINAL_COUNT_SLOT)
+        .unwrap_or(wait_until);
+    tokio::time::sleep_until(count_from).await;
+    let active = if Instant::now() < wait_until {
+        bounded(
+            "the connection count",
+            target.active_connections(),
+            wait_until,
+        )
+        .await
+        .ok()
+    } else {
+        None
+    };
     tokio::time::sleep_until(wait_until).await;
     DrainOutcome::DeadlineExceeded {
-        active: target.active_connections().await.ok().or(last),
+        active: active.or(last),
     }
 }
 
@@ -252,7 +313,13 @@ async fn wait_for_zero<T: DrainTarget>(
 ) -> DrainOutcome {
     let mut last = None;
     loop {
-        match target.active_connections().await {
+        match bounded(
+            "the connection count",
+            target.active_connections(),
+            wait_until,
+        )
+        .await
+        {
             Ok(0) => return DrainOutcome::Drained,
             Ok(n) => {
                 if last != Some(n) {
@@ -540,6 +607,101 @@ mod tests {
         let (r, _) = drain_timed(&envoy, adaptive()).await;
         assert_eq!(r.outcome, DrainOutcome::DeadlineExceeded { active: None });
         assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(24_000));
+    }
+
+    /// Test double of Envoy's admin API that takes every request and never
+    /// answers (a wedged main thread), or only after `delay` (`Some`), and
+    /// then with a 503.
+    struct HungAdmin {
+        delay: Option<Duration>,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl HungAdmin {
+        fn never() -> Self {
+            Self {
+                delay: None,
+                calls: Default::default(),
+            }
+        }
+        fn slow(delay: Duration) -> Self {
+            Self {
+                delay: Some(delay),
+                ..Self::never()
+            }
+        }
+        async fn answer<T>(&self) -> Result<T, AdminError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            match self.delay {
+                Some(d) => {
+                    tokio::time::sleep(d).await;
+                    Err(stats_unavailable())
+                }
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    impl DrainTarget for HungAdmin {
+        async fn drain_inbound(&self) -> Result<(), AdminError> {
+            self.answer().await
+        }
+        async fn active_connections(&self) -> Result<u64, AdminError> {
+            self.answer().await
+        }
+        async fn traffic(&self) -> Result<Traffic, AdminError> {
+            self.answer().await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_or_slow_admin_never_holds_the_drain_into_the_stop_reserve() {
+        let short = |s: DrainSettings| DrainSettings {
+            drain_deadline: Duration::from_secs(2),
+            ..s
+        };
+        let cases = [
+            ("adaptive", adaptive()),
+            ("exit-on-zero", settings(true)),
+            ("fixed past the deadline", short(settings(false))),
+            ("adaptive, 2 s deadline", short(adaptive())),
+            ("exit-on-zero, 2 s deadline", short(settings(true))),
+        ];
+        // Slower than the call timeout, and just under it: the latter answers,
+        // too late for each poll to start inside the wait.
+        for admin in [
+            HungAdmin::never(),
+            HungAdmin::slow(ms(5_000)),
+            HungAdmin::slow(ms(900)),
+        ] {
+            for (name, s) in cases {
+                let wait = s.drain_deadline - stop_reserve(s.drain_deadline);
+                let start = Instant::now();
+                let (tx, _rx) = watch::channel(false);
+                let r = tokio::time::timeout(s.drain_deadline, run(&admin, s, POLL, start, &tx))
+                    .await
+                    .unwrap_or_else(|_| {
+                        panic!("{name}, {:?}: still draining at the deadline", admin.delay)
+                    });
+                assert_eq!(start.elapsed(), wait, "{name}, {:?}", admin.delay);
+                assert!(
+                    matches!(r.outcome, DrainOutcome::DeadlineExceeded { .. }),
+                    "{name}: {:?}",
+                    r.outcome
+                );
+            }
+            assert!(admin.calls.load(Ordering::SeqCst) > 0);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_admin_leaves_a_fixed_drain_its_duration() {
+        let start = Instant::now();
+        let (tx, _rx) = watch::channel(false);
+        let r = run(&HungAdmin::never(), settings(false), POLL, start, &tx).await;
+        assert_eq!(r.outcome, DrainOutcome::Elapsed);
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+        assert_eq!(r.active_at_start, None);
     }
 
     #[tokio::test(start_paused = true)]

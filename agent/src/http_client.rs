@@ -44,12 +44,23 @@ pub struct HttpClient {
 
 impl HttpClient {
     pub fn new(timeout: Duration) -> Self {
+        Self::build(timeout, 2)
+    }
+
+    /// A client that opens a new connection for every request, so that each
+    /// one reaches whoever listens on the port now (after an Envoy hot
+    /// restart, a kept-alive connection still talks to the old epoch).
+    pub fn without_keep_alive(timeout: Duration) -> Self {
+        Self::build(timeout, 0)
+    }
+
+    fn build(timeout: Duration, max_idle: usize) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(2)
+            .pool_max_idle_per_host(max_idle)
             .build(connector);
         Self { client, timeout }
     }

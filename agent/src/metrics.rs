@@ -44,6 +44,7 @@ pub struct DrainLabels {
 pub struct Metrics {
     pub envoy_restarts: Family<RestartLabels, Counter>,
     pub envoy_starts_failed: Counter,
+    pub config_rejected: Gauge,
     pub drain_duration: Histogram,
     pub drain_active_connections_at_start: Gauge,
     pub drains: Family<DrainLabels, Counter>,
@@ -55,6 +56,7 @@ impl Metrics {
         let m = Self {
             envoy_restarts: Family::default(),
             envoy_starts_failed: Counter::default(),
+            config_rejected: Gauge::default(),
             drain_duration: Histogram::new([
                 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 120.0,
             ]),
@@ -71,6 +73,12 @@ impl Metrics {
             "envoy_start_failures",
             "Envoy starts that failed, including rejected hot-restart configurations",
             m.envoy_starts_failed.clone(),
+        );
+        registry.register(
+            "config_rejected",
+            "1 while Envoy runs an older configuration because it refused the \
+             latest input (see /debug/config); 0 once one is accepted",
+            m.config_rejected.clone(),
         );
         registry.register(
             "drain_duration_seconds",

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::process::ExitStatus;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use futures::future::pending;
 use serde::Serialize;
@@ -19,16 +19,21 @@ use tokio::time::Instant;
 use crate::bootstrap::{self, BootstrapError, Extras};
 use crate::config::RunConfig;
 use crate::drain::{self, DrainOutcome, DrainReport};
-use crate::envoy::admin::{EnvoyAdmin, ServerState};
-use crate::envoy::process::{BaseId, EnvoyArgs, EnvoyProcess};
+use crate::envoy::admin::EnvoyAdmin;
+use crate::envoy::process::{BaseId, EnvoyArgs, EnvoyProcess, KILL_WAIT};
+use crate::envoy::ready::{self, Wanted};
 use crate::lifecycle::LiveSettings;
 use crate::metrics::{DrainLabels, Metrics, RestartKind, RestartLabels};
 use crate::readiness::{Readiness, ReadinessGuard};
 
 /// Longest pause between two crash restarts.
 const MAX_RESTART_DELAY: Duration = Duration::from_secs(30);
-/// How often readiness asks Envoy whether it is up yet.
-const READY_POLL: Duration = Duration::from_millis(2);
+/// A new epoch that has not taken over by then is given up (and killed): its
+/// parent keeps serving, but has no admin API while the child holds it.
+const TAKEOVER_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the running epoch's admin API is given to say it is still there
+/// after a new epoch failed.
+const ADMIN_PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// What the supervisor is asked to do.
 #[derive(Debug)]
@@ -144,6 +149,60 @@ pub struct EnvoyState {
     pub crash_restarts: u64,
     pub hot_restarts: u64,
     pub draining: bool,
+    /// A new epoch that is starting and has not taken over yet.
+    pub starting_epoch: Option<u32>,
+    /// The last configuration Envoy refused; cleared when a newer one is
+    /// accepted, or when the input is back to what runs.
+    pub rejected_config: Option<RejectedConfig>,
+}
+
+/// Where a new configuration was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectStage {
+    /// The bootstrap could not be generated (a bad override file).
+    Render,
+    /// `envoy --mode validate` refused it.
+    Validate,
+    /// The new epoch exited, or never took over, after validation passed.
+    Start,
+}
+
+/// A configuration Envoy refused, as `/debug/config` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RejectedConfig {
+    pub stage: RejectStage,
+    /// The epoch that failed to start (stage `start`).
+    pub epoch: Option<u32>,
+    /// What asked for the hot restart.
+    pub trigger: String,
+    pub error: String,
+    /// The refused bootstrap, kept for inspection.
+    pub bootstrap: Option<PathBuf>,
+    pub at_unix_seconds: u64,
+    /// Stage `start`: whether the running epoch's admin API still answers.
+    /// Envoy closes it as soon as a new epoch begins and cannot reopen it;
+    /// without it a drain cannot be graceful, and the shared memory stays
+    /// marked as initializing, so Envoy cannot hot restart again until it
+    /// starts afresh (envoyproxy/envoy#33446).
+    pub running_admin_answers: Option<bool>,
+}
+
+impl RejectedConfig {
+    fn new(stage: RejectStage, trigger: &str, error: impl Into<String>) -> Self {
+        Self {
+            stage,
+            epoch: None,
+            trigger: trigger.to_string(),
+            error: error.into(),
+            bootstrap: None,
+            at_unix_seconds: SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            running_admin_answers: None,
+        }
+    }
 }
 
 /// Handles the rest of the agent keeps on the supervisor.
@@ -171,6 +230,12 @@ pub struct Supervisor {
     budget: RestartBudget,
     current: Option<EnvoyProcess>,
     parents: Vec<EnvoyProcess>,
+    candidate: Option<Candidate>,
+    /// A hot restart asked for while a candidate was starting.
+    deferred_restart: Option<String>,
+    /// What the current Envoy runs, and the input Envoy last refused.
+    running: Option<Input>,
+    rejected: Option<Input>,
     monitor: Option<JoinHandle<()>>,
     base_id: Option<u32>,
     rx: mpsc::Receiver<Control>,
@@ -181,11 +246,35 @@ pub struct Supervisor {
 
 type DrainFuture = Pin<Box<dyn std::future::Future<Output = DrainReport> + Send>>;
 
+/// What one Envoy is started from: its bootstrap and its drain time (an
+/// argument, not part of the bootstrap). Equal inputs start equal Envoys.
+#[derive(Debug, Clone, PartialEq)]
+struct Input {
+    bootstrap: serde_json::Value,
+    drain_time: Duration,
+}
+
+/// A new epoch that has not taken over the listeners yet: until it has, its
+/// parent is [`Supervisor::current`] and serves.
+struct Candidate {
+    process: EnvoyProcess,
+    input: Input,
+    trigger: String,
+    bootstrap: PathBuf,
+    /// Turns true once the new epoch is LIVE with its workers started.
+    up: watch::Receiver<bool>,
+    monitor: JoinHandle<()>,
+    give_up_at: Instant,
+}
+
 enum Event {
     Exited(ExitStatus),
     RestartDue,
     Control(Control),
     DrainDone(DrainReport),
+    CandidateUp,
+    CandidateExited(ExitStatus),
+    CandidateTimedOut,
 }
 
 impl Supervisor {
@@ -215,6 +304,10 @@ impl Supervisor {
             draining_guard: None,
             current: None,
             parents: Vec::new(),
+            candidate: None,
+            deferred_restart: None,
+            running: None,
+            rejected: None,
             monitor: None,
             rx,
             drained_tx,
@@ -239,7 +332,7 @@ impl Supervisor {
         bootstrap::generate(&self.cfg, &self.extras, ov.as_ref())
     }
 
-    fn envoy_args(&self, epoch: u32, bootstrap: PathBuf) -> EnvoyArgs {
+    fn envoy_args(&self, epoch: u32, bootstrap: PathBuf, drain_time: Duration) -> EnvoyArgs {
         let base_id = match self.base_id {
             Some(id) => BaseId::Fixed(id),
             None => BaseId::Dynamic {
@@ -251,7 +344,7 @@ impl Supervisor {
             bootstrap,
             epoch,
             base_id,
-            drain_time: self.live.current().drain_duration,
+            drain_time,
             drain_strategy: self.cfg.drain_strategy.as_envoy_arg(),
             parent_shutdown_time: self.cfg.parent_shutdown_duration,
             concurrency: self.cfg.concurrency,
@@ -264,87 +357,113 @@ impl Supervisor {
         self.cfg.run_dir.join("envoy-base-id")
     }
 
+    /// The input as it is now.
+    fn current_input(&self) -> Result<Input, BootstrapError> {
+        Ok(Input {
+            bootstrap: self.render()?,
+            drain_time: self.live.current().drain_duration,
+        })
+    }
+
     /// Start Envoy from scratch (epoch 0): the first start and after a crash.
+    /// An input Envoy refused before is not tried again: the last one that
+    /// ran is used until the input changes.
     fn start_fresh(&mut self) -> Result<(), String> {
-        let bootstrap = self.render().map_err(|e| e.to_string())?;
+        let mut input = self.current_input().map_err(|e| e.to_string())?;
+        if self.rejected.as_ref() == Some(&input)
+            && let Some(good) = self.running.clone()
+        {
+            tracing::warn!(
+                "the input Envoy refused is unchanged: starting the last configuration that ran"
+            );
+            input = good;
+        }
         let path = self.cfg.bootstrap_path();
-        bootstrap::write(&path, &bootstrap).map_err(|e| e.to_string())?;
+        bootstrap::write(&path, &input.bootstrap).map_err(|e| e.to_string())?;
         if self.cfg.base_id.is_none() {
             // A fresh start picks a free base id again (the old one may be taken by now).
             self.base_id = None;
             let _ = std::fs::remove_file(self.base_id_path());
         }
-        let args = self.envoy_args(0, path);
+        let args = self.envoy_args(0, path, input.drain_time);
         let proc = EnvoyProcess::spawn(&args).map_err(|e| e.to_string())?;
         tracing::info!(pid = proc.pid, epoch = 0, "started Envoy");
         self.envoy_guard.pending("Envoy is starting");
         self.current = Some(proc);
-        self.start_monitor();
+        self.running = Some(input);
+        self.start_monitor(None);
         self.publish_state(|s| {
             s.epoch = 0;
         });
         Ok(())
     }
 
-    /// Watch the new Envoy until it is up, then release the readiness guard.
-    fn start_monitor(&mut self) {
+    /// Watch the current Envoy until it is up, then release the readiness
+    /// guard; `epoch`: the answer must come from that epoch.
+    fn start_monitor(&mut self, epoch: Option<u32>) {
         if let Some(m) = self.monitor.take() {
             m.abort();
         }
         let admin = self.admin.clone();
         let guard = self.envoy_guard.clone();
-        let xds = self.cfg.discovery_address.clone().filter(|a| !a.is_empty());
+        let wanted = Wanted {
+            xds: self.cfg.discovery_address.clone().filter(|a| !a.is_empty()),
+            epoch,
+        };
         self.monitor = Some(tokio::spawn(async move {
-            loop {
-                match admin.server_status().await {
-                    Ok(st) => {
-                        let reason = match st.state {
-                            ServerState::Live if !st.workers_started => {
-                                Some("Envoy's workers have not started".to_string())
-                            }
-                            ServerState::Live => match &xds {
-                                Some(addr) if st.lds_updates == 0 || st.cds_updates == 0 => {
-                                    Some(format!(
-                                        "waiting for the first LDS and CDS from {addr} \
-                                         (LDS updates: {}, CDS updates: {})",
-                                        st.lds_updates, st.cds_updates
-                                    ))
-                                }
-                                _ => None,
-                            },
-                            other => Some(format!("Envoy is not LIVE yet (state {other:?})")),
-                        };
-                        match reason {
-                            None => {
-                                guard.ready();
-                                tracing::info!("Envoy is ready");
-                                return;
-                            }
-                            Some(r) => guard.pending(r),
-                        }
-                    }
-                    Err(e) => guard.pending(format!("Envoy admin does not answer yet: {e}")),
-                }
-                tokio::time::sleep(READY_POLL).await;
-            }
+            ready::wait_until_ready(&admin, &wanted, |r| guard.pending(r)).await;
+            guard.ready();
+            tracing::info!("Envoy is ready");
         }));
     }
 
-    /// Start epoch+1 alongside the running Envoy; it takes the listeners over
-    /// and the old one drains for the parent shutdown time.
-    async fn hot_restart(&mut self, reason: &str) {
+    /// Start epoch+1 alongside the running Envoy. It becomes current once it
+    /// has taken the listeners over (LIVE, workers started), and the old one
+    /// drains for the parent shutdown time; until then the old one serves,
+    /// and keeps serving if the new one fails.
+    async fn hot_restart(&mut self, trigger: &str) {
+        if self.candidate.is_some() {
+            // Envoy refuses a new epoch while one is initializing.
+            tracing::info!(
+                trigger,
+                "a new epoch is still starting; the hot restart follows it"
+            );
+            self.deferred_restart = Some(trigger.to_string());
+            return;
+        }
         let Some(cur) = self.current.clone() else {
-            tracing::info!(reason, "hot restart requested while Envoy is down; skipped");
+            tracing::info!(
+                trigger,
+                "hot restart requested while Envoy is down; skipped"
+            );
             return;
         };
-        let bootstrap = match self.render() {
-            Ok(b) => b,
+        let input = match self.current_input() {
+            Ok(i) => i,
             Err(e) => {
-                self.metrics.envoy_starts_failed.inc();
                 tracing::error!(error = %e, "new bootstrap rejected; Envoy keeps its configuration");
+                self.reject(
+                    RejectedConfig::new(RejectStage::Render, trigger, e.to_string()),
+                    None,
+                );
                 return;
             }
         };
+        if self.rejected.as_ref() == Some(&input) {
+            tracing::info!(
+                trigger,
+                "the input is unchanged since Envoy refused it; not trying again"
+            );
+            return;
+        }
+        if self.rejected.is_some() && self.running.as_ref() == Some(&input) {
+            tracing::info!(
+                trigger,
+                "the input is back to the configuration that runs; nothing to restart"
+            );
+            self.clear_rejection();
+            return;
+        }
         let base_id = match self.base_id.or_else(|| read_base_id(&self.base_id_path())) {
             Some(id) => id,
             None => {
@@ -353,50 +472,169 @@ impl Supervisor {
             }
         };
         self.base_id = Some(base_id);
-        let candidate = self.cfg.run_dir.join("envoy-bootstrap.next.json");
-        if let Err(e) = bootstrap::write(&candidate, &bootstrap) {
+        let next = self.cfg.run_dir.join("envoy-bootstrap.next.json");
+        if let Err(e) = bootstrap::write(&next, &input.bootstrap) {
             tracing::error!(error = %e, "cannot write the new bootstrap");
             return;
         }
-        if let Err(e) = validate(&self.envoy_bin, &candidate).await {
-            self.metrics.envoy_starts_failed.inc();
+        if let Err(e) = validate(&self.envoy_bin, &next).await {
             tracing::error!(error = %e, "Envoy rejects the new bootstrap; keeping the running one");
+            let rejected = RejectedConfig {
+                bootstrap: self.keep_rejected(&next),
+                ..RejectedConfig::new(RejectStage::Validate, trigger, e)
+            };
+            self.reject(rejected, Some(input));
             return;
         }
-        let path = self.cfg.bootstrap_path();
-        if let Err(e) = std::fs::rename(&candidate, &path) {
-            tracing::error!(error = %e, "cannot install the new bootstrap");
-            return;
-        }
-        let epoch = cur.epoch + 1;
-        let args = self.envoy_args(epoch, path);
-        match EnvoyProcess::spawn(&args) {
-            Ok(p) => {
-                tracing::info!(
-                    reason,
-                    pid = p.pid,
-                    epoch,
-                    "hot restart: new Envoy epoch started"
-                );
-                self.metrics
-                    .envoy_restarts
-                    .get_or_create(&RestartLabels {
-                        kind: RestartKind::Hot,
-                    })
-                    .inc();
-                self.parents.retain(|p| p.exit_status().is_none());
-                self.parents.push(cur);
-                self.current = Some(p);
-                self.publish_state(|s| {
-                    s.epoch = epoch;
-                    s.hot_restarts += 1;
-                });
-            }
+        let epoch = cur.epoch.saturating_add(1);
+        let args = self.envoy_args(epoch, next.clone(), input.drain_time);
+        let process = match EnvoyProcess::spawn(&args) {
+            Ok(p) => p,
             Err(e) => {
-                self.metrics.envoy_starts_failed.inc();
                 tracing::error!(error = %e, "hot restart failed; the running Envoy stays");
+                // Not the input's fault: a new input is no condition to try again.
+                let rejected = RejectedConfig {
+                    epoch: Some(epoch),
+                    ..RejectedConfig::new(RejectStage::Start, trigger, e.to_string())
+                };
+                self.reject(rejected, None);
+                return;
             }
+        };
+        tracing::info!(
+            trigger,
+            pid = process.pid,
+            epoch,
+            "hot restart: new Envoy epoch starting"
+        );
+        let (up_tx, up) = watch::channel(false);
+        let admin = self.admin.clone();
+        let wanted = Wanted {
+            xds: None,
+            epoch: Some(epoch),
+        };
+        let monitor = tokio::spawn(async move {
+            ready::wait_until_ready(&admin, &wanted, |_| {}).await;
+            up_tx.send_replace(true);
+        });
+        self.candidate = Some(Candidate {
+            process,
+            input,
+            trigger: trigger.to_string(),
+            bootstrap: next,
+            up,
+            monitor,
+            give_up_at: Instant::now() + TAKEOVER_TIMEOUT,
+        });
+        self.publish_state(|s| s.starting_epoch = Some(epoch));
+    }
+
+    /// The new epoch becomes current. `taken_over`: it said so (LIVE, workers
+    /// started) and its parent drains; otherwise its parent has exited while
+    /// it was starting (it may have taken over unnoticed: the parent exits
+    /// after the parent shutdown time), and it is all there is now, watched
+    /// like a fresh start.
+    fn promote_candidate(&mut self, taken_over: bool) {
+        let Some(c) = self.candidate.take() else {
+            return;
+        };
+        c.monitor.abort();
+        if let Err(e) = std::fs::rename(&c.bootstrap, self.cfg.bootstrap_path()) {
+            tracing::warn!(error = %e, "cannot install the new bootstrap file");
         }
+        let epoch = c.process.epoch;
+        tracing::info!(
+            trigger = c.trigger,
+            pid = c.process.pid,
+            epoch,
+            taken_over,
+            "hot restart: the new epoch has taken over"
+        );
+        self.metrics
+            .envoy_restarts
+            .get_or_create(&RestartLabels {
+                kind: RestartKind::Hot,
+            })
+            .inc();
+        self.parents.retain(|p| p.exit_status().is_none());
+        self.parents.extend(self.current.take());
+        self.current = Some(c.process);
+        self.running = Some(c.input);
+        self.clear_rejection();
+        if !taken_over {
+            self.envoy_guard
+                .pending(format!("the new epoch {epoch} is starting"));
+            self.start_monitor(Some(epoch));
+        }
+        self.publish_state(|s| {
+            s.epoch = epoch;
+            s.hot_restarts += 1;
+            s.starting_epoch = None;
+        });
+    }
+
+    /// The new epoch exited (or never took over): the running one stays, and
+    /// the input is not tried again until it changes.
+    async fn candidate_failed(&mut self, error: String) {
+        let Some(c) = self.candidate.take() else {
+            return;
+        };
+        c.monitor.abort();
+        let epoch = c.process.epoch;
+        // Not serving yet: nothing to drain.
+        c.process.stop(Duration::ZERO).await;
+        let running_epoch = self.current.as_ref().map(|p| p.epoch);
+        let admin_answers = tokio::time::timeout(ADMIN_PROBE_TIMEOUT, self.admin.server_status())
+            .await
+            .is_ok_and(|r| r.is_ok_and(|st| st.hot_restart_epoch == running_epoch));
+        let kept = self.keep_rejected(&c.bootstrap);
+        tracing::error!(
+            trigger = c.trigger,
+            epoch,
+            error,
+            running_epoch,
+            running_admin_answers = admin_answers,
+            bootstrap = ?kept,
+            "hot restart failed: the new epoch did not take over; the running epoch keeps \
+             serving, and this input is not tried again until it changes{}",
+            if admin_answers {
+                ""
+            } else {
+                ". Envoy closed the running epoch's admin API when the new one began: \
+                 drains cannot be graceful and Envoy cannot hot restart again until it \
+                 starts afresh"
+            }
+        );
+        let rejected = RejectedConfig {
+            epoch: Some(epoch),
+            bootstrap: kept,
+            running_admin_answers: Some(admin_answers),
+            ..RejectedConfig::new(RejectStage::Start, &c.trigger, error)
+        };
+        self.reject(rejected, Some(c.input));
+        self.publish_state(|s| s.starting_epoch = None);
+    }
+
+    /// Keep a refused bootstrap next to the running one, for inspection.
+    fn keep_rejected(&self, path: &std::path::Path) -> Option<PathBuf> {
+        let kept = self.cfg.run_dir.join("envoy-bootstrap.rejected.json");
+        std::fs::rename(path, &kept).ok().map(|()| kept)
+    }
+
+    /// Report a refused configuration; `input`: do not try it again.
+    fn reject(&mut self, rejected: RejectedConfig, input: Option<Input>) {
+        self.metrics.envoy_starts_failed.inc();
+        self.metrics.config_rejected.set(1);
+        if input.is_some() {
+            self.rejected = input;
+        }
+        self.publish_state(|s| s.rejected_config = Some(rejected));
+    }
+
+    fn clear_rejection(&mut self) {
+        self.rejected = None;
+        self.metrics.config_rejected.set(0);
+        self.publish_state(|s| s.rejected_config = None);
     }
 
     fn publish_state(&self, f: impl FnOnce(&mut EnvoyState)) {
@@ -411,16 +649,19 @@ impl Supervisor {
         });
     }
 
-    /// Stop every Envoy: the current one gracefully, old epochs as well.
-    async fn stop_all(&mut self, grace: Duration) -> Option<ExitStatus> {
+    /// Stop every Envoy: the current one, old epochs and a starting one, all
+    /// at once, SIGKILL after `grace`.
+    async fn stop_all(&mut self, grace: Duration) {
         if let Some(m) = self.monitor.take() {
             m.abort();
         }
-        let parents = std::mem::take(&mut self.parents);
-        let cur = self.current.take();
-        let stops = parents.iter().chain(cur.iter()).map(|p| p.stop(grace));
-        let statuses = futures::future::join_all(stops).await;
-        cur.and(statuses.last().copied())
+        let mut all = std::mem::take(&mut self.parents);
+        all.extend(self.current.take());
+        if let Some(c) = self.candidate.take() {
+            c.monitor.abort();
+            all.push(c.process);
+        }
+        futures::future::join_all(all.iter().map(|p| p.stop(grace))).await;
     }
 
     fn start_drain(&mut self) -> DrainFuture {
@@ -451,13 +692,10 @@ impl Supervisor {
         self.drained_tx.send_replace(Some(report.clone()));
     }
 
-    /// Time left for stopping Envoy after a drain that started at `started`.
+    /// SIGTERM's grace when stopping Envoy after a drain that started at
+    /// `started`: what is left of the deadline, less the wait after SIGKILL.
     fn stop_grace(&self, started: Instant, deadline: Duration) -> Duration {
-        let left = deadline.saturating_sub(started.elapsed());
-        self.cfg
-            .envoy_stop_grace
-            .min(left)
-            .max(Duration::from_millis(100))
+        stop_grace(self.cfg.envoy_stop_grace, started.elapsed(), deadline)
     }
 
     /// Supervise until the agent should exit.
@@ -476,8 +714,21 @@ impl Supervisor {
 
         loop {
             let cur = self.current.clone();
+            let cand = self
+                .candidate
+                .as_ref()
+                .map(|c| (c.process.clone(), c.up.clone(), c.give_up_at));
             let event = tokio::select! {
                 s = async { match &cur { Some(p) => p.wait().await, None => pending().await } } => Event::Exited(s),
+                e = async {
+                    let Some((p, mut up, give_up_at)) = cand else { return pending().await };
+                    tokio::select! {
+                        s = p.wait() => Event::CandidateExited(s),
+                        // The sender goes only with the candidate.
+                        Ok(_) = up.wait_for(|u| *u) => Event::CandidateUp,
+                        _ = tokio::time::sleep_until(give_up_at) => Event::CandidateTimedOut,
+                    }
+                } => e,
                 _ = async { match restart_at { Some(t) => tokio::time::sleep_until(t).await, None => pending().await } } => Event::RestartDue,
                 c = self.rx.recv(), if rx_open => match c {
                     Some(c) => Event::Control(c),
@@ -487,6 +738,41 @@ impl Supervisor {
             };
 
             match event {
+                Event::CandidateUp | Event::CandidateExited(_) | Event::CandidateTimedOut => {
+                    match event {
+                        Event::CandidateUp => self.promote_candidate(true),
+                        Event::CandidateExited(status) => {
+                            self.candidate_failed(format!(
+                                "exited with {status} before taking over"
+                            ))
+                            .await;
+                        }
+                        _ => {
+                            self.candidate_failed(format!(
+                                "did not take over within {TAKEOVER_TIMEOUT:?}"
+                            ))
+                            .await;
+                        }
+                    }
+                    let deferred = self.deferred_restart.take();
+                    if let Some(trigger) = deferred
+                        && drain.is_none()
+                        && drained.is_none()
+                    {
+                        self.hot_restart(&trigger).await;
+                    }
+                }
+                Event::Exited(status)
+                    if self
+                        .candidate
+                        .as_ref()
+                        .is_some_and(|c| c.process.exit_status().is_none()) =>
+                {
+                    tracing::warn!(%status, "the running Envoy exited while a new epoch was starting; \
+                        the new epoch takes its place");
+                    self.current = None;
+                    self.promote_candidate(false);
+                }
                 Event::Exited(status) => {
                     self.current = None;
                     if let Some(m) = self.monitor.take() {
@@ -613,6 +899,13 @@ impl Supervisor {
     }
 }
 
+/// SIGTERM's grace: at most `configured`, and no later than the deadline
+/// less [`KILL_WAIT`], so that Envoy is gone by the deadline even when it
+/// ignores SIGTERM. Zero when the deadline has passed: SIGKILL at once.
+fn stop_grace(configured: Duration, elapsed: Duration, deadline: Duration) -> Duration {
+    configured.min(deadline.saturating_sub(elapsed).saturating_sub(KILL_WAIT))
+}
+
 fn read_base_id(path: &std::path::Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
@@ -671,6 +964,129 @@ mod tests {
         let t = Instant::now();
         let last = (0..20).filter_map(|_| b.on_failure(t)).last();
         assert_eq!(last, Some(MAX_RESTART_DELAY));
+    }
+
+    #[test]
+    fn stop_grace_leaves_time_to_kill_before_the_deadline() {
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        // After a drain that used its whole wait: the 1 s reserve less the kill wait.
+        assert_eq!(stop_grace(s(5), s(24), s(25)), ms(950));
+        assert_eq!(stop_grace(ms(300), s(24), s(25)), ms(300));
+        // Past the deadline (a drain of old): SIGKILL at once, never a floor.
+        assert_eq!(stop_grace(s(5), s(26), s(25)), Duration::ZERO);
+        assert_eq!(
+            stop_grace(s(5), Duration::ZERO, Duration::ZERO),
+            Duration::ZERO
+        );
+    }
+
+    /// Test double of Envoy's admin API: takes every connection, reads
+    /// nothing, never answers (a wedged Envoy main thread).
+    struct NeverAnsweringAdmin {
+        port: u16,
+        task: JoinHandle<()>,
+    }
+
+    impl NeverAnsweringAdmin {
+        async fn start() -> Self {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let port = l.local_addr().expect("addr").port();
+            let task = tokio::spawn(async move {
+                let mut held = Vec::new();
+                while let Ok((conn, _)) = l.accept().await {
+                    held.push(conn);
+                }
+            });
+            Self { port, task }
+        }
+    }
+
+    impl Drop for NeverAnsweringAdmin {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    /// A stand-in for Envoy that ignores SIGTERM: only SIGKILL stops it.
+    fn envoy_that_ignores_sigterm(dir: &std::path::Path) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = dir.join("envoy");
+        std::fs::write(&bin, "#!/bin/sh\ntrap '' TERM\nexec sleep 600\n").expect("write");
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        bin
+    }
+
+    #[tokio::test]
+    async fn drain_ends_by_the_deadline_with_a_hung_admin_and_an_envoy_that_ignores_sigterm() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let admin = NeverAnsweringAdmin::start().await;
+        let bin = envoy_that_ignores_sigterm(dir.path());
+        let path = |p: &str| dir.path().join(p).display().to_string();
+        let deadline = Duration::from_secs(2);
+        let cfg = crate::config::tests::run(
+            &[
+                "--envoy-bin",
+                &path("envoy"),
+                "--run-dir",
+                &path("run"),
+                "--annotations-file",
+                &path("annotations"),
+                "--envoy-admin-port",
+                &admin.port.to_string(),
+                "--drain-deadline",
+                "2s",
+            ],
+            &[],
+        )
+        .expect("config");
+        std::fs::create_dir_all(&cfg.run_dir).expect("run dir");
+        let mut registry = prometheus_client::registry::Registry::default();
+        let (sup, handle) = Supervisor::new(
+            Arc::new(cfg),
+            bin,
+            Extras::default(),
+            Readiness::new(),
+            Metrics::new(&mut registry),
+        );
+        let run = tokio::spawn(sup.run());
+        let mut state = handle.state.clone();
+        let pid = state
+            .wait_for(|s| s.pid.is_some())
+            .await
+            .expect("started")
+            .pid
+            .expect("pid");
+
+        let start = Instant::now();
+        handle.control.send(Control::Signal).await.expect("send");
+        let reason = tokio::time::timeout(deadline * 3, run)
+            .await
+            .expect("the agent stops")
+            .expect("no panic");
+        let took = start.elapsed();
+        println!(
+            "SIGTERM to stopped, hung admin and SIGTERM ignored: {took:?} (deadline {deadline:?})"
+        );
+        // Envoy's admin never answered and Envoy ignored SIGTERM: the drain
+        // gave up on the admin at the end of its wait and Envoy was killed in
+        // the reserve. A few milliseconds of scheduling are allowed.
+        assert!(took <= deadline + Duration::from_millis(100), "{took:?}");
+        let ExitReason::Drained(report) = &reason else {
+            panic!("{reason:?}")
+        };
+        assert_eq!(
+            report.outcome,
+            DrainOutcome::DeadlineExceeded { active: None }
+        );
+        assert_eq!(reason.code(), 3);
+        let gone = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid")),
+            None,
+        );
+        assert!(gone.is_err(), "the stand-in for Envoy is gone");
     }
 
     #[test]

@@ -721,3 +721,229 @@ fn stop_annotation_present_at_start_exits_zero_and_leaves_no_envoy() {
         (!alive).then_some(())
     });
 }
+
+/// A client sending one request after another through a port, each on a new
+/// connection, until stopped; it counts what was answered and what was lost.
+struct SteadyClient {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: std::thread::JoinHandle<(usize, Vec<String>)>,
+}
+
+impl SteadyClient {
+    fn start(port: u16) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let task = std::thread::spawn(move || {
+            let (mut ok, mut lost) = (0, Vec::new());
+            while !stopped.load(Ordering::SeqCst) {
+                match get(port, "/") {
+                    Ok(r) if r.status == 200 => ok += 1,
+                    Ok(r) => lost.push(format!("status {}: {}", r.status, r.body)),
+                    Err(e) => lost.push(e.to_string()),
+                }
+                // The client's pace, not a wait for a condition.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (ok, lost)
+        });
+        Self { stop, task }
+    }
+
+    fn finish(self) -> (usize, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.task.join().expect("client thread")
+    }
+}
+
+#[test]
+fn hot_restart_that_fails_at_start_keeps_epoch_0_serving_and_is_not_retried() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let override_file = dir.path().join("override.json");
+    std::fs::write(&override_file, "{}").expect("write");
+    let agent = Agent::builder()
+        .arg(format!("--bootstrap-override={}", override_file.display()))
+        .start();
+    let epoch0 = agent.envoy_pid().expect("pid");
+
+    // An override Envoy validates but cannot start: one more listener, on a
+    // port someone else holds. A merge patch replaces a list whole, so it
+    // carries the generated listeners too.
+    let occupied = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = occupied.local_addr().expect("addr").port();
+    let generated: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(agent.dir.path().join("run/envoy-bootstrap.json"))
+            .expect("bootstrap"),
+    )
+    .expect("json");
+    let mut listeners = generated["static_resources"]["listeners"]
+        .as_array()
+        .expect("listeners")
+        .clone();
+    let cluster = generated["static_resources"]["clusters"][0]["name"].clone();
+    listeners.push(serde_json::json!({
+        "name": "occupied",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.tcp_proxy",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                "stat_prefix": "occupied",
+                "cluster": cluster
+            }
+        }]}]
+    }));
+    let bad = serde_json::json!({"static_resources": {"listeners": listeners}});
+    let bad_path = dir.path().join("bad.json");
+    std::fs::write(&bad_path, bad.to_string()).expect("write");
+    let validate = std::process::Command::new(envoy_bin().expect("envoy"))
+        .args(["--mode", "validate", "--log-level", "error", "-c"])
+        .arg({
+            let mut merged = generated.clone();
+            json_patch::merge(&mut merged, &bad);
+            let p = dir.path().join("merged.json");
+            std::fs::write(&p, merged.to_string()).expect("write");
+            p
+        })
+        .output()
+        .expect("validate runs");
+    assert!(
+        validate.status.success(),
+        "the bad input passes validation: {validate:?}"
+    );
+
+    let client = SteadyClient::start(agent.ports.inbound);
+    std::fs::write(&override_file, bad.to_string()).expect("write");
+    wait_until_blocking(STARTUP, "the failed start to be reported", || {
+        (agent.debug()["envoy"]["rejected_config"]["stage"] == "start").then_some(())
+    });
+    // Traffic keeps flowing a while after the failure, through epoch 0.
+    let after = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < after {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (answered, lost) = client.finish();
+    assert!(
+        lost.is_empty(),
+        "{} of {} lost: {lost:?}",
+        lost.len(),
+        answered + lost.len()
+    );
+    assert!(answered > 50, "only {answered} requests were sent");
+    println!("failed hot restart: {answered} requests answered, 0 lost");
+
+    let debug = agent.debug();
+    let envoy = &debug["envoy"];
+    assert_eq!(envoy["epoch"], 0, "{envoy}");
+    assert_eq!(agent.envoy_pid(), Some(epoch0));
+    assert!(process_alive(epoch0));
+    assert_eq!(envoy["starting_epoch"], serde_json::Value::Null, "{envoy}");
+    let rejected = &envoy["rejected_config"];
+    assert_eq!(rejected["epoch"], 1, "{rejected}");
+    assert_eq!(
+        rejected["trigger"], "bootstrap override changed",
+        "{rejected}"
+    );
+    assert!(
+        rejected["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("before taking over")),
+        "{rejected}"
+    );
+    // Envoy closes the running epoch's admin API when a new epoch begins.
+    assert_eq!(
+        rejected["running_admin_answers"],
+        false,
+        "{rejected}\n{}",
+        agent.log()
+    );
+    let kept = rejected["bootstrap"].as_str().expect("kept bootstrap");
+    assert!(
+        std::fs::read_to_string(kept)
+            .expect("kept")
+            .contains("occupied")
+    );
+    let m = agent.metrics();
+    assert!(
+        m.contains("remora_agent_envoy_start_failures_total 1"),
+        "{m}"
+    );
+    assert!(m.contains("remora_agent_config_rejected 1"), "{m}");
+    assert!(!m.contains("kind=\"Hot\""), "no hot restart counted: {m}");
+    assert!(
+        agent.log().contains("hot restart failed"),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(
+        get(agent.ports.health, "/healthz/ready")
+            .expect("ready")
+            .status,
+        200
+    );
+    assert_eq!(get(agent.ports.inbound, "/").expect("inbound").status, 200);
+
+    // The same input again (SIGHUP asks for a hot restart): not tried.
+    agent.signal(Signal::SIGHUP);
+    wait_until_blocking(STARTUP, "the repeated request to be turned down", || {
+        agent
+            .log()
+            .contains("unchanged since Envoy refused it")
+            .then_some(())
+    });
+    let attempts = agent.log().matches("new Envoy epoch starting").count();
+    assert_eq!(attempts, 1, "{}", agent.log());
+    assert!(
+        agent
+            .metrics()
+            .contains("remora_agent_envoy_start_failures_total 1")
+    );
+
+    // Back to the input that runs: nothing to restart, the report clears.
+    std::fs::write(&override_file, "{}").expect("write");
+    wait_until_blocking(STARTUP, "the rejection to clear", || {
+        agent.debug()["envoy"]["rejected_config"]
+            .is_null()
+            .then_some(())
+    });
+    assert!(agent.metrics().contains("remora_agent_config_rejected 0"));
+    assert_eq!(agent.log().matches("new Envoy epoch starting").count(), 1);
+    assert_eq!(agent.envoy_pid(), Some(epoch0));
+    assert_eq!(get(agent.ports.inbound, "/").expect("inbound").status, 200);
+
+    // A new input is tried again.
+    std::fs::write(&override_file, r#"{"stats_flush_interval": "6s"}"#).expect("write");
+    wait_until_blocking(STARTUP, "a second attempt", || {
+        let log = agent.log();
+        (log.matches("new Envoy epoch starting").count() == 2
+            && (log.contains("has taken over") || log.matches("hot restart failed").count() == 2))
+            .then_some(())
+    });
+    assert_eq!(get(agent.ports.inbound, "/").expect("inbound").status, 200);
+    println!(
+        "a new input after the failure: {}",
+        agent.debug()["envoy"]["rejected_config"]
+    );
+    drop(occupied);
+}
+
+#[test]
+fn drain_ends_by_the_deadline_when_envoy_hangs() {
+    let mut agent = Agent::builder().args(["--drain-deadline", "2s"]).start();
+    let envoy = agent.envoy_pid().expect("pid");
+    // A stopped Envoy: its admin port takes connections (the kernel's
+    // backlog) and never answers, and SIGTERM waits; only SIGKILL works.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(envoy), Signal::SIGSTOP).expect("stop");
+    let start = Instant::now();
+    agent.signal(Signal::SIGTERM);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    let took = start.elapsed();
+    println!("hung Envoy, 2 s drain deadline: the agent exited after {took:?}");
+    assert_eq!(status.code(), Some(3), "{}", agent.log());
+    assert!(
+        took < Duration::from_millis(2200),
+        "{took:?}\n{}",
+        agent.log()
+    );
+    assert!(!process_alive(envoy), "Envoy was killed");
+}

@@ -49,6 +49,35 @@ pub struct ServerStatus {
     pub workers_started: bool,
     pub lds_updates: u64,
     pub cds_updates: u64,
+    /// `--restart-epoch` of the Envoy that answered: after a hot restart the
+    /// admin port belongs to the new epoch once it has started, and to nobody
+    /// in between (the parent closes its admin when the child begins).
+    pub hot_restart_epoch: Option<u32>,
+}
+
+impl ServerStatus {
+    /// Read the stats [`EnvoyAdmin::server_status`] asks for; missing ones
+    /// leave the state unknown, counters at 0, the epoch unknown.
+    pub fn parse(body: &str) -> Self {
+        let mut status = Self {
+            state: ServerState::Unknown(u64::MAX),
+            workers_started: false,
+            lds_updates: 0,
+            cds_updates: 0,
+            hot_restart_epoch: None,
+        };
+        for (name, value) in parse_stats(body) {
+            match name {
+                "server.state" => status.state = ServerState::from_gauge(value),
+                "server.hot_restart_epoch" => status.hot_restart_epoch = u32::try_from(value).ok(),
+                "listener_manager.workers_started" => status.workers_started = value == 1,
+                "listener_manager.lds.update_success" => status.lds_updates = value,
+                "cluster_manager.cds.update_success" => status.cds_updates = value,
+                _ => {}
+            }
+        }
+        status
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -61,7 +90,10 @@ impl EnvoyAdmin {
     pub fn new(port: u16) -> Self {
         Self {
             base: format!("http://127.0.0.1:{port}"),
-            http: HttpClient::new(Duration::from_secs(1)),
+            // Envoy's admin port changes hands at each hot restart, and the
+            // old epoch keeps serving connections made before: a loopback
+            // connection per call is cheap, and always asks the right Envoy.
+            http: HttpClient::without_keep_alive(Duration::from_secs(1)),
         }
     }
 
@@ -85,26 +117,12 @@ impl EnvoyAdmin {
         let body = self
             .call(
                 hyper::Method::GET,
-                "/stats?filter=^(server\\.state|listener_manager\\.workers_started|\
-                 listener_manager\\.lds\\.update_success|cluster_manager\\.cds\\.update_success)$",
+                "/stats?filter=^(server\\.state|server\\.hot_restart_epoch|\
+                 listener_manager\\.workers_started|listener_manager\\.lds\\.update_success|\
+                 cluster_manager\\.cds\\.update_success)$",
             )
             .await?;
-        let mut status = ServerStatus {
-            state: ServerState::Unknown(u64::MAX),
-            workers_started: false,
-            lds_updates: 0,
-            cds_updates: 0,
-        };
-        for (name, value) in parse_stats(&body) {
-            match name {
-                "server.state" => status.state = ServerState::from_gauge(value),
-                "listener_manager.workers_started" => status.workers_started = value == 1,
-                "listener_manager.lds.update_success" => status.lds_updates = value,
-                "cluster_manager.cds.update_success" => status.cds_updates = value,
-                _ => {}
-            }
-        }
-        Ok(status)
+        Ok(ServerStatus::parse(&body))
     }
 
     /// Sum of the workload's active downstream connections (see
@@ -289,6 +307,30 @@ listener.remora_prometheus.worker_0.downstream_cx_active: 4
 listener.[__1]_15006.downstream_cx_active: 1
 ";
         assert_eq!(count_active_connections(body), 3 + 2 + 1);
+    }
+
+    #[test]
+    fn server_status_reads_state_epoch_and_updates() {
+        let body = "\
+cluster_manager.cds.update_success: 2
+listener_manager.lds.update_success: 1
+listener_manager.workers_started: 1
+server.hot_restart_epoch: 3
+server.state: 0
+";
+        assert_eq!(
+            ServerStatus::parse(body),
+            ServerStatus {
+                state: ServerState::Live,
+                workers_started: true,
+                lds_updates: 1,
+                cds_updates: 2,
+                hot_restart_epoch: Some(3),
+            }
+        );
+        let unknown = ServerStatus::parse("server.hot_restart_epoch: 99999999999\n");
+        assert_eq!(unknown.state, ServerState::Unknown(u64::MAX));
+        assert_eq!(unknown.hot_restart_epoch, None, "out of range is unknown");
     }
 
     #[test]

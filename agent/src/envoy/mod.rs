@@ -1,4 +1,5 @@
-//! Envoy: its admin API and its processes.
+//! Envoy: its admin API, its processes, and waiting for it to be up.
 
 pub mod admin;
 pub mod process;
+pub mod ready;

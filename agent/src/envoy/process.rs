@@ -176,19 +176,31 @@ impl EnvoyProcess {
         }
     }
 
-    /// SIGTERM, then SIGKILL after `grace`. Returns the exit status.
-    pub async fn stop(&self, grace: Duration) -> ExitStatus {
+    /// SIGTERM, then SIGKILL after `grace`. Returns the exit status, or
+    /// `None` when it has not been reaped [`KILL_WAIT`] after SIGKILL (a
+    /// process stuck in the kernel): the caller's own deadline comes first.
+    pub async fn stop(&self, grace: Duration) -> Option<ExitStatus> {
         self.signal(Signal::SIGTERM);
-        match tokio::time::timeout(grace, self.wait()).await {
-            Ok(s) => s,
-            Err(_) => {
-                tracing::warn!(pid = self.pid, ?grace, "Envoy ignored SIGTERM; killing it");
-                self.signal(Signal::SIGKILL);
-                self.wait().await
-            }
+        if let Ok(s) = tokio::time::timeout(grace, self.wait()).await {
+            return Some(s);
         }
+        tracing::warn!(
+            pid = self.pid,
+            ?grace,
+            "Envoy did not stop on SIGTERM; killing it"
+        );
+        self.signal(Signal::SIGKILL);
+        let status = tokio::time::timeout(KILL_WAIT, self.wait()).await.ok();
+        if status.is_none() {
+            tracing::error!(pid = self.pid, "Envoy was not reaped after SIGKILL");
+        }
+        status
     }
 }
+
+/// How long a SIGKILLed Envoy is waited for: the kernel reaps it in
+/// microseconds unless it is stuck in an uninterruptible call.
+pub const KILL_WAIT: Duration = Duration::from_millis(50);
 
 /// Make the kernel kill Envoy when the agent dies, even by SIGKILL, so Envoy
 /// never outlives the agent.
