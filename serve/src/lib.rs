@@ -228,7 +228,13 @@ impl Server {
         shared.draining.cancel();
         let open = conns.len();
         let grace = self.limits.drain_grace;
-        tracing::info!(server = self.name, connections = open, ?grace, "draining");
+        tracing::info!(
+            server = self.name,
+            connections = open,
+            ?grace,
+            "{} server draining",
+            self.name
+        );
         let drained =
             tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
         let forced = if drained.is_err() {
