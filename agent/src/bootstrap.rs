@@ -60,10 +60,16 @@ pub fn read_override(path: &Path) -> Result<Value, BootstrapError> {
         path: path.to_path_buf(),
         source,
     })?;
-    let value: Value = match serde_json::from_str(&text) {
+    parse_override(path, &text)
+}
+
+/// Parse an override file's text (read from `path`, named in errors). Apart
+/// from [`read_override`] so the parsing can be tested and fuzzed without files.
+pub fn parse_override(path: &Path, text: &str) -> Result<Value, BootstrapError> {
+    let value: Value = match serde_json::from_str(text) {
         Ok(v) => v,
         Err(json_err) => {
-            serde_saphyr::from_str(&text).map_err(|yaml_err| BootstrapError::ParseOverride {
+            serde_saphyr::from_str(text).map_err(|yaml_err| BootstrapError::ParseOverride {
                 path: path.to_path_buf(),
                 reason: format!("as JSON: {json_err}; as YAML: {yaml_err}"),
             })?

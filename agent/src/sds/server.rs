@@ -146,7 +146,8 @@ impl SdsService {
         }
     }
 
-    fn check_type(req: &DiscoveryRequest) -> Result<(), Status> {
+    /// Refuse a request for another resource type (pub for the fuzz targets).
+    pub fn check_type(req: &DiscoveryRequest) -> Result<(), Status> {
         if !req.type_url.is_empty() && req.type_url != SECRET_TYPE_URL {
             return Err(Status::invalid_argument(format!(
                 "this server serves only {SECRET_TYPE_URL}, not {:?}",
