@@ -40,6 +40,11 @@ if ! ls "$XDG_DATA_HOME"/afl.rs/rustc-"$(rustc --version | awk '{print $2}')"-*/
   cargo afl config --build
 fi
 
+# The bundled AFL++ first on PATH: its afl-cmin calls afl-showmap by name, and
+# another AFL++ (e.g. Debian's afl++) has incompatible options.
+aflbin=$(ls -d "$XDG_DATA_HOME"/afl.rs/rustc-"$(rustc --version | awk '{print $2}')"-*/afl.rs-"$CARGO_AFL_VERSION"/afl/bin | head -1)
+export PATH="$aflbin:$PATH"
+
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=("${TARGETS_ALL[@]}")
 execs="${FUZZ_EXECS:-1000000}"
