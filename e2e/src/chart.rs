@@ -6,8 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::Api;
-use kube::api::{Patch, PatchParams};
+use kube::api::{DynamicObject, Patch, PatchParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::{Discovery, Scope};
+use kube::{Api, Client};
 use serde_json::Value;
 
 use crate::controlplane::wait_until;
@@ -43,6 +45,8 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error(transparent)]
     ControlPlane(#[from] crate::controlplane::Error),
+    #[error("rendered object: {0}")]
+    Object(String),
 }
 
 /// `$REMORA_HELM_BIN`, else `${REMORA_CACHE:-$HOME/.cache/remora}/helm/<version>/helm`.
@@ -155,7 +159,7 @@ pub fn crds() -> Result<Vec<CustomResourceDefinition>, Error> {
 
 /// Installs (server-side apply, idempotent, so parallel tests may all call
 /// it) the chart's CRDs for real and waits until the API server serves them.
-pub async fn install_crds(client: &kube::Client) -> Result<Vec<String>, Error> {
+pub async fn install_crds(client: &Client) -> Result<Vec<String>, Error> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let mut names = Vec::new();
     for crd in crds()? {
@@ -186,4 +190,104 @@ pub async fn install_crds(client: &kube::Client) -> Result<Vec<String>, Error> {
         .await?;
     }
     Ok(names)
+}
+
+/// A cluster-scoped object [`apply`] made: its API and name, to delete it.
+pub type ClusterScoped = (Api<DynamicObject>, String);
+
+/// Server-side applies (field manager `remora-e2e`, forced) the rendered
+/// objects of the given kinds, namespaced ones into `namespace`. A
+/// MutatingWebhookConfiguration is first narrowed to `namespace`, which the
+/// chart excludes, so the API server never calls it: tests that need the
+/// chart's webhook configuration as an object do not make pods elsewhere
+/// wait on an injector that is not there. Returns the cluster-scoped objects.
+pub async fn apply(
+    client: &Client,
+    namespace: &str,
+    objects: &[Value],
+    kinds: &[&str],
+) -> Result<Vec<ClusterScoped>, Error> {
+    let discovery = Discovery::new(client.clone()).run().await?;
+    let mut cluster_scoped = Vec::new();
+    for obj in objects {
+        let field = |o: &Value, f: &str| {
+            o[f].as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| Error::Object(format!("no {f} in {o}")))
+        };
+        let kind = field(obj, "kind")?;
+        if !kinds.contains(&kind.as_str()) {
+            continue;
+        }
+        let mut obj = obj.clone();
+        if kind == "MutatingWebhookConfiguration" {
+            for w in obj["webhooks"].as_array_mut().into_iter().flatten() {
+                if let Some(exprs) = w["namespaceSelector"]["matchExpressions"].as_array_mut() {
+                    exprs.push(serde_json::json!({
+                        "key": "kubernetes.io/metadata.name", "operator": "In",
+                        "values": [namespace]}));
+                }
+            }
+        }
+        let api_version = field(&obj, "apiVersion")?;
+        let name = field(&obj["metadata"], "name")?;
+        let (group, version) = api_version
+            .split_once('/')
+            .unwrap_or(("", api_version.as_str()));
+        let (ar, caps) = discovery
+            .resolve_gvk(&GroupVersionKind::gvk(group, version, &kind))
+            .ok_or_else(|| Error::Object(format!("{api_version} {kind} is not served")))?;
+        let api: Api<DynamicObject> = match caps.scope {
+            Scope::Namespaced => Api::namespaced_with(client.clone(), namespace, &ar),
+            Scope::Cluster => Api::all_with(client.clone(), &ar),
+        };
+        let dynobj: DynamicObject = serde_json::from_value(obj)
+            .map_err(|e| Error::Object(format!("{kind}/{name}: {e}")))?;
+        api.patch(
+            &name,
+            &PatchParams::apply("remora-e2e").force(),
+            &Patch::Apply(&dynobj),
+        )
+        .await?;
+        if caps.scope == Scope::Cluster {
+            cluster_scoped.push((api, name));
+        }
+    }
+    Ok(cluster_scoped)
+}
+
+/// Whether `e` is the API server refusing a request because of the
+/// ValidatingAdmissionPolicy `policy` (403, its message names the policy).
+pub fn refused_by_policy(e: &kube::Error, policy: &str) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 403
+        && s.message.contains(&format!("ValidatingAdmissionPolicy '{policy}'")))
+}
+
+/// Waits until `attempt`, a write that RBAC allows and the policy `policy`
+/// refuses, is refused by that policy: RBAC bindings and policies take
+/// effect a moment after they are created. Make `attempt` a dry run: before
+/// the policy applies, it goes through.
+pub async fn wait_until_policy_refuses<T, F, Fut>(policy: &str, mut attempt: F) -> Result<(), Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = kube::Result<T>>,
+{
+    wait_until(
+        &format!("ValidatingAdmissionPolicy {policy} in effect"),
+        std::time::Duration::from_secs(60),
+        || {
+            let fut = attempt();
+            async move {
+                match fut.await {
+                    Err(e) if refused_by_policy(&e, policy) => Ok(Some(())),
+                    // RBAC not yet in effect, or the policy not yet.
+                    Err(kube::Error::Api(s)) if s.code == 403 => Ok(None),
+                    Ok(_) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            }
+        },
+    )
+    .await?;
+    Ok(())
 }

@@ -10,10 +10,9 @@ use anyhow::Context;
 use e2e::controlplane::{ControlPlane, wait_until};
 use e2e::injector::{Injector, Options};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
-use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::discovery::{Discovery, Scope};
 use kube::{Api, Client};
@@ -108,9 +107,20 @@ async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
             "Service",
             "ServiceAccount",
             "SidecarLifecycle",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
         ]
     );
     assert!(skipped.is_empty(), "{skipped:?}");
+
+    // The admission policy is on by default, and can be turned off.
+    let off = e2e::chart::render("remora", &ns, &["admissionPolicy.enabled=false"])?;
+    assert!(
+        !off.iter().any(|o| o["kind"]
+            .as_str()
+            .is_some_and(|k| k.starts_with("ValidatingAdmissionPolicy"))),
+        "admissionPolicy.enabled=false still renders the policy"
+    );
 
     // What the issue asks of the rendered objects.
     let objects = e2e::chart::render("remora", &ns, &[])?;
@@ -191,6 +201,18 @@ async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<(
     // No self-managed Secret, so no RBAC on Secrets.
     let role = find(&objects, "Role")?;
     assert!(!role.to_string().contains("secrets"), "{role:#}");
+    // Nor may the injector write a Secret or its webhook configuration
+    // under the admission policy: cert-manager does both.
+    let vap = find(&objects, "ValidatingAdmissionPolicy")?;
+    let writes = vap["spec"]["validations"][0]["expression"]
+        .as_str()
+        .context("no first validation")?;
+    assert!(
+        writes.contains("leases")
+            && !writes.contains("/secrets")
+            && !writes.contains("webhookConfig"),
+        "{writes}"
+    );
     cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }
@@ -199,7 +221,8 @@ async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<(
 /// mode: the injector runs as the chart's ServiceAccount (a real token from
 /// TokenRequest), lists and watches what it needs, creates its TLS Secret,
 /// patches its CA into the chart's webhook configuration and writes
-/// SidecarLifecycle status, with no request refused.
+/// SidecarLifecycle status and Events, with no request refused by RBAC or by
+/// the chart's ValidatingAdmissionPolicy.
 #[tokio::test]
 async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     let cp = ControlPlane::shared().await?;
@@ -216,73 +239,34 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     let release = ns.clone();
     let objects = e2e::chart::render(&release, &ns, &["webhook.failurePolicy=Ignore"])?;
     e2e::chart::install_crds(&client).await?;
-    let discovery = Discovery::new(client.clone()).run().await?;
     let name = format!("{release}-remora-injector");
-    let mut cluster_scoped = Vec::new();
-    for obj in &objects {
-        let kind = obj["kind"].as_str().context("no kind")?;
-        if !matches!(
-            kind,
-            "ServiceAccount"
-                | "ClusterRole"
-                | "ClusterRoleBinding"
-                | "Role"
-                | "RoleBinding"
-                | "SidecarLifecycle"
-                | "MutatingWebhookConfiguration"
-        ) {
-            continue;
-        }
-        let mut obj = obj.clone();
-        if kind == "MutatingWebhookConfiguration" {
-            // Select nothing but this (excluded) namespace: never called.
-            for w in obj["webhooks"].as_array_mut().into_iter().flatten() {
-                if let Some(exprs) = w["namespaceSelector"]["matchExpressions"].as_array_mut() {
-                    exprs.push(serde_json::json!({
-                        "key": "kubernetes.io/metadata.name", "operator": "In", "values": [ns]}));
-                }
-            }
-        }
-        let api_version = obj["apiVersion"].as_str().context("no apiVersion")?;
-        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-        let (ar, caps) = discovery
-            .resolve_gvk(&GroupVersionKind::gvk(group, version, kind))
-            .with_context(|| format!("{api_version} {kind} not served"))?;
-        let api: Api<DynamicObject> = match caps.scope {
-            Scope::Namespaced => Api::namespaced_with(client.clone(), &ns, &ar),
-            Scope::Cluster => Api::all_with(client.clone(), &ar),
-        };
-        let obj_name = obj["metadata"]["name"]
-            .as_str()
-            .context("no name")?
-            .to_owned();
-        let dynobj: DynamicObject = serde_json::from_value(obj.clone())?;
-        api.patch(
-            &obj_name,
-            &PatchParams::apply("remora-e2e").force(),
-            &Patch::Apply(&dynobj),
-        )
-        .await
-        .with_context(|| format!("applying {kind}/{obj_name}"))?;
-        if caps.scope == Scope::Cluster {
-            cluster_scoped.push((api, obj_name));
-        }
-    }
-
-    let tr = Api::<ServiceAccount>::namespaced(client.clone(), &ns)
-        .create_token_request(
-            &name,
-            &PostParams::default(),
-            &TokenRequest {
-                spec: Some(TokenRequestSpec {
-                    expiration_seconds: Some(3600),
-                    ..TokenRequestSpec::default()
-                }),
-                ..TokenRequest::default()
-            },
-        )
+    // With the admission policy: every write the injector makes must pass it.
+    let cluster_scoped = e2e::chart::apply(
+        &client,
+        &ns,
+        &objects,
+        &[
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+            "SidecarLifecycle",
+            "MutatingWebhookConfiguration",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+        ],
+    )
+    .await?;
+    let token = e2e::controlplane::service_account_token(&client, &ns, &name).await?;
+    // Start the injector only once the policy judges it, so that its writes
+    // below are shown to pass the policy, not to precede it.
+    let as_injector = Api::<MutatingWebhookConfiguration>::all(cp.client_with_token(&token)?);
+    let retime = Patch::Json::<()>(serde_json::from_value(serde_json::json!(
+        [{"op": "replace", "path": "/webhooks/0/timeoutSeconds", "value": 29}]))?);
+    let dry_run = PatchParams::default().dry_run();
+    e2e::chart::wait_until_policy_refuses(&name, || as_injector.patch(&name, &dry_run, &retime))
         .await?;
-    let token = tr.status.context("TokenRequest has no status")?.token;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("injector.kubeconfig");
     let kc = serde_json::json!({
@@ -344,6 +328,22 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     wait_until("the cluster default's status", DEADLINE, || async {
         let o = slc.get(&slc_name).await?;
         Ok::<_, kube::Error>(o.data["status"]["observedGeneration"].as_i64().map(|_| ()))
+    })
+    .await
+    .with_context(log)?;
+    // Its Events pass the policy too (the cluster default was Accepted).
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), &ns);
+    wait_until("the Accepted Event", DEADLINE, || async {
+        let list = events.list(&Default::default()).await?;
+        Ok::<_, kube::Error>(
+            list.items
+                .iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("Accepted")
+                        && e.reporting_controller.as_deref() == Some("remora-injector")
+                })
+                .then_some(()),
+        )
     })
     .await
     .with_context(log)?;

@@ -107,6 +107,8 @@ pub enum Error {
     Timeout { what: String, timeout: Duration },
     #[error("the shared control plane failed to start: {0}")]
     Shared(Arc<Error>),
+    #[error("TokenRequest for ServiceAccount {0} returned no token")]
+    NoToken(String),
 }
 
 impl Error {
@@ -551,6 +553,41 @@ impl ControlPlane {
             .await?;
         Ok(())
     }
+
+    /// A client of this cluster that authenticates with `token` only (no
+    /// client certificate): RBAC and admission policies judge its requests
+    /// as those of the token's subject.
+    pub fn client_with_token(&self, token: &str) -> Result<Client, Error> {
+        let mut config = self.config.clone();
+        config.auth_info = kube::config::AuthInfo {
+            token: Some(token.into()),
+            ..kube::config::AuthInfo::default()
+        };
+        Ok(Client::try_from(config)?)
+    }
+}
+
+/// A real token of ServiceAccount `ns/name` (TokenRequest, valid an hour),
+/// the one a pod running under that account would present.
+pub async fn service_account_token(admin: &Client, ns: &str, name: &str) -> Result<String, Error> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    let tr = Api::<ServiceAccount>::namespaced(admin.clone(), ns)
+        .create_token_request(
+            name,
+            &PostParams::default(),
+            &TokenRequest {
+                spec: Some(TokenRequestSpec {
+                    expiration_seconds: Some(3600),
+                    ..TokenRequestSpec::default()
+                }),
+                ..TokenRequest::default()
+            },
+        )
+        .await?;
+    tr.status
+        .and_then(|s| s.token)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| Error::NoToken(format!("{ns}/{name}")))
 }
 
 impl Drop for ControlPlane {
