@@ -27,8 +27,18 @@ pub struct PodInfo {
     pub sources: Option<Vec<String>>,
     /// `restartHash` from `remora.dev/status`, when the injector recorded one.
     pub restart_hash: Option<String>,
-    /// The controlling owner (`kind`, `name`), e.g. a ReplicaSet.
-    pub owner: Option<(String, String)>,
+    /// The controlling owner as the pod's ownerReference names it. Anyone
+    /// who may create pods may write it: the rollout checks it against the
+    /// API server before acting on it.
+    pub owner: Option<PodOwner>,
+}
+
+/// A pod's controlling ownerReference.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PodOwner {
+    pub kind: String,
+    pub name: String,
+    pub uid: String,
 }
 
 impl PodInfo {
@@ -55,7 +65,11 @@ impl PodInfo {
             .iter()
             .flatten()
             .find(|o| o.controller == Some(true))
-            .map(|o| (o.kind.clone(), o.name.clone()));
+            .map(|o| PodOwner {
+                kind: o.kind.clone(),
+                name: o.name.clone(),
+                uid: o.uid.clone(),
+            });
         Self {
             namespace: meta.namespace.clone().unwrap_or_default(),
             name: meta.name.clone().unwrap_or_default(),

@@ -224,11 +224,18 @@ impl ControlPlane {
     /// belongs to the tokio runtime that made it, and each `#[tokio::test]`
     /// has its own.
     pub async fn shared() -> Result<&'static ControlPlane, Error> {
+        Self::shared_with(Options::default()).await
+    }
+
+    /// As [`ControlPlane::shared`], started with `options` if this is the
+    /// first use in the test binary (a binary whose tests need no
+    /// kube-controller-manager, or must not have one acting on their objects).
+    pub async fn shared_with(options: Options) -> Result<&'static ControlPlane, Error> {
         let cp = SHARED
             .get_or_init(|| async {
                 match std::env::var_os(ENV_KUBECONFIG).filter(|v| !v.is_empty()) {
                     Some(path) => Self::external(PathBuf::from(path)).await,
-                    None => Self::start(Options::default()).await,
+                    None => Self::start(options).await,
                 }
                 .map_err(Arc::new)
             })

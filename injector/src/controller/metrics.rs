@@ -20,6 +20,7 @@ pub struct Metrics {
     duration: Histogram,
     pub(super) retuned: Counter,
     pub(super) rollouts: Counter,
+    pub(super) rollouts_refused: Counter,
     pub(super) status_writes: Counter,
 }
 
@@ -50,6 +51,12 @@ impl Metrics {
             "Workloads the controller rolled (rolloutPolicy Automatic)",
             rollouts.clone(),
         );
+        let rollouts_refused = Counter::default();
+        registry.register(
+            "controller_rollouts_refused",
+            "Rollouts asked for by a pod whose owner chain or governance the API server does not confirm",
+            rollouts_refused.clone(),
+        );
         let status_writes = Counter::default();
         registry.register(
             "controller_status_writes",
@@ -61,6 +68,7 @@ impl Metrics {
             duration,
             retuned,
             rollouts,
+            rollouts_refused,
             status_writes,
         }
     }

@@ -112,7 +112,7 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
     let mut next = RESYNC;
     if automatic
         && !report.outdated.is_empty()
-        && let Some(wait) = roll(ctx, &me, &report).await?
+        && let Some(wait) = roll(ctx, &me, &entry, &all, &report).await?
     {
         next = wait;
     }

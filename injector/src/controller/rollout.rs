@@ -1,7 +1,7 @@
 //! Automatic rollouts: the owning workload of outdated pods is rolled
 //! through a pod-template annotation, at most one per interval.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::ReplicaSet;
@@ -11,12 +11,13 @@ use kube::{Api, Client};
 use serde_json::json;
 use tokio::time::Instant;
 
-use super::context::Ctx;
+use super::context::{Ctx, pod_ref};
 use super::error::ControllerError;
 use super::events::Decision;
 use super::{FIELD_MANAGER, ROLLOUT_ANNOTATION};
 use crate::mutate::STATUS_ANNOTATION;
-use crate::status::{PodInfo, RestartReport};
+use crate::sidecar_config::LifecycleEntry;
+use crate::status::{PodInfo, PodOwner, RestartReport, governor};
 
 /// At most one automatic rollout per interval, so a change to a resource
 /// that governs many workloads never restarts them all at once.
@@ -52,58 +53,154 @@ fn workload_api(client: &Client, ns: &str, kind: &str) -> Api<DynamicObject> {
     Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
 }
 
-/// The workload that owns `pod` and can be rolled: (kind, name).
-async fn owning_workload(
-    ctx: &Ctx,
-    pod: &PodInfo,
-) -> Result<Option<(String, String)>, kube::Error> {
-    let Some((kind, name)) = &pod.owner else {
-        return Ok(None);
-    };
-    match kind.as_str() {
-        "StatefulSet" | "DaemonSet" => Ok(Some((kind.clone(), name.clone()))),
+/// A workload the controller may roll, as the API server has it.
+#[derive(Debug, Clone)]
+struct Workload {
+    kind: String,
+    obj: DynamicObject,
+}
+
+/// What the owner chain of a pod leads to.
+#[derive(Debug, Clone)]
+enum Owner {
+    Workload(Box<Workload>),
+    /// Nothing to roll: a bare pod, a Job, a ReplicaSet without Deployment,
+    /// or an owner that is gone (its pods are on their way out).
+    None,
+    /// The pod's ownerReference does not match the API server: whoever
+    /// created the pod wrote it. Never acted on.
+    Forged(String),
+}
+
+/// Same object, not only same name: a pod's ownerReference is written by
+/// whoever creates the pod, the UID is what the API server assigned.
+fn uid_matches(obj: &Option<String>, claimed: &str) -> bool {
+    obj.as_deref()
+        .is_some_and(|u| !u.is_empty() && u == claimed)
+}
+
+/// Follow `pod`'s ownerReference to the workload that can be rolled,
+/// checking each link's UID against the API server.
+async fn owning_workload(ctx: &Ctx, ns: &str, owner: &PodOwner) -> Result<Owner, kube::Error> {
+    let (kind, name, uid) = match owner.kind.as_str() {
+        "StatefulSet" | "DaemonSet" => (owner.kind.clone(), owner.name.clone(), owner.uid.clone()),
         "ReplicaSet" => {
-            let rs: Api<ReplicaSet> = Api::namespaced(ctx.client.clone(), &pod.namespace);
-            let meta = match rs.get_metadata_opt(name).await? {
-                Some(m) => m,
-                None => return Ok(None),
+            let rs: Api<ReplicaSet> = Api::namespaced(ctx.client.clone(), ns);
+            let Some(meta) = rs.get_metadata_opt(&owner.name).await? else {
+                return Ok(Owner::None);
             };
-            Ok(meta
+            if !uid_matches(&meta.metadata.uid, &owner.uid) {
+                return Ok(Owner::Forged(format!(
+                    "its ownerReference names ReplicaSet {ns}/{} with UID {:?}, which is not that ReplicaSet's",
+                    owner.name, owner.uid
+                )));
+            }
+            match meta
                 .metadata
                 .owner_references
                 .iter()
                 .flatten()
                 .find(|o| o.controller == Some(true) && o.kind == "Deployment")
-                .map(|o| ("Deployment".to_string(), o.name.clone())))
+            {
+                Some(d) => ("Deployment".to_string(), d.name.clone(), d.uid.clone()),
+                None => return Ok(Owner::None),
+            }
         }
         // Bare pods and Jobs cannot be rolled: they keep RestartRequired.
-        _ => Ok(None),
+        _ => return Ok(Owner::None),
+    };
+    let Some(obj) = workload_api(&ctx.client, ns, &kind).get_opt(&name).await? else {
+        return Ok(Owner::None);
+    };
+    if !uid_matches(&obj.metadata.uid, &uid) {
+        return Ok(Owner::Forged(format!(
+            "its owner chain names {kind} {ns}/{name} with UID {uid:?}, which is not that {kind}'s"
+        )));
     }
+    Ok(Owner::Workload(Box::new(Workload { kind, obj })))
+}
+
+/// The workload's pod template as the webhook will see its new pods.
+fn template_pod(ns: &str, obj: &DynamicObject) -> PodInfo {
+    let meta = &obj.data["spec"]["template"]["metadata"];
+    let map = |v: &serde_json::Value| -> BTreeMap<String, String> {
+        serde_json::from_value(v.clone()).unwrap_or_default()
+    };
+    PodInfo {
+        namespace: ns.to_string(),
+        name: obj.metadata.name.clone().unwrap_or_default(),
+        uid: None,
+        labels: map(&meta["labels"]),
+        annotations: map(&meta["annotations"]),
+        sources: None,
+        restart_hash: None,
+        owner: None,
+    }
+}
+
+/// Decide, from the workload itself, whether `me` may roll it and to what:
+/// its template must be governed by `me` (a pod's labels and its
+/// `remora.dev/status` are the pod creator's to write, the template is the
+/// workload owner's), and the restart hash is the one its new pods will get.
+fn rollout_target(
+    ctx: &Ctx,
+    me: &LifecycleEntry,
+    all: &[LifecycleEntry],
+    ns: &str,
+    w: &Workload,
+) -> Result<String, String> {
+    let s = &ctx.settings;
+    let tpl = template_pod(ns, &w.obj);
+    match governor(all, &tpl, &s.operator_namespace) {
+        Some(g) if g.namespace == me.namespace && g.name == me.name => {}
+        Some(g) => {
+            return Err(format!(
+                "the pod template of {} {ns}/{} is governed by SidecarLifecycle {}/{}, not by this one",
+                w.kind, tpl.name, g.namespace, g.name
+            ));
+        }
+        None => {
+            return Err(format!(
+                "no SidecarLifecycle governs the pod template of {} {ns}/{}",
+                w.kind, tpl.name
+            ));
+        }
+    }
+    Ok(tpl
+        .effective(&s.chart, all, &s.operator_namespace)
+        .restart_hash())
 }
 
 /// Roll the workloads of outdated pods, one per limiter slot. Returns when
 /// to look again if the limiter held a rollout back.
+///
+/// A pod only points at a workload; what is rolled, and to what, is decided
+/// from the API server's objects: the owner chain by UID, the governance and
+/// the restart hash from the workload's own pod template. A pod that forged
+/// its ownerReference or its `remora.dev/status` can at most make the
+/// controller look at a workload this resource already governs.
 pub(super) async fn roll(
     ctx: &Ctx,
-    me: &ObjectReference,
+    me_ref: &ObjectReference,
+    me: &LifecycleEntry,
+    all: &[LifecycleEntry],
     report: &RestartReport,
 ) -> Result<Option<Duration>, ControllerError> {
-    // One lookup per ReplicaSet. A failed lookup or write skips that
-    // workload only; the reconcile then fails so that it is retried.
-    let mut owners: BTreeMap<(String, String, String), Option<(String, String)>> = BTreeMap::new();
-    let mut targets: BTreeMap<(String, String, String), BTreeSet<String>> = BTreeMap::new();
+    // One lookup per owner. A failed lookup or write skips that workload
+    // only; the reconcile then fails so that it is retried.
+    let mut owners: BTreeMap<PodOwner, Owner> = BTreeMap::new();
+    let mut targets: BTreeMap<(String, String, String), (Workload, &PodInfo)> = BTreeMap::new();
     let mut failed = None;
-    for (pod, want) in &report.outdated {
-        let Some((owner_kind, owner_name)) = pod.owner.clone() else {
+    for (pod, _) in &report.outdated {
+        let Some(owner) = &pod.owner else {
             continue;
         };
-        let key = (pod.namespace.clone(), owner_kind, owner_name);
-        let workload = match owners.get(&key) {
-            Some(w) => w.clone(),
-            None => match owning_workload(ctx, pod).await {
-                Ok(w) => {
-                    owners.insert(key, w.clone());
-                    w
+        let verdict = match owners.get(owner) {
+            Some(v) => v.clone(),
+            None => match owning_workload(ctx, &pod.namespace, owner).await {
+                Ok(v) => {
+                    owners.insert(owner.clone(), v.clone());
+                    v
                 }
                 Err(source) => {
                     failed = Some(ControllerError::Rollout {
@@ -114,35 +211,28 @@ pub(super) async fn roll(
                 }
             },
         };
-        if let Some((kind, name)) = workload {
-            targets
-                .entry((pod.namespace.clone(), kind, name))
-                .or_default()
-                .insert(want.clone());
+        match verdict {
+            Owner::Workload(w) => {
+                let name = w.obj.metadata.name.clone().unwrap_or_default();
+                targets
+                    .entry((pod.namespace.clone(), w.kind.clone(), name))
+                    .or_insert((*w, pod));
+            }
+            Owner::None => {}
+            Owner::Forged(why) => refuse(ctx, me_ref, pod, &why).await,
         }
     }
-    for ((ns, kind, name), wants) in targets {
+    for ((ns, kind, name), (w, asked_by)) in targets {
         let workload = format!("{kind} {ns}/{name}");
-        // Pods of one workload that would get different settings (a selector
-        // on a per-pod label): no single rollout settles them.
-        let [want]: [String; 1] = match Vec::from_iter(wants).try_into() {
-            Ok(one) => one,
-            Err(many) => {
-                tracing::warn!(workload = %workload, hashes = ?many,
-                    "its pods would get different proxy settings; not rolled");
+        let want = match rollout_target(ctx, me, all, &ns, &w) {
+            Ok(want) => want,
+            Err(why) => {
+                // Once per workload, naming the first pod that pointed at it.
+                refuse(ctx, me_ref, asked_by, &why).await;
                 continue;
             }
         };
-        let api = workload_api(&ctx.client, &ns, &kind);
-        let obj = match api.get_opt(&name).await {
-            Ok(Some(obj)) => obj,
-            Ok(None) => continue,
-            Err(source) => {
-                failed = Some(ControllerError::Rollout { workload, source });
-                continue;
-            }
-        };
-        let template = &obj.data["spec"]["template"]["metadata"]["annotations"];
+        let template = &w.obj.data["spec"]["template"]["metadata"]["annotations"];
         if template[ROLLOUT_ANNOTATION].as_str() == Some(want.as_str()) {
             // Already rolling to these settings; old pods are on their way out.
             continue;
@@ -162,12 +252,15 @@ pub(super) async fn roll(
             tracing::info!(workload = %workload, wait = ?wait, "rollout held back by the rate limit");
             return Ok(Some(wait));
         }
+        // The UID precondition: if the workload was replaced by another of
+        // the same name since it was checked, the write fails.
         let patch = Patch::Apply(json!({
             "apiVersion": "apps/v1",
             "kind": kind,
-            "metadata": {"name": name, "namespace": ns},
+            "metadata": {"name": name, "namespace": ns, "uid": w.obj.metadata.uid},
             "spec": {"template": {"metadata": {"annotations": {ROLLOUT_ANNOTATION: want}}}},
         }));
+        let api = workload_api(&ctx.client, &ns, &kind);
         if let Err(source) = api
             .patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &patch)
             .await
@@ -182,11 +275,11 @@ pub(super) async fn roll(
             kind: Some(kind.clone()),
             name: Some(name.clone()),
             namespace: Some(ns.clone()),
-            uid: obj.metadata.uid.clone(),
+            uid: w.obj.metadata.uid.clone(),
             ..ObjectReference::default()
         };
         ctx.event(
-            me,
+            me_ref,
             Decision {
                 warning: false,
                 reason: "RolloutTriggered",
@@ -200,6 +293,27 @@ pub(super) async fn roll(
         Some(e) => Err(e),
         None => Ok(None),
     }
+}
+
+/// A rollout the controller will not make: counted, logged and recorded as
+/// a Warning Event on the resource, naming the pod that asked for it.
+async fn refuse(ctx: &Ctx, me_ref: &ObjectReference, pod: &PodInfo, why: &str) {
+    ctx.metrics.rollouts_refused.inc();
+    let note = format!(
+        "not rolling the workload of pod {}/{}: {why}",
+        pod.namespace, pod.name
+    );
+    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), reason = why, "rollout refused");
+    ctx.event(
+        me_ref,
+        Decision {
+            warning: true,
+            reason: "RolloutRefused",
+            note,
+        },
+        Some(pod_ref(pod)),
+    )
+    .await;
 }
 
 #[cfg(test)]
