@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::core::v1::{Namespace, Node, NodeStatus, NodeSystemInfo};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -105,7 +106,7 @@ pub async fn start(
         "sidecarlifecycles",
         Api::<SidecarLifecycle>::all(client.clone()),
         watcher::Config::default(),
-        |_| {},
+        slim_lifecycle,
         shutdown.clone(),
     );
     let (namespaces, w) = reflector::store();
@@ -116,6 +117,7 @@ pub async fn start(
             watcher::Config::default(),
         )
         .default_backoff()
+        .modify(slim_namespace)
         .reflect(w),
         shutdown.clone(),
         |_| {},
@@ -127,6 +129,7 @@ pub async fn start(
         let nodes = nodes.clone();
         let stream = watcher(Api::<Node>::all(client), watcher::Config::default())
             .default_backoff()
+            .modify(slim_node)
             .reflect(w);
         // Re-evaluated on every node event: a new old node turns Auto to Legacy.
         drive("nodes", stream, shutdown, move |_| {
@@ -178,9 +181,128 @@ impl KubeView {
     }
 }
 
+/// What is kept of a SidecarLifecycle: all but its managed fields and the
+/// last-applied copy `kubectl apply` leaves (each as large as the object).
+pub fn slim_lifecycle(r: &mut SidecarLifecycle) {
+    r.metadata.managed_fields = None;
+    drop_last_applied(&mut r.metadata.annotations);
+}
+
+/// What is kept of a Namespace (already metadata-only): its name and labels.
+pub fn slim_namespace(n: &mut PartialObjectMeta<Namespace>) {
+    n.metadata = ObjectMeta {
+        name: n.metadata.name.take(),
+        labels: n.metadata.labels.take(),
+        resource_version: n.metadata.resource_version.take(),
+        ..ObjectMeta::default()
+    };
+}
+
+/// What is kept of a Node: its name and kubelet version. A node's status
+/// lists every image it holds, often the largest part of the object.
+pub fn slim_node(n: &mut Node) {
+    let kubelet_version = n
+        .status
+        .as_ref()
+        .and_then(|s| s.node_info.as_ref())
+        .map(|i| i.kubelet_version.clone());
+    n.metadata = ObjectMeta {
+        name: n.metadata.name.take(),
+        resource_version: n.metadata.resource_version.take(),
+        ..ObjectMeta::default()
+    };
+    n.spec = None;
+    n.status = kubelet_version.map(|kubelet_version| NodeStatus {
+        node_info: Some(NodeSystemInfo {
+            kubelet_version,
+            ..NodeSystemInfo::default()
+        }),
+        ..NodeStatus::default()
+    });
+}
+
+fn drop_last_applied(annotations: &mut Option<BTreeMap<String, String>>) {
+    if let Some(a) = annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    fn managed() -> Option<Vec<ManagedFieldsEntry>> {
+        Some(vec![ManagedFieldsEntry {
+            manager: Some("kubectl".into()),
+            ..ManagedFieldsEntry::default()
+        }])
+    }
+
+    #[test]
+    fn slim_objects_keep_what_the_view_reads_and_nothing_else() -> anyhow::Result<()> {
+        let mut node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "n1", "labels": {"a": "b"}, "resourceVersion": "7"},
+            "spec": {"podCIDR": "10.244.0.0/24"},
+            "status": {
+                "nodeInfo": {"kubeletVersion": "v1.36.3", "osImage": "Debian"},
+                "images": [{"names": ["registry.invalid/big:1"], "sizeBytes": 1}],
+            },
+        }))?;
+        node.metadata.managed_fields = managed();
+        slim_node(&mut node);
+        let json = serde_json::to_value(&node)?;
+        assert_eq!(
+            json["metadata"],
+            serde_json::json!({"name": "n1", "resourceVersion": "7"})
+        );
+        assert_eq!(json["status"]["nodeInfo"]["kubeletVersion"], "v1.36.3");
+        assert_eq!(json["status"]["nodeInfo"]["osImage"], "");
+        assert!(json.get("spec").is_none() && json["status"].get("images").is_none());
+
+        let mut ns = PartialObjectMeta::<Namespace> {
+            metadata: ObjectMeta {
+                name: Some("team".into()),
+                labels: Some([("remora.dev/inject".into(), "enabled".into())].into()),
+                annotations: Some([("big".into(), "x".repeat(4096))].into()),
+                managed_fields: managed(),
+                ..ObjectMeta::default()
+            },
+            ..PartialObjectMeta::default()
+        };
+        slim_namespace(&mut ns);
+        assert_eq!(ns.metadata.name.as_deref(), Some("team"));
+        assert_eq!(ns.metadata.labels.as_ref().map(BTreeMap::len), Some(1));
+        assert!(ns.metadata.annotations.is_none() && ns.metadata.managed_fields.is_none());
+
+        let mut slc: SidecarLifecycle = serde_json::from_value(serde_json::json!({
+            "apiVersion": "remora.dev/v1alpha1", "kind": "SidecarLifecycle",
+            "metadata": {
+                "name": "web", "namespace": "team", "generation": 3,
+                "creationTimestamp": "2026-11-23T00:00:00Z",
+                "annotations": {
+                    "kubectl.kubernetes.io/last-applied-configuration": "{...}",
+                    "team": "payments",
+                },
+            },
+            "spec": {"selector": {"matchLabels": {"app": "web"}}},
+        }))?;
+        slc.metadata.managed_fields = managed();
+        let before = LifecycleEntry::from_resource(&slc);
+        slim_lifecycle(&mut slc);
+        assert!(slc.metadata.managed_fields.is_none());
+        assert_eq!(
+            slc.metadata
+                .annotations
+                .as_ref()
+                .map(|a| a.keys().cloned().collect::<Vec<_>>()),
+            Some(vec!["team".to_string()])
+        );
+        // What resolution and the controller read is unchanged.
+        assert_eq!(LifecycleEntry::from_resource(&slc), before);
+        assert_eq!(slc.metadata.generation, Some(3));
+        Ok(())
+    }
 
     #[test]
     fn versions() {
