@@ -254,6 +254,8 @@ pub fn limits() -> remora_serve::Limits {
         max_header_bytes: 16 * 1024,
         tls_handshake_timeout: Duration::from_secs(5),
         // The agent is exiting: it waits at most 1 s for its servers anyway.
+        // Probes and hooks open a connection each; nothing to linger for.
+        drain_linger: Duration::ZERO,
         drain_grace: Duration::from_secs(1),
     }
 }

@@ -229,6 +229,10 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// keep-alive connections each, requests of at most `--max-request-bytes`
 /// that they give up on after the webhook's timeout, 10 s by default) and
 /// the kubelet's probes; anyone on the pod network can reach it too.
+/// How long a draining webhook server keeps its open connections serving,
+/// each answer closing its connection.
+pub const DRAIN_LINGER: Duration = Duration::from_secs(2);
+
 pub fn limits(grace: Duration) -> remora_serve::Limits {
     remora_serve::Limits {
         max_connections: 256,
@@ -239,6 +243,10 @@ pub fn limits(grace: Duration) -> remora_serve::Limits {
         body_read_timeout: Duration::from_secs(10),
         max_header_bytes: 64 * 1024,
         tls_handshake_timeout: Duration::from_secs(10),
+        // The API server reuses idle keep-alive connections: a drain that
+        // closed them at once failed a webhook call now and then during a
+        // rollout of the injector ("write: broken pipe", not retried).
+        drain_linger: DRAIN_LINGER.min(grace),
         drain_grace: grace,
     }
 }

@@ -16,9 +16,14 @@
 //! - requests in flight: over [`Limits::max_in_flight`] a request gets a
 //!   fast `503` instead of queueing.
 //!
-//! Shutdown: stop accepting, let each connection finish the request it is
-//! in (idle ones close at once), then after [`Limits::drain_grace`] close
-//! what is left.
+//! Shutdown: stop accepting; for [`Limits::drain_linger`] keep every open
+//! connection serving, each response saying `connection: close`; then let
+//! each connection finish the request it is in (idle ones close), and after
+//! [`Limits::drain_grace`] close what is left. The linger is for HTTP/1.1
+//! clients that reuse idle keep-alive connections (the API server calling
+//! a webhook): closing an idle connection races with a request the client
+//! is writing on it, which fails unretried; a connection closed after a
+//! response that says so is never reused.
 
 mod conns;
 mod metrics;
@@ -72,7 +77,11 @@ pub struct Limits {
     pub max_header_bytes: usize,
     /// Time to complete a TLS handshake (TLS servers only).
     pub tls_handshake_timeout: Duration,
-    /// After shutdown begins: how long requests in progress get.
+    /// After shutdown begins: how long open connections keep serving
+    /// (answering `connection: close`) before idle ones are closed.
+    pub drain_linger: Duration,
+    /// After shutdown begins: how long until what is still open is closed
+    /// by force (the linger included).
     pub drain_grace: Duration,
 }
 
@@ -89,6 +98,7 @@ impl Default for Limits {
             body_read_timeout: Duration::from_secs(10),
             max_header_bytes: 16 * 1024,
             tls_handshake_timeout: Duration::from_secs(5),
+            drain_linger: Duration::ZERO,
             drain_grace: Duration::from_secs(5),
         }
     }
@@ -113,6 +123,9 @@ impl Limits {
             || self.tls_handshake_timeout.is_zero()
         {
             return bad("read timeouts must be longer than 0");
+        }
+        if self.drain_linger > self.drain_grace {
+            return bad("drain_linger must not exceed drain_grace");
         }
         Ok(())
     }
@@ -292,8 +305,9 @@ impl Shared {
                     acceptor.accept(stream),
                 );
                 let tls = tokio::select! {
-                    // A handshake not done when draining starts carries no request yet.
-                    () = self.draining.cancelled() => return,
+                    // A handshake not done by the end of the linger carries
+                    // no request yet; one done before may still carry one.
+                    () = self.linger_over() => return,
                     r = handshake => match r {
                         Ok(Ok(s)) => s,
                         Ok(Err(e)) => {
@@ -335,7 +349,7 @@ impl Shared {
         tokio::pin!(conn);
         let r = tokio::select! {
             r = conn.as_mut() => r,
-            () = self.draining.cancelled() => {
+            () = self.linger_over() => {
                 conn.as_mut().graceful_shutdown();
                 conn.await
             }
@@ -343,6 +357,12 @@ impl Shared {
         if let Err(e) = r {
             tracing::debug!(error = %e, "connection ended with an error");
         }
+    }
+
+    /// Resolves once draining began and the linger has passed.
+    async fn linger_over(&self) {
+        self.draining.cancelled().await;
+        tokio::time::sleep(self.limits.drain_linger).await;
     }
 
     async fn request(&self, req: Request<Incoming>) -> Response {
@@ -357,9 +377,18 @@ impl Shared {
         };
         let deadline = self.limits.body_read_timeout;
         let req = req.map(|b| Body::new(DeadlineBody::new(deadline, b)));
-        match self.app.clone().oneshot(req).await {
+        let mut res = match self.app.clone().oneshot(req).await {
             Ok(res) => res,
             Err(never) => match never {},
+        };
+        // Draining: the client must not send another request on this
+        // connection (hyper closes it once this response is written).
+        if self.draining.is_cancelled() {
+            res.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
         }
+        res
     }
 }

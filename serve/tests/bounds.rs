@@ -266,6 +266,75 @@ async fn shutdown_lets_the_request_in_progress_finish() -> Result<()> {
     Ok(())
 }
 
+/// One keep-alive `GET /healthz` on `s`; the response's head.
+async fn get_keep_alive(s: &mut TcpStream) -> Result<String> {
+    s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await?;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(DEADLINE, async {
+        // The body is "ok": the response is whole once it ends so.
+        while !(out.ends_with(b"\r\n\r\nok")) {
+            let n = s.read(&mut buf).await?;
+            anyhow::ensure!(
+                n > 0,
+                "closed mid-response: {:?}",
+                String::from_utf8_lossy(&out)
+            );
+            out.extend_from_slice(&buf[..n]);
+        }
+        Ok(())
+    })
+    .await
+    .context("response timed out")??;
+    Ok(String::from_utf8_lossy(&out).to_lowercase())
+}
+
+#[tokio::test]
+async fn a_draining_server_answers_on_idle_keep_alive_connections_then_closes_them() -> Result<()> {
+    let linger = Duration::from_secs(2);
+    let srv = start(
+        Limits {
+            drain_linger: linger,
+            ..Limits::default()
+        },
+        probe_app(),
+    )
+    .await?;
+    // Two keep-alive connections, each idle after one request, as an API
+    // server's pool holds them.
+    let mut used = TcpStream::connect(srv.addr).await?;
+    let mut idle = TcpStream::connect(srv.addr).await?;
+    for s in [&mut used, &mut idle] {
+        let head = get_keep_alive(s).await?;
+        assert!(
+            head.starts_with("http/1.1 200") && !head.contains("connection: close"),
+            "{head}"
+        );
+    }
+    let stopped = Instant::now();
+    srv.stop.cancel();
+    wait_until(DEADLINE, "the listener to close", || async {
+        TcpStream::connect(srv.addr).await.is_err().then_some(())
+    })
+    .await?;
+    // A request on an idle connection well into the drain (not in the same
+    // instant, when any server would still read it) is answered, and the
+    // answer tells the client not to reuse the connection.
+    tokio::time::sleep_until((stopped + Duration::from_millis(500)).into()).await;
+    let head = get_keep_alive(&mut used).await?;
+    assert!(
+        head.starts_with("http/1.1 200") && head.contains("connection: close"),
+        "{head}"
+    );
+    assert!(read_until_closed(&mut used).await?.is_empty());
+    // The connection nobody used is closed once the linger is over.
+    assert!(read_until_closed(&mut idle).await?.is_empty());
+    assert!(stopped.elapsed() >= linger, "{:?}", stopped.elapsed());
+    assert_eq!(srv.task.await??.forced, 0);
+    Ok(())
+}
+
 #[test]
 fn limits_that_would_refuse_everything_are_rejected() {
     for bad in [
@@ -283,6 +352,11 @@ fn limits_that_would_refuse_everything_are_rejected() {
         },
         Limits {
             header_read_timeout: Duration::ZERO,
+            ..Limits::default()
+        },
+        Limits {
+            drain_linger: Duration::from_secs(10),
+            drain_grace: Duration::from_secs(5),
             ..Limits::default()
         },
     ] {
