@@ -299,7 +299,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         "--retry-period".into(),
         "500ms".into(),
     ];
-    let injector = Injector::start(&kubeconfig, options).await?;
+    let injector = Injector::start(&kubeconfig, options.clone()).await?;
     let log = || injector.log_tail();
 
     // Its Secret, its caBundle, a status written.
@@ -398,6 +398,53 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         None,
         "the Lease was not released"
     );
+
+    // A Secret broken by hand (a serving certificate that is not one) is
+    // repaired at the next start, with the chart's rights, and the new CA
+    // goes into the caBundle: no crash loop.
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let broken = serde_json::json!({"data": {"tls.crt": "Z2FyYmFnZQ=="}});
+    secrets
+        .patch(
+            &format!("{name}-tls"),
+            &PatchParams::default(),
+            &Patch::Merge(&broken),
+        )
+        .await?;
+    let injector = Injector::start(&kubeconfig, options).await?;
+    let log = || injector.log_tail();
+    let repaired = wait_until("the Secret repaired", DEADLINE, || async {
+        let s = secrets.get(&format!("{name}-tls")).await?;
+        let data = s.data.unwrap_or_default();
+        let cert = data.get("tls.crt").map(|b| b.0.clone()).unwrap_or_default();
+        Ok::<_, kube::Error>(
+            cert.starts_with(b"-----BEGIN CERTIFICATE-----")
+                .then(|| data.get("ca.crt").cloned())
+                .flatten(),
+        )
+    })
+    .await
+    .with_context(log)?;
+    assert_ne!(repaired, ca, "a new CA");
+    wait_until("the new CA in the caBundle", DEADLINE, || async {
+        let mwc = mwc_api.get(&name).await?;
+        let all = mwc
+            .webhooks
+            .unwrap_or_default()
+            .iter()
+            .all(|w| w.client_config.ca_bundle.as_ref() == Some(&repaired));
+        Ok::<_, kube::Error>(all.then_some(()))
+    })
+    .await
+    .with_context(log)?;
+    let text = injector.log_tail();
+    assert!(text.contains("unusable; replacing them"), "{text}");
+    assert!(
+        !text.to_lowercase().contains("forbidden"),
+        "the injector was refused something:\n{text}"
+    );
+    drop(injector);
+
     for (api, n) in cluster_scoped {
         api.delete(&n, &Default::default()).await?;
     }

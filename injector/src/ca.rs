@@ -5,7 +5,7 @@
 //! chart mounts the certificate instead and none of this runs.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -29,6 +29,8 @@ pub enum CaError {
     Generate(#[from] rcgen::Error),
     #[error("Secret {0} lacks {1}")]
     Incomplete(String, &'static str),
+    #[error("Secret {0}: still unusable after {WRITE_ATTEMPTS} attempts to replace it ({1})")]
+    Contended(String, String),
     #[error("Kubernetes API: {0}")]
     Api(#[from] kube::Error),
     #[error("{path}: {source}")]
@@ -168,7 +170,64 @@ pub fn write_files(dir: &Path, b: &Bundle) -> Result<(PathBuf, PathBuf), CaError
     Ok((cert, key))
 }
 
-/// Get the shared bundle, creating it when no replica has yet.
+/// Why a stored bundle cannot be served as it is (unparsable, a key that
+/// is not the certificate's, a certificate the CA did not issue, or one not
+/// valid at `now`); `None` when it can.
+pub fn unusable(b: &Bundle, now: SystemTime) -> Option<String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use x509_parser::prelude::{ASN1Time, FromDer, X509Certificate};
+
+    let secs = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let at = match ASN1Time::from_timestamp(secs) {
+        Ok(t) => t,
+        Err(e) => return Some(format!("clock: {e}")),
+    };
+    let der = |what: &str, pem: &str| {
+        CertificateDer::from_pem_slice(pem.as_bytes())
+            .map_err(|e| format!("{what}: not a PEM certificate: {e}"))
+    };
+    let check = || -> Result<(), String> {
+        let ca_der = der(CA_KEY, &b.ca_pem)?;
+        let leaf_der = der(CERT_KEY, &b.cert_pem)?;
+        let (_, ca) = X509Certificate::from_der(&ca_der)
+            .map_err(|e| format!("{CA_KEY}: not an X.509 certificate: {e}"))?;
+        let (_, leaf) = X509Certificate::from_der(&leaf_der)
+            .map_err(|e| format!("{CERT_KEY}: not an X.509 certificate: {e}"))?;
+        for (what, c) in [(CA_KEY, &ca), (CERT_KEY, &leaf)] {
+            if !c.validity().is_valid_at(at) {
+                return Err(format!(
+                    "{what}: not valid now (valid {} to {})",
+                    c.validity().not_before,
+                    c.validity().not_after
+                ));
+            }
+        }
+        if leaf.issuer() != ca.subject() || leaf.verify_signature(Some(ca.public_key())).is_err() {
+            return Err(format!("{CERT_KEY} was not issued by the CA in {CA_KEY}"));
+        }
+        let key = PrivateKeyDer::from_pem_slice(b.key_pem.as_bytes())
+            .map_err(|e| format!("{KEY_KEY}: not a PEM private key: {e}"))?;
+        let signing = rustls::crypto::ring::sign::any_supported_type(&key)
+            .map_err(|e| format!("{KEY_KEY}: unusable: {e}"))?;
+        rustls::sign::CertifiedKey::new(vec![leaf_der], signing)
+            .keys_match()
+            .map_err(|e| format!("{KEY_KEY} does not belong to {CERT_KEY}: {e}"))
+    };
+    check().err()
+}
+
+/// How often [`ensure_secret`] tries again after losing a write race.
+const WRITE_ATTEMPTS: usize = 3;
+
+/// Get the shared bundle, creating it when no replica has yet, and
+/// repairing it when what is stored cannot be served (a partial or
+/// hand-edited Secret, an expired certificate) instead of failing the
+/// start of every replica. Writes are conditional on the Secret's
+/// resourceVersion: of replicas repairing at once, one wins and the others
+/// adopt its bundle.
 pub async fn ensure_secret(
     client: &Client,
     namespace: &str,
@@ -176,25 +235,51 @@ pub async fn ensure_secret(
     service: &str,
 ) -> Result<Bundle, CaError> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
-    if let Some(s) = api.get_opt(secret).await? {
-        return from_secret(&s);
-    }
-    let fresh = generate(&service_names(service, namespace))?;
-    match api
-        .create(
-            &PostParams::default(),
-            &to_secret(secret, namespace, &fresh),
-        )
-        .await
-    {
-        Ok(_) => {
-            tracing::info!(secret, "created the injector's CA and serving certificate");
-            Ok(fresh)
+    let mut last = None;
+    for _ in 0..WRITE_ATTEMPTS {
+        let stored = api.get_opt(secret).await?;
+        let resource_version = match &stored {
+            None => None,
+            Some(s) => {
+                let why = match from_secret(s) {
+                    Ok(b) => match unusable(&b, SystemTime::now()) {
+                        None => return Ok(b),
+                        Some(why) => why,
+                    },
+                    Err(e) => e.to_string(),
+                };
+                tracing::warn!(secret, reason = %why, "stored CA and serving certificate unusable; replacing them");
+                last = Some(why);
+                s.metadata.resource_version.clone()
+            }
+        };
+        let fresh = generate(&service_names(service, namespace))?;
+        let mut want = to_secret(secret, namespace, &fresh);
+        let written = match resource_version {
+            None => api.create(&PostParams::default(), &want).await,
+            Some(rv) => {
+                want.metadata.resource_version = Some(rv);
+                api.replace(secret, &PostParams::default(), &want).await
+            }
+        };
+        match written {
+            Ok(_) => {
+                tracing::info!(
+                    secret,
+                    repaired = last.is_some(),
+                    "stored a new CA and serving certificate"
+                );
+                return Ok(fresh);
+            }
+            // Another replica wrote first: read (and check) what it wrote.
+            Err(kube::Error::Api(e)) if e.code == 409 => continue,
+            Err(e) => return Err(e.into()),
         }
-        // Another replica won the race: use its bundle.
-        Err(kube::Error::Api(e)) if e.code == 409 => from_secret(&api.get(secret).await?),
-        Err(e) => Err(e.into()),
     }
+    Err(CaError::Contended(
+        secret.to_string(),
+        last.unwrap_or_else(|| "concurrent writes".into()),
+    ))
 }
 
 /// Keep `caBundle` of the webhook configuration current (a chart upgrade may
@@ -258,6 +343,60 @@ mod tests {
         let mut empty = s.clone();
         empty.data = None;
         assert!(from_secret(&empty).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn unusable_bundles_are_named_and_usable_ones_pass() -> anyhow::Result<()> {
+        let names = service_names("remora-injector", "remora-system");
+        let good = generate(&names)?;
+        let other = generate(&names)?;
+        let now = SystemTime::now();
+        assert_eq!(unusable(&good, now), None);
+        let cases = [
+            (
+                Bundle {
+                    cert_pem: "garbage".into(),
+                    ..good.clone()
+                },
+                "tls.crt: not a PEM certificate",
+            ),
+            (
+                Bundle {
+                    key_pem: other.key_pem.clone(),
+                    ..good.clone()
+                },
+                "does not belong",
+            ),
+            (
+                Bundle {
+                    ca_pem: "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".into(),
+                    ..good.clone()
+                },
+                "ca.crt: not an X.509 certificate",
+            ),
+        ];
+        for (bad, why) in cases {
+            let got = unusable(&bad, now).unwrap_or_default();
+            assert!(got.contains(why), "{got:?} lacks {why:?}");
+        }
+        // A CA of the same name that did not issue the serving certificate.
+        let mixed = Bundle {
+            ca_pem: other.ca_pem.clone(),
+            ..good.clone()
+        };
+        assert!(
+            unusable(&mixed, now).is_some_and(|w| w.contains("not issued by the CA")),
+            "{:?}",
+            unusable(&mixed, now)
+        );
+        // Out of its validity (rcgen's default: 1975 to 4096).
+        let ancient = SystemTime::UNIX_EPOCH;
+        assert!(
+            unusable(&good, ancient).is_some_and(|w| w.contains("not valid now")),
+            "{:?}",
+            unusable(&good, ancient)
+        );
         Ok(())
     }
 
