@@ -390,6 +390,25 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         assert_eq!(w.client_config.ca_bundle.as_ref(), Some(&ca), "{}", w.name);
     }
 
+    // A GitOps apply of the chart as rendered without a cluster
+    // (`helm template | kubectl apply`) blanks the caBundle; the injector
+    // watches its configuration and puts it back at once (it used to
+    // look every 60 s).
+    let blank = serde_json::from_value(serde_json::json!([
+        {"op": "remove", "path": "/webhooks/0/clientConfig/caBundle"}]))?;
+    mwc_api
+        .patch(&name, &PatchParams::default(), &Patch::Json::<()>(blank))
+        .await?;
+    wait_until("caBundle restored", Duration::from_secs(10), || async {
+        let mwc = mwc_api.get(&name).await?;
+        let first = mwc.webhooks.unwrap_or_default().into_iter().next();
+        Ok::<_, kube::Error>(
+            (first.and_then(|w| w.client_config.ca_bundle) == Some(ca.clone())).then_some(()),
+        )
+    })
+    .await
+    .with_context(log)?;
+
     // Stopped (SIGTERM), it released the Lease with the same rights.
     drop(injector);
     let released = leases.get(&name).await?;

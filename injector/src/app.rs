@@ -318,7 +318,6 @@ async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started
                     client.clone(),
                     args.webhook_config.clone(),
                     bundle.ca_pem.clone(),
-                    Duration::from_secs(60),
                 )),
         );
         crate::ca::write_files(&args.self_signed_dir, &bundle)?

@@ -5,7 +5,7 @@
 //! chart mounts the certificate instead and none of this runs.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -282,26 +282,28 @@ pub async fn ensure_secret(
     ))
 }
 
-/// Keep `caBundle` of the webhook configuration current (a chart upgrade may
-/// reset it), checking every `period`.
-pub async fn keep_ca_bundle(
-    client: Client,
-    webhook_config: String,
-    ca_pem: String,
-    period: Duration,
-) {
+/// Keep `caBundle` of the webhook configuration current. It watches that
+/// one configuration (a field selector on its name, which RBAC's
+/// `resourceNames` allows), so a reset (`helm upgrade`, or a GitOps
+/// `helm template | kubectl apply` that blanks it) is repaired at once,
+/// not at the next poll: with failurePolicy Fail a blank caBundle refuses
+/// every pod creation meanwhile.
+pub async fn keep_ca_bundle(client: Client, webhook_config: String, ca_pem: String) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+
     let api: Api<MutatingWebhookConfiguration> = Api::all(client);
-    let mut tick = tokio::time::interval(period);
-    loop {
-        tick.tick().await;
-        let mwc = match api.get_opt(&webhook_config).await {
-            Ok(Some(m)) => m,
-            Ok(None) => {
-                tracing::warn!(webhook_config, "MutatingWebhookConfiguration not found");
-                continue;
-            }
+    let config = watcher::Config::default().fields(&format!("metadata.name={webhook_config}"));
+    let mut changes = std::pin::pin!(
+        watcher(api.clone(), config)
+            .default_backoff()
+            .applied_objects()
+    );
+    while let Some(next) = changes.next().await {
+        let mwc = match next {
+            Ok(m) => m,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read the MutatingWebhookConfiguration");
+                tracing::warn!(error = %e, webhook_config, "cannot watch the MutatingWebhookConfiguration");
                 continue;
             }
         };
@@ -316,6 +318,8 @@ pub async fn keep_ca_bundle(
                 continue;
             }
         };
+        // A failed patch is retried at the configuration's next change or
+        // the watch's next relist.
         match api
             .patch(&webhook_config, &PatchParams::default(), &patch)
             .await
