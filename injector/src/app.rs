@@ -304,20 +304,58 @@ struct Started {
 async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started, AppError> {
     let client = Client::try_default().await.map_err(AppError::Connect)?;
     let (cert_path, key_path) = if args.self_signed {
+        let validity = crate::ca::Validity {
+            ca: args.ca_validity,
+            serving: args.serving_cert_validity,
+        };
+        validity.validate().map_err(crate::ca::CaError::Validity)?;
+        // Every replica must have read and loaded a renewal before the old
+        // certificate ends: a third of its life covers both intervals.
+        let pickup = args
+            .tls_secret_resync
+            .saturating_add(args.cert_reload_interval);
+        if validity.serving / 3 <= pickup {
+            return Err(crate::ca::CaError::Validity(format!(
+                "--serving-cert-validity {:?} leaves a third ({:?}) that does not cover --tls-secret-resync + --cert-reload-interval ({pickup:?})",
+                validity.serving,
+                validity.serving / 3
+            ))
+            .into());
+        }
         let bundle = crate::ca::ensure_secret(
             &client,
             &args.operator_namespace,
             &args.tls_secret,
             &args.service_name,
+            validity,
         )
         .await?;
+        let (ca_tx, ca_rx) = tokio::sync::watch::channel(bundle.ca_pem.clone());
         tokio::spawn(
             shutdown
                 .clone()
                 .run_until_cancelled_owned(crate::ca::keep_ca_bundle(
                     client.clone(),
                     args.webhook_config.clone(),
-                    bundle.ca_pem.clone(),
+                    ca_rx,
+                )),
+        );
+        let keeper = crate::ca::Keeper {
+            client: client.clone(),
+            namespace: args.operator_namespace.clone(),
+            secret: args.tls_secret.clone(),
+            service: args.service_name.clone(),
+            validity,
+            dir: args.self_signed_dir.clone(),
+            period: args.tls_secret_resync,
+        };
+        tokio::spawn(
+            shutdown
+                .clone()
+                .run_until_cancelled_owned(crate::ca::keep_serving_cert(
+                    keeper,
+                    bundle.clone(),
+                    ca_tx,
                 )),
         );
         crate::ca::write_files(&args.self_signed_dir, &bundle)?

@@ -5,7 +5,7 @@
 //! chart mounts the certificate instead and none of this runs.
 
 use std::path::{Path, PathBuf};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -22,6 +22,48 @@ use serde_json::{Value, json};
 pub const CA_KEY: &str = "ca.crt";
 pub const CERT_KEY: &str = "tls.crt";
 pub const KEY_KEY: &str = "tls.key";
+/// The CA's private key, so that any replica can issue the next serving
+/// certificate. Absent from Secrets made before it was kept.
+pub const CA_SIGNING_KEY: &str = "ca.key";
+
+/// Lifetimes of what the self-managed CA makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Validity {
+    pub ca: Duration,
+    pub serving: Duration,
+}
+
+impl Default for Validity {
+    fn default() -> Self {
+        Self {
+            ca: Duration::from_secs(10 * 365 * 24 * 3600),
+            serving: Duration::from_secs(90 * 24 * 3600),
+        }
+    }
+}
+
+/// The shortest serving lifetime accepted: renewal runs at two thirds of it
+/// and every replica must see the new one before the old one ends.
+pub const MIN_SERVING_VALIDITY: Duration = Duration::from_secs(30);
+/// The longest lifetime accepted (so `now + validity` cannot overflow).
+pub const MAX_VALIDITY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+impl Validity {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.serving < MIN_SERVING_VALIDITY {
+            return Err(format!(
+                "the serving certificate's validity must be at least {MIN_SERVING_VALIDITY:?}"
+            ));
+        }
+        if self.ca > MAX_VALIDITY || self.serving > MAX_VALIDITY {
+            return Err(format!("validities must be at most {MAX_VALIDITY:?}"));
+        }
+        if self.ca < self.serving {
+            return Err("the CA must be valid at least as long as the serving certificate".into());
+        }
+        Ok(())
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaError {
@@ -31,6 +73,8 @@ pub enum CaError {
     Incomplete(String, &'static str),
     #[error("Secret {0}: still unusable after {WRITE_ATTEMPTS} attempts to replace it ({1})")]
     Contended(String, String),
+    #[error("{0}")]
+    Validity(String),
     #[error("Kubernetes API: {0}")]
     Api(#[from] kube::Error),
     #[error("{path}: {source}")]
@@ -47,6 +91,8 @@ pub struct Bundle {
     pub ca_pem: String,
     pub cert_pem: String,
     pub key_pem: String,
+    /// Empty when the Secret predates stored CA keys (no renewal then).
+    pub ca_key_pem: String,
 }
 
 /// The DNS names the API server uses to reach `service` in `namespace`.
@@ -59,18 +105,49 @@ pub fn service_names(service: &str, namespace: &str) -> Vec<String> {
     ]
 }
 
-/// Make a fresh CA and a serving certificate for `names`.
+/// Make a fresh CA and a serving certificate for `names`, with the default
+/// lifetimes.
 pub fn generate(names: &[String]) -> Result<Bundle, CaError> {
+    generate_with(names, Validity::default(), SystemTime::now())
+}
+
+/// Make a fresh CA valid for `v.ca` from `now`, and a serving certificate.
+pub fn generate_with(names: &[String], v: Validity, now: SystemTime) -> Result<Bundle, CaError> {
     let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.not_before = now.into();
+    ca.not_after = now.checked_add(v.ca).unwrap_or(now).into();
     ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     ca.distinguished_name
         .push(DnType::CommonName, "remora-injector-ca");
     ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
     let ca_key = KeyPair::generate()?;
     let ca_cert = ca.self_signed(&ca_key)?;
-    let issuer = Issuer::new(ca, ca_key);
+    let ca_key_pem = ca_key.serialize_pem();
+    let ca_pem = ca_cert.pem();
+    let (cert_pem, key_pem) = issue_serving(&ca_pem, &ca_key_pem, names, v, now)?;
+    Ok(Bundle {
+        ca_pem,
+        cert_pem,
+        key_pem,
+        ca_key_pem,
+    })
+}
 
+/// A new serving certificate from the CA, valid for `v.serving` from `now`
+/// but never beyond the CA: (certificate, key) in PEM.
+pub fn issue_serving(
+    ca_pem: &str,
+    ca_key_pem: &str,
+    names: &[String],
+    v: Validity,
+    now: SystemTime,
+) -> Result<(String, String), CaError> {
+    let ca_key = KeyPair::from_pem(ca_key_pem)?;
+    let issuer = Issuer::from_ca_cert_pem(ca_pem, ca_key)?;
+    let ca_end = ca_not_after(ca_pem).unwrap_or(now);
     let mut leaf = CertificateParams::new(names.to_vec())?;
+    leaf.not_before = now.into();
+    leaf.not_after = now.checked_add(v.serving).unwrap_or(now).min(ca_end).into();
     if let Some(first) = names.first() {
         leaf.distinguished_name
             .push(DnType::CommonName, first.clone());
@@ -79,11 +156,34 @@ pub fn generate(names: &[String]) -> Result<Bundle, CaError> {
     leaf.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     let leaf_key = KeyPair::generate()?;
     let leaf_cert = leaf.signed_by(&leaf_key, &issuer)?;
-    Ok(Bundle {
-        ca_pem: ca_cert.pem(),
-        cert_pem: leaf_cert.pem(),
-        key_pem: leaf_key.serialize_pem(),
-    })
+    Ok((leaf_cert.pem(), leaf_key.serialize_pem()))
+}
+
+/// (not before, not after) of the first certificate in `pem`.
+fn validity_of(pem: &str) -> Option<(SystemTime, SystemTime)> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let der = CertificateDer::from_pem_slice(pem.as_bytes()).ok()?;
+    let (_, c) = X509Certificate::from_der(&der).ok()?;
+    let at = |t: x509_parser::time::ASN1Time| {
+        let secs = u64::try_from(t.timestamp()).unwrap_or(0);
+        SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs))
+    };
+    Some((at(c.validity().not_before)?, at(c.validity().not_after)?))
+}
+
+fn ca_not_after(ca_pem: &str) -> Option<SystemTime> {
+    validity_of(ca_pem).map(|(_, end)| end)
+}
+
+/// When the serving certificate in `pem` is due for renewal: at two thirds
+/// of its lifetime (a third is left for every replica to pick the new one
+/// up, and for retries). `None` when unreadable.
+pub fn renewal_due_at(pem: &str) -> Option<SystemTime> {
+    let (start, end) = validity_of(pem)?;
+    let life = end.duration_since(start).unwrap_or_default();
+    start.checked_add(life.mul_f64(2.0 / 3.0))
 }
 
 /// The Secret holding a bundle.
@@ -108,8 +208,11 @@ pub fn to_secret(name: &str, namespace: &str, b: &Bundle) -> Secret {
                 (CA_KEY.to_string(), bytes(&b.ca_pem)),
                 (CERT_KEY.to_string(), bytes(&b.cert_pem)),
                 (KEY_KEY.to_string(), bytes(&b.key_pem)),
+                (CA_SIGNING_KEY.to_string(), bytes(&b.ca_key_pem)),
             ]
-            .into(),
+            .into_iter()
+            .filter(|(_, v)| !v.0.is_empty())
+            .collect(),
         ),
         ..Default::default()
     }
@@ -129,6 +232,7 @@ pub fn from_secret(s: &Secret) -> Result<Bundle, CaError> {
         ca_pem: get(CA_KEY)?,
         cert_pem: get(CERT_KEY)?,
         key_pem: get(KEY_KEY)?,
+        ca_key_pem: get(CA_SIGNING_KEY).unwrap_or_default(),
     })
 }
 
@@ -233,6 +337,7 @@ pub async fn ensure_secret(
     namespace: &str,
     secret: &str,
     service: &str,
+    validity: Validity,
 ) -> Result<Bundle, CaError> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let mut last = None;
@@ -253,7 +358,11 @@ pub async fn ensure_secret(
                 s.metadata.resource_version.clone()
             }
         };
-        let fresh = generate(&service_names(service, namespace))?;
+        let fresh = generate_with(
+            &service_names(service, namespace),
+            validity,
+            SystemTime::now(),
+        )?;
         let mut want = to_secret(secret, namespace, &fresh);
         let written = match resource_version {
             None => api.create(&PostParams::default(), &want).await,
@@ -282,13 +391,150 @@ pub async fn ensure_secret(
     ))
 }
 
+/// Where a replica stands with the shared Secret.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// Nothing to do before this time.
+    Wait(SystemTime),
+    /// Issue a new serving certificate now.
+    Renew,
+}
+
+/// What to do with `b` at `now` (pure, for the tests): renew once two thirds
+/// of the serving certificate's life are gone and the CA key is at hand.
+pub fn renewal(b: &Bundle, now: SystemTime) -> Renewal {
+    match renewal_due_at(&b.cert_pem) {
+        Some(due) if now < due => Renewal::Wait(due),
+        // A Secret without the CA key cannot renew; once its certificate is
+        // unusable, `ensure_secret` replaces the whole pair.
+        _ if b.ca_key_pem.is_empty() => Renewal::Wait(now),
+        _ => Renewal::Renew,
+    }
+}
+
+/// The renewal task's settings.
+#[derive(Clone)]
+pub struct Keeper {
+    pub client: Client,
+    pub namespace: String,
+    pub secret: String,
+    pub service: String,
+    pub validity: Validity,
+    pub dir: std::path::PathBuf,
+    /// Longest time between two reads of the Secret.
+    pub period: Duration,
+}
+
+/// Keep this replica serving what the shared Secret holds and renew the
+/// serving certificate when due. Every replica runs it: the renewal is a
+/// replace conditional on the Secret's resourceVersion, so one replica's
+/// wins and the others adopt it at their next read. The CA it publishes
+/// goes to `ca_tx` (the caBundle keeper).
+pub async fn keep_serving_cert(
+    k: Keeper,
+    mut current: Bundle,
+    ca_tx: tokio::sync::watch::Sender<String>,
+) {
+    let api: Api<Secret> = Api::namespaced(k.client.clone(), &k.namespace);
+    let names = service_names(&k.service, &k.namespace);
+    loop {
+        let now = SystemTime::now();
+        let wait = match renewal(&current, now) {
+            Renewal::Wait(at) => at.duration_since(now).unwrap_or_default().min(k.period),
+            Renewal::Renew => Duration::ZERO,
+        };
+        tokio::time::sleep(wait.max(Duration::from_secs(1))).await;
+        let read = ensure_secret(&k.client, &k.namespace, &k.secret, &k.service, k.validity).await;
+        let mut stored = match read {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, secret = %k.secret, "cannot read the serving certificate's Secret; serving the current one");
+                continue;
+            }
+        };
+        if renewal(&stored, SystemTime::now()) == Renewal::Renew {
+            match renew(&api, &k, &names, &stored).await {
+                Ok(Some(b)) => stored = b,
+                // Another replica renewed first: adopt it at the next read.
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot renew the serving certificate; retrying")
+                }
+            }
+        }
+        if stored.cert_pem != current.cert_pem || stored.key_pem != current.key_pem {
+            match write_files(&k.dir, &stored) {
+                Ok(_) => tracing::info!(
+                    secret = %k.secret,
+                    renewal_due = ?renewal_due_at(&stored.cert_pem),
+                    "serving certificate updated from the Secret"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot write the serving certificate");
+                    continue;
+                }
+            }
+        }
+        ca_tx.send_if_modified(|ca| {
+            let changed = *ca != stored.ca_pem;
+            if changed {
+                ca.clone_from(&stored.ca_pem);
+            }
+            changed
+        });
+        current = stored;
+    }
+}
+
+/// Replace the Secret's serving pair with a new one from its CA. `Ok(None)`
+/// when another replica changed the Secret meanwhile.
+async fn renew(
+    api: &Api<Secret>,
+    k: &Keeper,
+    names: &[String],
+    stored: &Bundle,
+) -> Result<Option<Bundle>, CaError> {
+    let Some(secret) = api.get_opt(&k.secret).await? else {
+        return Ok(None);
+    };
+    if from_secret(&secret).ok().as_ref() != Some(stored) {
+        return Ok(None);
+    }
+    let (cert_pem, key_pem) = issue_serving(
+        &stored.ca_pem,
+        &stored.ca_key_pem,
+        names,
+        k.validity,
+        SystemTime::now(),
+    )?;
+    let renewed = Bundle {
+        cert_pem,
+        key_pem,
+        ..stored.clone()
+    };
+    let mut want = to_secret(&k.secret, &k.namespace, &renewed);
+    want.metadata.resource_version = secret.metadata.resource_version;
+    match api.replace(&k.secret, &PostParams::default(), &want).await {
+        Ok(_) => {
+            tracing::info!(secret = %k.secret, "serving certificate renewed");
+            Ok(Some(renewed))
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Keep `caBundle` of the webhook configuration current. It watches that
 /// one configuration (a field selector on its name, which RBAC's
 /// `resourceNames` allows), so a reset (`helm upgrade`, or a GitOps
 /// `helm template | kubectl apply` that blanks it) is repaired at once,
 /// not at the next poll: with failurePolicy Fail a blank caBundle refuses
-/// every pod creation meanwhile.
-pub async fn keep_ca_bundle(client: Client, webhook_config: String, ca_pem: String) {
+/// every pod creation meanwhile. A new CA from `ca_rx` is patched in too.
+pub async fn keep_ca_bundle(
+    client: Client,
+    webhook_config: String,
+    mut ca_rx: tokio::sync::watch::Receiver<String>,
+) {
     use futures::StreamExt;
     use kube::runtime::{WatchStreamExt, watcher};
 
@@ -299,15 +545,26 @@ pub async fn keep_ca_bundle(client: Client, webhook_config: String, ca_pem: Stri
             .default_backoff()
             .applied_objects()
     );
-    while let Some(next) = changes.next().await {
-        let mwc = match next {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(error = %e, webhook_config, "cannot watch the MutatingWebhookConfiguration");
-                continue;
+    let mut last: Option<MutatingWebhookConfiguration> = None;
+    loop {
+        tokio::select! {
+            next = changes.next() => match next {
+                None => return,
+                Some(Ok(m)) => last = Some(m),
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, webhook_config, "cannot watch the MutatingWebhookConfiguration");
+                    continue;
+                }
+            },
+            changed = ca_rx.changed() => {
+                if changed.is_err() {
+                    return;
+                }
             }
-        };
-        let ops = ca_bundle_patch(&mwc, &ca_pem);
+        }
+        let Some(mwc) = &last else { continue };
+        let ca_pem = ca_rx.borrow_and_update().clone();
+        let ops = ca_bundle_patch(mwc, &ca_pem);
         if ops.is_empty() {
             continue;
         }
@@ -324,7 +581,10 @@ pub async fn keep_ca_bundle(client: Client, webhook_config: String, ca_pem: Stri
             .patch(&webhook_config, &PatchParams::default(), &patch)
             .await
         {
-            Ok(_) => tracing::info!(webhook_config, "caBundle patched"),
+            Ok(m) => {
+                last = Some(m);
+                tracing::info!(webhook_config, "caBundle patched");
+            }
             Err(e) => tracing::warn!(error = %e, "cannot patch caBundle"),
         }
     }
@@ -347,6 +607,64 @@ mod tests {
         let mut empty = s.clone();
         empty.data = None;
         assert!(from_secret(&empty).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn serving_certificates_are_renewed_at_two_thirds_of_their_life() -> anyhow::Result<()> {
+        let names = service_names("remora-injector", "remora-system");
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let v = Validity {
+            ca: Duration::from_secs(3600),
+            serving: Duration::from_secs(90),
+        };
+        let b = generate_with(&names, v, t0)?;
+        assert_eq!(unusable(&b, t0 + Duration::from_secs(1)), None);
+        let due = t0 + Duration::from_secs(60);
+        assert_eq!(renewal(&b, t0), Renewal::Wait(due));
+        assert_eq!(renewal(&b, due), Renewal::Renew);
+        // Without the CA key (an older Secret) nothing can be issued.
+        let keyless = Bundle {
+            ca_key_pem: String::new(),
+            ..b.clone()
+        };
+        assert_eq!(renewal(&keyless, due), Renewal::Wait(due));
+        // A renewal from the stored CA: same CA, new pair, usable, due later.
+        let (cert_pem, key_pem) = issue_serving(&b.ca_pem, &b.ca_key_pem, &names, v, due)?;
+        let renewed = Bundle {
+            cert_pem,
+            key_pem,
+            ..b.clone()
+        };
+        assert_ne!(renewed.cert_pem, b.cert_pem);
+        assert_eq!(unusable(&renewed, due + Duration::from_secs(1)), None);
+        assert_eq!(
+            renewal(&renewed, due),
+            Renewal::Wait(due + Duration::from_secs(60))
+        );
+        // Never beyond the CA: issued 30 s before the CA ends.
+        let late = t0 + Duration::from_secs(3570);
+        let (short, _) = issue_serving(&b.ca_pem, &b.ca_key_pem, &names, v, late)?;
+        assert_eq!(renewal_due_at(&short), Some(late + Duration::from_secs(20)));
+        // The Secret round trip keeps the CA key.
+        assert_eq!(from_secret(&to_secret("s", "ns", &b))?, b);
+        for bad in [
+            Validity {
+                serving: Duration::from_secs(5),
+                ..v
+            },
+            Validity {
+                ca: Duration::from_secs(60),
+                serving: Duration::from_secs(90),
+            },
+            Validity {
+                ca: Duration::MAX,
+                ..v
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        assert_eq!(v.validate(), Ok(()));
         Ok(())
     }
 

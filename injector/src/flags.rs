@@ -40,6 +40,44 @@ impl ProxyArgs {
     }
 }
 
+/// `<n>s`, `<n>m`, `<n>h` or `<n>d`, up to [`crate::ca::MAX_VALIDITY`]:
+/// certificate lifetimes are longer than the contract's durations allow.
+pub fn parse_validity(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let (n, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{t:?}: expected <number><s|m|h|d>"))?;
+    let per = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{t:?}: the unit must be s, m, h or d")),
+    };
+    let secs = n
+        .checked_mul(per)
+        .filter(|s| *s > 0 && *s <= crate::ca::MAX_VALIDITY.as_secs())
+        .ok_or_else(|| {
+            format!(
+                "{t:?}: must be more than 0 and at most {}d",
+                crate::ca::MAX_VALIDITY.as_secs() / 86_400
+            )
+        })?;
+    Ok(Duration::from_secs(secs))
+}
+
+fn parse_serving_validity(text: &str) -> Result<Duration, String> {
+    let d = parse_validity(text)?;
+    if d < crate::ca::MIN_SERVING_VALIDITY {
+        return Err(format!(
+            "{text:?}: must be at least {}s",
+            crate::ca::MIN_SERVING_VALIDITY.as_secs()
+        ));
+    }
+    Ok(d)
+}
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
     /// Address of the HTTPS listener.
@@ -95,6 +133,18 @@ pub struct ServeArgs {
     /// MutatingWebhookConfiguration whose caBundle is kept current.
     #[arg(long, env = "REMORA_WEBHOOK_CONFIG", default_value = "remora-injector")]
     pub webhook_config: String,
+    /// Lifetime of the self-managed CA (`<n>s|m|h|d`). Not rotated yet: see
+    /// the injector README.
+    #[arg(long, env = "REMORA_CA_VALIDITY", value_parser = parse_validity, default_value = "3650d")]
+    pub ca_validity: Duration,
+    /// Lifetime of the self-managed serving certificate (`<n>s|m|h|d`, at
+    /// least 30s); renewed from the stored CA at two thirds of it.
+    #[arg(long, env = "REMORA_SERVING_CERT_VALIDITY", value_parser = parse_serving_validity, default_value = "90d")]
+    pub serving_cert_validity: Duration,
+    /// Longest time between two reads of the self-managed Secret (a replica
+    /// picks up another's renewal within it).
+    #[arg(long, env = "REMORA_TLS_SECRET_RESYNC", value_parser = remora_contract::duration::parse, default_value = "60s")]
+    pub tls_secret_resync: Duration,
     /// Where the self-managed certificate files are written (a writable emptyDir).
     #[arg(
         long,

@@ -117,6 +117,7 @@ async fn first_replica_creates_the_secret_and_later_ones_reuse_it() -> anyhow::R
         "remora-system",
         "remora-injector-tls",
         "remora-injector",
+        ca::Validity::default(),
     )
     .await?;
     assert!(shared.lock().map(|f| f.secret.is_some()).unwrap_or(false));
@@ -125,6 +126,7 @@ async fn first_replica_creates_the_secret_and_later_ones_reuse_it() -> anyhow::R
         "remora-system",
         "remora-injector-tls",
         "remora-injector",
+        ca::Validity::default(),
     )
     .await?;
     assert_eq!(first, second, "a second replica reads the same bundle");
@@ -150,6 +152,7 @@ async fn losing_the_create_race_adopts_the_winner() -> anyhow::Result<()> {
         "remora-system",
         "remora-injector-tls",
         "remora-injector",
+        ca::Validity::default(),
     )
     .await?;
     assert_eq!(got, winner);
