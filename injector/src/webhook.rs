@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::mutate::{Outcome, Selection, Target, mutate, pod_meta};
+use crate::mutate::{MutateError, Outcome, Selection, Target, mutate, pod_meta};
 use crate::sidecar_config::{ChartDefaults, LifecycleEntry, resolve};
 
 /// What the handler reads about the cluster; kept in memory (reflectors in
@@ -59,6 +59,9 @@ pub enum AdmissionOutcome {
     Skipped,
     Ignored,
     Invalid,
+    /// Denied: the pod asks for something the sidecar must not do (a
+    /// listener on its own ports), or whether it is selected is unknown.
+    Refused,
     Error,
     /// Refused with a 503: the reviews in progress hold the memory budget.
     Overloaded,
@@ -71,6 +74,7 @@ impl AdmissionOutcome {
             Self::Skipped => "skipped",
             Self::Ignored => "ignored",
             Self::Invalid => "invalid",
+            Self::Refused => "refused",
             Self::Error => "error",
             Self::Overloaded => "overloaded",
         }
@@ -163,10 +167,16 @@ pub fn unreadable(uid: String, reason: &str) -> AdmissionReview<DynamicObject> {
     resp.into_review()
 }
 
+/// The most warnings one answer carries; the API server caps them too
+/// (and each one's length), so more would be lost without saying so.
+pub const MAX_WARNINGS: usize = 10;
+/// The longest warning, in bytes (the API server truncates at 256).
+pub const MAX_WARNING_BYTES: usize = 256;
+
 /// Kubernetes truncates long warnings; keep them readable.
 fn truncate(mut s: String) -> String {
-    if s.len() > 240 {
-        let mut cut = 237;
+    if s.len() > MAX_WARNING_BYTES {
+        let mut cut = MAX_WARNING_BYTES - 3;
         while !s.is_char_boundary(cut) {
             cut -= 1;
         }
@@ -174,6 +184,25 @@ fn truncate(mut s: String) -> String {
         s.push_str("...");
     }
     s
+}
+
+/// At most [`MAX_WARNINGS`] warnings of at most [`MAX_WARNING_BYTES`]; the
+/// last one says how many were left out.
+pub fn cap_warnings(warnings: Vec<String>) -> Vec<String> {
+    let total = warnings.len();
+    if total <= MAX_WARNINGS {
+        return warnings.into_iter().map(truncate).collect();
+    }
+    let mut kept: Vec<String> = warnings
+        .into_iter()
+        .take(MAX_WARNINGS - 1)
+        .map(truncate)
+        .collect();
+    kept.push(format!(
+        "remora: {} more warnings not shown",
+        total - (MAX_WARNINGS - 1)
+    ));
+    kept
 }
 
 impl Injector {
@@ -263,6 +292,12 @@ impl Injector {
         };
         let m = match mutate(&pod, &target, &cfg) {
             Ok(m) => m,
+            Err(MutateError::Refused(e)) => {
+                return (
+                    resp.deny(format!("remora: refused: {e}")),
+                    AdmissionOutcome::Refused,
+                );
+            }
             Err(e) => {
                 return (
                     with_message(resp, format!("remora: not injected: {e}"), true),
@@ -276,7 +311,7 @@ impl Injector {
         };
         let mut resp = resp;
         if !m.warnings.is_empty() {
-            resp.warnings = Some(m.warnings.into_iter().map(truncate).collect());
+            resp.warnings = Some(cap_warnings(m.warnings));
         }
         if m.patch.0.is_empty() {
             return (resp, outcome);

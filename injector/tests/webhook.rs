@@ -201,6 +201,60 @@ fn update_and_unselected_namespaces_are_left_alone() {
     assert!(serde_json::to_value(&rev).expect("json")["response"]["patch"].is_null());
 }
 
+#[test]
+fn plumbing_onto_envoy_admin_is_denied_with_the_reason() {
+    let mut p = pod();
+    p["metadata"]["annotations"] = json!({"remora.dev/inbound": "15006:15000"});
+    let body = serde_json::to_vec(&review("Pod", "", p)).expect("json");
+    let (rev, outcome) = injector().review(&body);
+    assert_eq!(outcome, AdmissionOutcome::Refused);
+    let v = serde_json::to_value(&rev).expect("json");
+    let resp = response(&v);
+    assert_eq!(resp["uid"], "0df28fbd-5f5f-4d4f-8c0e-6e5a2b7c9a11");
+    assert_eq!(resp["allowed"], false, "{resp}");
+    assert!(resp["patch"].is_null(), "{resp}");
+    let msg = resp["status"]["message"].as_str().unwrap_or_default();
+    for want in ["remora.dev/inbound", "15006:15000", "15000", "Envoy admin"] {
+        assert!(msg.contains(want), "{msg:?} does not name {want}");
+    }
+}
+
+#[test]
+fn warnings_are_capped_in_number_and_length() {
+    use remora_injector::webhook::{MAX_WARNING_BYTES, MAX_WARNINGS};
+    // Each app container with its own preStop hook is warned about, with its
+    // (long) name in the warning.
+    let containers: Vec<Value> = (0..40)
+        .map(|i| {
+            json!({"name": format!("c{i}-{}", "x".repeat(200)), "image": "x",
+                   "lifecycle": {"preStop": {"exec": {"command": ["true"]}}}})
+        })
+        .collect();
+    let mut p = pod();
+    p["spec"]["containers"] = Value::Array(containers);
+    let body = serde_json::to_vec(&review("Pod", "", p)).expect("json");
+    let (rev, outcome) = injector().review(&body);
+    assert_eq!(outcome, AdmissionOutcome::Injected);
+    let v = serde_json::to_value(&rev).expect("json");
+    let warnings: Vec<&str> = response(&v)["warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(warnings.len(), MAX_WARNINGS, "{warnings:?}");
+    assert!(
+        warnings.iter().all(|w| w.len() <= MAX_WARNING_BYTES),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings.iter().any(|w| w.contains("preStop")),
+        "{warnings:?}"
+    );
+    let last = warnings.last().copied().unwrap_or_default();
+    assert!(last.contains("more warnings not shown"), "{last:?}");
+}
+
 struct Server {
     addr: std::net::SocketAddr,
     ca: String,
