@@ -6,8 +6,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::core::DynamicObject;
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::{DynamicObject, PartialObjectMeta};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -17,11 +20,13 @@ use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::mutate::{MutateError, Outcome, Selection, Target, mutate, pod_meta};
+use crate::mutate::{INJECT_LABEL, MutateError, Outcome, Selection, Target, mutate, pod_meta};
 use crate::sidecar_config::{ChartDefaults, LifecycleEntry, resolve};
 
 /// What the handler reads about the cluster; kept in memory (reflectors in
-/// the operator, fixed values in tests), never an API call per admission.
+/// the operator, fixed values in tests). The one API call an admission may
+/// make is [`ClusterView::lookup_namespace_labels`], for a namespace the
+/// cache has not seen yet.
 pub trait ClusterView: Send + Sync {
     /// Every `SidecarLifecycle` of the cluster.
     fn lifecycles(&self) -> Vec<LifecycleEntry>;
@@ -29,6 +34,95 @@ pub trait ClusterView: Send + Sync {
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>>;
     /// Whether every node runs native sidecars (kubelet >= 1.29).
     fn native_sidecars(&self) -> bool;
+    /// The labels of a namespace [`Self::namespace_labels`] does not know
+    /// (created a moment ago, not yet in the cache), asked of the source;
+    /// `Ok(None)` when it does not exist. A view that holds every namespace
+    /// (tests) answers from what it holds.
+    fn lookup_namespace_labels<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Lookup> {
+        Box::pin(std::future::ready(Ok(self.namespace_labels(namespace))))
+    }
+}
+
+/// What [`ClusterView::lookup_namespace_labels`] answers.
+pub type Lookup = Result<Option<BTreeMap<String, String>>, LookupError>;
+
+/// How long an admission waits for a namespace the cache does not know: well
+/// inside the webhook's own timeout (the chart's `timeoutSeconds`).
+pub const NAMESPACE_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Debug, thiserror::Error)]
+pub enum LookupError {
+    #[error("reading namespace {namespace:?} from the API server: {source}")]
+    Api {
+        namespace: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error(
+        "namespace {namespace:?} is not in the injector's cache yet and the API server did not \
+         answer within {timeout:?}"
+    )]
+    Timeout {
+        namespace: String,
+        timeout: Duration,
+    },
+}
+
+/// A cached view that asks the API server for the namespaces it has not
+/// seen yet, each lookup bounded by `timeout`: without it, a pod created
+/// right after its (injection-enabled) namespace would silently go without
+/// its sidecar.
+pub struct LookingUpView<V> {
+    cached: V,
+    namespaces: Api<Namespace>,
+    timeout: Duration,
+}
+
+impl<V: ClusterView> LookingUpView<V> {
+    pub fn new(cached: V, client: kube::Client, timeout: Duration) -> Self {
+        Self {
+            cached,
+            namespaces: Api::all(client),
+            timeout,
+        }
+    }
+}
+
+impl<V: ClusterView> ClusterView for LookingUpView<V> {
+    fn lifecycles(&self) -> Vec<LifecycleEntry> {
+        self.cached.lifecycles()
+    }
+    fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
+        self.cached.namespace_labels(namespace)
+    }
+    fn native_sidecars(&self) -> bool {
+        self.cached.native_sidecars()
+    }
+    fn lookup_namespace_labels<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Lookup> {
+        Box::pin(bounded_lookup(
+            namespace,
+            self.timeout,
+            self.namespaces.get_metadata_opt(namespace),
+        ))
+    }
+}
+
+/// A namespace read, given up after `timeout`.
+pub async fn bounded_lookup<F>(namespace: &str, timeout: Duration, get: F) -> Lookup
+where
+    F: Future<Output = kube::Result<Option<PartialObjectMeta<Namespace>>>>,
+{
+    match tokio::time::timeout(timeout, get).await {
+        Ok(Ok(ns)) => Ok(ns.map(|n| n.metadata.labels.unwrap_or_default())),
+        Ok(Err(source)) => Err(LookupError::Api {
+            namespace: namespace.to_string(),
+            source,
+        }),
+        Err(_) => Err(LookupError::Timeout {
+            namespace: namespace.to_string(),
+            timeout,
+        }),
+    }
 }
 
 /// A fixed view, for tests and benchmarks.
@@ -206,8 +300,9 @@ pub fn cap_warnings(warnings: Vec<String>) -> Vec<String> {
 }
 
 impl Injector {
-    /// Answer one AdmissionReview body.
-    pub fn review(&self, body: &[u8]) -> (AdmissionReview<DynamicObject>, AdmissionOutcome) {
+    /// Answer one AdmissionReview body. It waits only when the pod's
+    /// namespace is not in the cache (see [`ClusterView::lookup_namespace_labels`]).
+    pub async fn review(&self, body: &[u8]) -> (AdmissionReview<DynamicObject>, AdmissionOutcome) {
         let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
             Ok(r) => r,
             Err(e) => {
@@ -231,11 +326,11 @@ impl Injector {
                 );
             }
         };
-        let (resp, outcome) = self.admit(&req);
+        let (resp, outcome) = self.admit(&req).await;
         (resp.into_review(), outcome)
     }
 
-    fn admit(
+    async fn admit(
         &self,
         req: &AdmissionRequest<DynamicObject>,
     ) -> (AdmissionResponse, AdmissionOutcome) {
@@ -274,8 +369,18 @@ impl Injector {
             .clone()
             .or_else(|| pod["metadata"]["namespace"].as_str().map(str::to_string))
             .unwrap_or_else(|| "default".into());
-        let ns_labels = self.view.namespace_labels(&namespace).unwrap_or_default();
         let (labels, annotations) = pod_meta(&pod);
+        let ns_labels = match self.namespace_labels(&namespace, &labels).await {
+            Ok(l) => l,
+            // Whether the pod should get a sidecar is unknown: refused, as
+            // failurePolicy Fail would, never admitted without it unasked.
+            Err(e) => {
+                return (
+                    resp.deny(format!("remora: refused: {e}; try again")),
+                    AdmissionOutcome::Refused,
+                );
+            }
+        };
         let cfg = resolve(
             &self.chart,
             &self.view.lifecycles(),
@@ -329,6 +434,34 @@ impl Injector {
                 AdmissionOutcome::Error,
             ),
         }
+    }
+}
+
+impl Injector {
+    /// The labels of the pod's namespace, looked up when the cache does not
+    /// know it, unless the pod's own label decides alone.
+    async fn namespace_labels(
+        &self,
+        namespace: &str,
+        pod_labels: &BTreeMap<String, String>,
+    ) -> Result<BTreeMap<String, String>, LookupError> {
+        if let Some(l) = self.view.namespace_labels(namespace) {
+            return Ok(l);
+        }
+        if matches!(
+            pod_labels.get(INJECT_LABEL).map(String::as_str),
+            Some("true" | "false")
+        ) {
+            return Ok(BTreeMap::new());
+        }
+        let found = self.view.lookup_namespace_labels(namespace).await?;
+        if found.is_some() {
+            tracing::debug!(
+                namespace,
+                "namespace not in the cache yet; read from the API"
+            );
+        }
+        Ok(found.unwrap_or_default())
     }
 }
 

@@ -114,7 +114,7 @@ fn patch_of(resp: &Value) -> json_patch::Patch {
 #[test]
 fn pod_review_is_patched_with_warnings() {
     let body = serde_json::to_vec(&review("Pod", "", pod())).expect("json");
-    let (rev, outcome) = injector().review(&body);
+    let (rev, outcome) = futures::executor::block_on(injector().review(&body));
     assert_eq!(outcome, AdmissionOutcome::Injected);
     let v = serde_json::to_value(&rev).expect("json");
     let resp = response(&v);
@@ -165,7 +165,7 @@ fn bad_inputs_always_get_a_valid_allowing_review() {
         ("a huge pod", huge, AdmissionOutcome::Injected),
     ];
     for (what, body, want) in cases {
-        let (rev, outcome) = inj.review(&body);
+        let (rev, outcome) = futures::executor::block_on(inj.review(&body));
         assert_eq!(outcome, want, "{what}");
         let v = serde_json::to_value(&rev).expect("serializes");
         assert_eq!(v["kind"], "AdmissionReview", "{what}");
@@ -181,7 +181,7 @@ fn bad_inputs_always_get_a_valid_allowing_review() {
         }
     }
     // The uid is found even when the rest of the request is unreadable.
-    let (rev, _) = inj.review(br#"{"request":{"uid":"u1","kind":7}}"#);
+    let (rev, _) = futures::executor::block_on(inj.review(br#"{"request":{"uid":"u1","kind":7}}"#));
     assert_eq!(
         serde_json::to_value(&rev).expect("json")["response"]["uid"],
         "u1"
@@ -192,11 +192,13 @@ fn bad_inputs_always_get_a_valid_allowing_review() {
 fn update_and_unselected_namespaces_are_left_alone() {
     let mut r = review("Pod", "", pod());
     r["request"]["operation"] = json!("UPDATE");
-    let (_, outcome) = injector().review(&serde_json::to_vec(&r).expect("json"));
+    let (_, outcome) =
+        futures::executor::block_on(injector().review(&serde_json::to_vec(&r).expect("json")));
     assert_eq!(outcome, AdmissionOutcome::Ignored);
     let mut r = review("Pod", "", pod());
     r["request"]["namespace"] = json!("elsewhere");
-    let (rev, outcome) = injector().review(&serde_json::to_vec(&r).expect("json"));
+    let (rev, outcome) =
+        futures::executor::block_on(injector().review(&serde_json::to_vec(&r).expect("json")));
     assert_eq!(outcome, AdmissionOutcome::Skipped);
     assert!(serde_json::to_value(&rev).expect("json")["response"]["patch"].is_null());
 }
@@ -206,7 +208,7 @@ fn plumbing_onto_envoy_admin_is_denied_with_the_reason() {
     let mut p = pod();
     p["metadata"]["annotations"] = json!({"remora.dev/inbound": "15006:15000"});
     let body = serde_json::to_vec(&review("Pod", "", p)).expect("json");
-    let (rev, outcome) = injector().review(&body);
+    let (rev, outcome) = futures::executor::block_on(injector().review(&body));
     assert_eq!(outcome, AdmissionOutcome::Refused);
     let v = serde_json::to_value(&rev).expect("json");
     let resp = response(&v);
@@ -233,7 +235,7 @@ fn warnings_are_capped_in_number_and_length() {
     let mut p = pod();
     p["spec"]["containers"] = Value::Array(containers);
     let body = serde_json::to_vec(&review("Pod", "", p)).expect("json");
-    let (rev, outcome) = injector().review(&body);
+    let (rev, outcome) = futures::executor::block_on(injector().review(&body));
     assert_eq!(outcome, AdmissionOutcome::Injected);
     let v = serde_json::to_value(&rev).expect("json");
     let warnings: Vec<&str> = response(&v)["warnings"]
