@@ -122,23 +122,30 @@ impl Mutation {
     }
 }
 
-/// The labels and annotations of a pod (or pod template), ignoring values
-/// that are not strings.
+/// The labels and Remora's own (`remora.dev/...`) annotations of a pod (or
+/// pod template), ignoring values that are not strings. Other annotations
+/// are never read, and may be large (up to the object's size): not copied.
 pub fn pod_meta(pod: &Value) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
-    let map = |v: &Value| -> BTreeMap<String, String> {
+    let map = |v: &Value, keep: &dyn Fn(&str) -> bool| -> BTreeMap<String, String> {
         v.as_object()
             .map(|o| {
                 o.iter()
+                    .filter(|(k, _)| keep(k))
                     .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
                     .collect()
             })
             .unwrap_or_default()
     };
     (
-        map(&pod["metadata"]["labels"]),
-        map(&pod["metadata"]["annotations"]),
+        map(&pod["metadata"]["labels"], &|_| true),
+        map(&pod["metadata"]["annotations"], &|k| {
+            k.starts_with(REMORA_PREFIX)
+        }),
     )
 }
+
+/// The prefix of every annotation Remora reads.
+const REMORA_PREFIX: &str = "remora.dev/";
 
 fn names(list: &Value) -> Vec<&str> {
     list.as_array()

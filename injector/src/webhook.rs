@@ -9,15 +9,15 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use kube::core::{DynamicObject, PartialObjectMeta};
+use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
+use kube::core::{DynamicObject, GroupVersionKind, PartialObjectMeta};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::mutate::{INJECT_LABEL, MutateError, Outcome, Selection, Target, mutate, pod_meta};
@@ -250,6 +250,40 @@ pub struct Injector {
     pub view: Arc<dyn ClusterView>,
 }
 
+/// The parts of an AdmissionReview the handler reads. The pod stays one
+/// JSON tree, read once from the body (no typed copy of it, no second
+/// tree); what is not needed (oldObject, userInfo, options) is skipped
+/// without being kept.
+#[derive(Deserialize)]
+struct ReviewIn {
+    request: Option<RequestIn>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RequestIn {
+    uid: String,
+    kind: GroupVersionKind,
+    #[serde(default)]
+    namespace: Option<String>,
+    operation: Operation,
+    #[serde(default)]
+    sub_resource: Option<String>,
+    #[serde(default)]
+    object: Option<Value>,
+}
+
+/// Only the uid, to answer a review that cannot be read otherwise.
+#[derive(Deserialize)]
+struct UidOnly {
+    request: Option<UidIn>,
+}
+
+#[derive(Deserialize)]
+struct UidIn {
+    uid: Option<String>,
+}
+
 /// A review answering a request that could not be read: allowed, with the
 /// reason as a warning, and the uid if it could be found at all.
 pub fn unreadable(uid: String, reason: &str) -> AdmissionReview<DynamicObject> {
@@ -303,13 +337,13 @@ impl Injector {
     /// Answer one AdmissionReview body. It waits only when the pod's
     /// namespace is not in the cache (see [`ClusterView::lookup_namespace_labels`]).
     pub async fn review(&self, body: &[u8]) -> (AdmissionReview<DynamicObject>, AdmissionOutcome) {
-        let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
+        let review: ReviewIn = match serde_json::from_slice(body) {
             Ok(r) => r,
             Err(e) => {
                 // Find the uid leniently so the API server can match the answer.
-                let uid = serde_json::from_slice::<Value>(body)
+                let uid = serde_json::from_slice::<UidOnly>(body)
                     .ok()
-                    .and_then(|v| v["request"]["uid"].as_str().map(str::to_string))
+                    .and_then(|r| r.request?.uid)
                     .unwrap_or_default();
                 return (
                     unreadable(uid, &format!("unreadable AdmissionReview: {e}")),
@@ -317,24 +351,21 @@ impl Injector {
                 );
             }
         };
-        let req: AdmissionRequest<DynamicObject> = match review.try_into() {
-            Ok(r) => r,
-            Err(_) => {
-                return (
-                    unreadable(String::new(), "the AdmissionReview has no request"),
-                    AdmissionOutcome::Invalid,
-                );
-            }
+        let Some(req) = review.request else {
+            return (
+                unreadable(String::new(), "the AdmissionReview has no request"),
+                AdmissionOutcome::Invalid,
+            );
         };
-        let (resp, outcome) = self.admit(&req).await;
+        let (resp, outcome) = self.admit(req).await;
         (resp.into_review(), outcome)
     }
 
-    async fn admit(
-        &self,
-        req: &AdmissionRequest<DynamicObject>,
-    ) -> (AdmissionResponse, AdmissionOutcome) {
-        let resp = AdmissionResponse::from(req);
+    async fn admit(&self, req: RequestIn) -> (AdmissionResponse, AdmissionOutcome) {
+        let mut resp = AdmissionResponse::invalid("");
+        resp.allowed = true;
+        resp.uid = req.uid;
+        resp.result = Default::default();
         if !req.kind.group.is_empty() || req.kind.kind != "Pod" {
             let msg = format!(
                 "remora: not injected: {}/{} is not a Pod",
@@ -345,7 +376,7 @@ impl Injector {
         if req.operation != Operation::Create || req.sub_resource.is_some() {
             return (resp, AdmissionOutcome::Ignored);
         }
-        let Some(obj) = &req.object else {
+        let Some(pod) = req.object else {
             return (
                 with_message(
                     resp,
@@ -355,18 +386,8 @@ impl Injector {
                 AdmissionOutcome::Invalid,
             );
         };
-        let pod = match serde_json::to_value(obj) {
-            Ok(v) => v,
-            Err(e) => {
-                return (
-                    with_message(resp, format!("remora: not injected: {e}"), true),
-                    AdmissionOutcome::Invalid,
-                );
-            }
-        };
         let namespace = req
             .namespace
-            .clone()
             .or_else(|| pod["metadata"]["namespace"].as_str().map(str::to_string))
             .unwrap_or_else(|| "default".into());
         let (labels, annotations) = pod_meta(&pod);
@@ -414,7 +435,6 @@ impl Injector {
             Outcome::Injected(_) => AdmissionOutcome::Injected,
             Outcome::Skipped(_) => AdmissionOutcome::Skipped,
         };
-        let mut resp = resp;
         if !m.warnings.is_empty() {
             resp.warnings = Some(cap_warnings(m.warnings));
         }
