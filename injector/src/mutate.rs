@@ -145,7 +145,7 @@ pub fn pod_meta(pod: &Value) -> (BTreeMap<String, String>, BTreeMap<String, Stri
 }
 
 /// The prefix of every annotation Remora reads.
-const REMORA_PREFIX: &str = "remora.dev/";
+pub(crate) const REMORA_PREFIX: &str = "remora.dev/";
 
 fn names(list: &Value) -> Vec<&str> {
     list.as_array()

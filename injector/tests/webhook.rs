@@ -257,6 +257,128 @@ fn warnings_are_capped_in_number_and_length() {
     assert!(last.contains("more warnings not shown"), "{last:?}");
 }
 
+/// The handler reads only part of the pod (the rest is skipped while
+/// parsing): its patch must be the one `mutate` gives for the whole pod, and
+/// apply to the whole pod.
+#[test]
+fn the_patch_from_the_partly_read_pod_fits_the_whole_pod() {
+    use remora_injector::mutate::{Selection, Target, mutate};
+    use remora_injector::sidecar_config::resolve;
+    let full = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "generateName": "web-", "namespace": "shop",
+            "labels": {"app": "web"},
+            "annotations": {"example.com/big": "x".repeat(10_000),
+                            "remora.dev/inbound": "15007:8080",
+                            "remora.dev/drain-duration": "20s"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-1", "uid": "u"}],
+            "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}],
+        },
+        "spec": {
+            "restartPolicy": "OnFailure",
+            "terminationGracePeriodSeconds": 3,
+            "initContainers": [{"name": "migrate", "image": "m", "env": [{"name": "A", "value": "1"}]}],
+            "containers": [
+                {"name": "app", "image": "a", "ports": [{"containerPort": 8080}, {"containerPort": 15021}],
+                 "env": [{"name": "B", "value": "2"}],
+                 "lifecycle": {"postStart": {"exec": {"command": ["true"]}}}},
+                {"name": "own-hook", "image": "b",
+                 "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}}},
+                {"name": "plain", "image": "c", "volumeMounts": [{"name": "data", "mountPath": "/d"}]},
+            ],
+            "volumes": [{"name": "data", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "cfg"}}],
+            "tolerations": [{"key": "k", "operator": "Exists"}],
+        }
+    });
+    let body = serde_json::to_vec(&review("Pod", "", full.clone())).expect("json");
+    let (rev, outcome) = futures::executor::block_on(injector().review(&body));
+    assert_eq!(outcome, AdmissionOutcome::Injected);
+    let v = serde_json::to_value(&rev).expect("json");
+    let resp = response(&v);
+    let patch = patch_of(resp);
+
+    // The same operations, at the same paths, as on the whole pod (the
+    // values differ only by the drain token, fresh on every injection).
+    let view = view();
+    let (labels, annotations) = remora_injector::mutate::pod_meta(&full);
+    let cfg = resolve(
+        &ChartDefaults::default(),
+        &view.lifecycles,
+        "remora-system",
+        "shop",
+        &labels,
+        &annotations,
+    );
+    let ns = view.namespaces["shop"].clone();
+    let target = Target {
+        namespace: "shop",
+        namespace_labels: &ns,
+        native_sidecars: true,
+        selection: Selection::Webhook,
+    };
+    let direct = mutate(&full, &target, &cfg).expect("mutate");
+    let paths = |p: &json_patch::Patch| -> Vec<String> {
+        p.0.iter()
+            .map(|op| serde_json::to_value(op).expect("op")["path"].to_string())
+            .collect()
+    };
+    assert_eq!(paths(&patch), paths(&direct.patch));
+    let warnings: Vec<&str> = resp["warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(warnings.len(), direct.warnings.len(), "{warnings:?}");
+
+    // And it applies to the whole pod, leaving what it did not read alone.
+    let mut out = full.clone();
+    json_patch::patch(&mut out, &patch).expect("applies to the whole pod");
+    let sidecar = &out["spec"]["initContainers"][0];
+    assert_eq!(sidecar["name"], "remora-proxy");
+    assert!(
+        sidecar["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|e| e == &json!({"name": "REMORA_INBOUND", "value": "15007:8080"})),
+        "{sidecar}"
+    );
+    assert_eq!(
+        out["spec"]["initContainers"][1],
+        full["spec"]["initContainers"][0]
+    );
+    let app = &out["spec"]["containers"][0];
+    assert_eq!(app["env"], full["spec"]["containers"][0]["env"]);
+    assert_eq!(
+        app["lifecycle"]["postStart"],
+        full["spec"]["containers"][0]["lifecycle"]["postStart"]
+    );
+    assert!(app["lifecycle"]["preStop"]["httpGet"].is_object(), "{app}");
+    assert_eq!(
+        out["spec"]["containers"][1]["lifecycle"],
+        full["spec"]["containers"][1]["lifecycle"]
+    );
+    assert!(out["spec"]["containers"][2]["lifecycle"]["preStop"].is_object());
+    let volumes: Vec<&str> = out["spec"]["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(volumes, ["data", "cfg", "remora-run", "remora-podinfo"]);
+    assert_eq!(
+        out["metadata"]["annotations"]["example.com/big"],
+        full["metadata"]["annotations"]["example.com/big"]
+    );
+    assert_eq!(
+        out["metadata"]["managedFields"],
+        full["metadata"]["managedFields"]
+    );
+    assert_eq!(out["spec"]["tolerations"], full["spec"]["tolerations"]);
+}
+
 struct Server {
     addr: std::net::SocketAddr,
     ca: String,
