@@ -1,6 +1,9 @@
 //! The admission handler: AdmissionReview bytes in, AdmissionReview out.
-//! Whatever comes in, the answer is a valid review that allows the pod;
-//! when the injector cannot help it says why in a warning.
+//! Whatever comes in, the answer is a valid review. It allows the pod (when
+//! the injector cannot help it says why in a warning), except when injecting
+//! as asked would be unsafe (traffic plumbing onto the sidecar's own ports)
+//! or whether to inject is unknown (a namespace neither cached nor readable):
+//! then it refuses the pod with the reason.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
