@@ -38,6 +38,16 @@ pub const SIDECAR_PORTS: [(u16, &str); 5] = [
     (STATS_PORT, "Envoy's Prometheus stats"),
 ];
 
+/// What the sidecar uses `port` for, if it is one of [`SIDECAR_PORTS`]: a
+/// static listener may neither bind it nor forward to it on loopback (that
+/// would publish Envoy's admin API, or loop through the sidecar).
+pub fn sidecar_port_use(port: u16) -> Option<&'static str> {
+    SIDECAR_PORTS
+        .iter()
+        .find(|(p, _)| *p == port)
+        .map(|(_, use_)| *use_)
+}
+
 /// The run directory (bootstrap, SDS socket), an emptyDir.
 pub const RUN_DIR: &str = "/var/run/remora";
 pub const RUN_VOLUME: &str = "remora-run";

@@ -6,6 +6,11 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
+/// The most entries one `remora.dev/inbound` or `remora.dev/outbound`
+/// annotation may list: each is an Envoy listener (and, inbound, a container
+/// port), and a pod needs a handful; more is refused, not truncated.
+pub const MAX_LISTENERS: usize = 32;
+
 fn port(p: &str) -> Result<u16, String> {
     p.parse::<u16>()
         .ok()
@@ -63,6 +68,19 @@ impl FromStr for OutboundSpec {
     }
 }
 
+impl OutboundSpec {
+    /// Whether the upstream is this pod itself (loopback or the unspecified
+    /// address): then its port must not be one of the sidecar's.
+    pub fn targets_this_pod(&self) -> bool {
+        let h = self.host.to_ascii_lowercase();
+        if h == "localhost" || h.ends_with(".localhost") {
+            return true;
+        }
+        h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,5 +117,12 @@ mod tests {
         );
         assert!("15001:80".parse::<OutboundSpec>().is_err());
         assert!("15001::80".parse::<OutboundSpec>().is_err());
+        let local = |s: &str| s.parse::<OutboundSpec>().map(|o| o.targets_this_pod());
+        assert_eq!(local("1:127.0.0.2:80"), Ok(true));
+        assert_eq!(local("1:[::1]:80"), Ok(true));
+        assert_eq!(local("1:0.0.0.0:80"), Ok(true));
+        assert_eq!(local("1:LocalHost:80"), Ok(true));
+        assert_eq!(local("1:api.local:80"), Ok(false));
+        assert_eq!(local("1:10.0.0.1:80"), Ok(false));
     }
 }

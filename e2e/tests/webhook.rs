@@ -264,3 +264,25 @@ async fn deployment_pods_are_injected() -> anyhow::Result<()> {
     }
     Ok(s.cleanup().await?)
 }
+
+/// The API server shows the injector's refusal of a pod asking for a
+/// listener onto Envoy's admin port.
+#[tokio::test]
+async fn plumbing_onto_envoy_admin_is_refused_by_the_api_server() -> anyhow::Result<()> {
+    let s = Setup::new("plumb", "Fail").await?;
+    let err = s
+        .pods(&s.enabled)
+        .create(
+            &PostParams::default(),
+            &pod("admin", &[], &[("remora.dev/inbound", "15006:15000")]),
+        )
+        .await
+        .expect_err("a listener forwarding to Envoy admin must be refused");
+    let kube::Error::Api(status) = err else {
+        anyhow::bail!("not an API error: {err}");
+    };
+    for want in ["remora.dev/inbound", "15006:15000", "target port 15000"] {
+        assert!(status.message.contains(want), "{status:?}");
+    }
+    Ok(s.cleanup().await?)
+}

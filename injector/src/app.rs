@@ -240,7 +240,11 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         injector: Injector {
             chart,
             operator_namespace: args.operator_namespace.clone(),
-            view: Arc::new(view),
+            view: Arc::new(crate::webhook::LookingUpView::new(
+                view,
+                client.clone(),
+                crate::webhook::NAMESPACE_LOOKUP_TIMEOUT,
+            )),
         },
         metrics: webhook_metrics,
         registry,

@@ -23,9 +23,9 @@ use remora_contract::lifecycle::{
 };
 use remora_contract::pod::{
     HEALTH_PORT, INBOUND_PORT, PODINFO_DIR, PODINFO_VOLUME, PROXY_CONTAINER, PROXY_UID, READY_PATH,
-    RUN_DIR, RUN_VOLUME, SIDECAR_PORTS,
+    RUN_DIR, RUN_VOLUME, SIDECAR_PORTS, sidecar_port_use,
 };
-use remora_contract::traffic::{InboundSpec, OutboundSpec};
+use remora_contract::traffic::{InboundSpec, MAX_LISTENERS, OutboundSpec};
 use remora_contract::{annotations as keys, defaults, env as env_name};
 use remora_crds::SidecarMode;
 use serde::Serialize;
@@ -50,6 +50,9 @@ pub enum MutateError {
     BadField(&'static str),
     #[error("spec.containers is missing or empty")]
     NoContainers,
+    /// The pod must be refused, not injected differently from what it asks.
+    #[error(transparent)]
+    Refused(#[from] PlumbingError),
 }
 
 /// Who is asking: the webhook follows the selection labels; offline
@@ -119,23 +122,30 @@ impl Mutation {
     }
 }
 
-/// The labels and annotations of a pod (or pod template), ignoring values
-/// that are not strings.
+/// The labels and Remora's own (`remora.dev/...`) annotations of a pod (or
+/// pod template), ignoring values that are not strings. Other annotations
+/// are never read, and may be large (up to the object's size): not copied.
 pub fn pod_meta(pod: &Value) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
-    let map = |v: &Value| -> BTreeMap<String, String> {
+    let map = |v: &Value, keep: &dyn Fn(&str) -> bool| -> BTreeMap<String, String> {
         v.as_object()
             .map(|o| {
                 o.iter()
+                    .filter(|(k, _)| keep(k))
                     .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
                     .collect()
             })
             .unwrap_or_default()
     };
     (
-        map(&pod["metadata"]["labels"]),
-        map(&pod["metadata"]["annotations"]),
+        map(&pod["metadata"]["labels"], &|_| true),
+        map(&pod["metadata"]["annotations"], &|k| {
+            k.starts_with(REMORA_PREFIX)
+        }),
     )
 }
+
+/// The prefix of every annotation Remora reads.
+pub(crate) const REMORA_PREFIX: &str = "remora.dev/";
 
 fn names(list: &Value) -> Vec<&str> {
     list.as_array()
@@ -309,7 +319,7 @@ pub fn mutate(
 
     let lifecycle = lifecycle_annotation(cfg, mode, deadline);
     let mut container = proxy_container(cfg, mode, deadline);
-    plumb_traffic(&mut container, &annotations, containers, &mut warnings);
+    plumb_traffic(&mut container, &annotations, containers, &mut warnings)?;
     // Hashed before the token goes in: the token differs on every injection,
     // the sidecar it belongs to does not.
     let config_hash = config_hash(&container, &lifecycle);
@@ -434,41 +444,152 @@ fn app_prestop_hooks(
     ops
 }
 
+/// A pod whose traffic annotations would turn the sidecar against itself
+/// (publish Envoy's admin API, loop through the sidecar, bind a port twice)
+/// or ask for more listeners than a sidecar is for: refused, never injected
+/// as asked and never silently injected without them.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PlumbingError {
+    #[error("{key} entry {entry:?}: listener port {port} is the sidecar's own ({use_})")]
+    ReservedListener {
+        key: &'static str,
+        entry: String,
+        port: u16,
+        use_: &'static str,
+    },
+    #[error("{key} entry {entry:?}: target port {port} is the sidecar's own ({use_})")]
+    ReservedTarget {
+        key: &'static str,
+        entry: String,
+        port: u16,
+        use_: &'static str,
+    },
+    #[error("{key} entry {entry:?}: listener port {port} is already taken by {first:?}")]
+    Duplicate {
+        key: &'static str,
+        entry: String,
+        port: u16,
+        first: String,
+    },
+    #[error("{key} lists {count} entries; at most {max} are accepted")]
+    TooMany {
+        key: &'static str,
+        count: usize,
+        max: usize,
+    },
+}
+
+/// One static listener the sidecar will get.
+struct Listener {
+    inbound: bool,
+    /// Where it comes from, for messages: the annotation, or the default.
+    key: &'static str,
+    entry: String,
+    port: u16,
+    /// The port it forwards to when that is on this pod.
+    local_target: Option<u16>,
+}
+
+/// Reads one entry: its listener port and, when on this pod, its target port.
+type ParseEntry = dyn Fn(&str) -> Result<(u16, Option<u16>), String>;
+
+/// The entries of one traffic annotation: at most [`MAX_LISTENERS`]; those
+/// the agent would refuse to parse are dropped with a warning, so a typo
+/// never gives a sidecar that cannot start.
+fn listeners(
+    key: &'static str,
+    raw: &str,
+    parse: &ParseEntry,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<Listener>, PlumbingError> {
+    let items: Vec<&str> = raw
+        .split(',')
+        .map(str::trim)
+        .filter(|i| !i.is_empty())
+        .collect();
+    if items.len() > MAX_LISTENERS {
+        return Err(PlumbingError::TooMany {
+            key,
+            count: items.len(),
+            max: MAX_LISTENERS,
+        });
+    }
+    let mut kept = Vec::new();
+    for item in items {
+        match parse(item) {
+            Ok((port, local_target)) => kept.push(Listener {
+                inbound: key == keys::INBOUND,
+                key,
+                entry: item.to_string(),
+                port,
+                local_target,
+            }),
+            Err(e) => warnings.push(format!("remora: ignored {key} entry {item:?}: {e}")),
+        }
+    }
+    Ok(kept)
+}
+
+/// Refuse listeners on the sidecar's own ports or on a port taken twice,
+/// and forwarding (on this pod) to the sidecar's ports or its listeners.
+fn check_listeners(all: &[Listener]) -> Result<(), PlumbingError> {
+    let mut taken: BTreeMap<u16, &Listener> = BTreeMap::new();
+    for l in all {
+        // 15006 is the inbound listener's own: taken only by a duplicate.
+        if let Some(use_) = sidecar_port_use(l.port).filter(|_| l.port != INBOUND_PORT) {
+            return Err(PlumbingError::ReservedListener {
+                key: l.key,
+                entry: l.entry.clone(),
+                port: l.port,
+                use_,
+            });
+        }
+        if let Some(first) = taken.insert(l.port, l) {
+            return Err(PlumbingError::Duplicate {
+                key: l.key,
+                entry: l.entry.clone(),
+                port: l.port,
+                first: first.entry.clone(),
+            });
+        }
+    }
+    for l in all {
+        let Some(port) = l.local_target else { continue };
+        let use_ = sidecar_port_use(port).or_else(|| {
+            taken
+                .contains_key(&port)
+                .then_some("a static listener of this pod")
+        });
+        if let Some(use_) = use_ {
+            return Err(PlumbingError::ReservedTarget {
+                key: l.key,
+                entry: l.entry.clone(),
+                port,
+                use_,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Give the sidecar its static-mode listeners: inbound from the pod's
 /// `remora.dev/inbound` annotation or, by default, 15006 in front of the first
 /// TCP port of the first app container; outbound from `remora.dev/outbound`.
-/// Entries the agent would refuse are dropped with a warning, so a typo never
-/// gives a sidecar that cannot start.
 fn plumb_traffic(
     container: &mut Container,
     annotations: &BTreeMap<String, String>,
     app_containers: &[Value],
     warnings: &mut Vec<String>,
-) {
-    let valid = |key: &str,
-                 raw: &str,
-                 ok: &dyn Fn(&str) -> Result<u16, String>,
-                 warnings: &mut Vec<String>| {
-        let mut kept = Vec::new();
-        let mut ports = Vec::new();
-        for item in raw.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            match ok(item) {
-                Ok(port) => {
-                    kept.push(item.to_string());
-                    ports.push(port);
-                }
-                Err(e) => warnings.push(format!("remora: ignored {key} entry {item:?}: {e}")),
-            }
-        }
-        (kept.join(","), ports)
-    };
+) -> Result<(), PlumbingError> {
     let inbound_port = |item: &str| {
         item.parse::<InboundSpec>()
-            .map(|s| s.port.unwrap_or(INBOUND_PORT))
+            .map(|s| (s.port.unwrap_or(INBOUND_PORT), Some(s.app_port)))
     };
-    let (inbound, inbound_ports) = match annotations.get(keys::INBOUND) {
-        Some(raw) => valid(keys::INBOUND, raw, &inbound_port, warnings),
+    let inbound = match annotations.get(keys::INBOUND) {
+        Some(raw) => listeners(keys::INBOUND, raw, &inbound_port, warnings)?,
         None => {
+            // Never the sidecar's own ports: an app port among them was
+            // warned about, and forwarding to it would loop or publish admin.
             let app_port = app_containers
                 .first()
                 .and_then(|c| c["ports"].as_array())
@@ -476,18 +597,38 @@ fn plumb_traffic(
                 .flatten()
                 .filter(|p| p["protocol"].as_str().unwrap_or("TCP") == "TCP")
                 .filter_map(|p| p["containerPort"].as_u64())
-                .find(|p| (1..=65535).contains(p) && *p != u64::from(INBOUND_PORT));
-            match app_port {
-                Some(p) => (format!("{INBOUND_PORT}:{p}"), vec![INBOUND_PORT]),
-                None => (String::new(), vec![]),
-            }
+                .filter_map(|p| u16::try_from(p).ok())
+                .find(|p| *p != 0 && sidecar_port_use(*p).is_none());
+            app_port
+                .map(|p| Listener {
+                    inbound: true,
+                    key: "the default inbound listener",
+                    entry: format!("{INBOUND_PORT}:{p}"),
+                    port: INBOUND_PORT,
+                    local_target: Some(p),
+                })
+                .into_iter()
+                .collect()
         }
     };
-    let outbound_port = |item: &str| item.parse::<OutboundSpec>().map(|s| s.port);
-    let (outbound, _) = annotations
-        .get(keys::OUTBOUND)
-        .map(|raw| valid(keys::OUTBOUND, raw, &outbound_port, warnings))
-        .unwrap_or_default();
+    let outbound_port = |item: &str| {
+        item.parse::<OutboundSpec>()
+            .map(|s| (s.port, s.targets_this_pod().then_some(s.upstream_port)))
+    };
+    let outbound = match annotations.get(keys::OUTBOUND) {
+        Some(raw) => listeners(keys::OUTBOUND, raw, &outbound_port, warnings)?,
+        None => Vec::new(),
+    };
+    let all: Vec<Listener> = inbound.into_iter().chain(outbound).collect();
+    check_listeners(&all)?;
+    let join = |inbound: bool| {
+        all.iter()
+            .filter(|l| l.inbound == inbound)
+            .map(|l| l.entry.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let (inbound, outbound) = (join(true), join(false));
     let vars = container.env.get_or_insert_with(Vec::new);
     if !inbound.is_empty() {
         vars.push(env(env_name::INBOUND, inbound));
@@ -496,7 +637,8 @@ fn plumb_traffic(
         vars.push(env(env_name::OUTBOUND, outbound));
     }
     let ports = container.ports.get_or_insert_with(Vec::new);
-    for (i, port) in inbound_ports.into_iter().enumerate() {
+    let inbound_ports = all.iter().filter(|l| l.inbound);
+    for (i, l) in inbound_ports.enumerate() {
         ports.push(ContainerPort {
             // Port names are at most 15 characters.
             name: Some(if i == 0 {
@@ -504,11 +646,12 @@ fn plumb_traffic(
             } else {
                 format!("remora-in-{i}")
             }),
-            container_port: i32::from(port),
+            container_port: i32::from(l.port),
             protocol: Some("TCP".into()),
             ..Default::default()
         });
     }
+    Ok(())
 }
 
 /// Serializing these plain k8s structs cannot fail; null rather than a panic if it did.

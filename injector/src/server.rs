@@ -180,7 +180,7 @@ async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
     };
     let (review, outcome) = match axum::body::to_bytes(req.into_body(), state.max_body_bytes).await
     {
-        Ok(body) => state.injector.review(&body),
+        Ok(body) => state.injector.review(&body).await,
         Err(e) => (
             unreadable(
                 String::new(),

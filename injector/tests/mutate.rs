@@ -4,9 +4,11 @@ use std::collections::BTreeMap;
 
 use remora_contract::annotations::LIFECYCLE as LIFECYCLE_ANNOTATION;
 use remora_contract::lifecycle::LifecycleAnnotation;
+use remora_contract::traffic::MAX_LISTENERS;
 use remora_crds::SidecarMode;
 use remora_injector::mutate::{
-    Outcome, STATUS_ANNOTATION, Selection, SkipReason, Target, drain_deadline, mutate,
+    MutateError, Outcome, PlumbingError, STATUS_ANNOTATION, Selection, SkipReason, Target,
+    drain_deadline, mutate,
 };
 use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig};
 use serde_json::{Value, json};
@@ -482,6 +484,195 @@ fn traffic_annotations_are_validated_entry_by_entry() {
         names.contains(&"remora-inbound") && names.contains(&"remora-in-1"),
         "{names:?}"
     );
+}
+
+/// The pod with these traffic annotations (`None`: absent).
+fn with_traffic(inbound: Option<&str>, outbound: Option<&str>) -> Value {
+    let mut p = pod();
+    let mut ann = serde_json::Map::new();
+    if let Some(i) = inbound {
+        ann.insert("remora.dev/inbound".into(), json!(i));
+    }
+    if let Some(o) = outbound {
+        ann.insert("remora.dev/outbound".into(), json!(o));
+    }
+    p["metadata"]["annotations"] = Value::Object(ann);
+    p
+}
+
+#[test]
+fn plumbing_onto_the_sidecars_own_ports_or_twice_is_refused() {
+    let ns = enabled();
+    let t = target("shop", &ns, true);
+    let c = cfg(SidecarMode::Legacy);
+    // (inbound, outbound, what the refusal must name)
+    let refused: [(Option<&str>, Option<&str>, &[&str]); 12] = [
+        // The case: Envoy's admin API published on 0.0.0.0:15006.
+        (
+            Some("15006:15000"),
+            None,
+            &[
+                "remora.dev/inbound",
+                "\"15006:15000\"",
+                "target port 15000",
+                "Envoy admin",
+            ],
+        ),
+        (
+            Some("15006:15020"),
+            None,
+            &["remora.dev/inbound", "target port 15020"],
+        ),
+        (
+            Some("15006:15021"),
+            None,
+            &["remora.dev/inbound", "target port 15021"],
+        ),
+        (
+            Some("15006:15090"),
+            None,
+            &["remora.dev/inbound", "target port 15090"],
+        ),
+        // Forwarding the inbound listener to itself.
+        (
+            Some("15006:15006"),
+            None,
+            &["remora.dev/inbound", "target port 15006"],
+        ),
+        (
+            Some("15000:8080"),
+            None,
+            &[
+                "remora.dev/inbound",
+                "\"15000:8080\"",
+                "listener port 15000",
+            ],
+        ),
+        (
+            None,
+            Some("15021:api.internal:443"),
+            &["remora.dev/outbound", "listener port 15021"],
+        ),
+        (
+            None,
+            Some("15001:127.0.0.1:15000"),
+            &[
+                "remora.dev/outbound",
+                "\"15001:127.0.0.1:15000\"",
+                "target port 15000",
+            ],
+        ),
+        (
+            None,
+            Some("15001:localhost:15020"),
+            &["remora.dev/outbound", "target port 15020"],
+        ),
+        // Duplicates: in one annotation, across both, and with the default inbound.
+        (
+            Some("8080,9090"),
+            None,
+            &[
+                "remora.dev/inbound",
+                "\"9090\"",
+                "listener port 15006",
+                "\"8080\"",
+            ],
+        ),
+        (
+            Some("15007:8080"),
+            Some("15007:api.internal:443"),
+            &[
+                "remora.dev/outbound",
+                "listener port 15007",
+                "\"15007:8080\"",
+            ],
+        ),
+        (
+            None,
+            Some("15006:api.internal:443"),
+            &[
+                "remora.dev/outbound",
+                "listener port 15006",
+                "\"15006:8080\"",
+            ],
+        ),
+    ];
+    for (inbound, outbound, names) in refused {
+        let p = with_traffic(inbound, outbound);
+        let err = match mutate(&p, &t, &c) {
+            Err(MutateError::Refused(e)) => e.to_string(),
+            other => panic!("{inbound:?} {outbound:?}: not refused: {other:?}"),
+        };
+        for n in names {
+            assert!(
+                err.contains(n),
+                "{inbound:?} {outbound:?}: {err:?} does not name {n}"
+            );
+        }
+    }
+    // An inbound forwarding to an outbound listener of the pod loops too.
+    let p = with_traffic(Some("15006:15001"), Some("15001:api.internal:443"));
+    assert!(matches!(
+        mutate(&p, &t, &c),
+        Err(MutateError::Refused(PlumbingError::ReservedTarget {
+            port: 15001,
+            ..
+        }))
+    ));
+    // A remote upstream on such a port number is another pod's business.
+    let p = with_traffic(Some("15006:8080"), Some("15001:api.internal:15000"));
+    let (out, outcome, _) = apply(&p, &t, &c);
+    assert_eq!(outcome, Outcome::Injected(SidecarMode::Legacy));
+    assert_eq!(
+        proxy_env(&out).get("REMORA_OUTBOUND").map(String::as_str),
+        Some("15001:api.internal:15000")
+    );
+}
+
+#[test]
+fn the_default_inbound_never_targets_a_sidecar_port() {
+    let ns = enabled();
+    let mut p = pod();
+    p["spec"]["containers"][0]["ports"] =
+        json!([{"containerPort": 15000}, {"containerPort": 8080}]);
+    let (out, _, warnings) = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Legacy));
+    assert_eq!(
+        proxy_env(&out).get("REMORA_INBOUND").map(String::as_str),
+        Some("15006:8080")
+    );
+    assert!(warnings.iter().any(|w| w.contains("15000")), "{warnings:?}");
+}
+
+#[test]
+fn traffic_annotations_are_capped_at_max_listeners() {
+    let ns = enabled();
+    let t = target("shop", &ns, true);
+    let c = cfg(SidecarMode::Legacy);
+    let list = |n: usize, f: &dyn Fn(usize) -> String| (0..n).map(f).collect::<Vec<_>>().join(",");
+    let inbound = |i: usize| format!("{}:{}", 20000 + i, 8000 + i);
+    let outbound = |i: usize| format!("{}:api.internal:443", 30000 + i);
+    let p = with_traffic(Some(&list(MAX_LISTENERS, &inbound)), None);
+    assert!(mutate(&p, &t, &c).is_ok());
+    for (i, o) in [
+        (Some(list(MAX_LISTENERS + 1, &inbound)), None),
+        (None, Some(list(MAX_LISTENERS + 1, &outbound))),
+        // Empty items are not entries; the cap counts real ones only.
+    ] {
+        let p = with_traffic(i.as_deref(), o.as_deref());
+        match mutate(&p, &t, &c) {
+            Err(MutateError::Refused(e @ PlumbingError::TooMany { .. })) => {
+                let msg = e.to_string();
+                assert!(msg.contains(&format!("{}", MAX_LISTENERS + 1)), "{msg}");
+                assert!(msg.contains(&format!("at most {MAX_LISTENERS}")), "{msg}");
+            }
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+    let p = with_traffic(
+        Some(&format!("{},,,, ,", list(MAX_LISTENERS, &inbound))),
+        None,
+    );
+    assert!(mutate(&p, &t, &c).is_ok());
 }
 
 /// The token in the sidecar's environment.

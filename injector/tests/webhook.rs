@@ -114,7 +114,7 @@ fn patch_of(resp: &Value) -> json_patch::Patch {
 #[test]
 fn pod_review_is_patched_with_warnings() {
     let body = serde_json::to_vec(&review("Pod", "", pod())).expect("json");
-    let (rev, outcome) = injector().review(&body);
+    let (rev, outcome) = futures::executor::block_on(injector().review(&body));
     assert_eq!(outcome, AdmissionOutcome::Injected);
     let v = serde_json::to_value(&rev).expect("json");
     let resp = response(&v);
@@ -165,7 +165,7 @@ fn bad_inputs_always_get_a_valid_allowing_review() {
         ("a huge pod", huge, AdmissionOutcome::Injected),
     ];
     for (what, body, want) in cases {
-        let (rev, outcome) = inj.review(&body);
+        let (rev, outcome) = futures::executor::block_on(inj.review(&body));
         assert_eq!(outcome, want, "{what}");
         let v = serde_json::to_value(&rev).expect("serializes");
         assert_eq!(v["kind"], "AdmissionReview", "{what}");
@@ -181,7 +181,7 @@ fn bad_inputs_always_get_a_valid_allowing_review() {
         }
     }
     // The uid is found even when the rest of the request is unreadable.
-    let (rev, _) = inj.review(br#"{"request":{"uid":"u1","kind":7}}"#);
+    let (rev, _) = futures::executor::block_on(inj.review(br#"{"request":{"uid":"u1","kind":7}}"#));
     assert_eq!(
         serde_json::to_value(&rev).expect("json")["response"]["uid"],
         "u1"
@@ -192,13 +192,191 @@ fn bad_inputs_always_get_a_valid_allowing_review() {
 fn update_and_unselected_namespaces_are_left_alone() {
     let mut r = review("Pod", "", pod());
     r["request"]["operation"] = json!("UPDATE");
-    let (_, outcome) = injector().review(&serde_json::to_vec(&r).expect("json"));
+    let (_, outcome) =
+        futures::executor::block_on(injector().review(&serde_json::to_vec(&r).expect("json")));
     assert_eq!(outcome, AdmissionOutcome::Ignored);
     let mut r = review("Pod", "", pod());
     r["request"]["namespace"] = json!("elsewhere");
-    let (rev, outcome) = injector().review(&serde_json::to_vec(&r).expect("json"));
+    let (rev, outcome) =
+        futures::executor::block_on(injector().review(&serde_json::to_vec(&r).expect("json")));
     assert_eq!(outcome, AdmissionOutcome::Skipped);
     assert!(serde_json::to_value(&rev).expect("json")["response"]["patch"].is_null());
+}
+
+#[test]
+fn plumbing_onto_envoy_admin_is_denied_with_the_reason() {
+    let mut p = pod();
+    p["metadata"]["annotations"] = json!({"remora.dev/inbound": "15006:15000"});
+    let body = serde_json::to_vec(&review("Pod", "", p)).expect("json");
+    let (rev, outcome) = futures::executor::block_on(injector().review(&body));
+    assert_eq!(outcome, AdmissionOutcome::Refused);
+    let v = serde_json::to_value(&rev).expect("json");
+    let resp = response(&v);
+    assert_eq!(resp["uid"], "0df28fbd-5f5f-4d4f-8c0e-6e5a2b7c9a11");
+    assert_eq!(resp["allowed"], false, "{resp}");
+    assert!(resp["patch"].is_null(), "{resp}");
+    let msg = resp["status"]["message"].as_str().unwrap_or_default();
+    for want in ["remora.dev/inbound", "15006:15000", "15000", "Envoy admin"] {
+        assert!(msg.contains(want), "{msg:?} does not name {want}");
+    }
+}
+
+#[test]
+fn warnings_are_capped_in_number_and_length() {
+    use remora_injector::webhook::{MAX_WARNING_BYTES, MAX_WARNINGS};
+    // Each app container with its own preStop hook is warned about, with its
+    // (long) name in the warning.
+    let containers: Vec<Value> = (0..40)
+        .map(|i| {
+            json!({"name": format!("c{i}-{}", "x".repeat(200)), "image": "x",
+                   "lifecycle": {"preStop": {"exec": {"command": ["true"]}}}})
+        })
+        .collect();
+    let mut p = pod();
+    p["spec"]["containers"] = Value::Array(containers);
+    let body = serde_json::to_vec(&review("Pod", "", p)).expect("json");
+    let (rev, outcome) = futures::executor::block_on(injector().review(&body));
+    assert_eq!(outcome, AdmissionOutcome::Injected);
+    let v = serde_json::to_value(&rev).expect("json");
+    let warnings: Vec<&str> = response(&v)["warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(warnings.len(), MAX_WARNINGS, "{warnings:?}");
+    assert!(
+        warnings.iter().all(|w| w.len() <= MAX_WARNING_BYTES),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings.iter().any(|w| w.contains("preStop")),
+        "{warnings:?}"
+    );
+    let last = warnings.last().copied().unwrap_or_default();
+    assert!(last.contains("more warnings not shown"), "{last:?}");
+}
+
+/// The handler reads only part of the pod (the rest is skipped while
+/// parsing): its patch must be the one `mutate` gives for the whole pod, and
+/// apply to the whole pod.
+#[test]
+fn the_patch_from_the_partly_read_pod_fits_the_whole_pod() {
+    use remora_injector::mutate::{Selection, Target, mutate};
+    use remora_injector::sidecar_config::resolve;
+    let full = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "generateName": "web-", "namespace": "shop",
+            "labels": {"app": "web"},
+            "annotations": {"example.com/big": "x".repeat(10_000),
+                            "remora.dev/inbound": "15007:8080",
+                            "remora.dev/drain-duration": "20s"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-1", "uid": "u"}],
+            "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}],
+        },
+        "spec": {
+            "restartPolicy": "OnFailure",
+            "terminationGracePeriodSeconds": 3,
+            "initContainers": [{"name": "migrate", "image": "m", "env": [{"name": "A", "value": "1"}]}],
+            "containers": [
+                {"name": "app", "image": "a", "ports": [{"containerPort": 8080}, {"containerPort": 15021}],
+                 "env": [{"name": "B", "value": "2"}],
+                 "lifecycle": {"postStart": {"exec": {"command": ["true"]}}}},
+                {"name": "own-hook", "image": "b",
+                 "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}}},
+                {"name": "plain", "image": "c", "volumeMounts": [{"name": "data", "mountPath": "/d"}]},
+            ],
+            "volumes": [{"name": "data", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "cfg"}}],
+            "tolerations": [{"key": "k", "operator": "Exists"}],
+        }
+    });
+    let body = serde_json::to_vec(&review("Pod", "", full.clone())).expect("json");
+    let (rev, outcome) = futures::executor::block_on(injector().review(&body));
+    assert_eq!(outcome, AdmissionOutcome::Injected);
+    let v = serde_json::to_value(&rev).expect("json");
+    let resp = response(&v);
+    let patch = patch_of(resp);
+
+    // The same operations, at the same paths, as on the whole pod (the
+    // values differ only by the drain token, fresh on every injection).
+    let view = view();
+    let (labels, annotations) = remora_injector::mutate::pod_meta(&full);
+    let cfg = resolve(
+        &ChartDefaults::default(),
+        &view.lifecycles,
+        "remora-system",
+        "shop",
+        &labels,
+        &annotations,
+    );
+    let ns = view.namespaces["shop"].clone();
+    let target = Target {
+        namespace: "shop",
+        namespace_labels: &ns,
+        native_sidecars: true,
+        selection: Selection::Webhook,
+    };
+    let direct = mutate(&full, &target, &cfg).expect("mutate");
+    let paths = |p: &json_patch::Patch| -> Vec<String> {
+        p.0.iter()
+            .map(|op| serde_json::to_value(op).expect("op")["path"].to_string())
+            .collect()
+    };
+    assert_eq!(paths(&patch), paths(&direct.patch));
+    let warnings: Vec<&str> = resp["warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(warnings.len(), direct.warnings.len(), "{warnings:?}");
+
+    // And it applies to the whole pod, leaving what it did not read alone.
+    let mut out = full.clone();
+    json_patch::patch(&mut out, &patch).expect("applies to the whole pod");
+    let sidecar = &out["spec"]["initContainers"][0];
+    assert_eq!(sidecar["name"], "remora-proxy");
+    assert!(
+        sidecar["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|e| e == &json!({"name": "REMORA_INBOUND", "value": "15007:8080"})),
+        "{sidecar}"
+    );
+    assert_eq!(
+        out["spec"]["initContainers"][1],
+        full["spec"]["initContainers"][0]
+    );
+    let app = &out["spec"]["containers"][0];
+    assert_eq!(app["env"], full["spec"]["containers"][0]["env"]);
+    assert_eq!(
+        app["lifecycle"]["postStart"],
+        full["spec"]["containers"][0]["lifecycle"]["postStart"]
+    );
+    assert!(app["lifecycle"]["preStop"]["httpGet"].is_object(), "{app}");
+    assert_eq!(
+        out["spec"]["containers"][1]["lifecycle"],
+        full["spec"]["containers"][1]["lifecycle"]
+    );
+    assert!(out["spec"]["containers"][2]["lifecycle"]["preStop"].is_object());
+    let volumes: Vec<&str> = out["spec"]["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(volumes, ["data", "cfg", "remora-run", "remora-podinfo"]);
+    assert_eq!(
+        out["metadata"]["annotations"]["example.com/big"],
+        full["metadata"]["annotations"]["example.com/big"]
+    );
+    assert_eq!(
+        out["metadata"]["managedFields"],
+        full["metadata"]["managedFields"]
+    );
+    assert_eq!(out["spec"]["tolerations"], full["spec"]["tolerations"]);
 }
 
 struct Server {
