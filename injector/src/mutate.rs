@@ -530,6 +530,9 @@ fn listeners(
     Ok(kept)
 }
 
+/// Sidecar ports an outbound (loopback) listener may forward to.
+const OUTBOUND_MAY_TARGET: [u16; 2] = [HEALTH_PORT, remora_contract::pod::STATS_PORT];
+
 /// Refuse listeners on the sidecar's own ports or on a port taken twice,
 /// and forwarding (on this pod) to the sidecar's ports or its listeners.
 fn check_listeners(all: &[Listener]) -> Result<(), PlumbingError> {
@@ -555,6 +558,12 @@ fn check_listeners(all: &[Listener]) -> Result<(), PlumbingError> {
     }
     for l in all {
         let Some(port) = l.local_target else { continue };
+        // An outbound listener is bound on loopback: one onto the health or
+        // stats port (served on every address anyway) exposes nothing, and
+        // lets an app wait, through Envoy, until its sidecar is ready.
+        if !l.inbound && OUTBOUND_MAY_TARGET.contains(&port) {
+            continue;
+        }
         let use_ = sidecar_port_use(port).or_else(|| {
             taken
                 .contains_key(&port)

@@ -619,6 +619,11 @@ fn plumbing_onto_the_sidecars_own_ports_or_twice_is_refused() {
             ..
         }))
     ));
+    // An outbound (loopback) listener onto the health port, served on every
+    // address anyway: allowed, an app may wait on its sidecar through it.
+    let p = with_traffic(Some("15006:8080"), Some("15001:127.0.0.1:15021"));
+    let (_, outcome, _) = apply(&p, &t, &c);
+    assert_eq!(outcome, Outcome::Injected(SidecarMode::Legacy));
     // A remote upstream on such a port number is another pod's business.
     let p = with_traffic(Some("15006:8080"), Some("15001:api.internal:15000"));
     let (out, outcome, _) = apply(&p, &t, &c);
