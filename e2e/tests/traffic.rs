@@ -55,13 +55,25 @@ impl App {
             }
         });
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        wait_until(
-            Duration::from_secs(10),
-            "test-app listening",
-            || async move { tokio::net::TcpStream::connect(addr).await.ok().map(|_| ()) },
-        )
-        .await?;
-        Ok(Self { child, addr, log })
+        // The app's own word, not a connect: a connect may reach whatever
+        // else holds the port for a moment (a CI run once saw refused
+        // connects after a connect-based wait succeeded).
+        let listening = format!("test-app: listening on {addr}");
+        let mut app = Self { child, addr, log };
+        wait_until(Duration::from_secs(10), "test-app listening", || {
+            let found = app.log().contains(&listening);
+            let exited = app.child.try_wait().ok().flatten();
+            async move {
+                match (found, exited) {
+                    (true, _) => Some(Ok(())),
+                    (false, Some(status)) => Some(Err(status)),
+                    (false, None) => None,
+                }
+            }
+        })
+        .await?
+        .map_err(|status| anyhow::anyhow!("test-app exited {status}: {:?}", app.log()))?;
+        Ok(app)
     }
 
     fn sigterm(&self) -> anyhow::Result<()> {
@@ -140,8 +152,17 @@ async fn every_client_kind_gets_its_answers() -> anyhow::Result<()> {
     until_each_has(&traffic, &names, 5).await?;
     let samples = traffic.stop().await;
     print(&samples);
+    let failed: Vec<String> = samples
+        .iter()
+        .filter(|s| !s.outcome.is_ok())
+        .map(|s| format!("{} at {:?}: {:?}", s.load, s.at, s.outcome))
+        .collect();
+    ensure!(
+        failed.is_empty(),
+        "failed: {failed:#?}\ntest-app's log: {:#?}",
+        app.log()
+    );
     for s in &samples {
-        ensure!(s.outcome.is_ok(), "{} failed: {:?}", s.load, s.outcome);
         ensure!(
             s.pod.as_deref() == Some(POD),
             "{} answered by {:?}",

@@ -231,6 +231,8 @@ async fn main() -> anyhow::Result<()> {
     });
     let listener =
         tokio::net::TcpListener::bind(SocketAddr::from((args.address, args.port))).await?;
+    // Who started us can tell our listener from anything else on the port.
+    eprintln!("test-app: listening on {}", listener.local_addr()?);
     let outbound = match (args.outbound_every, args.outbound_url.clone()) {
         (Some(every), Some(url)) => Some(tokio::spawn(call_periodically(url, every, done_rx))),
         _ => None,
