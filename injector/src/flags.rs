@@ -133,9 +133,10 @@ pub struct ServeArgs {
     /// MutatingWebhookConfiguration whose caBundle is kept current.
     #[arg(long, env = "REMORA_WEBHOOK_CONFIG", default_value = "remora-injector")]
     pub webhook_config: String,
-    /// Lifetime of the self-managed CA (`<n>s|m|h|d`). Not rotated yet: see
-    /// the injector README.
-    #[arg(long, env = "REMORA_CA_VALIDITY", value_parser = parse_validity, default_value = "3650d")]
+    /// Lifetime of the self-managed CA (`<n>s|m|h|d`, at least
+    /// --serving-cert-validity); rotated at two thirds of it, with old and
+    /// new roots both in the caBundle meanwhile (injector README).
+    #[arg(long, env = "REMORA_CA_VALIDITY", value_parser = parse_validity, default_value = "365d")]
     pub ca_validity: Duration,
     /// Lifetime of the self-managed serving certificate (`<n>s|m|h|d`, at
     /// least 30s); renewed from the stored CA at two thirds of it.
