@@ -17,6 +17,7 @@ use e2e::webhook::{label_namespace, pod, webhook_config};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::PostParams;
 use remora_injector::ca::{NEXT_CA_KEY, PREVIOUS_CA_KEY, bundle_has_root};
@@ -183,6 +184,31 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     assert!(saw_both, "the caBundle never held both roots\n{}", logs());
     let l = logs();
     assert!(l.contains("switched to the new CA"), "{l}");
+    let events = Api::<Event>::namespaced(client.clone(), &ns);
+    let reasons = || async {
+        let list = events.list(&Default::default()).await?;
+        Ok::<_, kube::Error>(
+            list.items
+                .into_iter()
+                .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(SECRET))
+                .filter_map(|e| e.reason)
+                .collect::<Vec<_>>(),
+        )
+    };
+    wait_until(
+        "a CARotated Event on the Secret",
+        Duration::from_secs(10),
+        || async {
+            Ok::<_, kube::Error>(
+                reasons()
+                    .await?
+                    .iter()
+                    .any(|r| r == "CARotated")
+                    .then_some(()),
+            )
+        },
+    )
+    .await?;
 
     // A corrupted Secret (garbage key): repaired, served by both.
     let mut s = secrets.get(SECRET).await?;
@@ -205,6 +231,20 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     .await
     .with_context(logs)?;
     assert_ne!(repaired, new_ca);
+    wait_until(
+        "a CertificateRepaired Event on the Secret",
+        Duration::from_secs(10),
+        || async {
+            Ok::<_, kube::Error>(
+                reasons()
+                    .await?
+                    .iter()
+                    .any(|r| r == "CertificateRepaired")
+                    .then_some(()),
+            )
+        },
+    )
+    .await?;
 
     // A GitOps apply that blanks caBundle: restored within seconds.
     let mut blank = mwcs.get(&mwc_name).await?;

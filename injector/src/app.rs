@@ -363,6 +363,13 @@ async fn start(
                 secret: args.tls_secret.clone(),
                 webhook_configs: kube::Api::all(client.clone()),
                 webhook_config: args.webhook_config.clone(),
+                recorder: Some(kube::runtime::events::Recorder::new(
+                    client.clone(),
+                    kube::runtime::events::Reporter {
+                        controller: crate::jobs::FIELD_MANAGER.into(),
+                        instance: Some(args.leader_config().identity),
+                    },
+                )),
             },
             secret: args.tls_secret.clone(),
             namespace: args.operator_namespace.clone(),

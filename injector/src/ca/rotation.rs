@@ -379,6 +379,9 @@ pub trait Store: Send + Sync {
     fn write(&self, s: Secret) -> impl Future<Output = Result<bool, CaError>> + Send;
     /// The caBundle of every webhook of the configuration.
     fn published(&self) -> impl Future<Output = Result<Vec<Vec<u8>>, CaError>> + Send;
+    /// Tell the cluster what happened to the Secret (an Event on it); a
+    /// failure is logged, never fatal.
+    fn record(&self, warning: bool, reason: &str, note: String) -> impl Future<Output = ()> + Send;
 }
 
 /// [`Store`] on the Kubernetes API.
@@ -388,6 +391,8 @@ pub struct KubeStore {
     pub secret: String,
     pub webhook_configs: Api<MutatingWebhookConfiguration>,
     pub webhook_config: String,
+    /// Events on the Secret; `None`: logs only.
+    pub recorder: Option<kube::runtime::events::Recorder>,
 }
 
 impl Store for KubeStore {
@@ -418,6 +423,34 @@ impl Store for KubeStore {
             .into_iter()
             .map(|w| w.client_config.ca_bundle.map(|b| b.0).unwrap_or_default())
             .collect())
+    }
+
+    async fn record(&self, warning: bool, reason: &str, note: String) {
+        use kube::runtime::events::{Event, EventType};
+        let Some(recorder) = &self.recorder else {
+            return;
+        };
+        let event = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            note: Some(note),
+            action: "Certificate".into(),
+            secondary: None,
+        };
+        let regarding = k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Secret".into()),
+            name: Some(self.secret.clone()),
+            namespace: self.secrets.namespace().map(str::to_string),
+            ..Default::default()
+        };
+        if let Err(e) = recorder.publish(&event, &regarding).await {
+            tracing::warn!(error = %e, secret = %self.secret, "cannot record the event");
+        }
     }
 }
 
@@ -583,11 +616,17 @@ impl<S: Store> Rotator<S> {
         }
         match &action {
             Action::Regenerate(why) => {
-                tracing::warn!(secret = %self.secret, reason = %why, "self-managed CA and serving certificate replaced")
+                tracing::warn!(secret = %self.secret, reason = %why, "self-managed CA and serving certificate replaced");
+                let note =
+                    format!("unusable ({why}): replaced with a new CA and serving certificate");
+                self.store.record(true, "CertificateRepaired", note).await;
             }
             Action::Switch => {
                 self.metrics.ca_rotations.inc();
-                tracing::info!(secret = %self.secret, "switched to the new CA; the old root stays trusted for the overlap")
+                tracing::info!(secret = %self.secret, "switched to the new CA; the old root stays trusted for the overlap");
+                let note =
+                    "switched to the new CA; the old root stays in the caBundle for the overlap";
+                self.store.record(false, "CARotated", note.into()).await;
             }
             a => tracing::info!(secret = %self.secret, action = ?a, "self-managed CA updated"),
         }

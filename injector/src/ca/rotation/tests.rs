@@ -247,6 +247,8 @@ struct Mem {
     /// The caBundle of the configuration's two webhooks.
     mwc: Vec<Vec<u8>>,
     conflicts: usize,
+    /// (warning, reason) of every recorded Event.
+    events: Vec<(bool, String)>,
 }
 
 impl MemStore {
@@ -285,6 +287,16 @@ impl Store for MemStore {
     fn published(&self) -> impl Future<Output = Result<Vec<Vec<u8>>, CaError>> + Send {
         let me = self.clone();
         async move { Ok(me.with(|m| m.mwc.clone())) }
+    }
+
+    fn record(
+        &self,
+        warning: bool,
+        reason: &str,
+        _note: String,
+    ) -> impl Future<Output = ()> + Send {
+        self.with(|m| m.events.push((warning, reason.to_string())));
+        async {}
     }
 }
 
@@ -395,6 +407,9 @@ async fn two_replicas_rotate_the_ca_and_never_serve_an_untrusted_certificate() -
     assert!(roots.len() >= 4, "{} CAs", roots.len());
     let rotations: u64 = r.metrics.iter().map(|m| m.ca_rotations.get()).sum();
     assert!(rotations >= 3, "{rotations} rotations");
+    let events = r.store.with(|m| m.events.clone());
+    let rotated = events.iter().filter(|e| e.1 == "CARotated").count();
+    assert_eq!(rotated as u64, rotations, "{events:?}");
     let secret = r.store.with(|m| m.secret.clone());
     let stored = stored_from_secret(&secret.unwrap_or_default())?;
     let now = r.clock.now();
@@ -444,6 +459,11 @@ async fn a_corrupted_secret_is_repaired_and_both_replicas_follow() -> anyhow::Re
     .await?;
     // The old root, still valid, stays trusted for the overlap.
     assert_eq!(st.previous.as_deref(), Some(first_ca.as_str()));
+    let events = r.store.with(|m| m.events.clone());
+    assert!(
+        events.contains(&(true, "CertificateRepaired".into())),
+        "{events:?}"
+    );
     // A deleted Secret is made again.
     r.store.with(|m| m.secret = None);
     tokio::time::sleep(S(5)).await;
