@@ -322,19 +322,10 @@ async fn start(
             serving: args.serving_cert_validity,
         };
         validity.validate().map_err(crate::ca::CaError::Validity)?;
-        // Every replica must have read and loaded a renewal before the old
-        // certificate ends: a third of its life covers both intervals.
+        args.check().map_err(crate::ca::CaError::Validity)?;
         let pickup = args
             .tls_secret_resync
             .saturating_add(args.cert_reload_interval);
-        if validity.serving / 3 <= pickup {
-            return Err(crate::ca::CaError::Validity(format!(
-                "--serving-cert-validity {:?} leaves a third ({:?}) that does not cover --tls-secret-resync + --cert-reload-interval ({pickup:?})",
-                validity.serving,
-                validity.serving / 3
-            ))
-            .into());
-        }
         let bundle = crate::ca::ensure_secret(
             &client,
             &args.operator_namespace,

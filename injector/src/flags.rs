@@ -199,6 +199,39 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// What clap cannot check flag by flag: the self-managed certificate's
+    /// lifetimes against each other and against the pickup intervals. The
+    /// message names the flags.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.self_signed {
+            return Ok(());
+        }
+        if self.ca_validity < self.serving_cert_validity {
+            return Err(format!(
+                "--ca-validity ({:?}) must be at least --serving-cert-validity ({:?})",
+                self.ca_validity, self.serving_cert_validity
+            ));
+        }
+        if self.tls_secret_resync.is_zero() || self.cert_reload_interval.is_zero() {
+            return Err(
+                "--tls-secret-resync and --cert-reload-interval must be more than 0".into(),
+            );
+        }
+        // Every replica must have read and loaded a renewal before the old
+        // certificate ends: a third of its life covers both intervals.
+        let pickup = self
+            .tls_secret_resync
+            .saturating_add(self.cert_reload_interval);
+        let third = self.serving_cert_validity / 3;
+        if third <= pickup {
+            return Err(format!(
+                "--serving-cert-validity {:?} leaves a third ({third:?}) that does not cover --tls-secret-resync + --cert-reload-interval ({pickup:?})",
+                self.serving_cert_validity
+            ));
+        }
+        Ok(())
+    }
+
     /// The election settings these flags give.
     pub fn leader_config(&self) -> LeaderConfig {
         let identity = self
