@@ -189,13 +189,15 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         // Bad timings fail the start, not the first election.
         leader_cfg.validate()?;
     }
+    // Registered below with the others; the rotation starts before.
+    let ca_metrics = crate::ca::Metrics::default();
     let started = tokio::select! {
         biased;
         () = shutdown.cancelled() => {
             tracing::info!("shut down before serving");
             return Ok(());
         }
-        r = start(&args, &shutdown) => r?,
+        r = start(&args, &shutdown, ca_metrics.clone()) => r?,
     };
     let Started {
         client,
@@ -221,6 +223,9 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     let controller_metrics = crate::controller::Metrics::register(&mut registry);
     let jobs_metrics = crate::jobs::Metrics::register(&mut registry);
     let leader_metrics = leader::Metrics::register(&mut registry);
+    if args.self_signed {
+        ca_metrics.register(&mut registry);
+    }
     let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
     let ctx = Arc::new(LeaderContext {
         client: client.clone(),
@@ -305,7 +310,11 @@ struct Started {
 
 /// Everything before serving: certificates, the cluster view, the listener.
 /// The background tasks it starts stop with `shutdown`.
-async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started, AppError> {
+async fn start(
+    args: &ServeArgs,
+    shutdown: &CancellationToken,
+    ca_metrics: crate::ca::Metrics,
+) -> Result<Started, AppError> {
     let client = Client::try_default().await.map_err(AppError::Connect)?;
     let (cert_path, key_path) = if args.self_signed {
         let validity = crate::ca::Validity {
@@ -313,19 +322,10 @@ async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started
             serving: args.serving_cert_validity,
         };
         validity.validate().map_err(crate::ca::CaError::Validity)?;
-        // Every replica must have read and loaded a renewal before the old
-        // certificate ends: a third of its life covers both intervals.
+        args.check().map_err(crate::ca::CaError::Validity)?;
         let pickup = args
             .tls_secret_resync
             .saturating_add(args.cert_reload_interval);
-        if validity.serving / 3 <= pickup {
-            return Err(crate::ca::CaError::Validity(format!(
-                "--serving-cert-validity {:?} leaves a third ({:?}) that does not cover --tls-secret-resync + --cert-reload-interval ({pickup:?})",
-                validity.serving,
-                validity.serving / 3
-            ))
-            .into());
-        }
         let bundle = crate::ca::ensure_secret(
             &client,
             &args.operator_namespace,
@@ -334,33 +334,53 @@ async fn start(args: &ServeArgs, shutdown: &CancellationToken) -> Result<Started
             validity,
         )
         .await?;
-        let (ca_tx, ca_rx) = tokio::sync::watch::channel(bundle.ca_pem.clone());
+        let (bundle_tx, bundle_rx) = tokio::sync::watch::channel(bundle.ca_pem.clone());
+        let secrets = kube::Api::namespaced(client.clone(), &args.operator_namespace);
         tokio::spawn(
             shutdown
                 .clone()
                 .run_until_cancelled_owned(crate::ca::keep_ca_bundle(
                     client.clone(),
                     args.webhook_config.clone(),
-                    ca_rx,
+                    secrets.clone(),
+                    args.tls_secret.clone(),
+                    args.tls_secret_resync,
+                    bundle_rx,
                 )),
         );
-        let keeper = crate::ca::Keeper {
-            client: client.clone(),
-            namespace: args.operator_namespace.clone(),
+        let rotator = crate::ca::Rotator {
+            store: crate::ca::KubeStore {
+                secrets,
+                secret: args.tls_secret.clone(),
+                webhook_configs: kube::Api::all(client.clone()),
+                webhook_config: args.webhook_config.clone(),
+                recorder: Some(kube::runtime::events::Recorder::new(
+                    client.clone(),
+                    kube::runtime::events::Reporter {
+                        controller: crate::jobs::FIELD_MANAGER.into(),
+                        instance: Some(args.leader_config().identity),
+                    },
+                )),
+            },
             secret: args.tls_secret.clone(),
-            service: args.service_name.clone(),
-            validity,
+            namespace: args.operator_namespace.clone(),
+            names: crate::ca::service_names(&args.service_name, &args.operator_namespace),
+            // Every replica has loaded a new certificate within `pickup`;
+            // a third of the serving lifetime is more (checked above).
+            policy: crate::ca::Policy {
+                validity,
+                overlap: validity.serving / 3,
+                settle: pickup,
+            },
             dir: args.self_signed_dir.clone(),
             period: args.tls_secret_resync,
+            clock: crate::ca::Clock::System,
+            metrics: ca_metrics,
         };
         tokio::spawn(
             shutdown
                 .clone()
-                .run_until_cancelled_owned(crate::ca::keep_serving_cert(
-                    keeper,
-                    bundle.clone(),
-                    ca_tx,
-                )),
+                .run_until_cancelled_owned(rotator.run(bundle.clone(), bundle_tx)),
         );
         crate::ca::write_files(&args.self_signed_dir, &bundle)?
     } else {

@@ -13,11 +13,15 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
+use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, Issuer, KeyPair, KeyUsagePurpose};
 use serde_json::{Value, json};
+
+mod rotation;
+pub use rotation::{
+    Action, CaPair, Clock, KubeStore, MIN_STEP, Metrics, NEXT_CA_KEY, NEXT_CA_SIGNING_KEY,
+    PREVIOUS_CA_KEY, Plan, Policy, Rotator, Store, Stored, apply, bundle_has_root, new_ca, plan,
+    stored_from_secret, stored_to_secret, trust_bundle,
+};
 
 pub const CA_KEY: &str = "ca.crt";
 pub const CERT_KEY: &str = "tls.crt";
@@ -36,7 +40,7 @@ pub struct Validity {
 impl Default for Validity {
     fn default() -> Self {
         Self {
-            ca: Duration::from_secs(10 * 365 * 24 * 3600),
+            ca: Duration::from_secs(365 * 24 * 3600),
             serving: Duration::from_secs(90 * 24 * 3600),
         }
     }
@@ -113,23 +117,13 @@ pub fn generate(names: &[String]) -> Result<Bundle, CaError> {
 
 /// Make a fresh CA valid for `v.ca` from `now`, and a serving certificate.
 pub fn generate_with(names: &[String], v: Validity, now: SystemTime) -> Result<Bundle, CaError> {
-    let mut ca = CertificateParams::new(Vec::<String>::new())?;
-    ca.not_before = now.into();
-    ca.not_after = now.checked_add(v.ca).unwrap_or(now).into();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    ca.distinguished_name
-        .push(DnType::CommonName, "remora-injector-ca");
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_key = KeyPair::generate()?;
-    let ca_cert = ca.self_signed(&ca_key)?;
-    let ca_key_pem = ca_key.serialize_pem();
-    let ca_pem = ca_cert.pem();
-    let (cert_pem, key_pem) = issue_serving(&ca_pem, &ca_key_pem, names, v, now)?;
+    let ca = rotation::new_ca(v.ca, now)?;
+    let (cert_pem, key_pem) = issue_serving(&ca.cert_pem, &ca.key_pem, names, v, now)?;
     Ok(Bundle {
-        ca_pem,
+        ca_pem: ca.cert_pem,
         cert_pem,
         key_pem,
-        ca_key_pem,
+        ca_key_pem: ca.key_pem,
     })
 }
 
@@ -391,149 +385,26 @@ pub async fn ensure_secret(
     ))
 }
 
-/// Where a replica stands with the shared Secret.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Renewal {
-    /// Nothing to do before this time.
-    Wait(SystemTime),
-    /// Issue a new serving certificate now.
-    Renew,
-}
-
-/// What to do with `b` at `now` (pure, for the tests): renew once two thirds
-/// of the serving certificate's life are gone and the CA key is at hand.
-pub fn renewal(b: &Bundle, now: SystemTime) -> Renewal {
-    match renewal_due_at(&b.cert_pem) {
-        Some(due) if now < due => Renewal::Wait(due),
-        // A Secret without the CA key cannot renew; once its certificate is
-        // unusable, `ensure_secret` replaces the whole pair.
-        _ if b.ca_key_pem.is_empty() => Renewal::Wait(now),
-        _ => Renewal::Renew,
-    }
-}
-
-/// The renewal task's settings.
-#[derive(Clone)]
-pub struct Keeper {
-    pub client: Client,
-    pub namespace: String,
-    pub secret: String,
-    pub service: String,
-    pub validity: Validity,
-    pub dir: std::path::PathBuf,
-    /// Longest time between two reads of the Secret.
-    pub period: Duration,
-}
-
-/// Keep this replica serving what the shared Secret holds and renew the
-/// serving certificate when due. Every replica runs it: the renewal is a
-/// replace conditional on the Secret's resourceVersion, so one replica's
-/// wins and the others adopt it at their next read. The CA it publishes
-/// goes to `ca_tx` (the caBundle keeper).
-pub async fn keep_serving_cert(
-    k: Keeper,
-    mut current: Bundle,
-    ca_tx: tokio::sync::watch::Sender<String>,
-) {
-    let api: Api<Secret> = Api::namespaced(k.client.clone(), &k.namespace);
-    let names = service_names(&k.service, &k.namespace);
-    loop {
-        let now = SystemTime::now();
-        let wait = match renewal(&current, now) {
-            Renewal::Wait(at) => at.duration_since(now).unwrap_or_default().min(k.period),
-            Renewal::Renew => Duration::ZERO,
-        };
-        tokio::time::sleep(wait.max(Duration::from_secs(1))).await;
-        let read = ensure_secret(&k.client, &k.namespace, &k.secret, &k.service, k.validity).await;
-        let mut stored = match read {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %e, secret = %k.secret, "cannot read the serving certificate's Secret; serving the current one");
-                continue;
-            }
-        };
-        if renewal(&stored, SystemTime::now()) == Renewal::Renew {
-            match renew(&api, &k, &names, &stored).await {
-                Ok(Some(b)) => stored = b,
-                // Another replica renewed first: adopt it at the next read.
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot renew the serving certificate; retrying")
-                }
-            }
-        }
-        if stored.cert_pem != current.cert_pem || stored.key_pem != current.key_pem {
-            match write_files(&k.dir, &stored) {
-                Ok(_) => tracing::info!(
-                    secret = %k.secret,
-                    renewal_due = ?renewal_due_at(&stored.cert_pem),
-                    "serving certificate updated from the Secret"
-                ),
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot write the serving certificate");
-                    continue;
-                }
-            }
-        }
-        ca_tx.send_if_modified(|ca| {
-            let changed = *ca != stored.ca_pem;
-            if changed {
-                ca.clone_from(&stored.ca_pem);
-            }
-            changed
-        });
-        current = stored;
-    }
-}
-
-/// Replace the Secret's serving pair with a new one from its CA. `Ok(None)`
-/// when another replica changed the Secret meanwhile.
-async fn renew(
-    api: &Api<Secret>,
-    k: &Keeper,
-    names: &[String],
-    stored: &Bundle,
-) -> Result<Option<Bundle>, CaError> {
-    let Some(secret) = api.get_opt(&k.secret).await? else {
-        return Ok(None);
-    };
-    if from_secret(&secret).ok().as_ref() != Some(stored) {
-        return Ok(None);
-    }
-    let (cert_pem, key_pem) = issue_serving(
-        &stored.ca_pem,
-        &stored.ca_key_pem,
-        names,
-        k.validity,
-        SystemTime::now(),
-    )?;
-    let renewed = Bundle {
-        cert_pem,
-        key_pem,
-        ..stored.clone()
-    };
-    let mut want = to_secret(&k.secret, &k.namespace, &renewed);
-    want.metadata.resource_version = secret.metadata.resource_version;
-    match api.replace(&k.secret, &PostParams::default(), &want).await {
-        Ok(_) => {
-            tracing::info!(secret = %k.secret, "serving certificate renewed");
-            Ok(Some(renewed))
-        }
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
-        Err(e) => Err(e.into()),
-    }
-}
-
 /// Keep `caBundle` of the webhook configuration current. It watches that
 /// one configuration (a field selector on its name, which RBAC's
 /// `resourceNames` allows), so a reset (`helm upgrade`, or a GitOps
 /// `helm template | kubectl apply` that blanks it) is repaired at once,
 /// not at the next poll: with failurePolicy Fail a blank caBundle refuses
-/// every pod creation meanwhile. A new CA from `ca_rx` is patched in too.
+/// every pod creation meanwhile. A new trust bundle from `bundle_rx` is
+/// patched in too.
+///
+/// Replicas' views of the Secret may lag one another during a rotation, so
+/// a replica never patches from its own view alone: before a patch it
+/// re-reads the Secret (and patches what that holds), and the patch is
+/// conditional on the configuration's resourceVersion. A stale replica
+/// thus cannot take a root out that another replica already serves from.
 pub async fn keep_ca_bundle(
     client: Client,
     webhook_config: String,
-    mut ca_rx: tokio::sync::watch::Receiver<String>,
+    secrets: Api<Secret>,
+    secret: String,
+    period: Duration,
+    mut bundle_rx: tokio::sync::watch::Receiver<String>,
 ) {
     use futures::StreamExt;
     use kube::runtime::{WatchStreamExt, watcher};
@@ -545,6 +416,9 @@ pub async fn keep_ca_bundle(
             .default_backoff()
             .applied_objects()
     );
+    // A failed or lost patch is tried again within a period.
+    let mut tick = tokio::time::interval(period.max(MIN_STEP));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last: Option<MutatingWebhookConfiguration> = None;
     loop {
         tokio::select! {
@@ -556,17 +430,37 @@ pub async fn keep_ca_bundle(
                     continue;
                 }
             },
-            changed = ca_rx.changed() => {
+            changed = bundle_rx.changed() => {
                 if changed.is_err() {
                     return;
                 }
             }
+            _ = tick.tick() => {}
         }
         let Some(mwc) = &last else { continue };
-        let ca_pem = ca_rx.borrow_and_update().clone();
-        let ops = ca_bundle_patch(mwc, &ca_pem);
+        let mine = bundle_rx.borrow_and_update().clone();
+        if ca_bundle_patch(mwc, &mine).is_empty() {
+            continue;
+        }
+        // Patch what the Secret holds now; this replica's view only when
+        // the Secret cannot be read or served.
+        let now = SystemTime::now();
+        let want = match secrets.get_opt(&secret).await {
+            Ok(Some(s)) => match stored_from_secret(&s) {
+                Ok(st) if unusable(&st.current, now).is_none() => trust_bundle(&st, now),
+                _ => mine,
+            },
+            _ => mine,
+        };
+        let mut ops = ca_bundle_patch(mwc, &want);
         if ops.is_empty() {
             continue;
+        }
+        if let Some(rv) = &mwc.metadata.resource_version {
+            ops.insert(
+                0,
+                json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv}),
+            );
         }
         let patch = match serde_json::from_value(Value::Array(ops)) {
             Ok(p) => Patch::Json::<()>(p),
@@ -575,8 +469,6 @@ pub async fn keep_ca_bundle(
                 continue;
             }
         };
-        // A failed patch is retried at the configuration's next change or
-        // the watch's next relist.
         match api
             .patch(&webhook_config, &PatchParams::default(), &patch)
             .await
@@ -585,6 +477,7 @@ pub async fn keep_ca_bundle(
                 last = Some(m);
                 tracing::info!(webhook_config, "caBundle patched");
             }
+            // Changed meanwhile: the watch brings the new version.
             Err(e) => tracing::warn!(error = %e, "cannot patch caBundle"),
         }
     }
@@ -621,14 +514,26 @@ mod tests {
         let b = generate_with(&names, v, t0)?;
         assert_eq!(unusable(&b, t0 + Duration::from_secs(1)), None);
         let due = t0 + Duration::from_secs(60);
-        assert_eq!(renewal(&b, t0), Renewal::Wait(due));
-        assert_eq!(renewal(&b, due), Renewal::Renew);
-        // Without the CA key (an older Secret) nothing can be issued.
+        let policy = Policy {
+            validity: v,
+            overlap: Duration::from_secs(30),
+            settle: Duration::from_secs(3),
+        };
+        let renewal = |b: &Bundle, now| plan(&Stored::new(b.clone()), false, now, &policy);
+        let wait = |wake| Plan { action: None, wake };
+        let now = |action, wake| Plan {
+            action: Some(action),
+            wake,
+        };
+        assert_eq!(renewal(&b, t0), wait(due));
+        assert_eq!(renewal(&b, due), now(Action::Renew, due));
+        // Without the CA key (an older Secret) nothing can be issued: the
+        // CA is rotated to one whose key is kept.
         let keyless = Bundle {
             ca_key_pem: String::new(),
             ..b.clone()
         };
-        assert_eq!(renewal(&keyless, due), Renewal::Wait(due));
+        assert_eq!(renewal(&keyless, due), now(Action::Stage, due));
         // A renewal from the stored CA: same CA, new pair, usable, due later.
         let (cert_pem, key_pem) = issue_serving(&b.ca_pem, &b.ca_key_pem, &names, v, due)?;
         let renewed = Bundle {
@@ -638,10 +543,7 @@ mod tests {
         };
         assert_ne!(renewed.cert_pem, b.cert_pem);
         assert_eq!(unusable(&renewed, due + Duration::from_secs(1)), None);
-        assert_eq!(
-            renewal(&renewed, due),
-            Renewal::Wait(due + Duration::from_secs(60))
-        );
+        assert_eq!(renewal(&renewed, due), wait(due + Duration::from_secs(60)));
         // Never beyond the CA: issued 30 s before the CA ends.
         let late = t0 + Duration::from_secs(3570);
         let (short, _) = issue_serving(&b.ca_pem, &b.ca_key_pem, &names, v, late)?;

@@ -133,9 +133,10 @@ pub struct ServeArgs {
     /// MutatingWebhookConfiguration whose caBundle is kept current.
     #[arg(long, env = "REMORA_WEBHOOK_CONFIG", default_value = "remora-injector")]
     pub webhook_config: String,
-    /// Lifetime of the self-managed CA (`<n>s|m|h|d`). Not rotated yet: see
-    /// the injector README.
-    #[arg(long, env = "REMORA_CA_VALIDITY", value_parser = parse_validity, default_value = "3650d")]
+    /// Lifetime of the self-managed CA (`<n>s|m|h|d`, at least
+    /// --serving-cert-validity); rotated at two thirds of it, with old and
+    /// new roots both in the caBundle meanwhile (injector README).
+    #[arg(long, env = "REMORA_CA_VALIDITY", value_parser = parse_validity, default_value = "365d")]
     pub ca_validity: Duration,
     /// Lifetime of the self-managed serving certificate (`<n>s|m|h|d`, at
     /// least 30s); renewed from the stored CA at two thirds of it.
@@ -198,6 +199,39 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// What clap cannot check flag by flag: the self-managed certificate's
+    /// lifetimes against each other and against the pickup intervals. The
+    /// message names the flags.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.self_signed {
+            return Ok(());
+        }
+        if self.ca_validity < self.serving_cert_validity {
+            return Err(format!(
+                "--ca-validity ({:?}) must be at least --serving-cert-validity ({:?})",
+                self.ca_validity, self.serving_cert_validity
+            ));
+        }
+        if self.tls_secret_resync.is_zero() || self.cert_reload_interval.is_zero() {
+            return Err(
+                "--tls-secret-resync and --cert-reload-interval must be more than 0".into(),
+            );
+        }
+        // Every replica must have read and loaded a renewal before the old
+        // certificate ends: a third of its life covers both intervals.
+        let pickup = self
+            .tls_secret_resync
+            .saturating_add(self.cert_reload_interval);
+        let third = self.serving_cert_validity / 3;
+        if third <= pickup {
+            return Err(format!(
+                "--serving-cert-validity {:?} leaves a third ({third:?}) that does not cover --tls-secret-resync + --cert-reload-interval ({pickup:?})",
+                self.serving_cert_validity
+            ));
+        }
+        Ok(())
+    }
+
     /// The election settings these flags give.
     pub fn leader_config(&self) -> LeaderConfig {
         let identity = self

@@ -73,6 +73,13 @@ fn main() -> std::process::ExitCode {
             }
         },
         Command::Serve(args) => {
+            if let Err(e) = args.check() {
+                // Like clap's own refusals: usage error, exit 2.
+                use clap::CommandFactory;
+                Cli::command()
+                    .error(clap::error::ErrorKind::ArgumentConflict, e)
+                    .exit();
+            }
             init_tracing(&args.log_level);
             let rt = match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

@@ -68,6 +68,43 @@ fn bad_flags_exit_2_naming_the_flag() -> anyhow::Result<()> {
 }
 
 #[test]
+fn bad_certificate_lifetimes_exit_2_naming_the_flag() -> anyhow::Result<()> {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--ca-validity", "0s"], "--ca-validity"),
+        (&["--ca-validity", "99999999d"], "--ca-validity"),
+        (
+            &["--serving-cert-validity", "5s"],
+            "--serving-cert-validity",
+        ),
+        // Each fine alone, not together: checked before any API call.
+        (
+            &["--ca-validity", "60s", "--serving-cert-validity", "90s"],
+            "--ca-validity",
+        ),
+        (
+            &[
+                "--serving-cert-validity",
+                "30s",
+                "--tls-secret-resync",
+                "10s",
+            ],
+            "--tls-secret-resync",
+        ),
+    ];
+    for (args, flag) in cases {
+        let out = bin()
+            .args(["serve", "--self-signed"])
+            .args(*args)
+            .env("KUBECONFIG", "/nonexistent")
+            .output()?;
+        let err = String::from_utf8(out.stderr)?;
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+    Ok(())
+}
+
+#[test]
 fn missing_file_exits_1() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let out = bin()
