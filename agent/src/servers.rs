@@ -248,6 +248,10 @@ async fn logging(
 pub fn limits() -> remora_serve::Limits {
     remora_serve::Limits {
         max_connections: 128,
+        // Probes and hooks come one at a time per source; a source that
+        // opens more than 128 waits its turn instead of churning.
+        evict_after: Duration::from_secs(1),
+        max_parked: 4096,
         max_in_flight: 32,
         header_read_timeout: Duration::from_secs(5),
         body_read_timeout: Duration::from_secs(5),

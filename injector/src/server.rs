@@ -237,6 +237,8 @@ pub const DRAIN_LINGER: Duration = Duration::from_secs(2);
 pub fn limits(grace: Duration) -> remora_serve::Limits {
     remora_serve::Limits {
         max_connections: 256,
+        evict_after: Duration::from_secs(1),
+        max_parked: 4096,
         max_in_flight: 128,
         // API servers keep idle connections for 90 s; closing ours after 30 s
         // costs them a new handshake now and then, not an error.

@@ -3,12 +3,21 @@
 //! source address that holds the most such connections. A flood from one
 //! client (a pod on the network) therefore only ever evicts its own
 //! connections, never the kubelet's probe or the API server's.
+//!
+//! A source evicts its own connections only once they have been open
+//! [`Limits::evict_after`](crate::Limits::evict_after): a newcomer that
+//! finds none that old is parked instead (see the crate doc). Evicting at
+//! once would let a client that reconnects as soon as it is closed spin the
+//! accept loop as fast as the CPU allows, and the kernel's listen queue
+//! would then overflow with its SYNs, the probe's among them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::Metrics;
@@ -24,12 +33,15 @@ pub(crate) struct Slot {
 
 pub(crate) enum Admission {
     Admitted(Slot),
-    /// Full, and every connection has a request in flight.
-    Refused,
+    /// Full, and no connection may be evicted for this one: every one has
+    /// a request in flight, or the candidate is of the newcomer's own
+    /// source and younger than `evict_after`.
+    Wait,
 }
 
 struct Entry {
     source: IpAddr,
+    opened: Instant,
     busy: Arc<AtomicUsize>,
     evict: CancellationToken,
 }
@@ -49,8 +61,16 @@ struct Inner {
 impl Table {
     /// Make room for a new connection from `source`: at `max`, evict the
     /// oldest idle connection of the source with the most idle ones (the
-    /// newcomer counted); refuse when no connection is idle.
-    pub fn admit(&self, max: usize, source: IpAddr, metrics: &Metrics) -> Admission {
+    /// newcomer counted), if that is another source or the connection is at
+    /// least `evict_after` old; otherwise the newcomer waits.
+    pub fn admit(
+        &self,
+        max: usize,
+        source: IpAddr,
+        evict_after: Duration,
+        metrics: &Metrics,
+    ) -> Admission {
+        let now = Instant::now();
         let mut t = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         if t.open.len() >= max {
             let mut idle: HashMap<IpAddr, (usize, u64)> = HashMap::new();
@@ -68,16 +88,18 @@ impl Table {
             let victim = idle
                 .into_iter()
                 .max_by_key(|(src, (n, id))| (*n, *src != source, std::cmp::Reverse(*id)))
-                .map(|(_, (_, id))| id);
+                .map(|(_, (_, id))| id)
+                .filter(|id| {
+                    t.open.get(id).is_some_and(|e| {
+                        e.source != source || now.saturating_duration_since(e.opened) >= evict_after
+                    })
+                });
             match victim.and_then(|id| t.open.remove(&id)) {
                 Some(e) => {
                     e.evict.cancel();
                     metrics.evicted();
                 }
-                None => {
-                    metrics.refused();
-                    return Admission::Refused;
-                }
+                None => return Admission::Wait,
             }
         }
         let id = t.next_id;
@@ -88,11 +110,22 @@ impl Table {
             id,
             Entry {
                 source,
+                opened: now,
                 busy: Arc::clone(&busy),
                 evict: evict.clone(),
             },
         );
         Admission::Admitted(Slot { id, busy, evict })
+    }
+
+    /// Whether a connection can be admitted without evicting one.
+    pub fn has_room(&self, max: usize) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .open
+            .len()
+            < max
     }
 
     /// The connection ended (a no-op when it was evicted).
@@ -140,7 +173,7 @@ mod tests {
     fn admitted(a: Admission) -> Slot {
         match a {
             Admission::Admitted(s) => s,
-            Admission::Refused => panic!("refused"),
+            Admission::Wait => panic!("told to wait"),
         }
     }
 
@@ -148,10 +181,10 @@ mod tests {
     fn full_table_evicts_the_oldest_idle_connection() {
         let m = Metrics::default();
         let t = Table::default();
-        let a = admitted(t.admit(2, A, &m));
-        let b = admitted(t.admit(2, A, &m));
+        let a = admitted(t.admit(2, A, Duration::ZERO, &m));
+        let b = admitted(t.admit(2, A, Duration::ZERO, &m));
         let _busy_a = BusyGuard::new(&a.busy);
-        let c = admitted(t.admit(2, A, &m));
+        let c = admitted(t.admit(2, A, Duration::ZERO, &m));
         assert!(!a.evict.is_cancelled(), "a has a request in flight");
         assert!(b.evict.is_cancelled(), "b is the oldest idle one");
         assert!(!c.evict.is_cancelled());
@@ -160,15 +193,15 @@ mod tests {
     }
 
     #[test]
-    fn full_table_of_busy_connections_refuses() {
+    fn full_table_of_busy_connections_makes_the_newcomer_wait() {
         let m = Metrics::default();
         let t = Table::default();
-        let a = admitted(t.admit(1, A, &m));
+        let a = admitted(t.admit(1, A, Duration::ZERO, &m));
         let _busy = BusyGuard::new(&a.busy);
-        assert!(matches!(t.admit(1, A, &m), Admission::Refused));
-        assert_eq!(m.refused_total(), 1);
+        assert!(matches!(t.admit(1, B, Duration::ZERO, &m), Admission::Wait));
+        assert!(!t.has_room(1));
         drop(_busy);
-        let _b = admitted(t.admit(1, A, &m));
+        let _b = admitted(t.admit(1, A, Duration::ZERO, &m));
         assert!(a.evict.is_cancelled());
     }
 
@@ -177,22 +210,45 @@ mod tests {
         let m = Metrics::default();
         let t = Table::default();
         // The probe's connection is the oldest and idle (between requests).
-        let probe = admitted(t.admit(3, B, &m));
-        let flood: Vec<Slot> = (0..100).map(|_| admitted(t.admit(3, A, &m))).collect();
+        let probe = admitted(t.admit(3, B, Duration::ZERO, &m));
+        let flood: Vec<Slot> = (0..100)
+            .map(|_| admitted(t.admit(3, A, Duration::ZERO, &m)))
+            .collect();
         assert!(!probe.evict.is_cancelled(), "B holds one; A holds the most");
         assert_eq!(flood.iter().filter(|s| !s.evict.is_cancelled()).count(), 2);
         // A newcomer from B, with B not the largest, still evicts one of A's.
-        let probe2 = admitted(t.admit(3, B, &m));
+        let probe2 = admitted(t.admit(3, B, Duration::ZERO, &m));
         assert!(!probe.evict.is_cancelled() && !probe2.evict.is_cancelled());
         assert_eq!(t.len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_source_evicts_its_own_connections_only_once_they_are_old_enough() {
+        let m = Metrics::default();
+        let t = Table::default();
+        let second = Duration::from_secs(1);
+        let a = admitted(t.admit(2, A, second, &m));
+        let _a2 = admitted(t.admit(2, A, second, &m));
+        // Both of A's are younger than a second: A's newcomer waits.
+        assert!(matches!(t.admit(2, A, second, &m), Admission::Wait));
+        assert_eq!(m.evicted_total(), 0);
+        // Another source does not wait for age.
+        let b = admitted(t.admit(2, B, second, &m));
+        assert!(a.evict.is_cancelled(), "A's oldest made room for B");
+        tokio::time::advance(second).await;
+        // A's remaining one is old enough now, and A holds the most.
+        let _a3 = admitted(t.admit(2, A, second, &m));
+        assert!(!b.evict.is_cancelled());
+        assert_eq!(m.evicted_total(), 2);
+        assert_eq!(t.len(), 2);
     }
 
     #[test]
     fn removing_an_evicted_connection_is_a_no_op() {
         let m = Metrics::default();
         let t = Table::default();
-        let a = admitted(t.admit(1, A, &m));
-        let b = admitted(t.admit(1, A, &m));
+        let a = admitted(t.admit(1, A, Duration::ZERO, &m));
+        let b = admitted(t.admit(1, A, Duration::ZERO, &m));
         t.remove(a.id);
         assert_eq!(t.len(), 1);
         t.remove(b.id);

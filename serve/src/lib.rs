@@ -5,10 +5,20 @@
 //! - connections: at [`Limits::max_connections`] a new connection evicts the
 //!   oldest one with no request in flight (a slow-loris connection still
 //!   sending its head, or an idle keep-alive one) of the source address
-//!   holding the most of them; only when every connection is busy is the
-//!   new one closed at once. A flood of slow connections from one client
-//!   therefore churns only its own connections and cannot lock a kubelet
-//!   probe or the API server out.
+//!   holding the most of them, so a flood of slow connections from one
+//!   client cannot lock a kubelet probe or the API server out. A source
+//!   evicts its own connections only once they are [`Limits::evict_after`]
+//!   old; until then (and while every connection is busy) its newcomers
+//!   are parked: accepted, held unread, given the next free place, and
+//!   closed unserved after [`Limits::header_read_timeout`]. At most
+//!   [`Limits::max_parked`] are parked (fewer if the process may open few
+//!   files); beyond that the oldest parked one is closed. An attacker that
+//!   reconnects the moment it is closed thus gets a place only as fast as
+//!   places free up, not as fast as the CPU can accept, and the kernel's
+//!   listen queue stays short enough for a probe's connection.
+//! - a TLS handshake that fails (a client speaking something else) keeps
+//!   its place until the handshake's deadline before it is closed, for the
+//!   same reason; another source's newcomer may still evict it.
 //! - time: the TLS handshake, the request head (hyper restarts that timer
 //!   for every head, so it is also the keep-alive idle timeout) and the
 //!   whole request body each have a deadline;
@@ -27,6 +37,7 @@
 
 mod conns;
 mod metrics;
+mod parking;
 pub mod readiness;
 
 use std::convert::Infallible;
@@ -51,6 +62,7 @@ use tower_http::timeout::DeadlineBody;
 
 use conns::{Admission, BusyGuard, Table};
 pub use metrics::Metrics;
+use parking::Parking;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -66,6 +78,11 @@ pub enum ServeError {
 pub struct Limits {
     /// Connections held open at once.
     pub max_connections: usize,
+    /// How long a connection is safe from eviction by a newer connection
+    /// of its own source.
+    pub evict_after: Duration,
+    /// Connections accepted and held unread while no place is free.
+    pub max_parked: usize,
     /// Requests being handled at once, over all connections.
     pub max_in_flight: usize,
     /// Time to receive a request head; also how long a keep-alive connection
@@ -93,6 +110,8 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_connections: 128,
+            evict_after: Duration::from_secs(1),
+            max_parked: 4096,
             max_in_flight: 64,
             header_read_timeout: Duration::from_secs(5),
             body_read_timeout: Duration::from_secs(10),
@@ -194,13 +213,34 @@ impl Server {
             draining: CancellationToken::new(),
         });
         let mut conns = JoinSet::new();
+        let mut parked = Parking::new(self.limits.max_parked, self.limits.header_read_timeout);
+        let max = self.limits.max_connections;
+        let evict_after = self.limits.evict_after;
         tokio::pin!(shutdown);
         loop {
+            let expiry = parked.next_deadline();
             let (stream, peer) = tokio::select! {
                 biased;
                 () = &mut shutdown => break,
-                // Reap finished connections as we go.
-                Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+                // Reap finished connections as we go; each frees a place
+                // for the oldest parked one.
+                Some(_) = conns.join_next(), if !conns.is_empty() => {
+                    while shared.table.has_room(max) {
+                        let Some((stream, peer)) = parked.pop(&shared.metrics) else { break };
+                        let Admission::Admitted(slot) =
+                            shared.table.admit(max, peer.ip(), evict_after, &shared.metrics)
+                        else {
+                            break;
+                        };
+                        Self::spawn(&shared, &mut conns, self.name, stream, peer, slot);
+                    }
+                    continue;
+                }
+                () = tokio::time::sleep_until(expiry.unwrap_or_else(tokio::time::Instant::now)),
+                    if expiry.is_some() => {
+                    parked.expire(&shared.metrics);
+                    continue;
+                }
                 r = listener.accept() => match r {
                     Ok(accepted) => accepted,
                     // Out of file descriptors and the like: wait a moment
@@ -213,30 +253,27 @@ impl Server {
                     Err(e) => return Err(ServeError::Accept(e)),
                 },
             };
-            let admission =
-                shared
-                    .table
-                    .admit(shared.limits.max_connections, peer.ip(), &shared.metrics);
-            let Admission::Admitted(slot) = admission else {
-                tracing::debug!(server = self.name, %peer, "every connection busy; refused");
-                drop(stream);
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let shared = Arc::clone(&shared);
-            let name = self.name;
-            conns.spawn(async move {
-                let id = slot.id;
-                let _open = shared.metrics.open_guard();
-                shared.connection(stream, slot).await;
-                shared.table.remove(id);
-                tracing::trace!(server = name, %peer, "connection closed");
-            });
+            match shared
+                .table
+                .admit(max, peer.ip(), evict_after, &shared.metrics)
+            {
+                Admission::Admitted(slot) => {
+                    Self::spawn(&shared, &mut conns, self.name, stream, peer, slot);
+                }
+                Admission::Wait => {
+                    tracing::debug!(server = self.name, %peer, "no place free; parked");
+                    parked.park(stream, peer, &shared.metrics);
+                    continue;
+                }
+            }
             // Let the new connection read its head before more arrivals can
             // evict it: under a flood, accepting alone would outrun every
             // connection task, and a probe would be evicted unread.
             tokio::task::yield_now().await;
         }
+        // Parked connections were never read: nothing of theirs is lost.
+        let unserved = parked.len();
+        drop(parked);
         drop(listener);
         shared.draining.cancel();
         let open = conns.len();
@@ -244,6 +281,7 @@ impl Server {
         tracing::info!(
             server = self.name,
             connections = open,
+            parked_closed = unserved,
             ?grace,
             "{} server draining",
             self.name
@@ -264,6 +302,27 @@ impl Server {
             0
         };
         Ok(Drained { forced })
+    }
+}
+
+impl Server {
+    fn spawn(
+        shared: &Arc<Shared>,
+        conns: &mut JoinSet<()>,
+        name: &'static str,
+        stream: TcpStream,
+        peer: std::net::SocketAddr,
+        slot: conns::Slot,
+    ) {
+        let _ = stream.set_nodelay(true);
+        let shared = Arc::clone(shared);
+        conns.spawn(async move {
+            let id = slot.id;
+            let _open = shared.metrics.open_guard();
+            shared.connection(stream, slot).await;
+            shared.table.remove(id);
+            tracing::trace!(server = name, %peer, "connection closed");
+        });
     }
 }
 
@@ -300,10 +359,8 @@ impl Shared {
         match &self.acceptor {
             None => self.http(TokioIo::new(stream), slot).await,
             Some(acceptor) => {
-                let handshake = tokio::time::timeout(
-                    self.limits.tls_handshake_timeout,
-                    acceptor.accept(stream),
-                );
+                let deadline = tokio::time::Instant::now() + self.limits.tls_handshake_timeout;
+                let handshake = tokio::time::timeout_at(deadline, acceptor.accept(stream));
                 let tls = tokio::select! {
                     // A handshake not done by the end of the linger carries
                     // no request yet; one done before may still carry one.
@@ -312,6 +369,13 @@ impl Shared {
                         Ok(Ok(s)) => s,
                         Ok(Err(e)) => {
                             tracing::debug!(error = %e, "TLS handshake failed");
+                            // Keep the place until the deadline: closed at
+                            // once, a client that reconnects at once would
+                            // spin us (see the crate doc).
+                            tokio::select! {
+                                () = tokio::time::sleep_until(deadline) => {}
+                                () = self.draining.cancelled() => {}
+                            }
                             return;
                         }
                         Err(_) => {

@@ -10,6 +10,7 @@ pub struct Metrics {
     open: Gauge,
     evicted: Counter,
     refused: Counter,
+    parked: Counter,
     shed: Counter,
 }
 
@@ -29,8 +30,13 @@ impl Metrics {
             m.evicted.clone(),
         );
         registry.register(
+            "server_connections_parked",
+            "Connections held unread at accept until a place frees up (the server was full)",
+            m.parked.clone(),
+        );
+        registry.register(
             "server_connections_refused",
-            "Connections closed at accept because every open one had a request in flight",
+            "Connections closed unserved: parked past their deadline, or over the parking cap",
             m.refused.clone(),
         );
         registry.register(
@@ -50,6 +56,9 @@ impl Metrics {
     pub fn refused_total(&self) -> u64 {
         self.refused.get()
     }
+    pub fn parked_total(&self) -> u64 {
+        self.parked.get()
+    }
     pub fn shed_total(&self) -> u64 {
         self.shed.get()
     }
@@ -59,6 +68,9 @@ impl Metrics {
     }
     pub(crate) fn refused(&self) {
         self.refused.inc();
+    }
+    pub(crate) fn parked(&self) {
+        self.parked.inc();
     }
     pub(crate) fn shed(&self) {
         self.shed.inc();
