@@ -36,9 +36,7 @@ pub enum ServerError {
 
 /// Bind now (so a port in use is reported before Envoy starts), serve later.
 pub async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServerError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServerError::Bind { what, addr, source })
+    remora_serve::bind(addr).map_err(|source| ServerError::Bind { what, addr, source })
 }
 
 #[derive(Clone)]

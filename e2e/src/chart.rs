@@ -192,6 +192,20 @@ pub async fn install_crds(client: &Client) -> Result<Vec<String>, Error> {
     Ok(names)
 }
 
+/// The chart's objects that make up the injector's identity and its
+/// admission wiring: its ServiceAccount and RBAC, its webhook
+/// configuration, the admission policy that holds it to Remora's fields.
+pub const IDENTITY_KINDS: [&str; 8] = [
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "MutatingWebhookConfiguration",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+];
+
 /// A cluster-scoped object [`apply`] made: its API and name, to delete it.
 pub type ClusterScoped = (Api<DynamicObject>, String);
 

@@ -85,6 +85,14 @@ pub fn pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) ->
     }
 }
 
+/// Whether every webhook of `mwc` has exactly `ca` as its caBundle.
+pub fn every_ca_bundle_is(mwc: &MutatingWebhookConfiguration, ca: &ByteString) -> bool {
+    mwc.webhooks
+        .iter()
+        .flatten()
+        .all(|w| w.client_config.ca_bundle.as_ref() == Some(ca))
+}
+
 pub async fn label_namespace(
     client: &Client,
     ns: &str,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, wait_until};
 use e2e::injector::{Injector, Options};
-use e2e::webhook::{label_namespace, pod, webhook_config};
+use e2e::webhook::{every_ca_bundle_is, label_namespace, pod, webhook_config};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -75,12 +75,7 @@ async fn serving_certificate_renewals_refuse_no_admission() -> anyhow::Result<()
     let ca = data(&secrets.get(SECRET).await?, "ca.crt").context("no ca.crt")?;
     wait_until("both webhooks trust the Secret's CA", DEADLINE, || async {
         let m = mwcs.get(&mwc_name).await?;
-        let all = m
-            .webhooks
-            .unwrap_or_default()
-            .iter()
-            .all(|w| w.client_config.ca_bundle.as_ref() == Some(&ca));
-        Ok::<_, kube::Error>(all.then_some(()))
+        Ok::<_, kube::Error>(every_ca_bundle_is(&m, &ca).then_some(()))
     })
     .await
     .with_context(logs)?;

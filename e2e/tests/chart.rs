@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, wait_until};
 use e2e::injector::{Injector, Options};
+use e2e::webhook::every_ca_bundle_is;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
@@ -245,17 +246,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         &client,
         &ns,
         &objects,
-        &[
-            "ServiceAccount",
-            "ClusterRole",
-            "ClusterRoleBinding",
-            "Role",
-            "RoleBinding",
-            "SidecarLifecycle",
-            "MutatingWebhookConfiguration",
-            "ValidatingAdmissionPolicy",
-            "ValidatingAdmissionPolicyBinding",
-        ],
+        &[&e2e::chart::IDENTITY_KINDS[..], &["SidecarLifecycle"]].concat(),
     )
     .await?;
     let token = e2e::controlplane::service_account_token(&client, &ns, &name).await?;
@@ -447,12 +438,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     assert_ne!(repaired, ca, "a new CA");
     wait_until("the new CA in the caBundle", DEADLINE, || async {
         let mwc = mwc_api.get(&name).await?;
-        let all = mwc
-            .webhooks
-            .unwrap_or_default()
-            .iter()
-            .all(|w| w.client_config.ca_bundle.as_ref() == Some(&repaired));
-        Ok::<_, kube::Error>(all.then_some(()))
+        Ok::<_, kube::Error>(every_ca_bundle_is(&mwc, &repaired).then_some(()))
     })
     .await
     .with_context(log)?;

@@ -174,22 +174,8 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     let release = ns.clone();
     let name = format!("{release}-remora-injector");
     let objects = e2e::chart::render(&release, &ns, &[])?;
-    let mut cluster_scoped = e2e::chart::apply(
-        &admin,
-        &ns,
-        &objects,
-        &[
-            "ServiceAccount",
-            "ClusterRole",
-            "ClusterRoleBinding",
-            "Role",
-            "RoleBinding",
-            "MutatingWebhookConfiguration",
-            "ValidatingAdmissionPolicy",
-            "ValidatingAdmissionPolicyBinding",
-        ],
-    )
-    .await?;
+    let mut cluster_scoped =
+        e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
     workloads(&admin, &work).await?;
     // Another webhook configuration, which the injector must never touch.
     let mwcs = Api::<MutatingWebhookConfiguration>::all(admin.clone());

@@ -394,12 +394,10 @@ async fn start(
     );
     let tls = Arc::new(cert.server_config()?);
     let view = crate::cluster::start(client.clone(), args.sync_timeout, shutdown.clone()).await?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|source| AppError::Bind {
-            addr: args.listen,
-            source,
-        })?;
+    let listener = remora_serve::bind(args.listen).map_err(|source| AppError::Bind {
+        addr: args.listen,
+        source,
+    })?;
     Ok(Started {
         client,
         tls,

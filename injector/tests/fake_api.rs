@@ -1,7 +1,8 @@
 //! The operator's API-writing parts against small fake API servers over
 //! HTTP on 127.0.0.1:0: the self-managed CA (the first replica creates the
 //! Secret, a racing one adopts the winner's; the `caBundle` keeper watches,
-//! so it is tested on the real API server in `e2e/tests/chart.rs`) and the
+//! so it is tested on the real API server in `e2e/tests/chart.rs` and
+//! `e2e/tests/ca_rotation.rs`) and the
 //! status controller (status subresource, live lifecycle annotation).
 
 use std::sync::{Arc, Mutex};
@@ -17,15 +18,12 @@ use remora_injector::ca;
 use serde_json::{Value, json};
 
 const SECRET_PATH: &str = "/api/v1/namespaces/remora-system/secrets/remora-injector-tls";
-const MWC_PATH: &str =
-    "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/remora-injector";
 
 #[derive(Default)]
 struct Fake {
     secret: Option<Value>,
     /// Answer the next create with 409 and store this secret instead.
     race_with: Option<Value>,
-    mwc: Value,
 }
 
 type Shared = Arc<Mutex<Fake>>;
@@ -61,24 +59,6 @@ async fn create_secret(State(s): State<Shared>, body: Bytes) -> Response {
     (StatusCode::CREATED, axum::Json(v)).into_response()
 }
 
-async fn get_mwc(State(s): State<Shared>) -> Response {
-    let v = s.lock().map(|f| f.mwc.clone()).unwrap_or_default();
-    axum::Json(v).into_response()
-}
-
-async fn patch_mwc(State(s): State<Shared>, body: Bytes) -> Response {
-    let Ok(patch) = serde_json::from_slice::<json_patch::Patch>(&body) else {
-        return status(400, "BadRequest");
-    };
-    let Ok(mut f) = s.lock() else {
-        return status(500, "poisoned");
-    };
-    if json_patch::patch(&mut f.mwc, &patch).is_err() {
-        return status(422, "Invalid");
-    }
-    axum::Json(f.mwc.clone()).into_response()
-}
-
 async fn start(fake: Fake) -> anyhow::Result<(kube::Client, Shared)> {
     let shared: Shared = Arc::new(Mutex::new(fake));
     let app = Router::new()
@@ -87,7 +67,6 @@ async fn start(fake: Fake) -> anyhow::Result<(kube::Client, Shared)> {
             "/api/v1/namespaces/remora-system/secrets",
             axum::routing::post(create_secret),
         )
-        .route(MWC_PATH, get(get_mwc).patch(patch_mwc))
         .with_state(Arc::clone(&shared));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -98,20 +77,9 @@ async fn start(fake: Fake) -> anyhow::Result<(kube::Client, Shared)> {
     Ok((kube::Client::try_from(config)?, shared))
 }
 
-fn mwc() -> Value {
-    json!({"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
-        "metadata": {"name": "remora-injector"},
-        "webhooks": [{"name": "inject.remora.dev", "admissionReviewVersions": ["v1"], "sideEffects": "None",
-            "clientConfig": {"service": {"name": "remora-injector", "namespace": "remora-system", "path": "/inject"}}}]})
-}
-
 #[tokio::test]
 async fn first_replica_creates_the_secret_and_later_ones_reuse_it() -> anyhow::Result<()> {
-    let (client, shared) = start(Fake {
-        mwc: mwc(),
-        ..Fake::default()
-    })
-    .await?;
+    let (client, shared) = start(Fake::default()).await?;
     let first = ca::ensure_secret(
         &client,
         "remora-system",
@@ -143,7 +111,6 @@ async fn losing_the_create_race_adopts_the_winner() -> anyhow::Result<()> {
     ))?;
     let (client, _) = start(Fake {
         race_with: Some(secret),
-        mwc: mwc(),
         ..Fake::default()
     })
     .await?;

@@ -19,6 +19,8 @@
 //! - a TLS handshake that fails (a client speaking something else) keeps
 //!   its place until the handshake's deadline before it is closed, for the
 //!   same reason; another source's newcomer may still evict it.
+//! - the kernel's queue: listeners from [`bind`] take [`LISTEN_BACKLOG`]
+//!   connections before the kernel starts dropping SYNs, not 128.
 //! - time: the TLS handshake, the request head (hyper restarts that timer
 //!   for every head, so it is also the keep-alive idle timeout) and the
 //!   whole request body each have a deadline;
@@ -303,6 +305,25 @@ impl Server {
         };
         Ok(Drained { forced })
     }
+}
+
+/// The kernel's queue of connections not yet accepted. The standard
+/// library's (and tokio's) 128 fills within moments of a flood's first
+/// burst, and a probe's SYN dropped there waits a second for its
+/// retransmission; the kernel caps this at `net.core.somaxconn`.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listener for [`Server::serve`]: address reuse on, as
+/// `TcpListener::bind` does, and a backlog of [`LISTEN_BACKLOG`].
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 impl Server {

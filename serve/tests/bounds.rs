@@ -497,3 +497,30 @@ fn limits_that_would_refuse_everything_are_rejected() {
         assert!(Server::new("bad", bad).is_err());
     }
 }
+
+#[tokio::test]
+async fn the_listen_queue_holds_a_burst_far_larger_than_128() -> Result<()> {
+    // The kernel caps the backlog at somaxconn (4096 on current kernels).
+    let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")?
+        .trim()
+        .parse()?;
+    let burst = somaxconn.min(remora_serve::LISTEN_BACKLOG as usize) / 2;
+    anyhow::ensure!(burst > 128, "somaxconn {somaxconn} leaves no room to test");
+    let listener = remora_serve::bind("127.0.0.1:0".parse()?)?;
+    let addr = listener.local_addr()?;
+    // Nothing accepts: every connect completes in the kernel's queue or
+    // not at all (a SYN dropped on a full queue is retried after 1 s).
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..burst {
+        set.spawn(async move {
+            tokio::time::timeout(Duration::from_millis(900), TcpStream::connect(addr)).await
+        });
+    }
+    let mut held = Vec::new();
+    while let Some(r) = set.join_next().await {
+        held.push(r?.context("a connect waited for a SYN retransmission")??);
+    }
+    assert_eq!(held.len(), burst);
+    drop(listener);
+    Ok(())
+}
