@@ -83,7 +83,8 @@ pub struct Limits {
     /// How long a connection is safe from eviction by a newer connection
     /// of its own source.
     pub evict_after: Duration,
-    /// Connections accepted and held unread while no place is free.
+    /// Connections accepted and held unread while no place is free (0:
+    /// close them at once).
     pub max_parked: usize,
     /// Requests being handled at once, over all connections.
     pub max_in_flight: usize,
