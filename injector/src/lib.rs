@@ -1,6 +1,7 @@
 //! remora-injector: the mutating webhook that injects Remora's sidecar, its
 //! effective-config resolution, and offline (GitOps) injection.
 
+pub mod alloc;
 pub mod app;
 pub mod ca;
 pub mod cluster;

@@ -53,6 +53,8 @@ struct InjectArgs {
 }
 
 fn main() -> std::process::ExitCode {
+    // Freed review bodies go back to the OS at once, not a second later.
+    remora_injector::alloc::purge_freed_memory_at_once();
     let cli = Cli::parse();
     match cli.command {
         Command::Crds => match remora_crds::crd_yaml() {

@@ -408,6 +408,9 @@ impl<'de> serde::de::Visitor<'de> for Keep {
     }
 }
 
+/// A review read by [`Injector::parse`], to be answered by [`Injector::answer`].
+pub struct ParsedReview(RequestIn);
+
 /// Only the uid, to answer a review that cannot be read otherwise.
 #[derive(Deserialize)]
 struct UidOnly {
@@ -472,6 +475,19 @@ impl Injector {
     /// Answer one AdmissionReview body. It waits only when the pod's
     /// namespace is not in the cache (see [`ClusterView::lookup_namespace_labels`]).
     pub async fn review(&self, body: &[u8]) -> (AdmissionReview<DynamicObject>, AdmissionOutcome) {
+        match self.parse(body) {
+            Ok(req) => self.answer(req).await,
+            Err(answer) => *answer,
+        }
+    }
+
+    /// The first half of [`Self::review`]: the parts of the review the
+    /// answer needs, read from the body (which may then be freed), or the
+    /// answer to a review that cannot be read.
+    pub fn parse(
+        &self,
+        body: &[u8],
+    ) -> Result<ParsedReview, Box<(AdmissionReview<DynamicObject>, AdmissionOutcome)>> {
         let review: ReviewIn = match serde_json::from_slice(body) {
             Ok(r) => r,
             Err(e) => {
@@ -480,19 +496,27 @@ impl Injector {
                     .ok()
                     .and_then(|r| r.request?.uid)
                     .unwrap_or_default();
-                return (
+                return Err(Box::new((
                     unreadable(uid, &format!("unreadable AdmissionReview: {e}")),
                     AdmissionOutcome::Invalid,
-                );
+                )));
             }
         };
-        let Some(req) = review.request else {
-            return (
+        match review.request {
+            Some(req) => Ok(ParsedReview(req)),
+            None => Err(Box::new((
                 unreadable(String::new(), "the AdmissionReview has no request"),
                 AdmissionOutcome::Invalid,
-            );
-        };
-        let (resp, outcome) = self.admit(req).await;
+            ))),
+        }
+    }
+
+    /// The second half of [`Self::review`].
+    pub async fn answer(
+        &self,
+        req: ParsedReview,
+    ) -> (AdmissionReview<DynamicObject>, AdmissionOutcome) {
+        let (resp, outcome) = self.admit(req.0).await;
         (resp.into_review(), outcome)
     }
 
