@@ -182,9 +182,21 @@ async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let (review, outcome) = match read_body(req.into_body(), declared, state.max_body_bytes).await {
         Ok(body) => {
             // The body is freed as soon as it is parsed, before the answer
-            // (which may wait for a namespace lookup) is worked out.
-            let parsed = state.injector.parse(&body);
-            drop(body);
+            // (which may wait for a namespace lookup) is worked out. Parsing
+            // megabytes takes milliseconds of CPU: off the runtime's
+            // workers, so probes and other reviews are not held up.
+            let parsed = tokio::task::spawn_blocking(move || {
+                let parsed = Injector::parse(&body);
+                drop(body);
+                parsed
+            })
+            .await
+            .unwrap_or_else(|e| {
+                Err(Box::new((
+                    unreadable(String::new(), &format!("parsing the review failed: {e}")),
+                    AdmissionOutcome::Invalid,
+                )))
+            });
             match parsed {
                 Ok(req) => state.injector.answer(req).await,
                 Err(answer) => *answer,

@@ -475,7 +475,7 @@ impl Injector {
     /// Answer one AdmissionReview body. It waits only when the pod's
     /// namespace is not in the cache (see [`ClusterView::lookup_namespace_labels`]).
     pub async fn review(&self, body: &[u8]) -> (AdmissionReview<DynamicObject>, AdmissionOutcome) {
-        match self.parse(body) {
+        match Self::parse(body) {
             Ok(req) => self.answer(req).await,
             Err(answer) => *answer,
         }
@@ -485,7 +485,6 @@ impl Injector {
     /// answer needs, read from the body (which may then be freed), or the
     /// answer to a review that cannot be read.
     pub fn parse(
-        &self,
         body: &[u8],
     ) -> Result<ParsedReview, Box<(AdmissionReview<DynamicObject>, AdmissionOutcome)>> {
         let review: ReviewIn = match serde_json::from_slice(body) {
