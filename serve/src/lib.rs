@@ -348,6 +348,15 @@ impl Server {
     }
 }
 
+/// `now + d`, or about 30 years from now when that overflows (as tokio's
+/// own timers do): a huge configured timeout must not panic.
+pub(crate) fn deadline_after(d: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(86_400 * 365 * 30)))
+        .unwrap_or(now)
+}
+
 fn is_transient(e: &std::io::Error) -> bool {
     use std::io::ErrorKind::*;
     matches!(
@@ -381,7 +390,7 @@ impl Shared {
         match &self.acceptor {
             None => self.http(TokioIo::new(stream), slot).await,
             Some(acceptor) => {
-                let deadline = tokio::time::Instant::now() + self.limits.tls_handshake_timeout;
+                let deadline = deadline_after(self.limits.tls_handshake_timeout);
                 let handshake = tokio::time::timeout_at(deadline, acceptor.accept(stream));
                 let tls = tokio::select! {
                     // A handshake not done by the end of the linger carries

@@ -63,7 +63,7 @@ impl Parking {
         self.queue.push_back(Parked {
             stream,
             peer,
-            deadline: Instant::now() + self.wait,
+            deadline: crate::deadline_after(self.wait),
         });
     }
 
@@ -123,6 +123,18 @@ mod tests {
         assert_eq!(p.next_deadline().map(|d| d <= Instant::now()), Some(true));
         assert!(p.pop(&m).is_none(), "past its deadline");
         assert_eq!(m.refused_total(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_huge_wait_does_not_panic() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let m = Metrics::default();
+        let mut p = Parking::with_cap(1, Duration::MAX);
+        let (s, a) = pair(&listener).await;
+        p.park(s, a, &m);
+        assert!(p.next_deadline().is_some_and(|d| d > Instant::now()));
     }
 
     #[test]
