@@ -35,6 +35,8 @@ pub enum SetupError {
     Kube(#[from] kube::Error),
     #[error(transparent)]
     Json(#[from] serde_json::Error),
+    #[error("temporary directory: {0}")]
+    TempDir(#[from] std::io::Error),
     #[error("the chart's MutatingWebhookConfiguration: {0}")]
     Webhooks(&'static str),
     #[error("{source}; the injector's log ends with:\n{log}")]
@@ -143,6 +145,78 @@ pub fn webhook_config(
             });
     }
     Ok(mwc)
+}
+
+/// Two injector replicas with a self-managed CA sharing the Secret
+/// `secret` in `ns`, behind one webhook configuration (failurePolicy Fail)
+/// whose first webhook calls `a` and second calls `b`: every pod creation
+/// in `ns` passes through both. `lifetimes` are the extra flags (certificate
+/// validities, resync and reload intervals).
+pub struct SelfManagedPair {
+    pub a: Injector,
+    pub b: Injector,
+    pub mwc_name: String,
+    _dirs: tempfile::TempDir,
+}
+
+impl SelfManagedPair {
+    pub async fn start(
+        cp: &ControlPlane,
+        client: &Client,
+        ns: &str,
+        secret: &str,
+        lifetimes: &[&str],
+    ) -> Result<Self, SetupError> {
+        let mwc_name = format!("remora-e2e-{ns}");
+        let dirs = tempfile::tempdir()?;
+        let replica = |n: &str| {
+            let mut o = Options::new(ns);
+            let dir = dirs.path().join(n).display().to_string();
+            o.args = [
+                "--self-signed",
+                "--tls-secret",
+                secret,
+                // The API server calls https://127.0.0.1:<port>: the
+                // certificate names that address.
+                "--service-name",
+                "127.0.0.1",
+                "--webhook-config",
+                &mwc_name,
+                "--leader-elect=false",
+                "--self-signed-dir",
+                &dir,
+            ]
+            .iter()
+            .chain(lifetimes)
+            .map(|s| s.to_string())
+            .collect();
+            o
+        };
+        let a = Injector::start(cp.kubeconfig(), replica("a")).await?;
+        let b = Injector::start(cp.kubeconfig(), replica("b")).await?;
+        let mut mwc = webhook_config(&mwc_name, &a, &[ns], "Fail")?;
+        if let Some(second) = mwc.webhooks.as_mut().and_then(|w| w.get_mut(1)) {
+            second.client_config.url = Some(b.url());
+        }
+        Api::<MutatingWebhookConfiguration>::all(client.clone())
+            .create(&PostParams::default(), &mwc)
+            .await?;
+        Ok(Self {
+            a,
+            b,
+            mwc_name,
+            _dirs: dirs,
+        })
+    }
+
+    /// The tails of both replicas' logs, for a failure's context.
+    pub fn logs(&self) -> String {
+        format!(
+            "replica a:\n{}\nreplica b:\n{}",
+            self.a.log_tail(),
+            self.b.log_tail()
+        )
+    }
 }
 
 /// A test's world: namespaces (the first labelled `remora.dev/inject=enabled`,

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, wait_until};
-use e2e::injector::{Injector, Options};
-use e2e::webhook::{label_namespace, pod, webhook_config};
+use e2e::injector::Injector;
+use e2e::webhook::{SelfManagedPair, label_namespace, pod};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -62,19 +62,12 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     e2e::chart::install_crds(&client).await?;
     let ns = cp.create_namespace(&client, "carotation").await?;
     label_namespace(&client, &ns, "remora.dev/inject", "enabled").await?;
-    let mwc_name = format!("remora-e2e-{ns}");
-    let dirs = tempfile::tempdir()?;
-    let replica = |n: &str| {
-        let mut o = Options::new(&ns);
-        o.args = [
-            "--self-signed",
-            "--tls-secret",
-            SECRET,
-            // The API server calls https://127.0.0.1:<port>.
-            "--service-name",
-            "127.0.0.1",
-            "--webhook-config",
-            &mwc_name,
+    let pair = SelfManagedPair::start(
+        cp,
+        &client,
+        &ns,
+        SECRET,
+        &[
             "--ca-validity",
             "60s",
             "--serving-cert-validity",
@@ -83,32 +76,19 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
             "2s",
             "--cert-reload-interval",
             "1s",
-            "--leader-elect=false",
-            "--self-signed-dir",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([dirs.path().join(n).display().to_string()])
-        .collect();
-        o
-    };
-    let a = Injector::start(cp.kubeconfig(), replica("a")).await?;
-    let b = Injector::start(cp.kubeconfig(), replica("b")).await?;
-    let logs = || format!("replica a:\n{}\nreplica b:\n{}", a.log_tail(), b.log_tail());
-
-    let mut mwc = webhook_config(&mwc_name, &a, &[&ns], "Fail")?;
-    if let Some(second) = mwc.webhooks.as_mut().and_then(|w| w.get_mut(1)) {
-        second.client_config.url = Some(b.url());
-    }
+        ],
+    )
+    .await?;
+    let (a, b, mwc_name) = (&pair.a, &pair.b, &pair.mwc_name);
+    let logs = || pair.logs();
     let mwcs = Api::<MutatingWebhookConfiguration>::all(client.clone());
-    mwcs.create(&PostParams::default(), &mwc).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let first_ca = text(&secrets.get(SECRET).await?, "ca.crt").context("no ca.crt")?;
     wait_until(
         "both webhooks trust the first CA",
         Duration::from_secs(30),
         || async {
-            let m = mwcs.get(&mwc_name).await?;
+            let m = mwcs.get(mwc_name).await?;
             let all = bundles(&m).iter().all(|b| bundle_has_root(b, &first_ca));
             Ok::<_, kube::Error>(all.then_some(()))
         },
@@ -151,7 +131,7 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
         let s = secrets.get(SECRET).await?;
-        let m = bundles(&mwcs.get(&mwc_name).await?);
+        let m = bundles(&mwcs.get(mwc_name).await?);
         if let Some(next) = text(&s, NEXT_CA_KEY) {
             saw_both |= m
                 .iter()
@@ -165,7 +145,7 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
             && text(&s, NEXT_CA_KEY).is_none()
             && m.iter()
                 .all(|b| bundle_has_root(b, &ca) && !bundle_has_root(b, &first_ca))
-            && both_serve(&[&a, &b], &ca).await;
+            && both_serve(&[a, b], &ca).await;
         if settled {
             break ca;
         }
@@ -185,30 +165,26 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     let l = logs();
     assert!(l.contains("switched to the new CA"), "{l}");
     let events = Api::<Event>::namespaced(client.clone(), &ns);
-    let reasons = || async {
-        let list = events.list(&Default::default()).await?;
-        Ok::<_, kube::Error>(
-            list.items
-                .into_iter()
-                .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(SECRET))
-                .filter_map(|e| e.reason)
-                .collect::<Vec<_>>(),
-        )
-    };
-    wait_until(
-        "a CARotated Event on the Secret",
-        Duration::from_secs(10),
-        || async {
-            Ok::<_, kube::Error>(
-                reasons()
-                    .await?
-                    .iter()
-                    .any(|r| r == "CARotated")
-                    .then_some(()),
+    // Waits (10 s at most) for an Event with `reason` about the Secret.
+    let event_on_secret = |reason: &'static str| {
+        let events = &events;
+        async move {
+            wait_until(
+                &format!("a {reason} Event on the Secret"),
+                Duration::from_secs(10),
+                || async {
+                    let list = events.list(&Default::default()).await?;
+                    let seen = list.items.iter().any(|e| {
+                        e.reason.as_deref() == Some(reason)
+                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(SECRET)
+                    });
+                    Ok::<_, kube::Error>(seen.then_some(()))
+                },
             )
-        },
-    )
-    .await?;
+            .await
+        }
+    };
+    event_on_secret("CARotated").await?;
 
     // A corrupted Secret (garbage key): repaired, served by both.
     let mut s = secrets.get(SECRET).await?;
@@ -224,40 +200,27 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
             let (Some(key), Some(ca)) = (text(&s, "tls.key"), text(&s, "ca.crt")) else {
                 return Ok::<_, kube::Error>(None);
             };
-            let ok = key != "garbage" && both_serve(&[&a, &b], &ca).await;
+            let ok = key != "garbage" && both_serve(&[a, b], &ca).await;
             Ok(ok.then_some(ca))
         },
     )
     .await
     .with_context(logs)?;
     assert_ne!(repaired, new_ca);
-    wait_until(
-        "a CertificateRepaired Event on the Secret",
-        Duration::from_secs(10),
-        || async {
-            Ok::<_, kube::Error>(
-                reasons()
-                    .await?
-                    .iter()
-                    .any(|r| r == "CertificateRepaired")
-                    .then_some(()),
-            )
-        },
-    )
-    .await?;
+    event_on_secret("CertificateRepaired").await?;
 
     // A GitOps apply that blanks caBundle: restored within seconds.
-    let mut blank = mwcs.get(&mwc_name).await?;
+    let mut blank = mwcs.get(mwc_name).await?;
     for w in blank.webhooks.iter_mut().flatten() {
         w.client_config.ca_bundle = None;
     }
-    mwcs.replace(&mwc_name, &PostParams::default(), &blank)
+    mwcs.replace(mwc_name, &PostParams::default(), &blank)
         .await?;
     wait_until(
         "the blanked caBundle restored",
         Duration::from_secs(5),
         || async {
-            let m = mwcs.get(&mwc_name).await?;
+            let m = mwcs.get(mwc_name).await?;
             let all = bundles(&m).iter().all(|b| bundle_has_root(b, &repaired));
             Ok::<_, kube::Error>(all.then_some(()))
         },
@@ -265,8 +228,8 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     .await
     .with_context(logs)?;
 
-    mwcs.delete(&mwc_name, &Default::default()).await?;
-    drop((a, b));
+    mwcs.delete(mwc_name, &Default::default()).await?;
+    drop(pair);
     cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }

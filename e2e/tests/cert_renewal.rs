@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, wait_until};
-use e2e::injector::{Injector, Options};
-use e2e::webhook::{every_ca_bundle_is, label_namespace, pod, webhook_config};
+use e2e::webhook::{SelfManagedPair, every_ca_bundle_is, label_namespace, pod};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -31,50 +30,29 @@ async fn serving_certificate_renewals_refuse_no_admission() -> anyhow::Result<()
     e2e::chart::install_crds(&client).await?;
     let ns = cp.create_namespace(&client, "renewal").await?;
     label_namespace(&client, &ns, "remora.dev/inject", "enabled").await?;
-    let mwc_name = format!("remora-e2e-{ns}");
-    let dirs = tempfile::tempdir()?;
-    let replica = |n: &str| {
-        let mut o = Options::new(&ns);
-        o.args = [
-            "--self-signed",
-            "--tls-secret",
-            SECRET,
-            // The API server calls https://127.0.0.1:<port>: the certificate
-            // names that address.
-            "--service-name",
-            "127.0.0.1",
-            "--webhook-config",
-            &mwc_name,
+    // Every pod creation goes through both replicas, with failurePolicy Fail.
+    let pair = SelfManagedPair::start(
+        cp,
+        &client,
+        &ns,
+        SECRET,
+        &[
             "--serving-cert-validity",
             "30s",
             "--tls-secret-resync",
             "2s",
             "--cert-reload-interval",
             "1s",
-            "--leader-elect=false",
-            "--self-signed-dir",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([dirs.path().join(n).display().to_string()])
-        .collect();
-        o
-    };
-    let a = Injector::start(cp.kubeconfig(), replica("a")).await?;
-    let b = Injector::start(cp.kubeconfig(), replica("b")).await?;
-    let logs = || format!("replica a:\n{}\nreplica b:\n{}", a.log_tail(), b.log_tail());
-
-    // Every pod creation goes through both replicas, with failurePolicy Fail.
-    let mut mwc = webhook_config(&mwc_name, &a, &[&ns], "Fail")?;
-    if let Some(second) = mwc.webhooks.as_mut().and_then(|w| w.get_mut(1)) {
-        second.client_config.url = Some(b.url());
-    }
+        ],
+    )
+    .await?;
+    let (a, b, mwc_name) = (&pair.a, &pair.b, &pair.mwc_name);
+    let logs = || pair.logs();
     let mwcs = Api::<MutatingWebhookConfiguration>::all(client.clone());
-    mwcs.create(&PostParams::default(), &mwc).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let ca = data(&secrets.get(SECRET).await?, "ca.crt").context("no ca.crt")?;
     wait_until("both webhooks trust the Secret's CA", DEADLINE, || async {
-        let m = mwcs.get(&mwc_name).await?;
+        let m = mwcs.get(mwc_name).await?;
         Ok::<_, kube::Error>(every_ca_bundle_is(&m, &ca).then_some(()))
     })
     .await
@@ -125,8 +103,8 @@ async fn serving_certificate_renewals_refuse_no_admission() -> anyhow::Result<()
             "replica {name} never loaded a renewal:\n{log}"
         );
     }
-    mwcs.delete(&mwc_name, &Default::default()).await?;
-    drop((a, b));
+    mwcs.delete(mwc_name, &Default::default()).await?;
+    drop(pair);
     cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }
