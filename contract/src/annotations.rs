@@ -3,6 +3,10 @@
 /// Namespace or pod label selecting injection: `enabled` on a namespace,
 /// `"true"` on a pod; `"false"` on the pod always wins.
 pub const INJECT_LABEL: &str = "remora.dev/inject";
+
+/// What every Remora annotation starts with: a reader that keeps only these
+/// keeps all it reads.
+pub const PREFIX: &str = "remora.dev/";
 /// What the injector did, as JSON ([`crate::lifecycle::SidecarStatus`]).
 pub const STATUS: &str = "remora.dev/status";
 /// The effective lifecycle as JSON ([`crate::lifecycle::LifecycleAnnotation`]),

@@ -234,6 +234,8 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             operator_namespace: args.operator_namespace.clone(),
             rollout_interval: args.rollout_interval,
             identity: leader_cfg.identity.clone(),
+            qps: args.kube_api_qps,
+            burst: args.kube_api_burst,
         }),
         controller_metrics,
         stop_completed_jobs: args.stop_completed_jobs,
@@ -301,6 +303,25 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     Ok(())
 }
 
+/// The API client, from the in-cluster config or KUBECONFIG, naming itself
+/// in `User-Agent` so that the API server's audit log and flow control tell
+/// its requests apart (kube-rs sends none of its own).
+async fn client(args: &ServeArgs) -> Result<Client, AppError> {
+    let mut config = kube::Config::infer()
+        .await
+        .map_err(|e| AppError::Connect(kube::Error::InferConfig(e)))?;
+    let agent = match &args.leader_identity {
+        Some(pod) => format!("remora-injector/{} ({pod})", env!("CARGO_PKG_VERSION")),
+        None => format!("remora-injector/{}", env!("CARGO_PKG_VERSION")),
+    };
+    // A pod name that is not a valid header value is sent without it.
+    let agent = http::HeaderValue::from_str(&agent).unwrap_or_else(|_| {
+        http::HeaderValue::from_static(concat!("remora-injector/", env!("CARGO_PKG_VERSION")))
+    });
+    config.headers.push((http::header::USER_AGENT, agent));
+    Client::try_from(config).map_err(AppError::Connect)
+}
+
 struct Started {
     client: Client,
     tls: Arc<rustls::ServerConfig>,
@@ -315,7 +336,7 @@ async fn start(
     shutdown: &CancellationToken,
     ca_metrics: crate::ca::Metrics,
 ) -> Result<Started, AppError> {
-    let client = Client::try_default().await.map_err(AppError::Connect)?;
+    let client = client(args).await?;
     let (cert_path, key_path) = if args.self_signed {
         let validity = crate::ca::Validity {
             ca: args.ca_validity,

@@ -170,7 +170,7 @@ pub async fn start(
 impl KubeView {
     /// Resolves once the SidecarLifecycles and namespaces have been listed.
     pub async fn wait_synced(&self) {
-        let _ = self.lifecycles.store().wait_until_ready().await;
+        self.lifecycles.listed().await;
         let _ = self.namespaces.wait_until_ready().await;
     }
 

@@ -166,6 +166,15 @@ pub struct ServeArgs {
     /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
     #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_contract::duration::parse, default_value = "30s")]
     pub rollout_interval: Duration,
+    /// Requests per second the leader's controllers may make to the API
+    /// server (status, pod patches, Events, rollouts; not watches).
+    #[arg(long, env = "REMORA_KUBE_API_QPS", default_value_t = crate::controller::DEFAULT_QPS,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub kube_api_qps: u32,
+    /// Requests the controllers may make at once above --kube-api-qps.
+    #[arg(long, env = "REMORA_KUBE_API_BURST", default_value_t = crate::controller::DEFAULT_BURST,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub kube_api_burst: u32,
     /// Run the controller only while holding the leader Lease; false: this
     /// replica always runs it (one replica only).
     #[arg(long, env = "REMORA_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set,

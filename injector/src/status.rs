@@ -3,7 +3,8 @@
 //! they need a restart. All of it is pure; [`crate::controller`] feeds it
 //! from its reflectors and acts on the result.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -14,6 +15,89 @@ use remora_contract::lifecycle::LifecycleAnnotation;
 
 use crate::mutate::{STATUS_ANNOTATION, lifecycle_annotation};
 use crate::sidecar_config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
+
+/// What one resource's status and pods are computed from: the resources
+/// of its own namespace, and its pods grouped by namespace, each group
+/// with the resources that can reach it (those of that namespace and the
+/// cluster defaults). A pod is reached only by resources of its own
+/// namespace or cluster defaults, so the answer is the same as from every
+/// resource and every pod, at the cost of the few that matter.
+#[derive(Debug, Clone, Default)]
+pub struct Scope {
+    /// The resources of the computed one's namespace (the cluster defaults'
+    /// when it is one): where selector-less ones overlap.
+    pub own: Vec<LifecycleEntry>,
+    pub groups: Vec<Group>,
+}
+
+/// Pods of one namespace and the resources that can reach them.
+#[derive(Debug, Clone, Default)]
+pub struct Group {
+    pub entries: Vec<LifecycleEntry>,
+    pub pods: Vec<Arc<PodInfo>>,
+}
+
+impl Scope {
+    /// The scope of `entry` among `entries` (every resource, or at least
+    /// those of its namespace and the operator's). `pods(Some(ns))` gives
+    /// the pods of `ns`, `pods(None)` every namespace's, by namespace.
+    pub fn of(
+        entry: &LifecycleEntry,
+        entries: Vec<LifecycleEntry>,
+        operator_ns: &str,
+        pods: impl FnOnce(Option<&str>) -> Vec<(String, Vec<Arc<PodInfo>>)>,
+    ) -> Self {
+        let cluster_wide = layer(entry, operator_ns) == Layer::Cluster;
+        let mut by_ns: HashMap<String, Vec<LifecycleEntry>> = HashMap::new();
+        for e in entries {
+            by_ns.entry(e.namespace.clone()).or_default().push(e);
+        }
+        let defaults: Vec<LifecycleEntry> = by_ns
+            .get(operator_ns)
+            .into_iter()
+            .flatten()
+            .filter(|e| e.spec.selector.is_none())
+            .cloned()
+            .collect();
+        let reachable = |ns: &str| -> Vec<LifecycleEntry> {
+            let mut v = by_ns.get(ns).cloned().unwrap_or_default();
+            if ns != operator_ns {
+                v.extend(defaults.iter().cloned());
+            }
+            v
+        };
+        let groups = pods((!cluster_wide).then_some(entry.namespace.as_str()))
+            .into_iter()
+            .map(|(ns, pods)| Group {
+                entries: reachable(&ns),
+                pods,
+            })
+            .collect();
+        Self {
+            own: by_ns.remove(&entry.namespace).unwrap_or_default(),
+            groups,
+        }
+    }
+
+    /// Every resource and every pod in one group: what the grouped
+    /// computation must agree with.
+    pub fn whole(all: &[LifecycleEntry], pods: &[PodInfo]) -> Self {
+        Self {
+            own: all.to_vec(),
+            groups: vec![Group {
+                entries: all.to_vec(),
+                pods: pods.iter().cloned().map(Arc::new).collect(),
+            }],
+        }
+    }
+}
+
+/// A pod and the settings it should run with now.
+#[derive(Debug, Clone)]
+pub struct Governed {
+    pub pod: Arc<PodInfo>,
+    pub cfg: EffectiveConfig,
+}
 
 /// What the controller needs to know about a pod (all of it is metadata).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -42,11 +126,23 @@ pub struct PodOwner {
 }
 
 impl PodInfo {
+    /// Only Remora's own annotations are kept (the settings a pod may
+    /// override, its lifecycle), and `remora.dev/status` only as what is
+    /// parsed from it: the controller keeps one of these per live pod.
     pub fn from_meta(meta: &ObjectMeta) -> Self {
-        let annotations = meta.annotations.clone().unwrap_or_default();
-        let status = annotations
-            .get(STATUS_ANNOTATION)
+        let all = meta.annotations.as_ref();
+        let status = all
+            .and_then(|a| a.get(STATUS_ANNOTATION))
             .map(|s| serde_json::from_str::<serde_json::Value>(s).unwrap_or_default());
+        let annotations = all
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| {
+                k.starts_with(remora_contract::annotations::PREFIX)
+                    && k.as_str() != STATUS_ANNOTATION
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let sources = status.as_ref().map(|v| {
             v["sources"]
                 .as_array()
@@ -165,38 +261,45 @@ fn cond(
 pub fn compute(
     entry: &LifecycleEntry,
     generation: Option<i64>,
-    all: &[LifecycleEntry],
-    pods: &[PodInfo],
+    scope: &Scope,
     operator_ns: &str,
     previous: Option<&SidecarLifecycleStatus>,
     now: Time,
 ) -> SidecarLifecycleStatus {
     let l = layer(entry, operator_ns);
     let me = age_key(entry);
+    let mine = label(entry, l);
     let (mut matched, mut applied) = (0i32, 0i32);
     let mut winners: BTreeMap<String, usize> = BTreeMap::new();
-    for pod in pods.iter().filter(|p| applies(entry, l, p, operator_ns)) {
-        let winner = all
+    for group in &scope.groups {
+        let rivals: Vec<&LifecycleEntry> = group
+            .entries
             .iter()
-            .filter(|o| layer(o, operator_ns) == l && applies(o, l, pod, operator_ns))
-            .min_by_key(|o| age_key(o));
-        match winner {
-            Some(w) if age_key(w) < me => *winners.entry(w.name.clone()).or_default() += 1,
-            _ => {
-                matched += 1;
-                if pod
-                    .sources
-                    .as_ref()
-                    .is_some_and(|s| s.contains(&label(entry, l)))
-                {
-                    applied += 1;
+            .filter(|o| layer(o, operator_ns) == l)
+            .collect();
+        for pod in group
+            .pods
+            .iter()
+            .filter(|p| applies(entry, l, p, operator_ns))
+        {
+            let winner = rivals
+                .iter()
+                .filter(|o| applies(o, l, pod, operator_ns))
+                .min_by_key(|o| age_key(o));
+            match winner {
+                Some(w) if age_key(w) < me => *winners.entry(w.name.clone()).or_default() += 1,
+                _ => {
+                    matched = matched.saturating_add(1);
+                    if pod.sources.as_ref().is_some_and(|s| s.contains(&mine)) {
+                        applied = applied.saturating_add(1);
+                    }
                 }
             }
         }
     }
     // Two selector-less resources of one namespace always overlap.
     if l != Layer::Workload {
-        for o in all.iter().filter(|o| {
+        for o in scope.own.iter().filter(|o| {
             o.namespace == entry.namespace && layer(o, operator_ns) == l && age_key(o) < me
         }) {
             winners.entry(o.name.clone()).or_default();
@@ -343,37 +446,77 @@ pub fn governor<'a>(
         })
 }
 
+/// The injected pods `entry` governs (see [`governor`]), each with the
+/// settings it should run with now. Every injected pod is governed by at
+/// most one resource, so a change reaching many resources' pods is written
+/// once per pod, by the reconcile of its governor.
+pub fn governed(
+    entry: &LifecycleEntry,
+    scope: &Scope,
+    chart: &ChartDefaults,
+    operator_ns: &str,
+) -> Vec<Governed> {
+    settings_where(scope, chart, operator_ns, |all, pod| {
+        governor(all, pod, operator_ns)
+            .is_some_and(|g| g.namespace == entry.namespace && g.name == entry.name)
+    })
+}
+
+/// The injected pods `entry` reaches at its layer, each with the settings
+/// it should run with now: when `entry` is gone (and not in `scope`), what
+/// its pods fall back to.
+pub fn reached(
+    entry: &LifecycleEntry,
+    scope: &Scope,
+    chart: &ChartDefaults,
+    operator_ns: &str,
+) -> Vec<Governed> {
+    settings_where(scope, chart, operator_ns, |_, pod| {
+        reaches(entry, pod, operator_ns)
+    })
+}
+
+fn settings_where(
+    scope: &Scope,
+    chart: &ChartDefaults,
+    operator_ns: &str,
+    pick: impl Fn(&[LifecycleEntry], &PodInfo) -> bool,
+) -> Vec<Governed> {
+    scope
+        .groups
+        .iter()
+        .flat_map(|g| {
+            g.pods
+                .iter()
+                .filter(|p| p.sources.is_some() && pick(&g.entries, p))
+                .map(|p| Governed {
+                    pod: Arc::clone(p),
+                    cfg: p.effective(chart, &g.entries, operator_ns),
+                })
+        })
+        .collect()
+}
+
 /// The pods a resource governs whose sidecar runs with settings that only
 /// a restart applies.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct RestartReport {
     pub governed: usize,
     /// Each outdated pod with the restart hash it should have.
-    pub outdated: Vec<(PodInfo, String)>,
+    pub outdated: Vec<(Arc<PodInfo>, String)>,
 }
 
-pub fn restart_report(
-    entry: &LifecycleEntry,
-    all: &[LifecycleEntry],
-    pods: &[PodInfo],
-    chart: &ChartDefaults,
-    operator_ns: &str,
-) -> RestartReport {
-    let mut report = RestartReport::default();
-    for pod in pods.iter().filter(|p| p.sources.is_some()) {
-        let Some(g) = governor(all, pod, operator_ns) else {
-            continue;
-        };
-        if (g.namespace.as_str(), g.name.as_str())
-            != (entry.namespace.as_str(), entry.name.as_str())
-        {
-            continue;
-        }
-        report.governed += 1;
-        let want = pod.effective(chart, all, operator_ns).restart_hash();
+/// What a restart would change among `governed` (from [`governed`]).
+pub fn restart_report(governed: &[Governed]) -> RestartReport {
+    let mut report = RestartReport {
+        governed: governed.len(),
+        outdated: Vec::new(),
+    };
+    for g in governed {
+        let want = g.cfg.restart_hash();
         // A pod injected before restart hashes were recorded is not judged.
-        if pod.restart_hash.as_ref().is_some_and(|h| *h != want) {
-            report.outdated.push((pod.clone(), want));
+        if g.pod.restart_hash.as_ref().is_some_and(|h| *h != want) {
+            report.outdated.push((Arc::clone(&g.pod), want));
         }
     }
     report
@@ -492,7 +635,14 @@ mod tests {
             pod("shop", "db", None),
             pod("other", "web", None),
         ];
-        let s = compute(&old, Some(3), &all, &pods, "remora-system", None, now());
+        let s = compute(
+            &old,
+            Some(3),
+            &Scope::whole(&all, &pods),
+            "remora-system",
+            None,
+            now(),
+        );
         assert_eq!(s.matched_pods, Some(2));
         assert_eq!(s.observed_generation, Some(3));
         assert_eq!(get(&s, "Conflicted").status, "False");
@@ -501,11 +651,116 @@ mod tests {
             "False",
             "one matched pod was not injected with it"
         );
-        let s = compute(&new, Some(1), &all, &pods, "remora-system", None, now());
+        let s = compute(
+            &new,
+            Some(1),
+            &Scope::whole(&all, &pods),
+            "remora-system",
+            None,
+            now(),
+        );
         assert_eq!(s.matched_pods, Some(0));
         assert_eq!(get(&s, "Conflicted").status, "True");
         assert!(get(&s, "Conflicted").message.contains("old"));
         assert_eq!(get(&s, "Accepted").status, "True");
+    }
+
+    /// The pods of `pods` by namespace, as the controller's index gives
+    /// them.
+    fn by_namespace(pods: &[PodInfo], ns: Option<&str>) -> Vec<(String, Vec<Arc<PodInfo>>)> {
+        let mut m: BTreeMap<String, Vec<Arc<PodInfo>>> = BTreeMap::new();
+        for p in pods
+            .iter()
+            .filter(|p| ns.is_none_or(|ns| p.namespace == ns))
+        {
+            m.entry(p.namespace.clone())
+                .or_default()
+                .push(Arc::new(p.clone()));
+        }
+        m.into_iter().collect()
+    }
+
+    type Picker = fn(&LifecycleEntry, &Scope, &ChartDefaults, &str) -> Vec<Governed>;
+
+    fn names(g: &[Governed]) -> Vec<(String, String, String)> {
+        let mut v: Vec<_> = g
+            .iter()
+            .map(|g| {
+                (
+                    g.pod.namespace.clone(),
+                    g.pod.name.clone(),
+                    g.cfg.restart_hash(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_scope_of_the_reachable_namespaces_agrees_with_every_resource_and_pod() {
+        let sys = "remora-system";
+        let mut tier = entry("shop", "front", 6, Some(("tier", "front")));
+        tier.spec.shutdown = Some(remora_crds::ShutdownSpec {
+            quiet_period: Some(remora_crds::DurationString("7s".into())),
+            ..Default::default()
+        });
+        let all = vec![
+            entry(sys, "default", 1, None),
+            entry(sys, "default-late", 5, None),
+            entry(sys, "sys-web", 2, Some(("app", "web"))),
+            entry("shop", "wide", 3, None),
+            entry("shop", "wide-late", 4, None),
+            entry("shop", "web", 2, Some(("app", "web"))),
+            tier,
+            entry("other", "web", 9, Some(("app", "web"))),
+        ];
+        let mut pods = Vec::new();
+        for (ns, app, tier) in [
+            ("shop", "web", "front"),
+            ("shop", "db", "front"),
+            ("shop", "db", "back"),
+            ("other", "web", "back"),
+            ("other", "db", "back"),
+            (sys, "web", "back"),
+            ("bare", "web", "front"),
+        ] {
+            for i in 0..2 {
+                let mut p = pod(ns, app, Some(&["defaults"]));
+                p.name = format!("{app}-{tier}-{i}");
+                p.labels.insert("tier".into(), tier.into());
+                pods.push(p);
+            }
+        }
+        // One not injected: counted, never governed.
+        pods.push(pod("shop", "web", None));
+        let chart = ChartDefaults::default();
+        let whole = Scope::whole(&all, &pods);
+        for e in &all {
+            let scoped = Scope::of(e, all.clone(), sys, |ns| by_namespace(&pods, ns));
+            assert_eq!(
+                compute(e, Some(1), &scoped, sys, None, now()),
+                compute(e, Some(1), &whole, sys, None, now()),
+                "status of {}/{}",
+                e.namespace,
+                e.name
+            );
+            for (what, pick) in [("governed", governed as Picker), ("reached", reached)] {
+                assert_eq!(
+                    names(&pick(e, &scoped, &chart, sys)),
+                    names(&pick(e, &whole, &chart, sys)),
+                    "pods {what} by {}/{}",
+                    e.namespace,
+                    e.name
+                );
+            }
+        }
+        // Every injected pod has one governor, so each is retuned once.
+        let total: usize = all
+            .iter()
+            .map(|e| governed(e, &whole, &chart, sys).len())
+            .sum();
+        assert_eq!(total, pods.iter().filter(|p| p.sources.is_some()).count());
     }
 
     #[test]
@@ -544,8 +799,7 @@ mod tests {
         let first = compute(
             &def,
             Some(1),
-            std::slice::from_ref(&def),
-            &pods,
+            &Scope::whole(std::slice::from_ref(&def), &pods),
             "remora-system",
             None,
             now(),
@@ -559,8 +813,7 @@ mod tests {
         let second = compute(
             &def,
             Some(1),
-            std::slice::from_ref(&def),
-            &pods,
+            &Scope::whole(std::slice::from_ref(&def), &pods),
             "remora-system",
             Some(&first),
             later,
@@ -605,7 +858,12 @@ mod tests {
         legacy.restart_hash = None;
         let other = pod("shop", "db", Some(&[]));
         let pods = vec![current.clone(), legacy, other];
-        let r = restart_report(&e, &all, &pods, &chart, "remora-system");
+        let r = restart_report(&governed(
+            &e,
+            &Scope::whole(&all, &pods),
+            &chart,
+            "remora-system",
+        ));
         assert_eq!((r.governed, r.outdated.len()), (2, 0));
         assert_eq!(
             restart_condition(&r, false, Some(1), &now()).status,
@@ -618,7 +876,12 @@ mod tests {
             ..Default::default()
         });
         let all = vec![e.clone()];
-        let r = restart_report(&e, &all, &pods, &chart, "remora-system");
+        let r = restart_report(&governed(
+            &e,
+            &Scope::whole(&all, &pods),
+            &chart,
+            "remora-system",
+        ));
         assert_eq!(
             r.outdated.len(),
             1,
@@ -638,7 +901,12 @@ mod tests {
             ..Default::default()
         });
         let all = vec![live.clone()];
-        let r = restart_report(&live, &all, &[current], &chart, "remora-system");
+        let r = restart_report(&governed(
+            &live,
+            &Scope::whole(&all, &[current]),
+            &chart,
+            "remora-system",
+        ));
         assert!(r.outdated.is_empty());
     }
 }

@@ -62,7 +62,29 @@ where
     K::DynamicType: Eq + Hash + Clone,
 {
     store: Store<K>,
-    subscribers: Arc<Mutex<Vec<UnboundedSender<Change<K>>>>>,
+    subscribers: Arc<Mutex<Subscribers<K>>>,
+    /// True once the first listing is stored. Not `Store::wait_until_ready`:
+    /// its future keeps only the last waiter's waker, so of two tasks
+    /// waiting at once one may never wake.
+    listed: tokio::sync::watch::Sender<bool>,
+}
+
+/// Told each change on the watch's own task, before any stream subscriber:
+/// returns `false` to unsubscribe.
+type Observer<K> = Box<dyn FnMut(&Change<K>) -> bool + Send>;
+
+struct Subscribers<K> {
+    streams: Vec<UnboundedSender<Change<K>>>,
+    observers: Vec<Observer<K>>,
+}
+
+impl<K> Default for Subscribers<K> {
+    fn default() -> Self {
+        Self {
+            streams: Vec::new(),
+            observers: Vec::new(),
+        }
+    }
 }
 
 impl<K> Clone for SharedWatch<K>
@@ -74,6 +96,7 @@ where
         Self {
             store: self.store.clone(),
             subscribers: Arc::clone(&self.subscribers),
+            listed: self.listed.clone(),
         }
     }
 }
@@ -112,12 +135,20 @@ where
         Self {
             store,
             subscribers: Arc::default(),
+            listed: tokio::sync::watch::Sender::new(false),
         }
     }
 
     /// The objects, shared with every other reader.
     pub fn store(&self) -> Store<K> {
         self.store.clone()
+    }
+
+    /// Returns once the first listing is in the store.
+    pub async fn listed(&self) {
+        let mut rx = self.listed.subscribe();
+        // The sender lives in `self`: the wait cannot fail.
+        let _ = rx.wait_for(|l| *l).await;
     }
 
     /// Every change from now on, after what the store holds now. A repeat
@@ -136,8 +167,26 @@ where
         for o in self.store.state() {
             let _ = tx.unbounded_send(Change::Applied(o));
         }
-        subscribers.push(tx);
+        subscribers.streams.push(tx);
         rx
+    }
+
+    /// As [`SharedWatch::subscribe`], but `observe` is called in place, on
+    /// the watch's task, with what the store holds now (before this
+    /// returns) and then with every change before stream subscribers get
+    /// it: an index it keeps is never behind what they are told. It must be
+    /// quick and must not block. It unsubscribes by returning `false`.
+    pub fn observe(&self, mut observe: impl FnMut(&Change<K>) -> bool + Send + 'static) {
+        let mut subscribers = self
+            .subscribers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for o in self.store.state() {
+            if !observe(&Change::Applied(o)) {
+                return;
+            }
+        }
+        subscribers.observers.push(Box::new(observe));
     }
 
     fn publish(&self, ev: watcher::Event<K>, before_relist: &mut Option<Vec<Arc<K>>>) {
@@ -158,17 +207,25 @@ where
                     .unwrap_or_default()
                     .into_iter()
                     .filter(|o| self.store.get(&ObjectRef::from_obj(o.as_ref())).is_none());
-                gone.map(Change::Deleted)
+                let changes = gone
+                    .map(Change::Deleted)
                     .chain(self.store.state().into_iter().map(Change::Applied))
-                    .collect()
+                    .collect();
+                self.listed.send_replace(true);
+                changes
             }
         };
         let mut subscribers = self
             .subscribers
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        subscribers
+            .observers
+            .retain_mut(|observe| changes.iter().all(&mut *observe));
         // A dropped stream unsubscribes.
-        subscribers.retain(|tx| changes.iter().all(|c| tx.unbounded_send(c.clone()).is_ok()));
+        subscribers
+            .streams
+            .retain(|tx| changes.iter().all(|c| tx.unbounded_send(c.clone()).is_ok()));
     }
 
     /// The store's copy of an object it just stored (shared, not copied).
@@ -223,11 +280,16 @@ pub fn live_pods(client: Client, shutdown: CancellationToken) -> SharedWatch<Pod
 }
 
 /// What the readers of [`live_pods`] read, and nothing else: metadata
-/// (labels, annotations, owners: the controller) without its managed
-/// fields, container names, the restart policy, the phase and the
+/// (labels, Remora's annotations, owners: the controller) without its
+/// managed fields, container names, the restart policy, the phase and the
 /// containers' states (Jobs).
 pub fn slim_pod(p: &mut Pod) {
     p.metadata.managed_fields = None;
+    // Only Remora's annotations are read; a pod's others (a kubectl
+    // last-applied copy, say) can be its largest part.
+    if let Some(a) = p.metadata.annotations.as_mut() {
+        a.retain(|k, _| k.starts_with(remora_contract::annotations::PREFIX));
+    }
     let names = |cs: Vec<Container>| -> Vec<Container> {
         cs.into_iter()
             .map(|c| Container {
@@ -267,6 +329,29 @@ mod tests {
         }
     }
 
+    /// A watch fed by hand, event by event, as its reflector feeds it.
+    struct Fed {
+        watch: SharedWatch<ConfigMap>,
+        writer: reflector::store::Writer<ConfigMap>,
+        before_relist: Option<Vec<Arc<ConfigMap>>>,
+    }
+
+    impl Fed {
+        fn new() -> Self {
+            let (store, writer) = reflector::store::<ConfigMap>();
+            Self {
+                watch: SharedWatch::new(store),
+                writer,
+                before_relist: None,
+            }
+        }
+
+        fn feed(&mut self, ev: watcher::Event<ConfigMap>) {
+            self.writer.apply_watcher_event(&ev);
+            self.watch.publish(ev, &mut self.before_relist);
+        }
+    }
+
     /// What a subscriber was told so far, `+name` or `-name`, sorted (a
     /// listing comes in the store's order).
     fn told(rx: &mut UnboundedReceiver<Change<ConfigMap>>) -> Vec<String> {
@@ -289,13 +374,9 @@ mod tests {
     #[test]
     fn subscribers_get_the_store_then_every_change_deletions_included() {
         use watcher::Event::{Delete, Init, InitApply, InitDone};
-        let (store, mut writer) = reflector::store::<ConfigMap>();
-        let watch = SharedWatch::new(store);
-        let mut before_relist = None;
-        let mut feed = |ev: watcher::Event<ConfigMap>| {
-            writer.apply_watcher_event(&ev);
-            watch.publish(ev, &mut before_relist);
-        };
+        let mut fed = Fed::new();
+        let watch = fed.watch.clone();
+        let mut feed = |ev| fed.feed(ev);
         let mut early = watch.subscribe();
         feed(Init);
         feed(InitApply(cm("a")));
@@ -328,9 +409,72 @@ mod tests {
             watch
                 .subscribers
                 .lock()
-                .map(|s| s.len())
+                .map(|s| s.streams.len())
                 .unwrap_or_default(),
             1
+        );
+    }
+
+    #[tokio::test]
+    async fn every_task_waiting_for_the_first_listing_wakes() {
+        use watcher::Event::{Init, InitApply, InitDone};
+        let mut fed = Fed::new();
+        let watch = fed.watch.clone();
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let w = watch.clone();
+                tokio::spawn(async move { w.listed().await })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        for ev in [Init, InitApply(cm("a")), InitDone] {
+            fed.feed(ev);
+        }
+        for w in waiters {
+            tokio::time::timeout(std::time::Duration::from_secs(5), w)
+                .await
+                .expect("woken")
+                .expect("joined");
+        }
+    }
+
+    #[test]
+    fn an_observer_gets_the_store_at_once_then_each_change_until_it_declines() {
+        use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+        let mut fed = Fed::new();
+        let watch = fed.watch.clone();
+        let mut feed = |ev| fed.feed(ev);
+        feed(Init);
+        feed(InitApply(cm("a")));
+        feed(InitDone);
+        let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+        let log = Arc::clone(&seen);
+        watch.observe(move |c| {
+            let name = c.object().metadata.name.clone().unwrap_or_default();
+            let sign = if matches!(c, Change::Applied(_)) {
+                "+"
+            } else {
+                "-"
+            };
+            let mut log = log.lock().unwrap_or_else(PoisonError::into_inner);
+            log.push(format!("{sign}{name}"));
+            name != "stop"
+        });
+        let seen_now = || seen.lock().map(|s| s.clone()).unwrap_or_default();
+        assert_eq!(
+            seen_now(),
+            ["+a"],
+            "what the store held, before observe returned"
+        );
+        feed(Apply(cm("b")));
+        feed(Delete(cm("a")));
+        assert_eq!(seen_now(), ["+a", "+b", "-a"]);
+        feed(Apply(cm("stop")));
+        feed(Apply(cm("c")));
+        assert_eq!(
+            seen_now(),
+            ["+a", "+b", "-a", "+stop"],
+            "declined, then told nothing"
         );
     }
 
@@ -339,7 +483,18 @@ mod tests {
         let pod = |env: bool| Pod {
             metadata: kube::api::ObjectMeta {
                 name: Some("p".into()),
-                annotations: Some([("remora.dev/status".to_string(), "{}".to_string())].into()),
+                annotations: Some(if env {
+                    [
+                        ("remora.dev/status".to_string(), "{}".to_string()),
+                        (
+                            "kubectl.kubernetes.io/last-applied-configuration".to_string(),
+                            "{}".to_string(),
+                        ),
+                    ]
+                    .into()
+                } else {
+                    [("remora.dev/status".to_string(), "{}".to_string())].into()
+                }),
                 ..Default::default()
             },
             spec: Some(PodSpec {

@@ -139,6 +139,8 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
             operator_namespace: "remora-system".into(),
             rollout_interval: Duration::from_secs(30),
             identity: "test".into(),
+            qps: crate::controller::DEFAULT_QPS,
+            burst: crate::controller::DEFAULT_BURST,
         }),
         controller_metrics: crate::controller::Metrics::register(&mut registry),
         stop_completed_jobs: true,

@@ -1,7 +1,5 @@
 //! Why the controller fails a reconcile.
 
-use std::time::Duration;
-
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
     #[error("writing the status of {resource}: {source}")]
@@ -22,8 +20,6 @@ pub enum ControllerError {
         #[source]
         source: kube::Error,
     },
-    #[error("the pod store did not sync within {0:?}")]
-    NotSynced(Duration),
 }
 
 impl ControllerError {
@@ -32,7 +28,6 @@ impl ControllerError {
             Self::Status { .. } => "status",
             Self::Retune { .. } => "retune",
             Self::Rollout { .. } => "rollout",
-            Self::NotSynced(_) => "not_synced",
         }
     }
 }

@@ -22,10 +22,12 @@
 //! write only the difference, so a replayed or concurrent reconcile changes
 //! nothing.
 
+mod budget;
 mod context;
 mod error;
 mod events;
 mod metrics;
+mod pod_index;
 mod reconcile;
 mod retune;
 mod rollout;
@@ -37,11 +39,12 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
-use kube::runtime::controller::Controller;
+use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use remora_crds::SidecarLifecycle;
 use tokio_util::sync::CancellationToken;
 
+pub use budget::{Budget, DEFAULT_BURST, DEFAULT_QPS};
 pub use error::ControllerError;
 pub use events::{Decision, decisions};
 pub use metrics::Metrics;
@@ -50,6 +53,7 @@ pub use rollout::RolloutLimiter;
 use crate::sidecar_config::ChartDefaults;
 use crate::watch::{Change, SharedWatch};
 use context::Ctx;
+use pod_index::PodIndex;
 use reconcile::{error_policy, reconcile, sweep};
 use triggers::{changes, generation, pod_key};
 
@@ -70,7 +74,15 @@ pub struct Settings {
     pub rollout_interval: Duration,
     /// Who publishes the Events (the pod name).
     pub identity: String,
+    /// Requests per second to the API server, and bursts (`--kube-api-qps`,
+    /// `--kube-api-burst`).
+    pub qps: u32,
+    pub burst: u32,
 }
+
+/// Reconciles at once. Each waits mostly on the API server, within the
+/// shared [`Budget`]; more would only hold more pod lists in memory.
+const CONCURRENT_RECONCILES: u16 = 16;
 
 /// Run until `shutdown`: the reconciles that the changes of the shared
 /// SidecarLifecycle and pod watches trigger.
@@ -82,6 +94,11 @@ pub async fn run(
     pods: SharedWatch<Pod>,
     shutdown: CancellationToken,
 ) {
+    // Until every live pod is listed, matchedPods would be wrong.
+    if shutdown.run_until_cancelled(pods.listed()).await.is_none() {
+        return;
+    }
+    let index = PodIndex::follow(&pods);
     let store = lifecycles.store();
     let ns = &settings.operator_namespace;
     let by_pod = triggers::by_pod(store.clone(), ns.clone());
@@ -115,9 +132,10 @@ pub async fn run(
             },
         ),
         limiter: Mutex::new(RolloutLimiter::new(settings.rollout_interval)),
+        budget: Budget::new(settings.qps, settings.burst),
         client,
         settings,
-        pods: pods.store(),
+        index,
         lifecycles: store.clone(),
         metrics,
     });
@@ -133,6 +151,7 @@ pub async fn run(
     let controller = Controller::for_shared_stream(own_changes, store)
         .watches_shared_stream(pod_changes, by_pod)
         .watches_shared_stream(sibling_changes, by_sibling)
+        .with_config(controller::Config::default().concurrency(CONCURRENT_RECONCILES))
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {

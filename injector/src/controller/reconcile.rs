@@ -15,11 +15,13 @@ use tokio::time::Instant;
 use super::context::Ctx;
 use super::error::ControllerError;
 use super::events::{Decision, decisions};
-use super::retune::retune;
+use super::retune::{POD_EVENTS, retune};
 use super::rollout::roll;
 use super::{FIELD_MANAGER, RESYNC};
 use crate::sidecar_config::LifecycleEntry;
-use crate::status::{compute, keep_transition_times, restart_condition, restart_report};
+use crate::status::{
+    compute, governed, keep_transition_times, reached, restart_condition, restart_report,
+};
 
 pub(super) fn error_policy(_: Arc<SidecarLifecycle>, err: &ControllerError, _: Arc<Ctx>) -> Action {
     tracing::warn!(error = %err, "reconcile failed; retrying");
@@ -41,20 +43,12 @@ pub(super) async fn reconcile(
 }
 
 async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, ControllerError> {
-    const SYNC: Duration = Duration::from_secs(30);
-    // Until every pod is listed, matchedPods would be wrong.
-    if tokio::time::timeout(SYNC, ctx.pods.wait_until_ready())
-        .await
-        .is_err()
-    {
-        return Err(ControllerError::NotSynced(SYNC));
-    }
     let s = &ctx.settings;
     let name = slc.name_any();
     let ns = slc.namespace().unwrap_or_default();
     let resource = format!("{ns}/{name}");
     let entry = LifecycleEntry::from_resource(slc);
-    let (all, pods) = ctx.snapshot(None);
+    let scope = ctx.scope(&entry, None);
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let generation = slc.metadata.generation;
     let previous = slc.status.as_ref();
@@ -62,13 +56,14 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
     let mut status = compute(
         &entry,
         generation,
-        &all,
-        &pods,
+        &scope,
         &s.operator_namespace,
         previous,
         now.clone(),
     );
-    let report = restart_report(&entry, &all, &pods, &s.chart, &s.operator_namespace);
+    let governed = governed(&entry, &scope, &s.chart, &s.operator_namespace);
+    drop(scope);
+    let report = restart_report(&governed);
     let automatic = slc.spec.rollout_policy == RolloutPolicy::Automatic;
     let mut restart = [restart_condition(&report, automatic, generation, &now)];
     keep_transition_times(&mut restart, previous);
@@ -82,12 +77,14 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
             "kind": SidecarLifecycle::kind(&()),
             "status": status,
         }));
+        let permit = ctx.budget.acquire().await;
         api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &patch)
             .await
             .map_err(|source| ControllerError::Status {
                 resource: resource.clone(),
                 source,
             })?;
+        drop(permit);
         ctx.metrics.status_writes.inc();
         for d in decisions(previous, &status) {
             tracing::info!(resource = %resource, reason = d.reason, note = %d.note, "decision");
@@ -95,14 +92,17 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
         }
     }
 
-    let retuned = retune(ctx, &entry, &all, &pods).await?;
+    let retuned = retune(ctx, &entry, &governed).await?;
+    drop(governed);
     if retuned > 0 {
         ctx.event(
             &me,
             Decision {
                 warning: false,
                 reason: "PodsRetuned",
-                note: format!("updated remora.dev/lifecycle of {retuned} running pods"),
+                note: format!(
+                    "updated remora.dev/lifecycle of {retuned} running pods (each of the first {POD_EVENTS} has its own Event)"
+                ),
             },
             None,
         )
@@ -112,7 +112,7 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
     let mut next = RESYNC;
     if automatic
         && !report.outdated.is_empty()
-        && let Some(wait) = roll(ctx, &me, &entry, &all, &report).await?
+        && let Some(wait) = roll(ctx, &me, &entry, &ctx.all_lifecycles(), &report).await?
     {
         next = wait;
     }
@@ -122,15 +122,15 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
 /// Retune the pods a deleted resource reached to what the remaining layers
 /// say now (down to the chart defaults when nothing else reaches them).
 pub(super) async fn sweep(ctx: &Ctx, gone: &SidecarLifecycle) {
-    if tokio::time::timeout(Duration::from_secs(30), ctx.pods.wait_until_ready())
-        .await
-        .is_err()
-    {
-        return;
-    }
     let entry = LifecycleEntry::from_resource(gone);
-    let (all, pods) = ctx.snapshot(Some(gone));
-    match retune(ctx, &entry, &all, &pods).await {
+    let s = &ctx.settings;
+    let pods = reached(
+        &entry,
+        &ctx.scope(&entry, Some(gone)),
+        &s.chart,
+        &s.operator_namespace,
+    );
+    match retune(ctx, &entry, &pods).await {
         Ok(n) => {
             tracing::info!(resource = %format!("{}/{}", entry.namespace, entry.name), pods = n,
             "deleted; its pods retuned to the remaining layers")

@@ -1,6 +1,9 @@
 //! Live retuning: the `remora.dev/lifecycle` annotation of running pods,
 //! which the agent reads through the downward API at its next drain.
 
+use std::sync::Arc;
+
+use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
@@ -11,47 +14,67 @@ use super::context::{Ctx, pod_ref};
 use super::error::ControllerError;
 use super::events::Decision;
 use crate::sidecar_config::LifecycleEntry;
-use crate::status::{PodInfo, reaches, refreshed_lifecycle};
+use crate::status::{Governed, PodInfo, refreshed_lifecycle};
 
-/// Bring the lifecycle annotation of every injected pod `entry` reaches up
-/// to date. Returns how many pods were patched.
+/// Patches one reconcile keeps in flight; the controller's budget bounds
+/// them all together.
+const CONCURRENT_PATCHES: usize = 16;
+
+/// Pods of one reconcile that get their own `LifecycleRetuned` Event. A
+/// change reaching thousands of pods would otherwise write as many Events
+/// as patches; the resource's `PodsRetuned` Event counts them all.
+pub(super) const POD_EVENTS: usize = 10;
+
+/// Bring the lifecycle annotation of each of `pods` (with the settings it
+/// should run with) up to date. Returns how many were patched.
 pub(super) async fn retune(
     ctx: &Ctx,
     entry: &LifecycleEntry,
-    all: &[LifecycleEntry],
-    pods: &[PodInfo],
+    pods: &[Governed],
 ) -> Result<usize, ControllerError> {
-    let s = &ctx.settings;
-    let mut patched = 0;
-    for pod in pods
+    // Owned, so the patches' futures borrow nothing from the loop.
+    let stale: Vec<(Arc<PodInfo>, String)> = pods
         .iter()
-        .filter(|p| p.sources.is_some() && reaches(entry, p, &s.operator_namespace))
+        .filter_map(|g| {
+            let current = g.pod.annotations.get(LIFECYCLE_ANNOTATION)?;
+            Some((Arc::clone(&g.pod), refreshed_lifecycle(current, &g.cfg)?))
+        })
+        .collect();
+    let patched: Vec<bool> = stream::iter(stale.into_iter().enumerate())
+        .map(|(i, (g, fresh))| patch(ctx, entry, g, fresh, i < POD_EVENTS))
+        .buffer_unordered(CONCURRENT_PATCHES)
+        .try_collect()
+        .await?;
+    Ok(patched.into_iter().filter(|p| *p).count())
+}
+
+/// Returns whether the pod was patched (it may be gone).
+async fn patch(
+    ctx: &Ctx,
+    entry: &LifecycleEntry,
+    pod: Arc<PodInfo>,
+    fresh: String,
+    with_event: bool,
+) -> Result<bool, ControllerError> {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &pod.namespace);
+    let patch = Patch::Merge(json!({"metadata": {"annotations": {LIFECYCLE_ANNOTATION: &fresh}}}));
+    let who = format!("{}/{}", pod.namespace, pod.name);
+    let permit = ctx.budget.acquire().await;
+    match api
+        .patch_metadata(&pod.name, &PatchParams::default(), &patch)
+        .await
     {
-        let Some(current) = pod.annotations.get(LIFECYCLE_ANNOTATION) else {
-            continue;
-        };
-        let cfg = pod.effective(&s.chart, all, &s.operator_namespace);
-        let Some(fresh) = refreshed_lifecycle(current, &cfg) else {
-            continue;
-        };
-        let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &pod.namespace);
-        let patch =
-            Patch::Merge(json!({"metadata": {"annotations": {LIFECYCLE_ANNOTATION: fresh}}}));
-        let who = format!("{}/{}", pod.namespace, pod.name);
-        match api
-            .patch_metadata(&pod.name, &PatchParams::default(), &patch)
-            .await
-        {
-            Ok(_) => {}
-            // Gone since the store saw it: nothing to retune.
-            Err(kube::Error::Api(e)) if e.code == 404 => continue,
-            Err(source) => return Err(ControllerError::Retune { pod: who, source }),
-        }
-        patched += 1;
-        ctx.metrics.retuned.inc();
-        tracing::info!(pod = %who, lifecycle = %fresh, "lifecycle annotation updated");
+        Ok(_) => {}
+        // Gone since the store saw it: nothing to retune.
+        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(false),
+        Err(source) => return Err(ControllerError::Retune { pod: who, source }),
+    }
+    drop(permit);
+    ctx.metrics.retuned.inc();
+    tracing::debug!(pod = %who, lifecycle = %fresh, "lifecycle annotation updated");
+    if with_event {
         ctx.event(
-            &pod_ref(pod),
+            &pod_ref(&pod),
             Decision {
                 warning: false,
                 reason: "LifecycleRetuned",
@@ -64,5 +87,5 @@ pub(super) async fn retune(
         )
         .await;
     }
-    Ok(patched)
+    Ok(true)
 }

@@ -86,7 +86,10 @@ async fn owning_workload(ctx: &Ctx, ns: &str, owner: &PodOwner) -> Result<Owner,
         "StatefulSet" | "DaemonSet" => (owner.kind.clone(), owner.name.clone(), owner.uid.clone()),
         "ReplicaSet" => {
             let rs: Api<ReplicaSet> = Api::namespaced(ctx.client.clone(), ns);
-            let Some(meta) = rs.get_metadata_opt(&owner.name).await? else {
+            let permit = ctx.budget.acquire().await;
+            let meta = rs.get_metadata_opt(&owner.name).await?;
+            drop(permit);
+            let Some(meta) = meta else {
                 return Ok(Owner::None);
             };
             if !uid_matches(&meta.metadata.uid, &owner.uid) {
@@ -109,7 +112,10 @@ async fn owning_workload(ctx: &Ctx, ns: &str, owner: &PodOwner) -> Result<Owner,
         // Bare pods and Jobs cannot be rolled: they keep RestartRequired.
         _ => return Ok(Owner::None),
     };
-    let Some(obj) = workload_api(&ctx.client, ns, &kind).get_opt(&name).await? else {
+    let permit = ctx.budget.acquire().await;
+    let obj = workload_api(&ctx.client, ns, &kind).get_opt(&name).await?;
+    drop(permit);
+    let Some(obj) = obj else {
         return Ok(Owner::None);
     };
     if !uid_matches(&obj.metadata.uid, &uid) {
@@ -261,10 +267,12 @@ pub(super) async fn roll(
             "spec": {"template": {"metadata": {"annotations": {ROLLOUT_ANNOTATION: want}}}},
         }));
         let api = workload_api(&ctx.client, &ns, &kind);
-        if let Err(source) = api
+        let permit = ctx.budget.acquire().await;
+        let written = api
             .patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &patch)
-            .await
-        {
+            .await;
+        drop(permit);
+        if let Err(source) = written {
             failed = Some(ControllerError::Rollout { workload, source });
             continue;
         }

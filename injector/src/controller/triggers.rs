@@ -25,6 +25,14 @@ pub(super) fn by_pod(
         lifecycles
             .state()
             .iter()
+            // Only its own namespace's and the cluster defaults can reach it:
+            // the rest are not even read.
+            .filter(|r| {
+                r.metadata
+                    .namespace
+                    .as_deref()
+                    .is_some_and(|ns| ns == pod.namespace || ns == operator_ns)
+            })
             .filter(|r| reaches(&LifecycleEntry::from_resource(r), &pod, &operator_ns))
             .map(|r| ObjectRef::from_obj(r.as_ref()))
             .collect()
