@@ -13,6 +13,7 @@ pub mod jobpod;
 pub mod load;
 pub mod node;
 pub mod podrunner;
+pub mod scale;
 pub mod stats;
 pub mod traffic;
 pub mod webhook;

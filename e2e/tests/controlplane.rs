@@ -255,11 +255,7 @@ async fn owned_control_plane_is_gone_after_drop() -> anyhow::Result<()> {
         eprintln!("{ENV_KUBECONFIG} is set: not starting a local control plane");
         return Ok(());
     }
-    let cp = ControlPlane::start(Options {
-        controller_manager: false,
-        ..Options::default()
-    })
-    .await?;
+    let cp = ControlPlane::start(Options::without_controller_manager()).await?;
     assert!(!cp.has_controller_manager());
     let info = cp.client()?.apiserver_version().await?;
     assert_eq!(Some(info.git_version.as_str()), cp.expected_version());

@@ -126,11 +126,7 @@ async fn rolled_for(client: &Client, ns: &str, name: &str) -> kube::Result<Optio
 
 #[tokio::test]
 async fn forged_owners_and_status_roll_nothing() -> anyhow::Result<()> {
-    let cp = ControlPlane::shared_with(Options {
-        controller_manager: false,
-        ..Options::default()
-    })
-    .await?;
+    let cp = ControlPlane::shared_with(Options::without_controller_manager()).await?;
     let s = Setup::with("trust", "Fail", |o| o.controller = true).await?;
     let log = || s.injector.log_tail();
     let admin = s.client.clone();

@@ -107,6 +107,8 @@ pub enum Error {
     Timeout { what: String, timeout: Duration },
     #[error("the shared control plane failed to start: {0}")]
     Shared(Arc<Error>),
+    #[error("{0} has no namespace or name")]
+    Unnamed(&'static str),
     #[error("TokenRequest for ServiceAccount {0} returned no token")]
     NoToken(String),
 }
@@ -180,6 +182,18 @@ pub struct Options {
     pub start_timeout: Duration,
     /// Extra `--flag=value` arguments for kube-apiserver (e.g. feature gates).
     pub apiserver_args: Vec<String>,
+}
+
+impl Options {
+    /// A control plane whose workloads get no pods but the test's own: for
+    /// tests that create a workload's pods themselves, or whose objects
+    /// kube-controller-manager would race.
+    pub fn without_controller_manager() -> Self {
+        Self {
+            controller_manager: false,
+            ..Self::default()
+        }
+    }
 }
 
 impl Default for Options {
