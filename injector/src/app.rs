@@ -96,7 +96,8 @@ fn watch_signals(
 
 /// What the leader-only work needs.
 struct LeaderContext {
-    client: Client,
+    /// The API server, for the leader's own client (see [`lead_apart`]).
+    kube: kube::Config,
     /// `None`: the controller is off.
     controller: Option<crate::controller::Settings>,
     controller_metrics: crate::controller::Metrics,
@@ -116,15 +117,22 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
         // Nothing to do is no reason to give up leadership, nor to watch.
         return token.cancelled().await;
     }
+    let client = match Client::try_from(ctx.kube.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the leader's API client; leading idle");
+            return token.cancelled().await;
+        }
+    };
     // One pod watch for all the leader's work, while it leads; a task
     // started again subscribes again.
-    let pods = crate::watch::live_pods(ctx.client.clone(), token.clone());
+    let pods = crate::live_pod::live_pods(client.clone(), token.clone());
     let mut tasks = JoinSet::new();
     if let Some(settings) = ctx.controller.clone() {
-        let (ctx, pods) = (Arc::clone(&ctx), pods.clone());
+        let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());
         tasks.spawn(supervise("controller", token.clone(), move |token| {
             crate::controller::run(
-                ctx.client.clone(),
+                client.clone(),
                 settings.clone(),
                 ctx.controller_metrics.clone(),
                 ctx.lifecycles.clone(),
@@ -137,7 +145,7 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
         let (ctx, pods) = (Arc::clone(&ctx), pods.clone());
         tasks.spawn(supervise("jobs", token.clone(), move |token| {
             let (client, identity, metrics, pods) = (
-                ctx.client.clone(),
+                client.clone(),
                 ctx.identity.clone(),
                 ctx.jobs_metrics.clone(),
                 pods.clone(),
@@ -152,6 +160,75 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
     while tasks.join_next().await.is_some() {}
     // Nothing (left) to do is no reason to give up leadership.
     token.cancelled().await;
+}
+
+/// The leader thread's nice value (0 is the webhook's): under contention
+/// it gets about a tenth of the CPU the webhook's threads get.
+const LEADER_NICE: i32 = 10;
+/// The name of the leader's thread (and of its blocking pool's).
+const LEADER_THREAD: &str = "remora-leader";
+
+/// Run [`lead`] on a runtime of its own, on one thread ([`apart`]): the CPU
+/// of the leader's work (a cluster default's reconcile reads every pod;
+/// every pod event is parsed) then never holds the workers that answer the
+/// webhook and the probes. Its API client is its own too (built in
+/// [`lead`]), so that its connections and their TLS run on that thread.
+/// Dropping this future (the elector aborts the leader's work when it steps
+/// down) stops all of that work.
+async fn lead_apart(ctx: Arc<LeaderContext>, token: CancellationToken) {
+    match apart(lead(Arc::clone(&ctx), token.clone())) {
+        Ok(work) => work.await,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the leader's thread; leading on the shared runtime");
+            return lead(ctx, token).await;
+        }
+    }
+    // The work ended early (its runtime failed to start): lead idle.
+    token.cancelled().await;
+}
+
+/// Run `work` on a thread of its own ([`LEADER_THREAD`], at [`LEADER_NICE`])
+/// with a runtime of its own. The returned future ends when `work` does;
+/// dropping it drops that runtime, and with it every task `work` started.
+fn apart(
+    work: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<impl std::future::Future<Output = ()>> {
+    let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
+    // Its sender is dropped with the returned future: stop at once.
+    let (abort, aborted) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name(LEADER_THREAD.into())
+        .spawn(move || {
+            // Below the webhook's threads when the cores are contended: a
+            // pod's creation waits on its review, a retune can wait a
+            // moment. Threads this one starts (the runtime's blocking
+            // pool) inherit it.
+            let me = Some(rustix::thread::gettid());
+            let nice = rustix::process::getpriority_process(me).unwrap_or_default();
+            if nice < LEADER_NICE
+                && let Err(e) = rustix::process::setpriority_process(me, LEADER_NICE)
+            {
+                tracing::warn!(error = %e, "cannot lower the leader thread's priority");
+            }
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .thread_name(LEADER_THREAD)
+                .build()
+            {
+                Ok(rt) => rt.block_on(async {
+                    tokio::select! {
+                        () = work => {}
+                        _ = aborted => {}
+                    }
+                }),
+                Err(e) => tracing::error!(error = %e, "cannot start the leader's runtime"),
+            }
+            let _ = done_tx.send(());
+        })?;
+    Ok(async move {
+        let _abort = abort;
+        let _ = done.await;
+    })
 }
 
 /// Run `task` until `token` is cancelled, starting it again (after a
@@ -200,6 +277,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         r = start(&args, &shutdown, ca_metrics.clone()) => r?,
     };
     let Started {
+        kube_config,
         client,
         tls,
         listener,
@@ -228,7 +306,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     }
     let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
     let ctx = Arc::new(LeaderContext {
-        client: client.clone(),
+        kube: kube_config,
         controller: args.controller.then(|| crate::controller::Settings {
             chart: chart.clone(),
             operator_namespace: args.operator_namespace.clone(),
@@ -285,11 +363,11 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
                 leader_cfg,
                 Some(leader_metrics),
                 shutdown.clone(),
-                move |token| lead(Arc::clone(&ctx), token),
+                move |token| lead_apart(Arc::clone(&ctx), token),
             )
             .await
         } else {
-            lead(ctx, shutdown.child_token()).await;
+            lead_apart(ctx, shutdown.child_token()).await;
             Ok(())
         }
     };
@@ -303,10 +381,10 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     Ok(())
 }
 
-/// The API client, from the in-cluster config or KUBECONFIG, naming itself
-/// in `User-Agent` so that the API server's audit log and flow control tell
-/// its requests apart (kube-rs sends none of its own).
-async fn client(args: &ServeArgs) -> Result<Client, AppError> {
+/// The API server's config, from the in-cluster config or KUBECONFIG,
+/// naming the injector in `User-Agent` so that the API server's audit log
+/// and flow control tell its requests apart (kube-rs sends none of its own).
+async fn kube_config(args: &ServeArgs) -> Result<kube::Config, AppError> {
     let mut config = kube::Config::infer()
         .await
         .map_err(|e| AppError::Connect(kube::Error::InferConfig(e)))?;
@@ -319,10 +397,11 @@ async fn client(args: &ServeArgs) -> Result<Client, AppError> {
         http::HeaderValue::from_static(concat!("remora-injector/", env!("CARGO_PKG_VERSION")))
     });
     config.headers.push((http::header::USER_AGENT, agent));
-    Client::try_from(config).map_err(AppError::Connect)
+    Ok(config)
 }
 
 struct Started {
+    kube_config: kube::Config,
     client: Client,
     tls: Arc<rustls::ServerConfig>,
     listener: tokio::net::TcpListener,
@@ -336,7 +415,8 @@ async fn start(
     shutdown: &CancellationToken,
     ca_metrics: crate::ca::Metrics,
 ) -> Result<Started, AppError> {
-    let client = client(args).await?;
+    let kube_config = kube_config(args).await?;
+    let client = Client::try_from(kube_config.clone()).map_err(AppError::Connect)?;
     let (cert_path, key_path) = if args.self_signed {
         let validity = crate::ca::Validity {
             ca: args.ca_validity,
@@ -420,6 +500,7 @@ async fn start(
         source,
     })?;
     Ok(Started {
+        kube_config,
         client,
         tls,
         listener,

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -28,6 +28,7 @@ use remora_contract::lifecycle::StopRequest;
 use remora_contract::pod::PROXY_CONTAINER;
 use tokio_util::sync::CancellationToken;
 
+use crate::live_pod::LivePod;
 use crate::mutate::STATUS_ANNOTATION;
 use crate::watch::{Change, SharedWatch};
 
@@ -42,11 +43,9 @@ pub const STOP_REASON: &str = "AppsCompleted";
 /// The leader's one pod watch holds every live pod (the SidecarLifecycle
 /// controller needs them all); this is the filter Jobs once asked the API
 /// server for (`spec.restartPolicy!=Always,status.phase=Running`).
-pub fn may_complete(pod: &Pod) -> bool {
-    let policy = pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref());
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+pub fn may_complete(pod: &LivePod) -> bool {
     // The API server defaults restartPolicy to Always.
-    matches!(policy, Some(p) if p != "Always") && phase == Some("Running")
+    matches!(pod.restart_policy(), Some(p) if p != "Always") && pod.phase() == Some("Running")
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,52 +93,35 @@ pub enum Decision {
     Leave(Skip),
 }
 
-fn terminated_code(statuses: &[ContainerStatus], name: &str) -> Option<i32> {
-    statuses
-        .iter()
-        .find(|s| s.name == name)
-        .and_then(|s| s.state.as_ref())
-        .and_then(|s| s.terminated.as_ref())
-        .map(|t| t.exit_code)
-}
-
 /// Does this pod's sidecar need a stop request? Pure: the pod as the API
 /// server has it.
-pub fn decide(pod: &Pod) -> Decision {
+pub fn decide(pod: &LivePod) -> Decision {
     let annotations = pod.annotations();
     if !annotations.contains_key(STATUS_ANNOTATION) {
         return Decision::Leave(Skip::NotInjected);
     }
-    let Some(spec) = pod.spec.as_ref() else {
-        return Decision::Leave(Skip::NotLegacy);
-    };
-    let in_init = spec
-        .init_containers
+    let in_init = pod
+        .init_containers()
         .iter()
-        .flatten()
         .any(|c| c.name == PROXY_CONTAINER);
-    if in_init || !spec.containers.iter().any(|c| c.name == PROXY_CONTAINER) {
+    if in_init || !pod.containers().iter().any(|c| c.name == PROXY_CONTAINER) {
         return Decision::Leave(Skip::NotLegacy);
     }
-    let on_failure = match spec.restart_policy.as_deref() {
+    let on_failure = match pod.restart_policy() {
         Some("Never") => false,
         Some("OnFailure") => true,
         _ => return Decision::Leave(Skip::RestartAlways),
     };
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    if pod.metadata.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed")) {
+    if pod.metadata.deletion_timestamp.is_some()
+        || matches!(pod.phase(), Some("Succeeded" | "Failed"))
+    {
         return Decision::Leave(Skip::NotRunning);
     }
     if annotations.contains_key(STOP_ANNOTATION) {
         return Decision::Leave(Skip::AlreadyRequested);
     }
-    let statuses: &[ContainerStatus] = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_deref())
-        .unwrap_or_default();
-    let apps: Vec<String> = spec
-        .containers
+    let apps: Vec<String> = pod
+        .containers()
         .iter()
         .filter(|c| c.name != PROXY_CONTAINER)
         .map(|c| c.name.clone())
@@ -148,7 +130,7 @@ pub fn decide(pod: &Pod) -> Decision {
         return Decision::Leave(Skip::NoApps);
     }
     for app in &apps {
-        match terminated_code(statuses, app) {
+        match pod.exit_code(app) {
             None => return Decision::Leave(Skip::AppsRunning),
             Some(code) if on_failure && code != 0 => {
                 return Decision::Leave(Skip::AppWillRestart);
@@ -156,7 +138,7 @@ pub fn decide(pod: &Pod) -> Decision {
             Some(_) => {}
         }
     }
-    if terminated_code(statuses, PROXY_CONTAINER).is_some() {
+    if pod.exit_code(PROXY_CONTAINER).is_some() {
         return Decision::Leave(Skip::SidecarDone);
     }
     Decision::Stop { apps }
@@ -202,7 +184,7 @@ struct Ctx {
     metrics: Metrics,
 }
 
-async fn reconcile(pod: Arc<Pod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
+async fn reconcile(pod: Arc<LivePod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
     let Decision::Stop { apps } = decide(&pod) else {
         return Ok(Action::await_change());
     };
@@ -242,7 +224,7 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Ctx>) -> Result<Action, JobsError> {
     Ok(Action::await_change())
 }
 
-fn error_policy(_pod: Arc<Pod>, err: &JobsError, ctx: Arc<Ctx>) -> Action {
+fn error_policy(_pod: Arc<LivePod>, err: &JobsError, ctx: Arc<Ctx>) -> Action {
     ctx.metrics.failures.inc();
     tracing::warn!(error = %err, "sidecar stop failed; retrying");
     Action::requeue(Duration::from_secs(5))
@@ -255,7 +237,7 @@ pub async fn run(
     client: Client,
     identity: String,
     metrics: Metrics,
-    pods: SharedWatch<Pod>,
+    pods: SharedWatch<LivePod>,
     shutdown: CancellationToken,
 ) -> Result<(), JobsError> {
     let reporter = Reporter {
@@ -294,8 +276,8 @@ pub async fn run(
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
-        Container, ContainerState, ContainerStateRunning, ContainerStateTerminated, PodSpec,
-        PodStatus,
+        Container, ContainerState, ContainerStateRunning, ContainerStateTerminated,
+        ContainerStatus, PodSpec, PodStatus,
     };
     use kube::api::ObjectMeta;
 
@@ -354,7 +336,11 @@ mod tests {
         })
     }
 
-    fn pod(c: &Case) -> Pod {
+    fn pod(c: &Case) -> LivePod {
+        crate::live_pod::read(&full_pod(c))
+    }
+
+    fn full_pod(c: &Case) -> Pod {
         let container = |n: &str| Container {
             name: n.into(),
             ..Default::default()

@@ -9,6 +9,7 @@ pub mod controller;
 pub mod flags;
 pub mod jobs;
 pub mod leader;
+pub mod live_pod;
 pub mod mutate;
 pub mod offline;
 pub mod server;

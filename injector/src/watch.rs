@@ -16,10 +16,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, Resource};
+use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
@@ -263,60 +262,11 @@ pub(crate) fn drive<S, T>(
     });
 }
 
-/// Pods still running or about to. Finished pods are neither counted,
-/// retuned nor stopped; one that finishes leaves the watch as a deletion.
-pub const LIVE_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed";
-
-/// The leader's one pod watch, read by the SidecarLifecycle controller and
-/// the Jobs controller, until `shutdown`.
-pub fn live_pods(client: Client, shutdown: CancellationToken) -> SharedWatch<Pod> {
-    SharedWatch::start(
-        "pods",
-        Api::all(client),
-        watcher::Config::default().fields(LIVE_PODS),
-        slim_pod,
-        shutdown,
-    )
-}
-
-/// What the readers of [`live_pods`] read, and nothing else: metadata
-/// (labels, Remora's annotations, owners: the controller) without its
-/// managed fields, container names, the restart policy, the phase and the
-/// containers' states (Jobs).
-pub fn slim_pod(p: &mut Pod) {
-    p.metadata.managed_fields = None;
-    // Only Remora's annotations are read; a pod's others (a kubectl
-    // last-applied copy, say) can be its largest part.
-    if let Some(a) = p.metadata.annotations.as_mut() {
-        a.retain(|k, _| k.starts_with(remora_contract::annotations::PREFIX));
-    }
-    let names = |cs: Vec<Container>| -> Vec<Container> {
-        cs.into_iter()
-            .map(|c| Container {
-                name: c.name,
-                ..Container::default()
-            })
-            .collect()
-    };
-    p.spec = p.spec.take().map(|s| PodSpec {
-        containers: names(s.containers),
-        init_containers: s.init_containers.map(names),
-        restart_policy: s.restart_policy,
-        ..PodSpec::default()
-    });
-    p.status = p.status.take().map(|s| PodStatus {
-        phase: s.phase,
-        container_statuses: s.container_statuses,
-        init_container_statuses: s.init_container_statuses,
-        ..PodStatus::default()
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use futures::FutureExt;
-    use k8s_openapi::api::core::v1::{ConfigMap, EnvVar, Volume};
+    use k8s_openapi::api::core::v1::ConfigMap;
 
     fn cm(name: &str) -> ConfigMap {
         ConfigMap {
@@ -476,50 +426,5 @@ mod tests {
             ["+a", "+b", "-a", "+stop"],
             "declined, then told nothing"
         );
-    }
-
-    #[test]
-    fn a_slim_pod_keeps_what_jobs_decide_reads() {
-        let pod = |env: bool| Pod {
-            metadata: kube::api::ObjectMeta {
-                name: Some("p".into()),
-                annotations: Some(if env {
-                    [
-                        ("remora.dev/status".to_string(), "{}".to_string()),
-                        (
-                            "kubectl.kubernetes.io/last-applied-configuration".to_string(),
-                            "{}".to_string(),
-                        ),
-                    ]
-                    .into()
-                } else {
-                    [("remora.dev/status".to_string(), "{}".to_string())].into()
-                }),
-                ..Default::default()
-            },
-            spec: Some(PodSpec {
-                containers: vec![Container {
-                    name: remora_contract::pod::PROXY_CONTAINER.into(),
-                    env: env.then(|| {
-                        vec![EnvVar {
-                            name: "BIG".into(),
-                            ..EnvVar::default()
-                        }]
-                    }),
-                    ..Container::default()
-                }],
-                restart_policy: Some("Never".into()),
-                volumes: env.then(|| vec![Volume::default()]),
-                ..PodSpec::default()
-            }),
-            status: Some(PodStatus {
-                phase: Some("Running".into()),
-                ..PodStatus::default()
-            }),
-        };
-        let mut full = pod(true);
-        slim_pod(&mut full);
-        assert_eq!(full, pod(false));
-        assert_eq!(crate::jobs::decide(&full), crate::jobs::decide(&pod(true)));
     }
 }

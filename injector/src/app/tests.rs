@@ -112,7 +112,7 @@ async fn fake(State(seen): State<Seen>, req: Request) -> Response {
     }
 }
 
-async fn fake_api() -> anyhow::Result<(Client, Seen)> {
+async fn fake_api() -> anyhow::Result<(kube::Config, Seen)> {
     let seen: Seen = Arc::new(tokio::sync::watch::Sender::new(Vec::new()));
     let app = axum::Router::new()
         .fallback(fake)
@@ -123,12 +123,13 @@ async fn fake_api() -> anyhow::Result<(Client, Seen)> {
         let _ = axum::serve(listener, app).await;
     });
     let config = kube::Config::new(format!("http://{addr}").parse()?);
-    Ok((Client::try_from(config)?, seen))
+    Ok((config, seen))
 }
 
 #[tokio::test]
 async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> anyhow::Result<()> {
-    let (client, seen) = fake_api().await?;
+    let (config, seen) = fake_api().await?;
+    let client = Client::try_from(config.clone())?;
     let shutdown = CancellationToken::new();
     let view =
         crate::cluster::start(client.clone(), Duration::from_secs(10), shutdown.clone()).await?;
@@ -147,9 +148,10 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
         jobs_metrics: crate::jobs::Metrics::register(&mut registry),
         identity: "test".into(),
         lifecycles: view.lifecycle_watch(),
-        client,
+        kube: config,
     });
-    let leading = tokio::spawn(lead(ctx, shutdown.child_token()));
+    // On the leader's own runtime and client, as in the binary.
+    let leading = tokio::spawn(lead_apart(ctx, shutdown.child_token()));
 
     // Both controllers have acted on what they were shown: every stream
     // they read was polled, so any watch of their own would be open by now.
@@ -180,5 +182,37 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
 
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(10), leading).await??;
+    Ok(())
+}
+
+#[tokio::test]
+async fn work_apart_runs_on_its_own_lower_priority_thread_and_stops_when_dropped()
+-> anyhow::Result<()> {
+    /// Tells when the work is dropped, wherever that happens.
+    struct Dropped(Option<tokio::sync::oneshot::Sender<()>>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            if let Some(tx) = self.0.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+    let (dropped_tx, dropped) = tokio::sync::oneshot::channel();
+    let (where_tx, where_rx) = tokio::sync::oneshot::channel();
+    let work = apart(async move {
+        let _guard = Dropped(Some(dropped_tx));
+        let thread = std::thread::current().name().map(str::to_owned);
+        let nice = rustix::process::getpriority_process(Some(rustix::thread::gettid()));
+        let _ = where_tx.send((thread, nice.ok()));
+        std::future::pending::<()>().await
+    })?;
+    let running = tokio::spawn(work);
+    let (thread, nice) = tokio::time::timeout(Duration::from_secs(10), where_rx).await??;
+    assert_eq!(thread.as_deref(), Some(LEADER_THREAD));
+    let nice = nice.expect("getpriority");
+    assert!(nice >= LEADER_NICE, "nice {nice}");
+    // As the elector does when leadership ends.
+    running.abort();
+    tokio::time::timeout(Duration::from_secs(10), dropped).await??;
     Ok(())
 }

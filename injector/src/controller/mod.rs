@@ -6,7 +6,11 @@
 //!   manager [`FIELD_MANAGER`], and only when it changed;
 //! - retunes running pods: when a setting the agent reads at runtime (drain
 //!   settings) changes, it patches the pods' `remora.dev/lifecycle`
-//!   annotation, which the agent reads through the downward API;
+//!   annotation, which the agent reads through the downward API. Each pod
+//!   is patched by the reconcile of the one resource that governs it
+//!   ([`crate::status::governed`]), never by every resource that reaches
+//!   it; an edit of a cluster default triggers its siblings, which patch
+//!   their own pods;
 //! - when a setting only a restart applies changes, reports
 //!   `RestartRequired`; with `rolloutPolicy: Automatic` it rolls the owning
 //!   Deployment/StatefulSet/DaemonSet through a pod-template annotation,
@@ -16,7 +20,7 @@
 //!
 //! It opens no watch of its own: it follows the replica's SidecarLifecycle
 //! watch (the webhook's, [`crate::cluster`]) and the leader's pod watch
-//! ([`crate::watch::live_pods`]), which the Jobs controller shares.
+//! ([`crate::live_pod::live_pods`]), which the Jobs controller shares.
 //!
 //! Reconciles are idempotent: they compare what is with what should be and
 //! write only the difference, so a replayed or concurrent reconcile changes
@@ -37,7 +41,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -50,6 +53,7 @@ pub use events::{Decision, decisions};
 pub use metrics::Metrics;
 pub use rollout::RolloutLimiter;
 
+use crate::live_pod::LivePod;
 use crate::sidecar_config::ChartDefaults;
 use crate::watch::{Change, SharedWatch};
 use context::Ctx;
@@ -91,7 +95,7 @@ pub async fn run(
     settings: Settings,
     metrics: Metrics,
     lifecycles: SharedWatch<SidecarLifecycle>,
-    pods: SharedWatch<Pod>,
+    pods: SharedWatch<LivePod>,
     shutdown: CancellationToken,
 ) {
     // Until every live pod is listed, matchedPods would be wrong.

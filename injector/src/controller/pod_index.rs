@@ -7,8 +7,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 
-use k8s_openapi::api::core::v1::Pod;
-
+use crate::live_pod::LivePod;
 use crate::status::PodInfo;
 use crate::watch::{Change, SharedWatch};
 
@@ -23,7 +22,7 @@ impl PodIndex {
     /// An index kept up to date by `pods` for as long as it lives. Call it
     /// once `pods` has listed: it holds what the store holds when it
     /// returns.
-    pub(super) fn follow(pods: &SharedWatch<Pod>) -> Arc<Self> {
+    pub(super) fn follow(pods: &SharedWatch<LivePod>) -> Arc<Self> {
         let index = Arc::new(Self::default());
         let weak: Weak<Self> = Arc::downgrade(&index);
         pods.observe(move |change| match weak.upgrade() {
@@ -36,7 +35,7 @@ impl PodIndex {
         index
     }
 
-    fn apply(&self, change: &Change<Pod>) {
+    fn apply(&self, change: &Change<LivePod>) {
         let meta = &change.object().metadata;
         let (Some(ns), Some(name)) = (meta.namespace.as_deref(), meta.name.as_deref()) else {
             return;
@@ -90,15 +89,15 @@ mod tests {
     use super::*;
     use kube::api::ObjectMeta;
 
-    fn pod(ns: &str, name: &str, app: &str) -> Pod {
-        Pod {
+    fn pod(ns: &str, name: &str, app: &str) -> LivePod {
+        LivePod {
             metadata: ObjectMeta {
                 namespace: Some(ns.into()),
                 name: Some(name.into()),
                 labels: Some([("app".to_string(), app.to_string())].into()),
                 ..ObjectMeta::default()
             },
-            ..Pod::default()
+            ..LivePod::default()
         }
     }
 

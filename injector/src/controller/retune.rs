@@ -16,9 +16,10 @@ use super::events::Decision;
 use crate::sidecar_config::LifecycleEntry;
 use crate::status::{Governed, PodInfo, refreshed_lifecycle};
 
-/// Patches one reconcile keeps in flight; the controller's budget bounds
-/// them all together.
-const CONCURRENT_PATCHES: usize = 16;
+/// Patches one reconcile keeps in flight: as many as the budget lets out,
+/// so that a reconcile alone (a cluster default's, reaching thousands of
+/// pods) can use all of it; the budget shares it out when several run.
+const CONCURRENT_PATCHES: usize = super::budget::MAX_IN_FLIGHT;
 
 /// Pods of one reconcile that get their own `LifecycleRetuned` Event. A
 /// change reaching thousands of pods would otherwise write as many Events

@@ -6,11 +6,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use remora_crds::SidecarLifecycle;
 
+use crate::live_pod::LivePod;
 use crate::sidecar_config::LifecycleEntry;
 use crate::status::{PodInfo, reaches};
 use crate::watch::Change;
@@ -19,7 +19,7 @@ use crate::watch::Change;
 pub(super) fn by_pod(
     lifecycles: Store<SidecarLifecycle>,
     operator_ns: String,
-) -> impl Fn(Arc<Pod>) -> Vec<ObjectRef<SidecarLifecycle>> + Send + Sync + 'static {
+) -> impl Fn(Arc<LivePod>) -> Vec<ObjectRef<SidecarLifecycle>> + Send + Sync + 'static {
     move |p| {
         let pod = PodInfo::from_meta(&p.metadata);
         lifecycles
@@ -73,7 +73,7 @@ pub(super) fn generation(r: &SidecarLifecycle) -> (String, u64) {
 /// What of a pod decides which resources reach it and what it should carry:
 /// labels, annotations, its controlling owner. Status-only updates (most of
 /// a pod's updates) leave it unchanged.
-pub(super) fn pod_key(p: &Pod) -> (String, u64) {
+pub(super) fn pod_key(p: &LivePod) -> (String, u64) {
     use std::hash::{Hash, Hasher};
     let key = format!(
         "{}/{}",

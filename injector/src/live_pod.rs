@@ -1,0 +1,266 @@
+//! The leader's one pod watch, and the pod as its readers read it.
+//!
+//! Not k8s-openapi's `Pod`: its structs hold every field of the API inline,
+//! set or not (2.4 KB a pod, 2.1 KB a container, 0.75 KB a container
+//! status), so a store of 10,000 injected pods cost about 100 MiB however
+//! much of each pod was trimmed. [`LivePod`] has the same shape, with only
+//! what the readers read, and what it leaves out of the API server's JSON is
+//! never allocated.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::{Metadata, NamespaceResourceScope, Resource};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::watch::SharedWatch;
+
+/// Pods still running or about to. Finished pods are neither counted,
+/// retuned nor stopped; one that finishes leaves the watch as a deletion.
+pub const LIVE_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed";
+
+/// A pod as the leader's controllers read it: metadata (labels, Remora's
+/// annotations, owners: the SidecarLifecycle controller), container names,
+/// the restart policy, the phase and the containers' exit codes (Jobs).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct LivePod {
+    pub metadata: ObjectMeta,
+    pub spec: Option<LiveSpec>,
+    pub status: Option<LiveStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LiveSpec {
+    pub containers: Option<Vec<Named>>,
+    pub init_containers: Option<Vec<Named>>,
+    pub restart_policy: Option<String>,
+}
+
+/// A container, by name.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Named {
+    pub name: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LiveStatus {
+    pub phase: Option<String>,
+    pub container_statuses: Option<Vec<LiveContainerStatus>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct LiveContainerStatus {
+    pub name: String,
+    pub state: Option<LiveContainerState>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct LiveContainerState {
+    pub terminated: Option<Terminated>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Terminated {
+    pub exit_code: i32,
+}
+
+impl LivePod {
+    pub fn containers(&self) -> &[Named] {
+        self.spec
+            .as_ref()
+            .and_then(|s| s.containers.as_deref())
+            .unwrap_or_default()
+    }
+
+    pub fn init_containers(&self) -> &[Named] {
+        self.spec
+            .as_ref()
+            .and_then(|s| s.init_containers.as_deref())
+            .unwrap_or_default()
+    }
+
+    pub fn restart_policy(&self) -> Option<&str> {
+        self.spec.as_ref()?.restart_policy.as_deref()
+    }
+
+    pub fn phase(&self) -> Option<&str> {
+        self.status.as_ref()?.phase.as_deref()
+    }
+
+    /// The exit code of container `name`, once it has terminated.
+    pub fn exit_code(&self, name: &str) -> Option<i32> {
+        self.status
+            .as_ref()?
+            .container_statuses
+            .iter()
+            .flatten()
+            .find(|s| s.name == name)?
+            .state
+            .as_ref()?
+            .terminated
+            .as_ref()
+            .map(|t| t.exit_code)
+    }
+}
+
+// The API's own identity of a pod, so that kube's `Api`, watcher and
+// reflector (through kube's blanket `Resource` impl) treat this as a Pod.
+impl Resource for LivePod {
+    const API_VERSION: &'static str = <k8s_openapi::api::core::v1::Pod as Resource>::API_VERSION;
+    const GROUP: &'static str = <k8s_openapi::api::core::v1::Pod as Resource>::GROUP;
+    const KIND: &'static str = <k8s_openapi::api::core::v1::Pod as Resource>::KIND;
+    const VERSION: &'static str = <k8s_openapi::api::core::v1::Pod as Resource>::VERSION;
+    const URL_PATH_SEGMENT: &'static str =
+        <k8s_openapi::api::core::v1::Pod as Resource>::URL_PATH_SEGMENT;
+    type Scope = NamespaceResourceScope;
+}
+
+impl Metadata for LivePod {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// The leader's one pod watch, read by the SidecarLifecycle controller and
+/// the Jobs controller, until `shutdown`.
+pub fn live_pods(client: Client, shutdown: CancellationToken) -> SharedWatch<LivePod> {
+    SharedWatch::start(
+        "pods",
+        Api::all(client),
+        watcher::Config::default().fields(LIVE_PODS),
+        slim,
+        shutdown,
+    )
+}
+
+/// Metadata nobody reads: managed fields, and annotations other than
+/// Remora's (a kubectl last-applied copy, say, can be a pod's largest part).
+pub fn slim(p: &mut LivePod) {
+    p.metadata.managed_fields = None;
+    if let Some(a) = p.metadata.annotations.as_mut() {
+        a.retain(|k, _| k.starts_with(remora_contract::annotations::PREFIX));
+    }
+}
+
+/// A pod as the watch reads it: through its JSON, as the API server sends it.
+#[cfg(test)]
+pub(crate) fn read(pod: &k8s_openapi::api::core::v1::Pod) -> LivePod {
+    let mut p: LivePod =
+        serde_json::from_value(serde_json::to_value(pod).expect("a pod serializes"))
+            .expect("a pod reads as a LivePod");
+    slim(&mut p);
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        Container, ContainerState, ContainerStateTerminated, ContainerStatus, EnvVar, Pod, PodSpec,
+        PodStatus, Volume,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    #[test]
+    fn a_full_pod_reads_as_what_the_controllers_read_and_no_more() {
+        let full = Pod {
+            metadata: ObjectMeta {
+                name: Some("p".into()),
+                namespace: Some("ns".into()),
+                labels: Some([("app".to_string(), "web".to_string())].into()),
+                annotations: Some(
+                    [
+                        ("remora.dev/status".to_string(), "{}".to_string()),
+                        (
+                            "kubectl.kubernetes.io/last-applied-configuration".to_string(),
+                            "{}".to_string(),
+                        ),
+                    ]
+                    .into(),
+                ),
+                managed_fields: Some(vec![ManagedFieldsEntry::default()]),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![
+                    Container {
+                        name: "app".into(),
+                        env: Some(vec![EnvVar {
+                            name: "BIG".into(),
+                            ..EnvVar::default()
+                        }]),
+                        ..Container::default()
+                    },
+                    Container {
+                        name: remora_contract::pod::PROXY_CONTAINER.into(),
+                        ..Container::default()
+                    },
+                ],
+                restart_policy: Some("Never".into()),
+                volumes: Some(vec![Volume::default()]),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                container_statuses: Some(vec![ContainerStatus {
+                    name: "app".into(),
+                    image: "registry.example/app:1".into(),
+                    state: Some(ContainerState {
+                        terminated: Some(ContainerStateTerminated {
+                            exit_code: 3,
+                            reason: Some("Error".into()),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }]),
+                ..PodStatus::default()
+            }),
+        };
+        let live = read(&full);
+        assert_eq!(
+            live.metadata,
+            ObjectMeta {
+                name: Some("p".into()),
+                namespace: Some("ns".into()),
+                labels: Some([("app".to_string(), "web".to_string())].into()),
+                annotations: Some([("remora.dev/status".to_string(), "{}".to_string())].into()),
+                ..Default::default()
+            }
+        );
+        let names: Vec<&str> = live.containers().iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["app", remora_contract::pod::PROXY_CONTAINER]);
+        assert!(live.init_containers().is_empty());
+        assert_eq!(live.restart_policy(), Some("Never"));
+        assert_eq!(live.phase(), Some("Running"));
+        assert_eq!(live.exit_code("app"), Some(3));
+        assert_eq!(live.exit_code(remora_contract::pod::PROXY_CONTAINER), None);
+    }
+
+    #[test]
+    fn a_pod_without_spec_or_status_reads() {
+        let live: LivePod =
+            serde_json::from_str(r#"{"metadata":{"name":"p"},"spec":null}"#).expect("reads");
+        assert!(live.containers().is_empty());
+        assert_eq!((live.restart_policy(), live.phase()), (None, None));
+    }
+
+    #[test]
+    fn is_a_pod_to_kube() {
+        use kube::Resource as _;
+        assert_eq!(LivePod::kind(&()), "Pod");
+        assert_eq!(LivePod::api_version(&()), "v1");
+        assert_eq!(LivePod::plural(&()), "pods");
+    }
+}
