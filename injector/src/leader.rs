@@ -285,9 +285,17 @@ impl<S: LeaseStore> Elector<S> {
                         tracing::warn!(identity = %id, %lease, error = %e, "cannot acquire the Lease")
                     }
                 }
+                // At the next retry, or the moment the Lease we saw may be
+                // taken if that is sooner: a standby takes over a dead
+                // leader's Lease then, not up to a retry period later.
+                let retry = Instant::now() + self.cfg.retry_period;
+                let wake = self
+                    .observed_expiry()
+                    .filter(|e| *e > Instant::now())
+                    .map_or(retry, |e| e.min(retry));
                 tokio::select! {
                     () = shutdown.cancelled() => return,
-                    () = tokio::time::sleep(self.cfg.retry_period) => {}
+                    () = tokio::time::sleep_until(wake) => {}
                 }
             };
 
@@ -437,14 +445,19 @@ impl<S: LeaseStore> Elector<S> {
     /// Whether the Lease we observed has stopped changing for its holder's
     /// lease duration (ours when it says none).
     fn observed_expired(&self, now: Instant) -> bool {
-        let Some((spec, seen)) = &self.observed else {
-            return true;
-        };
-        let secs = spec
+        self.observed.is_none() || self.observed_expiry().is_some_and(|e| now >= e)
+    }
+
+    /// When the Lease we observed may be taken if it does not change again;
+    /// `None` when nothing was observed, or never (a duration too long to
+    /// add).
+    fn observed_expiry(&self) -> Option<Instant> {
+        let (spec, seen) = self.observed.as_ref()?;
+        let duration = spec
             .lease_duration_seconds
             .and_then(|s| u64::try_from(s).ok())
             .map_or(self.cfg.lease_duration, Duration::from_secs);
-        now >= *seen + secs
+        seen.checked_add(duration)
     }
 
     /// Let the Lease go: no holder, so candidates take it at their next try.
