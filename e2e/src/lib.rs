@@ -14,6 +14,7 @@ pub mod load;
 pub mod node;
 pub mod podrunner;
 pub mod scale;
+pub mod scale_run;
 pub mod stats;
 pub mod traffic;
 pub mod webhook;

@@ -46,6 +46,9 @@ const KIND_CYCLE: [WorkloadKind; 5] = [
     WorkloadKind::Job,
 ];
 
+/// The one SidecarLifecycle of the big namespace (namespace-wide).
+pub const BIG_LIFECYCLE: &str = "wide";
+
 /// A Deployment's pods carry its template's hash (here a fixed one: no
 /// controller computes it).
 const TEMPLATE_HASH: &str = "6f8b7c9d4";
@@ -90,6 +93,10 @@ pub struct Load {
     /// Requests in flight at once: the API server and etcd share the cores
     /// with the client, so more only queues.
     pub concurrency: usize,
+    /// Pods of one more namespace, [`Load::big_namespace`], governed by its
+    /// one namespace-wide SidecarLifecycle ([`BIG_LIFECYCLE`]); 0: none.
+    /// Neither counted in `pods` nor in `lifecycles`.
+    pub big_namespace_pods: usize,
 }
 
 impl Default for Load {
@@ -104,11 +111,17 @@ impl Default for Load {
             run: "scale".into(),
             operator_namespace: "remora-system".into(),
             concurrency: 32,
+            big_namespace_pods: 1_000,
         }
     }
 }
 
 impl Load {
+    /// The namespace of [`Load::big_namespace_pods`].
+    pub fn big_namespace(&self) -> String {
+        format!("{}-big", self.run)
+    }
+
     fn validate(&self) -> Result<(), Error> {
         let bad = |m: String| Err(Error::Invalid(m));
         if self.namespaces == 0 || self.nodes == 0 {
@@ -241,68 +254,31 @@ impl Plan {
         // Pods round-robin over the nodes, in creation order.
         let mut next_node = 0usize;
         for (i, ns) in namespaces.iter().enumerate() {
-            let mut left =
-                load.pods / load.namespaces + usize::from(i < load.pods % load.namespaces);
-            let mut w = 0usize;
-            while left > 0 {
-                let replicas = left.min(load.pods_per_workload);
-                left -= replicas;
-                let kind = KIND_CYCLE[w % KIND_CYCLE.len()];
-                let name = format!("{}{w}", kind.short());
-                let labels = BTreeMap::from([
-                    (RUN_LABEL.to_owned(), run.clone()),
-                    ("app".to_owned(), name.clone()),
-                    (
-                        "tier".to_owned(),
-                        if w.is_multiple_of(2) {
-                            "frontend"
-                        } else {
-                            "backend"
-                        }
-                        .to_owned(),
-                    ),
-                ]);
-                let pods = (0..replicas)
-                    .map(|r| {
-                        let mut labels = labels.clone();
-                        let pod_name = match kind {
-                            WorkloadKind::Deployment => {
-                                labels.insert("pod-template-hash".into(), TEMPLATE_HASH.into());
-                                format!("{name}-{TEMPLATE_HASH}-{r:05}")
-                            }
-                            WorkloadKind::StatefulSet => {
-                                let p = format!("{name}-{r}");
-                                labels
-                                    .insert("statefulset.kubernetes.io/pod-name".into(), p.clone());
-                                labels.insert("apps.kubernetes.io/pod-index".into(), r.to_string());
-                                p
-                            }
-                            WorkloadKind::Job => {
-                                labels.insert("batch.kubernetes.io/job-name".into(), name.clone());
-                                labels.insert("job-name".into(), name.clone());
-                                format!("{name}-{r:05}")
-                            }
-                        };
-                        let node = nodes[next_node % nodes.len()].clone();
-                        next_node += 1;
-                        PlannedPod {
-                            name: pod_name,
-                            node,
-                            labels,
-                        }
-                    })
-                    .collect();
-                workloads.push(Workload {
-                    namespace: ns.clone(),
-                    kind,
-                    name,
-                    labels,
-                    pods,
-                });
-                w += 1;
-            }
+            let count = load.pods / load.namespaces + usize::from(i < load.pods % load.namespaces);
+            workloads.extend(plan_namespace(load, ns, count, &nodes, &mut next_node));
         }
-        let lifecycles = plan_lifecycles(load, &namespaces, &workloads);
+        let mut lifecycles = plan_lifecycles(load, &namespaces, &workloads);
+        let mut namespaces = namespaces;
+        // The big namespace: its pods are governed by its one namespace-wide
+        // SidecarLifecycle (no selector there), whose edit retunes them all.
+        if load.big_namespace_pods > 0 {
+            let big = load.big_namespace();
+            workloads.extend(plan_namespace(
+                load,
+                &big,
+                load.big_namespace_pods,
+                &nodes,
+                &mut next_node,
+            ));
+            lifecycles.push(PlannedLifecycle {
+                namespace: big.clone(),
+                name: BIG_LIFECYCLE.to_owned(),
+                kind: LifecycleKind::NamespaceWide,
+                selector: None,
+                spec: json!({"shutdown": {"drainDuration": "30s"}}),
+            });
+            namespaces.push(big);
+        }
         Ok(Self {
             load: load.clone(),
             namespaces,
@@ -323,6 +299,78 @@ impl Plan {
     pub fn lifecycles_of(&self, kind: LifecycleKind) -> usize {
         self.lifecycles.iter().filter(|l| l.kind == kind).count()
     }
+}
+
+/// The workloads of namespace `ns`, `count` pods in all, placed round-robin
+/// from `*next_node` on.
+fn plan_namespace(
+    load: &Load,
+    ns: &str,
+    count: usize,
+    nodes: &[String],
+    next_node: &mut usize,
+) -> Vec<Workload> {
+    let run = &load.run;
+    let mut workloads = Vec::new();
+    let mut left = count;
+    let mut w = 0usize;
+    while left > 0 {
+        let replicas = left.min(load.pods_per_workload);
+        left -= replicas;
+        let kind = KIND_CYCLE[w % KIND_CYCLE.len()];
+        let name = format!("{}{w}", kind.short());
+        let labels = BTreeMap::from([
+            (RUN_LABEL.to_owned(), run.clone()),
+            ("app".to_owned(), name.clone()),
+            (
+                "tier".to_owned(),
+                if w.is_multiple_of(2) {
+                    "frontend"
+                } else {
+                    "backend"
+                }
+                .to_owned(),
+            ),
+        ]);
+        let pods = (0..replicas)
+            .map(|r| {
+                let mut labels = labels.clone();
+                let pod_name = match kind {
+                    WorkloadKind::Deployment => {
+                        labels.insert("pod-template-hash".into(), TEMPLATE_HASH.into());
+                        format!("{name}-{TEMPLATE_HASH}-{r:05}")
+                    }
+                    WorkloadKind::StatefulSet => {
+                        let p = format!("{name}-{r}");
+                        labels.insert("statefulset.kubernetes.io/pod-name".into(), p.clone());
+                        labels.insert("apps.kubernetes.io/pod-index".into(), r.to_string());
+                        p
+                    }
+                    WorkloadKind::Job => {
+                        labels.insert("batch.kubernetes.io/job-name".into(), name.clone());
+                        labels.insert("job-name".into(), name.clone());
+                        format!("{name}-{r:05}")
+                    }
+                };
+                let node = nodes[*next_node % nodes.len()].clone();
+                *next_node += 1;
+                PlannedPod {
+                    name: pod_name,
+                    node,
+                    labels,
+                }
+            })
+            .collect();
+        workloads.push(Workload {
+            namespace: ns.to_owned(),
+            kind,
+            name,
+            labels,
+            pods,
+        });
+        w += 1;
+    }
+    workloads
 }
 
 /// One cluster default, then round-robin over the namespaces: a
@@ -1072,6 +1120,7 @@ mod tests {
             nodes: 4,
             pods: 75,
             lifecycles: 10,
+            big_namespace_pods: 0,
             ..Load::default()
         }
     }
@@ -1154,6 +1203,42 @@ mod tests {
         let app3 = plan.lifecycles.iter().find(|l| l.name == "app-3").unwrap();
         assert_eq!(app3.selector.as_ref().unwrap()["app"], "d1");
         assert_eq!(app3.kind, LifecycleKind::Selector);
+    }
+
+    #[test]
+    fn the_big_namespace_has_its_pods_and_one_namespace_wide_lifecycle() {
+        let load = Load {
+            big_namespace_pods: 12,
+            ..small()
+        };
+        let plan = Plan::new(&load).unwrap();
+        assert_eq!(plan.pods(), 75 + 12);
+        assert_eq!(plan.lifecycles.len(), 11);
+        let big = load.big_namespace();
+        assert_eq!(plan.namespaces.last(), Some(&big));
+        let in_big: Vec<_> = plan
+            .lifecycles
+            .iter()
+            .filter(|l| l.namespace == big)
+            .collect();
+        assert_eq!(in_big.len(), 1);
+        assert_eq!(in_big[0].name, BIG_LIFECYCLE);
+        assert_eq!(in_big[0].kind, LifecycleKind::NamespaceWide);
+        let pods: usize = plan
+            .workloads
+            .iter()
+            .filter(|w| w.namespace == big)
+            .map(|w| w.pods.len())
+            .sum();
+        assert_eq!(pods, 12);
+        // The round-robin over nodes goes on through the big namespace.
+        let nodes: BTreeSet<_> = plan
+            .workloads
+            .iter()
+            .filter(|w| w.namespace == big)
+            .flat_map(|w| w.pods.iter().map(|p| &p.node))
+            .collect();
+        assert_eq!(nodes.len(), 4);
     }
 
     #[test]
