@@ -28,6 +28,8 @@ pub(super) struct Ctx {
     pub(super) limiter: Mutex<RolloutLimiter>,
     /// Every request the controller makes waits for it.
     pub(super) budget: Budget,
+    /// Pod Events left to write ([`super::retune::pod_event_allowance`]).
+    pub(super) pod_events: leaky_bucket::RateLimiter,
 }
 
 impl Ctx {

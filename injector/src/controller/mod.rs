@@ -137,6 +137,7 @@ pub async fn run(
         ),
         limiter: Mutex::new(RolloutLimiter::new(settings.rollout_interval)),
         budget: Budget::new(settings.qps, settings.burst),
+        pod_events: retune::pod_event_allowance(),
         client,
         settings,
         index,

@@ -101,7 +101,7 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
                 warning: false,
                 reason: "PodsRetuned",
                 note: format!(
-                    "updated remora.dev/lifecycle of {retuned} running pods (each of the first {POD_EVENTS} has its own Event)"
+                    "updated remora.dev/lifecycle of {retuned} running pods (up to {POD_EVENTS} of them, within the controller's allowance, have their own Event)"
                 ),
             },
             None,

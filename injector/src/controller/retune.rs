@@ -2,11 +2,13 @@
 //! which the agent reads through the downward API at its next drain.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
+use leaky_bucket::RateLimiter;
 use remora_contract::annotations::LIFECYCLE as LIFECYCLE_ANNOTATION;
 use serde_json::json;
 
@@ -25,6 +27,24 @@ const CONCURRENT_PATCHES: usize = super::budget::MAX_IN_FLIGHT;
 /// change reaching thousands of pods would otherwise write as many Events
 /// as patches; the resource's `PodsRetuned` Event counts them all.
 pub(super) const POD_EVENTS: usize = 10;
+
+/// Pod Events controller-wide: a burst, then a few a second. An edit of a
+/// cluster default retunes its pods through the reconciles of a thousand
+/// siblings, each with a handful of pods: ten per reconcile was still an
+/// Event per patch, and half the writes of the edit.
+const POD_EVENT_BURST: usize = 50;
+const POD_EVENTS_PER_S: usize = 5;
+
+/// The controller-wide allowance of pod Events (taken without waiting: an
+/// Event over it is not written).
+pub(super) fn pod_event_allowance() -> RateLimiter {
+    RateLimiter::builder()
+        .max(POD_EVENT_BURST)
+        .initial(POD_EVENT_BURST)
+        .refill(POD_EVENTS_PER_S)
+        .interval(Duration::from_secs(1))
+        .build()
+}
 
 /// Bring the lifecycle annotation of each of `pods` (with the settings it
 /// should run with) up to date. Returns how many were patched.
@@ -73,7 +93,7 @@ async fn patch(
     drop(permit);
     ctx.metrics.retuned.inc();
     tracing::debug!(pod = %who, lifecycle = %fresh, "lifecycle annotation updated");
-    if with_event {
+    if with_event && ctx.pod_events.try_acquire(1) {
         ctx.event(
             &pod_ref(&pod),
             Decision {
@@ -89,4 +109,20 @@ async fn patch(
         .await;
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn pod_events_are_a_burst_then_a_few_a_second() {
+        let allowance = pod_event_allowance();
+        let taken = |n: usize| (0..n).filter(|_| allowance.try_acquire(1)).count();
+        assert_eq!(taken(POD_EVENT_BURST + 10), POD_EVENT_BURST);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(taken(100), POD_EVENTS_PER_S);
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(taken(1_000), POD_EVENT_BURST, "never more than the burst");
+    }
 }
