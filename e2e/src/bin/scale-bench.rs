@@ -86,6 +86,9 @@ struct Out {
     failover_s: Option<f64>,
     lease_takeover_s: Option<f64>,
     new_leader_rss_mib: Option<f64>,
+    /// The leader's peak RSS over its life, every step before the failover
+    /// included: what the chart's memory limit must cover.
+    leader_peak_rss_mib: Option<f64>,
     lease_duration_s: f64,
     status_correct: bool,
     goals: Vec<Goal>,
@@ -135,7 +138,12 @@ async fn main() -> Result<()> {
     opts.rate = args.rate;
     opts.step_timeout = Duration::from_secs(args.step_timeout);
     let (report, run) = scale_run::run(opts).await?;
-    let out = summarize(&report, &plan, bin.display().to_string());
+    // Relative to the workspace: the results file names no machine's paths.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap_or(std::path::Path::new("/"));
+    let shown = bin.strip_prefix(root).unwrap_or(&bin);
+    let out = summarize(&report, &plan, shown.display().to_string());
     print_table(&out);
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -249,6 +257,9 @@ fn summarize(r: &Report, plan: &e2e::scale::Plan, bin: String) -> Out {
         failover_s: fail.map(|f| f.failover_s),
         lease_takeover_s: fail.map(|f| f.lease_takeover_s),
         new_leader_rss_mib: fail.map(|f| f.new_leader_rss_mib),
+        leader_peak_rss_mib: fail
+            .and_then(|f| f.killed_leader_peak_mib)
+            .or(steady.and_then(|s| s.leader_peak_mib)),
         lease_duration_s: lease,
         status_correct,
         goals,
@@ -338,6 +349,10 @@ fn print_table(o: &Out) {
         f(o.lease_takeover_s),
         f(o.new_leader_rss_mib),
         o.lease_duration_s
+    );
+    println!(
+        "leader peak RSS over every step: {} MiB",
+        f(o.leader_peak_rss_mib)
     );
     outcome("settling", &r.settled);
     outcome("steady window", &r.steady);

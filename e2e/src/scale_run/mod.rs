@@ -194,6 +194,10 @@ pub struct Steady {
     pub quiet_after_s: f64,
     pub leader_rss: Rss,
     pub standby_rss: Rss,
+    /// Each replica's peak RSS since it started (loading and settling
+    /// included), at the end of the window.
+    pub leader_peak_mib: Option<f64>,
+    pub standby_peak_mib: Option<f64>,
     pub leader: audit::Counts,
     pub standby: audit::Counts,
 }
@@ -232,6 +236,8 @@ pub struct Failover {
     pub failover_s: f64,
     /// The new leader's RSS then (after its initial list and reconciles).
     pub new_leader_rss_mib: f64,
+    /// The killed leader's peak RSS over its life (every step before).
+    pub killed_leader_peak_mib: Option<f64>,
 }
 
 /// Everything a run measured.
@@ -268,9 +274,19 @@ pub struct Run {
 
 /// RSS of `pid` from /proc (MiB); `None` when it is gone.
 pub fn rss_mib(pid: u32) -> Option<f64> {
+    proc_status_mib(pid, "VmRSS:")
+}
+
+/// The most `pid` has had resident since it started (VmHWM, MiB): what a
+/// memory limit must cover, which sampling can miss.
+pub fn peak_rss_mib(pid: u32) -> Option<f64> {
+    proc_status_mib(pid, "VmHWM:")
+}
+
+fn proc_status_mib(pid: u32, key: &str) -> Option<f64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(key))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
         .map(|kb| kb / 1024.0)
 }
@@ -623,6 +639,8 @@ impl Run {
             quiet_after_s,
             leader_rss: rss_of(&lr),
             standby_rss: rss_of(&sr),
+            leader_peak_mib: peak_rss_mib(l.pid()),
+            standby_peak_mib: peak_rss_mib(s.pid()),
             leader: audit::count(&reqs, &users[0], from, to),
             standby: audit::count(&reqs, &users[1], from, to),
         }))
@@ -857,6 +875,7 @@ impl Run {
         else {
             return Ok(StepResult::Failed(format!("{leader} is gone")));
         };
+        let killed_leader_peak_mib = peak_rss_mib(inj.pid());
         let t0 = Instant::now();
         inj.signal(Signal::SIGKILL);
         let edited = api
@@ -924,6 +943,7 @@ impl Run {
             lease_takeover_s: lease.as_secs_f64(),
             failover_s: status.as_secs_f64(),
             new_leader_rss_mib,
+            killed_leader_peak_mib,
         }))
     }
 
