@@ -164,31 +164,20 @@ pub fn mib(bytes: u64) -> f64 {
 /// few bytes): one annotation carries the bulk, the way a big pod would.
 pub fn review_of_size(bytes: usize, uid: &str) -> Vec<u8> {
     let shell = |pad: &str| {
-        serde_json::json!({
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": uid,
-                "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                "resource": {"group": "", "version": "v1", "resource": "pods"},
+        let pod = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "big",
                 "namespace": "hostile",
-                "operation": "CREATE",
-                "userInfo": {"username": "bench"},
-                "object": {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "metadata": {
-                        "name": "big",
-                        "namespace": "hostile",
-                        "labels": {"remora.dev/inject": "true"},
-                        "annotations": {"bench.remora.dev/pad": pad}
-                    },
-                    "spec": {"containers": [{"name": "app", "image": "app:1"}]}
-                }
-            }
-        })
-        .to_string()
-        .into_bytes()
+                "labels": {"remora.dev/inject": "true"},
+                "annotations": {"bench.remora.dev/pad": pad}
+            },
+            "spec": {"containers": [{"name": "app", "image": "app:1"}]}
+        });
+        crate::webhook::pod_create_review(&pod, "hostile", uid)
+            .to_string()
+            .into_bytes()
     };
     let base = shell("").len();
     shell(&"x".repeat(bytes.saturating_sub(base)))

@@ -327,3 +327,27 @@ pub fn lifecycle(
         "spec": spec,
     }))
 }
+
+/// A Pod CREATE review of `pod` (a pod object as a client submits it).
+pub fn pod_create_review(pod: &serde_json::Value, namespace: &str, uid: &str) -> serde_json::Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": pod["metadata"]["name"],
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller",
+                         "groups": ["system:serviceaccounts", "system:authenticated"]},
+            "object": pod,
+            "oldObject": null,
+            "dryRun": false,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+        }
+    })
+}

@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use remora_test_support::webhook_client::{Connection, connect};
 use serde::Serialize;
-use serde_json::{Value, json};
+use serde_json::Value;
+
+use crate::webhook::pod_create_review;
 use tokio::sync::{Mutex, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -39,30 +41,6 @@ pub struct Outcome {
     pub first_errors: Vec<String>,
     /// Latency of the answered reviews, from their due times.
     pub latency: Summary,
-}
-
-/// A Pod CREATE review of `pod` (a pod object as a client submits it).
-pub fn review(pod: &Value, namespace: &str, uid: &str) -> Value {
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": pod["metadata"]["name"],
-            "namespace": namespace,
-            "operation": "CREATE",
-            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller",
-                         "groups": ["system:serviceaccounts", "system:authenticated"]},
-            "object": pod,
-            "oldObject": null,
-            "dryRun": false,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
-        }
-    })
 }
 
 /// Whether `body` is a successful answer to the review `uid` that injects.
@@ -146,7 +124,7 @@ pub async fn run(
             continue;
         };
         let uid = format!("00000000-0000-4000-8000-{sent:012}");
-        let body = serde_json::to_vec(&review(pod, namespace, &uid)).unwrap_or_default();
+        let body = serde_json::to_vec(&pod_create_review(pod, namespace, &uid)).unwrap_or_default();
         let pool = Arc::clone(&pool);
         tasks.spawn(async move {
             let r = tokio::time::timeout(REVIEW_TIMEOUT, pool.send(body, &uid)).await;
@@ -196,6 +174,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn only_an_injecting_answer_to_this_review_counts() {
@@ -212,7 +191,7 @@ mod tests {
     #[test]
     fn a_review_carries_the_pod_and_its_namespace() {
         let pod = json!({"metadata": {"name": "p"}, "spec": {"containers": []}});
-        let r = review(&pod, "ns", "u");
+        let r = pod_create_review(&pod, "ns", "u");
         assert_eq!(r["request"]["object"], pod);
         assert_eq!(r["request"]["namespace"], "ns");
         assert_eq!(r["request"]["name"], "p");
