@@ -285,6 +285,27 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     let first = web[0].metadata.name.clone().unwrap_or_default();
     event(&client, &ns, &first, "LifecycleRetuned").await?;
     event(&client, &ns, "web-old", "PodsRetuned").await?;
+
+    // A hand edit of a pod's settings is put back by the resource that
+    // governs it (a change of only that annotation triggers its governor).
+    let retuned = lifecycle_annotation(&pods_api.get(&first).await?);
+    let mut edited = retuned.clone();
+    edited["shutdown"]["drainDuration"] = json!("1s");
+    pods_api
+        .patch_metadata(
+            &first,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {
+                remora_contract::annotations::LIFECYCLE: edited.to_string()
+            }}})),
+        )
+        .await?;
+    wait_until("the hand-edited pod put back", DEADLINE, || async {
+        let now = lifecycle_annotation(&pods_api.get(&first).await?);
+        Ok::<_, kube::Error>((now == retuned).then_some(()))
+    })
+    .await
+    .with_context(log)?;
     let o = status_where(&slc, "web-old", "web-old at generation 2", |o| {
         o.data["status"]["observedGeneration"] == 2
     })

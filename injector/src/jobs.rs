@@ -100,6 +100,12 @@ pub fn decide(pod: &LivePod) -> Decision {
     if !annotations.contains_key(STATUS_ANNOTATION) {
         return Decision::Leave(Skip::NotInjected);
     }
+    // First: the watch keeps no containers of a pod that restarts Always.
+    let on_failure = match pod.restart_policy() {
+        Some("Never") => false,
+        Some("OnFailure") => true,
+        _ => return Decision::Leave(Skip::RestartAlways),
+    };
     let in_init = pod
         .init_containers()
         .iter()
@@ -107,11 +113,6 @@ pub fn decide(pod: &LivePod) -> Decision {
     if in_init || !pod.containers().iter().any(|c| c.name == PROXY_CONTAINER) {
         return Decision::Leave(Skip::NotLegacy);
     }
-    let on_failure = match pod.restart_policy() {
-        Some("Never") => false,
-        Some("OnFailure") => true,
-        _ => return Decision::Leave(Skip::RestartAlways),
-    };
     if pod.metadata.deletion_timestamp.is_some()
         || matches!(pod.phase(), Some("Succeeded" | "Failed"))
     {
@@ -528,8 +529,9 @@ mod tests {
         });
         p.status = None;
         assert_eq!(decide(&p), Decision::Leave(Skip::AppsRunning));
+        // No restartPolicy: the API server's default, Always.
         p.spec = None;
-        assert_eq!(decide(&p), Decision::Leave(Skip::NotLegacy));
+        assert_eq!(decide(&p), Decision::Leave(Skip::RestartAlways));
     }
 
     #[test]

@@ -143,12 +143,26 @@ pub fn live_pods(client: Client, shutdown: CancellationToken) -> SharedWatch<Liv
     )
 }
 
-/// Metadata nobody reads: managed fields, and annotations other than
-/// Remora's (a kubectl last-applied copy, say, can be a pod's largest part).
+/// What nobody reads: managed fields, the server's bookkeeping (the
+/// watcher has taken the resourceVersion before this runs), annotations
+/// other than Remora's (a kubectl last-applied copy, say, can be a pod's
+/// largest part), and the containers and their statuses of a pod that
+/// restarts them `Always`: only the Jobs controller reads those, and it
+/// leaves such a pod alone.
 pub fn slim(p: &mut LivePod) {
-    p.metadata.managed_fields = None;
-    if let Some(a) = p.metadata.annotations.as_mut() {
+    let meta = &mut p.metadata;
+    meta.managed_fields = None;
+    meta.resource_version = None;
+    meta.generate_name = None;
+    if let Some(a) = meta.annotations.as_mut() {
         a.retain(|k, _| k.starts_with(remora_contract::annotations::PREFIX));
+    }
+    if !matches!(p.restart_policy(), Some(r) if r != "Always") {
+        p.spec = p.spec.take().map(|s| LiveSpec {
+            restart_policy: s.restart_policy,
+            ..LiveSpec::default()
+        });
+        p.status = None;
     }
 }
 
@@ -246,6 +260,47 @@ mod tests {
         assert_eq!(live.phase(), Some("Running"));
         assert_eq!(live.exit_code("app"), Some(3));
         assert_eq!(live.exit_code(remora_contract::pod::PROXY_CONTAINER), None);
+    }
+
+    #[test]
+    fn a_pod_that_restarts_always_keeps_no_containers_and_no_status() {
+        let full = Pod {
+            metadata: ObjectMeta {
+                name: Some("web-7d9f-x2".into()),
+                generate_name: Some("web-7d9f-".into()),
+                resource_version: Some("42".into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "app".into(),
+                    ..Container::default()
+                }],
+                restart_policy: Some("Always".into()),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                ..PodStatus::default()
+            }),
+        };
+        let live = read(&full);
+        assert_eq!(
+            live,
+            LivePod {
+                metadata: ObjectMeta {
+                    name: Some("web-7d9f-x2".into()),
+                    ..Default::default()
+                },
+                spec: Some(LiveSpec {
+                    restart_policy: Some("Always".into()),
+                    ..LiveSpec::default()
+                }),
+                status: None,
+            }
+        );
+        // The Jobs controller never looks further into it.
+        assert!(!crate::jobs::may_complete(&live));
     }
 
     #[test]

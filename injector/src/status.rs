@@ -13,6 +13,7 @@ use remora_crds::{SidecarLifecycleStatus, condition};
 
 use remora_contract::lifecycle::LifecycleAnnotation;
 
+use crate::live_pod::LivePod;
 use crate::mutate::{STATUS_ANNOTATION, lifecycle_annotation};
 use crate::sidecar_config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 
@@ -99,22 +100,17 @@ pub struct Governed {
     pub cfg: EffectiveConfig,
 }
 
-/// What the controller needs to know about a pod (all of it is metadata).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// What the controller needs to know about a pod, all of it metadata: the
+/// pod as the leader's watch stored it (shared with the store, not copied:
+/// a copy of each pod's labels and annotations was a quarter of the
+/// leader's memory), and what is parsed once from its `remora.dev/status`.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PodInfo {
-    pub namespace: String,
-    pub name: String,
-    pub uid: Option<String>,
-    pub labels: BTreeMap<String, String>,
-    pub annotations: BTreeMap<String, String>,
+    pod: Arc<LivePod>,
     /// The layers recorded in `remora.dev/status`; `None` when not injected.
     pub sources: Option<Vec<String>>,
     /// `restartHash` from `remora.dev/status`, when the injector recorded one.
     pub restart_hash: Option<String>,
-    /// The controlling owner as the pod's ownerReference names it. Anyone
-    /// who may create pods may write it: the rollout checks it against the
-    /// API server before acting on it.
-    pub owner: Option<PodOwner>,
 }
 
 /// A pod's controlling ownerReference.
@@ -125,24 +121,19 @@ pub struct PodOwner {
     pub uid: String,
 }
 
+/// What a pod without labels or annotations reads as.
+static NONE: BTreeMap<String, String> = BTreeMap::new();
+
 impl PodInfo {
-    /// Only Remora's own annotations are kept (the settings a pod may
-    /// override, its lifecycle), and `remora.dev/status` only as what is
-    /// parsed from it: the controller keeps one of these per live pod.
-    pub fn from_meta(meta: &ObjectMeta) -> Self {
-        let all = meta.annotations.as_ref();
-        let status = all
+    /// The pod the watch stored (its annotations already only Remora's:
+    /// [`crate::live_pod::slim`]).
+    pub fn of(pod: Arc<LivePod>) -> Self {
+        let status = pod
+            .metadata
+            .annotations
+            .as_ref()
             .and_then(|a| a.get(STATUS_ANNOTATION))
             .map(|s| serde_json::from_str::<serde_json::Value>(s).unwrap_or_default());
-        let annotations = all
-            .into_iter()
-            .flatten()
-            .filter(|(k, _)| {
-                k.starts_with(remora_contract::annotations::PREFIX)
-                    && k.as_str() != STATUS_ANNOTATION
-            })
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
         let sources = status.as_ref().map(|v| {
             v["sources"]
                 .as_array()
@@ -156,7 +147,48 @@ impl PodInfo {
         let restart_hash = status
             .as_ref()
             .and_then(|v| v["restartHash"].as_str().map(str::to_string));
-        let owner = meta
+        Self {
+            pod,
+            sources,
+            restart_hash,
+        }
+    }
+
+    /// A pod of these metadata (a workload's pod template, say).
+    pub fn from_meta(metadata: ObjectMeta) -> Self {
+        Self::of(Arc::new(LivePod {
+            metadata,
+            ..LivePod::default()
+        }))
+    }
+
+    pub fn namespace(&self) -> &str {
+        self.pod.metadata.namespace.as_deref().unwrap_or_default()
+    }
+
+    pub fn name(&self) -> &str {
+        self.pod.metadata.name.as_deref().unwrap_or_default()
+    }
+
+    pub fn uid(&self) -> Option<&str> {
+        self.pod.metadata.uid.as_deref()
+    }
+
+    pub fn labels(&self) -> &BTreeMap<String, String> {
+        self.pod.metadata.labels.as_ref().unwrap_or(&NONE)
+    }
+
+    /// The pod's own settings and its lifecycle are among them.
+    pub fn annotations(&self) -> &BTreeMap<String, String> {
+        self.pod.metadata.annotations.as_ref().unwrap_or(&NONE)
+    }
+
+    /// The controlling owner as the pod's ownerReference names it. Anyone
+    /// who may create pods may write it: the rollout checks it against the
+    /// API server before acting on it.
+    pub fn owner(&self) -> Option<PodOwner> {
+        self.pod
+            .metadata
             .owner_references
             .iter()
             .flatten()
@@ -165,17 +197,7 @@ impl PodInfo {
                 kind: o.kind.clone(),
                 name: o.name.clone(),
                 uid: o.uid.clone(),
-            });
-        Self {
-            namespace: meta.namespace.clone().unwrap_or_default(),
-            name: meta.name.clone().unwrap_or_default(),
-            uid: meta.uid.clone(),
-            labels: meta.labels.clone().unwrap_or_default(),
-            annotations,
-            sources,
-            restart_hash,
-            owner,
-        }
+            })
     }
 
     /// The settings this pod should run with now.
@@ -189,9 +211,9 @@ impl PodInfo {
             chart,
             all,
             operator_ns,
-            &self.namespace,
-            &self.labels,
-            &self.annotations,
+            self.namespace(),
+            self.labels(),
+            self.annotations(),
         )
     }
 }
@@ -215,13 +237,13 @@ fn applies(e: &LifecycleEntry, l: Layer, pod: &PodInfo, operator_ns: &str) -> bo
     match l {
         Layer::Cluster => true,
         // The operator's namespace gets the cluster default once, as in `resolve`.
-        Layer::Namespace => pod.namespace == e.namespace && pod.namespace != operator_ns,
+        Layer::Namespace => pod.namespace() == e.namespace && pod.namespace() != operator_ns,
         Layer::Workload => {
-            pod.namespace == e.namespace
+            pod.namespace() == e.namespace
                 && e.spec
                     .selector
                     .as_ref()
-                    .is_some_and(|s| s.matches(&pod.labels))
+                    .is_some_and(|s| s.matches(pod.labels()))
         }
     }
 }
@@ -604,12 +626,28 @@ mod tests {
     }
 
     fn pod(ns: &str, app: &str, sources: Option<&[&str]>) -> PodInfo {
+        labelled(ns, &format!("{app}-1"), &[("app", app)], sources)
+    }
+
+    fn labelled(
+        ns: &str,
+        name: &str,
+        labels: &[(&str, &str)],
+        sources: Option<&[&str]>,
+    ) -> PodInfo {
         PodInfo {
-            namespace: ns.into(),
-            name: format!("{app}-1"),
-            labels: BTreeMap::from([("app".to_string(), app.to_string())]),
             sources: sources.map(|s| s.iter().map(|s| s.to_string()).collect()),
-            ..PodInfo::default()
+            ..PodInfo::from_meta(ObjectMeta {
+                namespace: Some(ns.into()),
+                name: Some(name.into()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                ),
+                ..ObjectMeta::default()
+            })
         }
     }
 
@@ -671,9 +709,9 @@ mod tests {
         let mut m: BTreeMap<String, Vec<Arc<PodInfo>>> = BTreeMap::new();
         for p in pods
             .iter()
-            .filter(|p| ns.is_none_or(|ns| p.namespace == ns))
+            .filter(|p| ns.is_none_or(|ns| p.namespace() == ns))
         {
-            m.entry(p.namespace.clone())
+            m.entry(p.namespace().to_string())
                 .or_default()
                 .push(Arc::new(p.clone()));
         }
@@ -687,8 +725,8 @@ mod tests {
             .iter()
             .map(|g| {
                 (
-                    g.pod.namespace.clone(),
-                    g.pod.name.clone(),
+                    g.pod.namespace().to_string(),
+                    g.pod.name().to_string(),
                     g.cfg.restart_hash(),
                 )
             })
@@ -726,10 +764,12 @@ mod tests {
             ("bare", "web", "front"),
         ] {
             for i in 0..2 {
-                let mut p = pod(ns, app, Some(&["defaults"]));
-                p.name = format!("{app}-{tier}-{i}");
-                p.labels.insert("tier".into(), tier.into());
-                pods.push(p);
+                pods.push(labelled(
+                    ns,
+                    &format!("{app}-{tier}-{i}"),
+                    &[("app", app), ("tier", tier)],
+                    Some(&["defaults"]),
+                ));
             }
         }
         // One not injected: counted, never governed.

@@ -28,8 +28,8 @@ pub(super) struct Ctx {
     pub(super) limiter: Mutex<RolloutLimiter>,
     /// Every request the controller makes waits for it.
     pub(super) budget: Budget,
-    /// Pod Events left to write ([`super::retune::pod_event_allowance`]).
-    pub(super) pod_events: leaky_bucket::RateLimiter,
+    /// Routine Events left to write ([`super::retune::routine_event_allowance`]).
+    pub(super) routine_events: leaky_bucket::RateLimiter,
 }
 
 impl Ctx {
@@ -101,9 +101,9 @@ pub(super) fn pod_ref(p: &PodInfo) -> ObjectReference {
     ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Pod".into()),
-        name: Some(p.name.clone()),
-        namespace: Some(p.namespace.clone()),
-        uid: p.uid.clone(),
+        name: Some(p.name().to_string()),
+        namespace: Some(p.namespace().to_string()),
+        uid: p.uid().map(str::to_string),
         ..ObjectReference::default()
     }
 }

@@ -59,7 +59,7 @@ use crate::watch::{Change, SharedWatch};
 use context::Ctx;
 use pod_index::PodIndex;
 use reconcile::{error_policy, reconcile, sweep};
-use triggers::{changes, generation, pod_key};
+use triggers::{changes, generation, pod_key, pod_settings};
 
 /// The field manager of every server-side apply the controller makes.
 pub const FIELD_MANAGER: &str = "remora-injector";
@@ -106,9 +106,18 @@ pub async fn run(
     let store = lifecycles.store();
     let ns = &settings.operator_namespace;
     let by_pod = triggers::by_pod(store.clone(), ns.clone());
+    let by_governor = triggers::by_governor(store.clone(), ns.clone());
     let by_sibling = triggers::by_sibling(store.clone(), ns.clone());
-    // Status-only pod updates (most of them) trigger nothing.
+    // Status-only pod updates (most of them) trigger nothing; a retune's
+    // own patch triggers only the pod's governor.
     let pod_changes = changes(pods.subscribe(), pod_key).map(Change::into_object);
+    let settings_changes = changes(pods.subscribe(), pod_settings).filter_map(|c| {
+        futures::future::ready(match c {
+            Change::Applied(p) => Some(p),
+            // `pod_changes` has it.
+            Change::Deleted(_) => None,
+        })
+    });
     // A deleted resource is never reconciled: its pods are swept back to
     // what the remaining layers say (below), even when no sibling is left.
     let (deleted_tx, mut deleted) = tokio::sync::mpsc::unbounded_channel();
@@ -137,7 +146,7 @@ pub async fn run(
         ),
         limiter: Mutex::new(RolloutLimiter::new(settings.rollout_interval)),
         budget: Budget::new(settings.qps, settings.burst),
-        pod_events: retune::pod_event_allowance(),
+        routine_events: retune::routine_event_allowance(),
         client,
         settings,
         index,
@@ -155,6 +164,7 @@ pub async fn run(
     };
     let controller = Controller::for_shared_stream(own_changes, store)
         .watches_shared_stream(pod_changes, by_pod)
+        .watches_shared_stream(settings_changes, by_governor)
         .watches_shared_stream(sibling_changes, by_sibling)
         .with_config(controller::Config::default().concurrency(CONCURRENT_RECONCILES))
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())

@@ -46,9 +46,10 @@ impl PodIndex {
             .unwrap_or_else(PoisonError::into_inner);
         match change {
             Change::Applied(_) => {
-                map.entry(ns.to_owned())
-                    .or_default()
-                    .insert(name.to_owned(), Arc::new(PodInfo::from_meta(meta)));
+                map.entry(ns.to_owned()).or_default().insert(
+                    name.to_owned(),
+                    Arc::new(PodInfo::of(Arc::clone(change.object()))),
+                );
             }
             Change::Deleted(_) => {
                 if let Some(pods) = map.get_mut(ns) {
@@ -104,7 +105,7 @@ mod tests {
     fn names(pods: Vec<Arc<PodInfo>>) -> Vec<String> {
         let mut n: Vec<String> = pods
             .iter()
-            .map(|p| format!("{}={}", p.name, p.labels["app"]))
+            .map(|p| format!("{}={}", p.name(), p.labels()["app"]))
             .collect();
         n.sort();
         n

@@ -95,18 +95,21 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
     let retuned = retune(ctx, &entry, &governed).await?;
     drop(governed);
     if retuned > 0 {
-        ctx.event(
-            &me,
-            Decision {
-                warning: false,
-                reason: "PodsRetuned",
-                note: format!(
-                    "updated remora.dev/lifecycle of {retuned} running pods (up to {POD_EVENTS} of them, within the controller's allowance, have their own Event)"
-                ),
-            },
-            None,
-        )
-        .await;
+        tracing::info!(resource = %resource, pods = retuned, "running pods retuned");
+        if ctx.routine_events.try_acquire(1) {
+            ctx.event(
+                &me,
+                Decision {
+                    warning: false,
+                    reason: "PodsRetuned",
+                    note: format!(
+                        "updated remora.dev/lifecycle of {retuned} running pods (up to {POD_EVENTS} of them, within the controller's allowance, have their own Event)"
+                    ),
+                },
+                None,
+            )
+            .await;
+        }
     }
 
     let mut next = RESYNC;

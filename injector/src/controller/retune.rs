@@ -28,20 +28,25 @@ const CONCURRENT_PATCHES: usize = super::budget::MAX_IN_FLIGHT;
 /// as patches; the resource's `PodsRetuned` Event counts them all.
 pub(super) const POD_EVENTS: usize = 10;
 
-/// Pod Events controller-wide: a burst, then a few a second. An edit of a
-/// cluster default retunes its pods through the reconciles of a thousand
-/// siblings, each with a handful of pods: ten per reconcile was still an
-/// Event per patch, and half the writes of the edit.
-const POD_EVENT_BURST: usize = 50;
-const POD_EVENTS_PER_S: usize = 5;
+/// Routine Events controller-wide (a resource's `PodsRetuned`, a pod's
+/// `LifecycleRetuned`): a burst, then a few a second. An edit of a cluster
+/// default retunes its pods through the reconciles of a thousand siblings,
+/// each with a handful of pods: an Event for each was half the writes of
+/// the edit, and kube's `Recorder` keeps every Event it wrote for six
+/// minutes (to count repeats), a few MiB of the leader's memory. Status
+/// decisions (Accepted, Conflicted, RestartRequired...) are not routine:
+/// they are always written.
+const ROUTINE_EVENT_BURST: usize = 50;
+const ROUTINE_EVENTS_PER_S: usize = 5;
 
-/// The controller-wide allowance of pod Events (taken without waiting: an
-/// Event over it is not written).
-pub(super) fn pod_event_allowance() -> RateLimiter {
+/// The controller-wide allowance of routine Events (taken without waiting:
+/// an Event over it is not written; the log line and the metrics still
+/// count what it would have said).
+pub(super) fn routine_event_allowance() -> RateLimiter {
     RateLimiter::builder()
-        .max(POD_EVENT_BURST)
-        .initial(POD_EVENT_BURST)
-        .refill(POD_EVENTS_PER_S)
+        .max(ROUTINE_EVENT_BURST)
+        .initial(ROUTINE_EVENT_BURST)
+        .refill(ROUTINE_EVENTS_PER_S)
         .interval(Duration::from_secs(1))
         .build()
 }
@@ -57,7 +62,7 @@ pub(super) async fn retune(
     let stale: Vec<(Arc<PodInfo>, String)> = pods
         .iter()
         .filter_map(|g| {
-            let current = g.pod.annotations.get(LIFECYCLE_ANNOTATION)?;
+            let current = g.pod.annotations().get(LIFECYCLE_ANNOTATION)?;
             Some((Arc::clone(&g.pod), refreshed_lifecycle(current, &g.cfg)?))
         })
         .collect();
@@ -77,12 +82,12 @@ async fn patch(
     fresh: String,
     with_event: bool,
 ) -> Result<bool, ControllerError> {
-    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &pod.namespace);
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), pod.namespace());
     let patch = Patch::Merge(json!({"metadata": {"annotations": {LIFECYCLE_ANNOTATION: &fresh}}}));
-    let who = format!("{}/{}", pod.namespace, pod.name);
+    let who = format!("{}/{}", pod.namespace(), pod.name());
     let permit = ctx.budget.acquire().await;
     match api
-        .patch_metadata(&pod.name, &PatchParams::default(), &patch)
+        .patch_metadata(pod.name(), &PatchParams::default(), &patch)
         .await
     {
         Ok(_) => {}
@@ -93,7 +98,7 @@ async fn patch(
     drop(permit);
     ctx.metrics.retuned.inc();
     tracing::debug!(pod = %who, lifecycle = %fresh, "lifecycle annotation updated");
-    if with_event && ctx.pod_events.try_acquire(1) {
+    if with_event && ctx.routine_events.try_acquire(1) {
         ctx.event(
             &pod_ref(&pod),
             Decision {
@@ -116,13 +121,17 @@ mod tests {
     use super::*;
 
     #[tokio::test(start_paused = true)]
-    async fn pod_events_are_a_burst_then_a_few_a_second() {
-        let allowance = pod_event_allowance();
+    async fn routine_events_are_a_burst_then_a_few_a_second() {
+        let allowance = routine_event_allowance();
         let taken = |n: usize| (0..n).filter(|_| allowance.try_acquire(1)).count();
-        assert_eq!(taken(POD_EVENT_BURST + 10), POD_EVENT_BURST);
+        assert_eq!(taken(ROUTINE_EVENT_BURST + 10), ROUTINE_EVENT_BURST);
         tokio::time::advance(Duration::from_secs(1)).await;
-        assert_eq!(taken(100), POD_EVENTS_PER_S);
+        assert_eq!(taken(100), ROUTINE_EVENTS_PER_S);
         tokio::time::advance(Duration::from_secs(60)).await;
-        assert_eq!(taken(1_000), POD_EVENT_BURST, "never more than the burst");
+        assert_eq!(
+            taken(1_000),
+            ROUTINE_EVENT_BURST,
+            "never more than the burst"
+        );
     }
 }

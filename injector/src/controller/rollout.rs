@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::ReplicaSet;
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, Patch, PatchParams};
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::time::Instant;
@@ -132,16 +132,13 @@ fn template_pod(ns: &str, obj: &DynamicObject) -> PodInfo {
     let map = |v: &serde_json::Value| -> BTreeMap<String, String> {
         serde_json::from_value(v.clone()).unwrap_or_default()
     };
-    PodInfo {
-        namespace: ns.to_string(),
-        name: obj.metadata.name.clone().unwrap_or_default(),
-        uid: None,
-        labels: map(&meta["labels"]),
-        annotations: map(&meta["annotations"]),
-        sources: None,
-        restart_hash: None,
-        owner: None,
-    }
+    PodInfo::from_meta(ObjectMeta {
+        namespace: Some(ns.to_string()),
+        name: obj.metadata.name.clone(),
+        labels: Some(map(&meta["labels"])),
+        annotations: Some(map(&meta["annotations"])),
+        ..ObjectMeta::default()
+    })
 }
 
 /// Decide, from the workload itself, whether `me` may roll it and to what:
@@ -162,13 +159,17 @@ fn rollout_target(
         Some(g) => {
             return Err(format!(
                 "the pod template of {} {ns}/{} is governed by SidecarLifecycle {}/{}, not by this one",
-                w.kind, tpl.name, g.namespace, g.name
+                w.kind,
+                tpl.name(),
+                g.namespace,
+                g.name
             ));
         }
         None => {
             return Err(format!(
                 "no SidecarLifecycle governs the pod template of {} {ns}/{}",
-                w.kind, tpl.name
+                w.kind,
+                tpl.name()
             ));
         }
     }
@@ -198,19 +199,19 @@ pub(super) async fn roll(
     let mut targets: BTreeMap<(String, String, String), (Workload, &PodInfo)> = BTreeMap::new();
     let mut failed = None;
     for (pod, _) in &report.outdated {
-        let Some(owner) = &pod.owner else {
+        let Some(owner) = pod.owner() else {
             continue;
         };
-        let verdict = match owners.get(owner) {
+        let verdict = match owners.get(&owner) {
             Some(v) => v.clone(),
-            None => match owning_workload(ctx, &pod.namespace, owner).await {
+            None => match owning_workload(ctx, pod.namespace(), &owner).await {
                 Ok(v) => {
                     owners.insert(owner.clone(), v.clone());
                     v
                 }
                 Err(source) => {
                     failed = Some(ControllerError::Rollout {
-                        workload: format!("the owner of pod {}/{}", pod.namespace, pod.name),
+                        workload: format!("the owner of pod {}/{}", pod.namespace(), pod.name()),
                         source,
                     });
                     continue;
@@ -221,7 +222,7 @@ pub(super) async fn roll(
             Owner::Workload(w) => {
                 let name = w.obj.metadata.name.clone().unwrap_or_default();
                 targets
-                    .entry((pod.namespace.clone(), w.kind.clone(), name))
+                    .entry((pod.namespace().to_string(), w.kind.clone(), name))
                     .or_insert((*w, pod));
             }
             Owner::None => {}
@@ -309,9 +310,10 @@ async fn refuse(ctx: &Ctx, me_ref: &ObjectReference, pod: &PodInfo, why: &str) {
     ctx.metrics.rollouts_refused.inc();
     let note = format!(
         "not rolling the workload of pod {}/{}: {why}",
-        pod.namespace, pod.name
+        pod.namespace(),
+        pod.name()
     );
-    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), reason = why, "rollout refused");
+    tracing::warn!(pod = %format!("{}/{}", pod.namespace(), pod.name()), reason = why, "rollout refused");
     ctx.event(
         me_ref,
         Decision {

@@ -3,16 +3,18 @@
 //! changed, came or went.
 
 use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
+use remora_contract::annotations;
 use remora_crds::SidecarLifecycle;
 
 use crate::live_pod::LivePod;
 use crate::sidecar_config::LifecycleEntry;
-use crate::status::{PodInfo, reaches};
+use crate::status::{PodInfo, governor, reaches};
 use crate::watch::Change;
 
 /// A pod change concerns every resource that reaches it.
@@ -21,22 +23,49 @@ pub(super) fn by_pod(
     operator_ns: String,
 ) -> impl Fn(Arc<LivePod>) -> Vec<ObjectRef<SidecarLifecycle>> + Send + Sync + 'static {
     move |p| {
-        let pod = PodInfo::from_meta(&p.metadata);
-        lifecycles
-            .state()
-            .iter()
-            // Only its own namespace's and the cluster defaults can reach it:
-            // the rest are not even read.
-            .filter(|r| {
-                r.metadata
-                    .namespace
-                    .as_deref()
-                    .is_some_and(|ns| ns == pod.namespace || ns == operator_ns)
-            })
+        let pod = PodInfo::of(p);
+        candidates(&lifecycles, &pod, &operator_ns)
             .filter(|r| reaches(&LifecycleEntry::from_resource(r), &pod, &operator_ns))
             .map(|r| ObjectRef::from_obj(r.as_ref()))
             .collect()
     }
+}
+
+/// A change of only the settings a pod runs with (`remora.dev/lifecycle`)
+/// concerns its governor alone: the governor decides that value (and puts
+/// it back if someone else changed it), and nothing another resource
+/// reports depends on it. Triggering every resource that reaches the pod
+/// had each of a cluster default's ten thousand retunes reconcile the
+/// default again, over every pod of the cluster.
+pub(super) fn by_governor(
+    lifecycles: Store<SidecarLifecycle>,
+    operator_ns: String,
+) -> impl Fn(Arc<LivePod>) -> Vec<ObjectRef<SidecarLifecycle>> + Send + Sync + 'static {
+    move |p| {
+        let pod = PodInfo::of(p);
+        let entries: Vec<LifecycleEntry> = candidates(&lifecycles, &pod, &operator_ns)
+            .map(|r| LifecycleEntry::from_resource(&r))
+            .collect();
+        governor(&entries, &pod, &operator_ns)
+            .map(|g| ObjectRef::new(&g.name).within(&g.namespace))
+            .into_iter()
+            .collect()
+    }
+}
+
+/// The resources that may reach `pod`: its own namespace's and the cluster
+/// defaults (the rest are not even read).
+fn candidates<'a>(
+    lifecycles: &Store<SidecarLifecycle>,
+    pod: &'a PodInfo,
+    operator_ns: &'a str,
+) -> impl Iterator<Item = Arc<SidecarLifecycle>> + 'a {
+    lifecycles.state().into_iter().filter(move |r| {
+        r.metadata
+            .namespace
+            .as_deref()
+            .is_some_and(|ns| ns == pod.namespace() || ns == operator_ns)
+    })
 }
 
 /// A resource's change (or deletion) moves the conflicts, governors and
@@ -70,23 +99,45 @@ pub(super) fn generation(r: &SidecarLifecycle) -> (String, u64) {
     (key, r.metadata.generation.unwrap_or_default() as u64)
 }
 
-/// What of a pod decides which resources reach it and what it should carry:
-/// labels, annotations, its controlling owner. Status-only updates (most of
+/// What of a pod decides which resources reach it and what they report:
+/// labels, its controlling owner, and its annotations but the two the
+/// controllers write to running pods (`remora.dev/lifecycle`, retuned;
+/// `remora.dev/stop`, the Jobs controller's). Status-only updates (most of
 /// a pod's updates) leave it unchanged.
 pub(super) fn pod_key(p: &LivePod) -> (String, u64) {
-    use std::hash::{Hash, Hasher};
-    let key = format!(
-        "{}/{}",
-        p.metadata.namespace.as_deref().unwrap_or_default(),
-        p.metadata.name.as_deref().unwrap_or_default()
-    );
-    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut h = DefaultHasher::new();
     p.metadata.labels.hash(&mut h);
-    p.metadata.annotations.hash(&mut h);
+    for a in p.metadata.annotations.iter().flatten() {
+        if !WRITTEN_BY_CONTROLLERS.contains(&a.0.as_str()) {
+            a.hash(&mut h);
+        }
+    }
     for o in p.metadata.owner_references.iter().flatten() {
         (&o.kind, &o.name, o.controller).hash(&mut h);
     }
-    (key, h.finish())
+    (pod_name(p), h.finish())
+}
+
+/// The settings a pod runs with: its `remora.dev/lifecycle` (see
+/// [`by_governor`]).
+pub(super) fn pod_settings(p: &LivePod) -> (String, u64) {
+    let mut h = DefaultHasher::new();
+    p.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(annotations::LIFECYCLE))
+        .hash(&mut h);
+    (pod_name(p), h.finish())
+}
+
+const WRITTEN_BY_CONTROLLERS: [&str; 2] = [annotations::LIFECYCLE, annotations::STOP];
+
+fn pod_name(p: &LivePod) -> String {
+    format!(
+        "{}/{}",
+        p.metadata.namespace.as_deref().unwrap_or_default(),
+        p.metadata.name.as_deref().unwrap_or_default()
+    )
 }
 
 /// The changes whose fingerprint (`key` gives name and fingerprint) differs
@@ -111,4 +162,108 @@ where
         };
         futures::future::ready(pass.then_some(c))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::api::ObjectMeta;
+    use kube::runtime::{reflector, watcher};
+    use remora_crds::{SidecarLifecycleSpec, WorkloadSelector};
+
+    const OPERATOR_NS: &str = "remora-system";
+
+    fn slc(ns: &str, name: &str, app: Option<&str>) -> SidecarLifecycle {
+        let mut r = SidecarLifecycle::new(
+            name,
+            SidecarLifecycleSpec {
+                selector: app.map(|a| WorkloadSelector {
+                    match_labels: [("app".to_string(), a.to_string())].into(),
+                }),
+                ..SidecarLifecycleSpec::default()
+            },
+        );
+        r.metadata.namespace = Some(ns.into());
+        r
+    }
+
+    fn store(all: Vec<SidecarLifecycle>) -> Store<SidecarLifecycle> {
+        let (store, mut writer) = reflector::store();
+        writer.apply_watcher_event(&watcher::Event::Init);
+        for r in all {
+            writer.apply_watcher_event(&watcher::Event::InitApply(r));
+        }
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        store
+    }
+
+    fn pod(annotations: &[(&str, &str)]) -> LivePod {
+        LivePod {
+            metadata: ObjectMeta {
+                namespace: Some("shop".into()),
+                name: Some("web-1".into()),
+                labels: Some([("app".to_string(), "web".to_string())].into()),
+                annotations: Some(
+                    annotations
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                ),
+                ..ObjectMeta::default()
+            },
+            ..LivePod::default()
+        }
+    }
+
+    fn names(refs: Vec<ObjectRef<SidecarLifecycle>>) -> Vec<String> {
+        let mut n: Vec<String> = refs
+            .iter()
+            .map(|r| format!("{}/{}", r.namespace.as_deref().unwrap_or_default(), r.name))
+            .collect();
+        n.sort();
+        n
+    }
+
+    #[test]
+    fn what_the_controllers_write_leaves_the_pod_key_alone_and_moves_its_settings() {
+        let before = pod(&[(annotations::DRAIN_DURATION, "5s")]);
+        let retuned = pod(&[
+            (annotations::DRAIN_DURATION, "5s"),
+            (annotations::LIFECYCLE, r#"{"drain":"9s"}"#),
+            (annotations::STOP, "true"),
+        ]);
+        assert_eq!(pod_key(&before), pod_key(&retuned));
+        assert_ne!(pod_settings(&before), pod_settings(&retuned));
+
+        let overridden = pod(&[(annotations::DRAIN_DURATION, "7s")]);
+        assert_ne!(
+            pod_key(&before),
+            pod_key(&overridden),
+            "a pod's own setting"
+        );
+        assert_eq!(pod_settings(&before), pod_settings(&overridden));
+    }
+
+    #[test]
+    fn a_settings_change_triggers_the_governor_and_any_other_change_every_resource_reaching_it() {
+        let lifecycles = store(vec![
+            slc(OPERATOR_NS, "default", None),
+            slc("shop", "shop-wide", None),
+            slc("shop", "web", Some("web")),
+            slc("shop", "api", Some("api")),
+            slc("other", "elsewhere", None),
+        ]);
+        let p = Arc::new(pod(&[]));
+        let reaching = by_pod(lifecycles.clone(), OPERATOR_NS.into())(Arc::clone(&p));
+        assert_eq!(
+            names(reaching),
+            ["remora-system/default", "shop/shop-wide", "shop/web"]
+        );
+        let governing = by_governor(lifecycles, OPERATOR_NS.into())(p);
+        assert_eq!(names(governing), ["shop/web"], "the workload layer wins");
+
+        let only_default = store(vec![slc(OPERATOR_NS, "default", None)]);
+        let governing = by_governor(only_default, OPERATOR_NS.into())(Arc::new(pod(&[])));
+        assert_eq!(names(governing), ["remora-system/default"]);
+    }
 }
