@@ -41,6 +41,70 @@ pub struct Outcome {
     pub first_errors: Vec<String>,
     /// Latency of the answered reviews, from their due times.
     pub latency: Summary,
+    /// The same window as the injector itself timed it (`None`: its
+    /// `/metrics` could not be read).
+    pub server: Option<ServerSide>,
+}
+
+/// The injector's own histogram of review times over the run (its
+/// `admission_duration_seconds`, from a review's first byte read to its
+/// answer): what the client's latency holds besides the injector's work
+/// (accept and TLS, the client's and the machine's scheduling). The
+/// buckets double, so each figure is the bucket's upper bound.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ServerSide {
+    /// Reviews the injector answered in the window (any client's).
+    pub reviews: u64,
+    pub p50_ms_at_most: Option<f64>,
+    pub p99_ms_at_most: Option<f64>,
+}
+
+/// The histogram's series in the Prometheus text format.
+const HISTOGRAM: &str = "remora_injector_admission_duration_seconds_bucket";
+
+/// Cumulative counts by upper bound (seconds; `+Inf` last).
+type Buckets = Vec<(f64, u64)>;
+
+fn buckets(metrics: &str) -> Buckets {
+    metrics
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(HISTOGRAM)?;
+            let le = rest.split("le=\"").nth(1)?.split('"').next()?;
+            let count = rest.rsplit(' ').next()?.parse().ok()?;
+            let bound = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((bound, count))
+        })
+        .collect()
+}
+
+/// What the injector answered between two readings of its histogram.
+fn between(before: &Buckets, after: &Buckets) -> ServerSide {
+    let delta: Buckets = after
+        .iter()
+        .map(|&(le, n)| {
+            let was = before.iter().find(|(b, _)| *b == le).map_or(0, |(_, n)| *n);
+            (le, n.saturating_sub(was))
+        })
+        .collect();
+    let reviews = delta.last().map_or(0, |(_, n)| *n);
+    let at_most = |q: f64| {
+        let rank = (q * reviews as f64).ceil() as u64;
+        delta
+            .iter()
+            .find(|(_, n)| reviews > 0 && *n >= rank)
+            .map(|(le, _)| le * 1e3)
+            .filter(|ms| ms.is_finite())
+    };
+    ServerSide {
+        reviews,
+        p50_ms_at_most: at_most(0.5),
+        p99_ms_at_most: at_most(0.99),
+    }
 }
 
 /// Whether `body` is a successful answer to the review `uid` that injects.
@@ -85,6 +149,17 @@ impl Pool {
         }
         injected(&answer, uid)
     }
+
+    /// The injector's review-time histogram, on a connection of its own.
+    async fn histogram(&self) -> Option<Buckets> {
+        let mut conn = connect(self.addr, "localhost", &self.ca_pem).await.ok()?;
+        let (status, body) = conn
+            .request(http::Method::GET, "/metrics", Vec::new())
+            .await
+            .ok()?;
+        let b = buckets(&String::from_utf8_lossy(&body));
+        (status == http::StatusCode::OK && !b.is_empty()).then_some(b)
+    }
 }
 
 /// Sends `rate` reviews of `pod` (in `namespace`) a second to the injector
@@ -103,6 +178,7 @@ pub async fn run(
         ca_pem: ca_pem.to_owned(),
         idle: Mutex::new(Vec::new()),
     });
+    let before = pool.histogram().await;
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let start = Instant::now();
     let period = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
@@ -160,6 +236,7 @@ pub async fn run(
             }
         }
     }
+    let after = pool.histogram().await;
     Outcome {
         rate,
         seconds,
@@ -168,6 +245,7 @@ pub async fn run(
         errors,
         first_errors,
         latency: Summary::of(&latencies),
+        server: before.zip(after).map(|(b, a)| between(&b, &a)),
     }
 }
 
@@ -186,6 +264,28 @@ mod tests {
         let refused = json!({"response": {"uid": "u", "allowed": false}});
         assert!(injected(refused.to_string().as_bytes(), "u").is_err());
         assert!(injected(b"<html>", "u").is_err());
+    }
+
+    #[test]
+    fn the_injectors_own_quantiles_come_from_the_histograms_difference() {
+        let text = |counts: [u64; 4]| {
+            format!(
+                "# TYPE x histogram\n{HISTOGRAM}{{le=\"0.0001\"}} {}\n{HISTOGRAM}{{le=\"0.0002\"}} {}\n{HISTOGRAM}{{le=\"0.0004\"}} {}\n{HISTOGRAM}{{le=\"+Inf\"}} {}\nremora_injector_admission_duration_seconds_count 9\n",
+                counts[0], counts[1], counts[2], counts[3]
+            )
+        };
+        let before = buckets(&text([5, 5, 5, 5]));
+        assert_eq!(before.len(), 4);
+        // 100 more: 90 under 100 µs, 9 under 200 µs, 1 over 400 µs.
+        let after = buckets(&text([95, 104, 104, 105]));
+        let s = between(&before, &after);
+        assert_eq!(s.reviews, 100);
+        assert_eq!(s.p50_ms_at_most, Some(0.1));
+        assert_eq!(s.p99_ms_at_most, Some(0.2));
+        // A quantile past the last finite bound has no figure.
+        let slow = buckets(&text([5, 5, 5, 105]));
+        assert_eq!(between(&before, &slow).p99_ms_at_most, None);
+        assert_eq!(between(&before, &before).p50_ms_at_most, None);
     }
 
     #[test]
