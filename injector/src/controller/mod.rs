@@ -36,6 +36,7 @@ mod reconcile;
 mod retune;
 mod rollout;
 mod triggers;
+mod unconfirmed;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -7,6 +7,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 
+use remora_contract::annotations::LIFECYCLE;
+
+use super::unconfirmed::Unconfirmed;
 use crate::live_pod::LivePod;
 use crate::status::PodInfo;
 use crate::watch::{Change, SharedWatch};
@@ -16,6 +19,8 @@ type Namespaces = HashMap<String, HashMap<String, Arc<PodInfo>>>;
 #[derive(Default)]
 pub(super) struct PodIndex {
     by_namespace: RwLock<Namespaces>,
+    /// What the controller wrote that the watch has not shown yet.
+    pub(super) unconfirmed: Unconfirmed,
 }
 
 impl PodIndex {
@@ -40,6 +45,17 @@ impl PodIndex {
         let (Some(ns), Some(name)) = (meta.namespace.as_deref(), meta.name.as_deref()) else {
             return;
         };
+        let key = format!("{ns}/{name}");
+        match change {
+            Change::Applied(_) => self.unconfirmed.seen(
+                &key,
+                meta.annotations
+                    .as_ref()
+                    .and_then(|a| a.get(LIFECYCLE))
+                    .map(String::as_str),
+            ),
+            Change::Deleted(_) => self.unconfirmed.forget(&key),
+        }
         let mut map = self
             .by_namespace
             .write()

@@ -58,20 +58,40 @@ pub(super) async fn retune(
     entry: &LifecycleEntry,
     pods: &[Governed],
 ) -> Result<usize, ControllerError> {
-    // Owned, so the patches' futures borrow nothing from the loop.
+    // Owned, so the patches' futures borrow nothing from the loop. A value
+    // this controller is writing, or wrote and the watch has not shown yet,
+    // is not written again (by this reconcile or a concurrent one).
+    let unconfirmed = &ctx.index.unconfirmed;
     let stale: Vec<(Arc<PodInfo>, String)> = pods
         .iter()
         .filter_map(|g| {
             let current = g.pod.annotations().get(LIFECYCLE_ANNOTATION)?;
-            Some((Arc::clone(&g.pod), refreshed_lifecycle(current, &g.cfg)?))
+            let fresh = refreshed_lifecycle(current, &g.cfg)?;
+            let key = pod_key(&g.pod);
+            if unconfirmed.pending(&key, &fresh) {
+                return None;
+            }
+            unconfirmed.expect(&key, &fresh);
+            Some((Arc::clone(&g.pod), fresh))
         })
         .collect();
-    let patched: Vec<bool> = stream::iter(stale.into_iter().enumerate())
+    let keys: Vec<String> = stale.iter().map(|(p, _)| pod_key(p)).collect();
+    let patched: Result<Vec<bool>, _> = stream::iter(stale.into_iter().enumerate())
         .map(|(i, (g, fresh))| patch(ctx, entry, g, fresh, i < POD_EVENTS))
         .buffer_unordered(CONCURRENT_PATCHES)
         .try_collect()
-        .await?;
-    Ok(patched.into_iter().filter(|p| *p).count())
+        .await;
+    match patched {
+        Ok(p) => Ok(p.into_iter().filter(|p| *p).count()),
+        Err(e) => {
+            // The patches not sent are written by the retry, not skipped
+            // as pending (a sent one may be written twice).
+            for k in &keys {
+                unconfirmed.forget(k);
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Returns whether the pod was patched (it may be gone).
@@ -84,12 +104,15 @@ async fn patch(
 ) -> Result<bool, ControllerError> {
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), pod.namespace());
     let patch = Patch::Merge(json!({"metadata": {"annotations": {LIFECYCLE_ANNOTATION: &fresh}}}));
-    let who = format!("{}/{}", pod.namespace(), pod.name());
+    let who = pod_key(&pod);
     let permit = ctx.budget.acquire().await;
-    match api
+    let result = api
         .patch_metadata(pod.name(), &PatchParams::default(), &patch)
-        .await
-    {
+        .await;
+    if result.is_err() {
+        ctx.index.unconfirmed.forget(&who);
+    }
+    match result {
         Ok(_) => {}
         // Gone since the store saw it: nothing to retune.
         Err(kube::Error::Api(e)) if e.code == 404 => return Ok(false),
@@ -114,6 +137,11 @@ async fn patch(
         .await;
     }
     Ok(true)
+}
+
+/// A pod's key in [`super::unconfirmed::Unconfirmed`].
+fn pod_key(p: &PodInfo) -> String {
+    format!("{}/{}", p.namespace(), p.name())
 }
 
 #[cfg(test)]
