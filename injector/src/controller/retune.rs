@@ -62,30 +62,30 @@ pub(super) async fn retune(
     // this controller is writing, or wrote and the watch has not shown yet,
     // is not written again (by this reconcile or a concurrent one).
     let unconfirmed = &ctx.index.unconfirmed;
-    let stale: Vec<(Arc<PodInfo>, String)> = pods
+    let stale: Vec<(String, Arc<PodInfo>, String)> = pods
         .iter()
         .filter_map(|g| {
             let current = g.pod.annotations().get(LIFECYCLE_ANNOTATION)?;
             let fresh = refreshed_lifecycle(current, &g.cfg)?;
-            let key = pod_key(&g.pod);
+            let key = format!("{}/{}", g.pod.namespace(), g.pod.name());
             if unconfirmed.pending(&key, &fresh) {
                 return None;
             }
             unconfirmed.expect(&key, &fresh);
-            Some((Arc::clone(&g.pod), fresh))
+            Some((key, Arc::clone(&g.pod), fresh))
         })
         .collect();
-    let keys: Vec<String> = stale.iter().map(|(p, _)| pod_key(p)).collect();
+    let keys: Vec<String> = stale.iter().map(|(k, _, _)| k.clone()).collect();
     let patched: Result<Vec<bool>, _> = stream::iter(stale.into_iter().enumerate())
-        .map(|(i, (g, fresh))| patch(ctx, entry, g, fresh, i < POD_EVENTS))
+        .map(|(i, (key, g, fresh))| patch(ctx, entry, key, g, fresh, i < POD_EVENTS))
         .buffer_unordered(CONCURRENT_PATCHES)
         .try_collect()
         .await;
     match patched {
         Ok(p) => Ok(p.into_iter().filter(|p| *p).count()),
         Err(e) => {
-            // The patches not sent are written by the retry, not skipped
-            // as pending (a sent one may be written twice).
+            // The failed patch and those not sent are written by the retry,
+            // not skipped as pending (a sent one may be written twice).
             for k in &keys {
                 unconfirmed.forget(k);
             }
@@ -98,24 +98,25 @@ pub(super) async fn retune(
 async fn patch(
     ctx: &Ctx,
     entry: &LifecycleEntry,
+    who: String,
     pod: Arc<PodInfo>,
     fresh: String,
     with_event: bool,
 ) -> Result<bool, ControllerError> {
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), pod.namespace());
     let patch = Patch::Merge(json!({"metadata": {"annotations": {LIFECYCLE_ANNOTATION: &fresh}}}));
-    let who = pod_key(&pod);
     let permit = ctx.budget.acquire().await;
-    let result = api
+    match api
         .patch_metadata(pod.name(), &PatchParams::default(), &patch)
-        .await;
-    if result.is_err() {
-        ctx.index.unconfirmed.forget(&who);
-    }
-    match result {
+        .await
+    {
         Ok(_) => {}
-        // Gone since the store saw it: nothing to retune.
-        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(false),
+        // Gone since the store saw it: nothing to retune (nor to expect,
+        // if the watch has shown the deletion already).
+        Err(kube::Error::Api(e)) if e.code == 404 => {
+            ctx.index.unconfirmed.forget(&who);
+            return Ok(false);
+        }
         Err(source) => return Err(ControllerError::Retune { pod: who, source }),
     }
     drop(permit);
@@ -137,11 +138,6 @@ async fn patch(
         .await;
     }
     Ok(true)
-}
-
-/// A pod's key in [`super::unconfirmed::Unconfirmed`].
-fn pod_key(p: &PodInfo) -> String {
-    format!("{}/{}", p.namespace(), p.name())
 }
 
 #[cfg(test)]
