@@ -405,14 +405,19 @@ pub struct Prepared {
 
 /// VmRSS of `pid` in bytes (0 if gone).
 pub fn rss(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
+    u32::try_from(pid)
         .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+        .and_then(|pid| proc_status_kib(pid, "VmRSS:"))
+        .map_or(0, |kb| kb.saturating_mul(1024))
+}
+
+/// A kB figure of `/proc/<pid>/status` (`key` as `"VmRSS:"`); `None` when
+/// the process is gone.
+pub fn proc_status_kib(pid: u32, key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// A process that exists and is not a zombie.

@@ -284,11 +284,7 @@ pub fn peak_rss_mib(pid: u32) -> Option<f64> {
 }
 
 fn proc_status_mib(pid: u32, key: &str) -> Option<f64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map(|kb| kb / 1024.0)
+    crate::agentbench::proc_status_kib(pid, key).map(|kb| kb as f64 / 1024.0)
 }
 
 fn rss_of(samples: &[f64]) -> Rss {
