@@ -127,12 +127,23 @@ pub struct WorkloadSelector {
     pub match_labels: BTreeMap<String, String>,
 }
 
+/// A pod's labels, however they are held.
+pub trait LabelSet {
+    fn label(&self, key: &str) -> Option<&str>;
+}
+
+impl LabelSet for BTreeMap<String, String> {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key).map(String::as_str)
+    }
+}
+
 impl WorkloadSelector {
     /// Whether a pod with these labels is selected.
-    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+    pub fn matches(&self, labels: &(impl LabelSet + ?Sized)) -> bool {
         self.match_labels
             .iter()
-            .all(|(k, v)| labels.get(k).is_some_and(|l| l == v))
+            .all(|(k, v)| labels.label(k) == Some(v.as_str()))
     }
 }
 

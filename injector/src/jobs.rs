@@ -29,7 +29,6 @@ use remora_contract::pod::PROXY_CONTAINER;
 use tokio_util::sync::CancellationToken;
 
 use crate::live_pod::LivePod;
-use crate::mutate::STATUS_ANNOTATION;
 use crate::watch::{Change, SharedWatch};
 
 /// The field manager and event reporter of the injector.
@@ -97,7 +96,7 @@ pub enum Decision {
 /// server has it.
 pub fn decide(pod: &LivePod) -> Decision {
     let annotations = pod.annotations();
-    if !annotations.contains_key(STATUS_ANNOTATION) {
+    if pod.injected().is_none() {
         return Decision::Leave(Skip::NotInjected);
     }
     // First: the watch keeps no containers of a pod that restarts Always.
@@ -276,6 +275,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mutate::STATUS_ANNOTATION;
     use k8s_openapi::api::core::v1::{
         Container, ContainerState, ContainerStateRunning, ContainerStateTerminated,
         ContainerStatus, PodSpec, PodStatus,

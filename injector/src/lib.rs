@@ -7,6 +7,7 @@ pub mod ca;
 pub mod cluster;
 pub mod controller;
 pub mod flags;
+pub mod interned;
 pub mod jobs;
 pub mod leader;
 pub mod live_pod;

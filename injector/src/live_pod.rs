@@ -5,15 +5,27 @@
 //! status), so a store of 10,000 injected pods cost about 100 MiB however
 //! much of each pod was trimmed. [`LivePod`] has the same shape, with only
 //! what the readers read, and what it leaves out of the API server's JSON is
-//! never allocated.
+//! never allocated. Of the metadata it keeps only what kube needs (name,
+//! namespace, uid, owners) and Remora's per-pod annotations; labels, the
+//! lifecycle and what `remora.dev/status` records move into [`Kept`]. There
+//! they cost a few shared allocations, where the `BTreeMap`s and strings
+//! they replace cost 1.4 KB a pod (each map of a few entries allocates a
+//! node of eleven): the pods of a workload have equal labels, lifecycle
+//! and status, and the watch holds each once ([`Slim`]).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::{Metadata, NamespaceResourceScope, Resource};
 use kube::runtime::watcher;
 use kube::{Api, Client};
+use remora_contract::annotations::{LIFECYCLE, STATUS};
+use remora_crds::LabelSet;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::interned::Interned;
 use crate::watch::SharedWatch;
 
 /// Pods still running or about to. Finished pods are neither counted,
@@ -28,6 +40,79 @@ pub struct LivePod {
     pub metadata: ObjectMeta,
     pub spec: Option<LiveSpec>,
     pub status: Option<LiveStatus>,
+    /// What [`slim`] moved out of `metadata`.
+    #[serde(skip)]
+    pub kept: Kept,
+}
+
+/// The metadata the controllers read, kept compactly by [`slim`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Kept {
+    pub labels: Labels,
+    /// `remora.dev/lifecycle`: the settings the sidecar runs with.
+    pub lifecycle: Option<Arc<str>>,
+    /// What `remora.dev/status` records; `None` when not injected.
+    pub injected: Option<Arc<Injected>>,
+}
+
+/// What the injector recorded in a pod's `remora.dev/status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Injected {
+    /// The layers its settings came from.
+    #[serde(default)]
+    pub sources: Box<[Box<str>]>,
+    /// The hash of its restart-only settings, when recorded.
+    #[serde(default)]
+    pub restart_hash: Option<Box<str>>,
+}
+
+impl Injected {
+    /// A status that does not read as one records no layers (the pod is
+    /// still injected).
+    fn read(status: &str) -> Self {
+        serde_json::from_str(status).unwrap_or_default()
+    }
+}
+
+type Pairs = [(Box<str>, Box<str>)];
+
+/// A few labels, sorted by key, in one allocation of pairs.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Labels(Arc<Pairs>);
+
+impl Default for Labels {
+    fn default() -> Self {
+        Self(Arc::new([]))
+    }
+}
+
+impl Labels {
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .binary_search_by(|(k, _)| (**k).cmp(key))
+            .ok()
+            .map(|i| &*self.0[i].1)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.0.iter().map(|(k, v)| (&**k, &**v))
+    }
+}
+
+impl Labels {
+    fn pairs(m: BTreeMap<String, String>) -> Vec<(Box<str>, Box<str>)> {
+        // A BTreeMap iterates in key order: the pairs are sorted.
+        m.into_iter()
+            .map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str()))
+            .collect()
+    }
+}
+
+impl LabelSet for Labels {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key)
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -69,6 +154,35 @@ pub struct Terminated {
 }
 
 impl LivePod {
+    /// A pod of these metadata, kept as the watch keeps it.
+    pub fn from_meta(metadata: ObjectMeta) -> Self {
+        let mut p = Self {
+            metadata,
+            ..Self::default()
+        };
+        Slim::default().slim(&mut p);
+        p
+    }
+
+    pub fn labels(&self) -> &Labels {
+        &self.kept.labels
+    }
+
+    /// Remora's annotations but the lifecycle and the status (see
+    /// [`Kept`]): the pod's own settings, the Jobs controller's stop.
+    pub fn annotations(&self) -> &BTreeMap<String, String> {
+        static NONE: BTreeMap<String, String> = BTreeMap::new();
+        self.metadata.annotations.as_ref().unwrap_or(&NONE)
+    }
+
+    pub fn lifecycle(&self) -> Option<&str> {
+        self.kept.lifecycle.as_deref()
+    }
+
+    pub fn injected(&self) -> Option<&Injected> {
+        self.kept.injected.as_deref()
+    }
+
     pub fn containers(&self) -> &[Named] {
         self.spec
             .as_ref()
@@ -134,35 +248,61 @@ impl Metadata for LivePod {
 /// The leader's one pod watch, read by the SidecarLifecycle controller and
 /// the Jobs controller, until `shutdown`.
 pub fn live_pods(client: Client, shutdown: CancellationToken) -> SharedWatch<LivePod> {
+    let mut slim = Slim::default();
     SharedWatch::start(
         "pods",
         Api::all(client),
         watcher::Config::default().fields(LIVE_PODS),
-        slim,
+        move |p| slim.slim(p),
         shutdown,
     )
 }
 
-/// What nobody reads: managed fields, the server's bookkeeping (the
-/// watcher has taken the resourceVersion before this runs), annotations
-/// other than Remora's (a kubectl last-applied copy, say, can be a pod's
-/// largest part), and the containers and their statuses of a pod that
-/// restarts them `Always`: only the Jobs controller reads those, and it
-/// leaves such a pod alone.
-pub fn slim(p: &mut LivePod) {
-    let meta = &mut p.metadata;
-    meta.managed_fields = None;
-    meta.resource_version = None;
-    meta.generate_name = None;
-    if let Some(a) = meta.annotations.as_mut() {
-        a.retain(|k, _| k.starts_with(remora_contract::annotations::PREFIX));
-    }
-    if !matches!(p.restart_policy(), Some(r) if r != "Always") {
-        p.spec = p.spec.take().map(|s| LiveSpec {
-            restart_policy: s.restart_policy,
-            ..LiveSpec::default()
-        });
-        p.status = None;
+/// Trims each pod of a watch (see [`Slim::slim`]), holding what equal pods
+/// share once.
+#[derive(Debug, Default)]
+pub struct Slim {
+    labels: Interned<Pairs>,
+    lifecycles: Interned<str>,
+    statuses: Interned<Injected>,
+}
+
+impl Slim {
+    /// Drops what nobody reads: managed fields, the server's bookkeeping
+    /// (the watcher has taken the resourceVersion before this runs),
+    /// annotations other than Remora's (a kubectl last-applied copy, say,
+    /// can be a pod's largest part), and the containers and their statuses
+    /// of a pod that restarts them `Always`: only the Jobs controller reads
+    /// those, and it leaves such a pod alone. Labels, the lifecycle and the
+    /// status move into [`Kept`]. Idempotent.
+    pub fn slim(&mut self, p: &mut LivePod) {
+        let meta = &mut p.metadata;
+        meta.managed_fields = None;
+        meta.resource_version = None;
+        meta.generate_name = None;
+        meta.creation_timestamp = None;
+        if let Some(labels) = meta.labels.take() {
+            let pairs = Labels::pairs(labels);
+            p.kept.labels = Labels(self.labels.get(&pairs[..], || Arc::from(&pairs[..])));
+        }
+        if let Some(mut a) = meta.annotations.take() {
+            a.retain(|k, _| k.starts_with(remora_contract::annotations::PREFIX));
+            if let Some(l) = a.remove(LIFECYCLE) {
+                p.kept.lifecycle = Some(self.lifecycles.get(l.as_str(), || Arc::from(l.as_str())));
+            }
+            if let Some(s) = a.remove(STATUS) {
+                let read = Injected::read(&s);
+                p.kept.injected = Some(self.statuses.get(&read, || Arc::new(read.clone())));
+            }
+            meta.annotations = (!a.is_empty()).then_some(a);
+        }
+        if !matches!(p.restart_policy(), Some(r) if r != "Always") {
+            p.spec = p.spec.take().map(|s| LiveSpec {
+                restart_policy: s.restart_policy,
+                ..LiveSpec::default()
+            });
+            p.status = None;
+        }
     }
 }
 
@@ -172,7 +312,7 @@ pub(crate) fn read(pod: &k8s_openapi::api::core::v1::Pod) -> LivePod {
     let mut p: LivePod =
         serde_json::from_value(serde_json::to_value(pod).expect("a pod serializes"))
             .expect("a pod reads as a LivePod");
-    slim(&mut p);
+    Slim::default().slim(&mut p);
     p
 }
 
@@ -194,7 +334,15 @@ mod tests {
                 labels: Some([("app".to_string(), "web".to_string())].into()),
                 annotations: Some(
                     [
-                        ("remora.dev/status".to_string(), "{}".to_string()),
+                        (
+                            "remora.dev/status".to_string(),
+                            r#"{"version":"0.1.0","sources":["cluster:remora-system/default"],"restartHash":"sha256:1"}"#.to_string(),
+                        ),
+                        (
+                            "remora.dev/lifecycle".to_string(),
+                            r#"{"drainDeadline":"9s"}"#.to_string(),
+                        ),
+                        ("remora.dev/drain-duration".to_string(), "9s".to_string()),
                         (
                             "kubectl.kubernetes.io/last-applied-configuration".to_string(),
                             "{}".to_string(),
@@ -248,11 +396,24 @@ mod tests {
             ObjectMeta {
                 name: Some("p".into()),
                 namespace: Some("ns".into()),
-                labels: Some([("app".to_string(), "web".to_string())].into()),
-                annotations: Some([("remora.dev/status".to_string(), "{}".to_string())].into()),
+                annotations: Some(
+                    [("remora.dev/drain-duration".to_string(), "9s".to_string())].into()
+                ),
                 ..Default::default()
             }
         );
+        assert_eq!(live.labels().iter().collect::<Vec<_>>(), [("app", "web")]);
+        assert_eq!(live.lifecycle(), Some(r#"{"drainDeadline":"9s"}"#));
+        let injected = live.injected().expect("injected");
+        assert_eq!(
+            &*injected.sources,
+            [Box::from("cluster:remora-system/default")]
+        );
+        assert_eq!(injected.restart_hash.as_deref(), Some("sha256:1"));
+        assert_eq!(&read(&full), &live, "reading twice keeps the same");
+        let mut again = live.clone();
+        Slim::default().slim(&mut again);
+        assert_eq!(again, live, "slim is idempotent");
         let names: Vec<&str> = live.containers().iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["app", remora_contract::pod::PROXY_CONTAINER]);
         assert!(live.init_containers().is_empty());
@@ -297,6 +458,7 @@ mod tests {
                     ..LiveSpec::default()
                 }),
                 status: None,
+                kept: Kept::default(),
             }
         );
         // The Jobs controller never looks further into it.

@@ -9,7 +9,9 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use remora_contract::{Overlay, defaults, duration};
-use remora_crds::{DrainMode, LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode};
+use remora_crds::{
+    DrainMode, LabelSet, LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode,
+};
 use serde::Serialize;
 
 /// The defaults the chart (or the command line) gives; the weakest layer.
@@ -265,7 +267,7 @@ pub fn resolve(
     entries: &[LifecycleEntry],
     operator_namespace: &str,
     pod_namespace: &str,
-    pod_labels: &BTreeMap<String, String>,
+    pod_labels: &(impl LabelSet + ?Sized),
     pod_annotations: &BTreeMap<String, String>,
 ) -> EffectiveConfig {
     let mut cfg = EffectiveConfig::from_defaults(chart);

@@ -13,8 +13,8 @@ use remora_crds::{SidecarLifecycleStatus, condition};
 
 use remora_contract::lifecycle::LifecycleAnnotation;
 
-use crate::live_pod::LivePod;
-use crate::mutate::{STATUS_ANNOTATION, lifecycle_annotation};
+use crate::live_pod::{Labels, LivePod};
+use crate::mutate::lifecycle_annotation;
 use crate::sidecar_config::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 
 /// What one resource's status and pods are computed from: the resources
@@ -101,16 +101,12 @@ pub struct Governed {
 }
 
 /// What the controller needs to know about a pod, all of it metadata: the
-/// pod as the leader's watch stored it (shared with the store, not copied:
-/// a copy of each pod's labels and annotations was a quarter of the
-/// leader's memory), and what is parsed once from its `remora.dev/status`.
+/// pod as the leader's watch stored it, shared with the store, not copied
+/// (a copy of each pod's labels and annotations was a quarter of the
+/// leader's memory).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PodInfo {
     pod: Arc<LivePod>,
-    /// The layers recorded in `remora.dev/status`; `None` when not injected.
-    pub sources: Option<Vec<String>>,
-    /// `restartHash` from `remora.dev/status`, when the injector recorded one.
-    pub restart_hash: Option<String>,
 }
 
 /// A pod's controlling ownerReference.
@@ -121,45 +117,15 @@ pub struct PodOwner {
     pub uid: String,
 }
 
-/// What a pod without labels or annotations reads as.
-static NONE: BTreeMap<String, String> = BTreeMap::new();
-
 impl PodInfo {
-    /// The pod the watch stored (its annotations already only Remora's:
-    /// [`crate::live_pod::slim`]).
+    /// The pod the watch stored ([`crate::live_pod::slim`]).
     pub fn of(pod: Arc<LivePod>) -> Self {
-        let status = pod
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(STATUS_ANNOTATION))
-            .map(|s| serde_json::from_str::<serde_json::Value>(s).unwrap_or_default());
-        let sources = status.as_ref().map(|v| {
-            v["sources"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|s| s.as_str().map(str::to_string))
-                        .collect()
-                })
-                .unwrap_or_default()
-        });
-        let restart_hash = status
-            .as_ref()
-            .and_then(|v| v["restartHash"].as_str().map(str::to_string));
-        Self {
-            pod,
-            sources,
-            restart_hash,
-        }
+        Self { pod }
     }
 
     /// A pod of these metadata (a workload's pod template, say).
     pub fn from_meta(metadata: ObjectMeta) -> Self {
-        Self::of(Arc::new(LivePod {
-            metadata,
-            ..LivePod::default()
-        }))
+        Self::of(Arc::new(LivePod::from_meta(metadata)))
     }
 
     pub fn namespace(&self) -> &str {
@@ -174,13 +140,28 @@ impl PodInfo {
         self.pod.metadata.uid.as_deref()
     }
 
-    pub fn labels(&self) -> &BTreeMap<String, String> {
-        self.pod.metadata.labels.as_ref().unwrap_or(&NONE)
+    pub fn labels(&self) -> &Labels {
+        self.pod.labels()
     }
 
-    /// The pod's own settings and its lifecycle are among them.
+    /// The pod's own settings are among them.
     pub fn annotations(&self) -> &BTreeMap<String, String> {
-        self.pod.metadata.annotations.as_ref().unwrap_or(&NONE)
+        self.pod.annotations()
+    }
+
+    /// `remora.dev/lifecycle`: the settings the sidecar runs with.
+    pub fn lifecycle(&self) -> Option<&str> {
+        self.pod.lifecycle()
+    }
+
+    /// The layers recorded in `remora.dev/status`; `None` when not injected.
+    pub fn sources(&self) -> Option<&[Box<str>]> {
+        self.pod.injected().map(|i| &*i.sources)
+    }
+
+    /// `restartHash` from `remora.dev/status`, when the injector recorded one.
+    pub fn restart_hash(&self) -> Option<&str> {
+        self.pod.injected()?.restart_hash.as_deref()
     }
 
     /// The controlling owner as the pod's ownerReference names it. Anyone
@@ -312,7 +293,10 @@ pub fn compute(
                 Some(w) if age_key(w) < me => *winners.entry(w.name.clone()).or_default() += 1,
                 _ => {
                     matched = matched.saturating_add(1);
-                    if pod.sources.as_ref().is_some_and(|s| s.contains(&mine)) {
+                    if pod
+                        .sources()
+                        .is_some_and(|s| s.iter().any(|l| **l == *mine))
+                    {
                         applied = applied.saturating_add(1);
                     }
                 }
@@ -510,7 +494,7 @@ fn settings_where(
         .flat_map(|g| {
             g.pods
                 .iter()
-                .filter(|p| p.sources.is_some() && pick(&g.entries, p))
+                .filter(|p| p.sources().is_some() && pick(&g.entries, p))
                 .map(|p| Governed {
                     pod: Arc::clone(p),
                     cfg: p.effective(chart, &g.entries, operator_ns),
@@ -537,7 +521,7 @@ pub fn restart_report(governed: &[Governed]) -> RestartReport {
     for g in governed {
         let want = g.cfg.restart_hash();
         // A pod injected before restart hashes were recorded is not judged.
-        if g.pod.restart_hash.as_ref().is_some_and(|h| *h != want) {
+        if g.pod.restart_hash().is_some_and(|h| h != want) {
             report.outdated.push((Arc::clone(&g.pod), want));
         }
     }
@@ -609,6 +593,7 @@ pub fn keep_transition_times(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use remora_contract::annotations::STATUS;
     use remora_crds::{SidecarLifecycleSpec, WorkloadSelector};
 
     fn entry(ns: &str, name: &str, day: u32, sel: Option<(&str, &str)>) -> LifecycleEntry {
@@ -635,20 +620,32 @@ mod tests {
         labels: &[(&str, &str)],
         sources: Option<&[&str]>,
     ) -> PodInfo {
-        PodInfo {
-            sources: sources.map(|s| s.iter().map(|s| s.to_string()).collect()),
-            ..PodInfo::from_meta(ObjectMeta {
-                namespace: Some(ns.into()),
-                name: Some(name.into()),
-                labels: Some(
-                    labels
-                        .iter()
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                        .collect(),
-                ),
-                ..ObjectMeta::default()
-            })
-        }
+        injected(ns, name, labels, sources, None)
+    }
+
+    /// A pod whose `remora.dev/status` records `sources` (none: not
+    /// injected) and `restart_hash`.
+    fn injected(
+        ns: &str,
+        name: &str,
+        labels: &[(&str, &str)],
+        sources: Option<&[&str]>,
+        restart_hash: Option<&str>,
+    ) -> PodInfo {
+        let status = sources
+            .map(|s| serde_json::json!({ "sources": s, "restartHash": restart_hash }).to_string());
+        PodInfo::from_meta(ObjectMeta {
+            namespace: Some(ns.into()),
+            name: Some(name.into()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            annotations: status.map(|s| [(STATUS.to_string(), s)].into()),
+            ..ObjectMeta::default()
+        })
     }
 
     fn get<'a>(s: &'a SidecarLifecycleStatus, t: &str) -> &'a Condition {
@@ -800,7 +797,7 @@ mod tests {
             .iter()
             .map(|e| governed(e, &whole, &chart, sys).len())
             .sum();
-        assert_eq!(total, pods.iter().filter(|p| p.sources.is_some()).count());
+        assert_eq!(total, pods.iter().filter(|p| p.sources().is_some()).count());
     }
 
     #[test]
@@ -888,14 +885,13 @@ mod tests {
         let chart = ChartDefaults::default();
         let mut e = entry("shop", "web", 1, Some(("app", "web")));
         let all = vec![e.clone()];
-        let mut current = pod("shop", "web", Some(&["workload:shop/web"]));
-        current.restart_hash = Some(
-            current
-                .effective(&chart, &all, "remora-system")
-                .restart_hash(),
-        );
-        let mut legacy = pod("shop", "web", Some(&[]));
-        legacy.restart_hash = None;
+        let web = [("app", "web")];
+        let want = pod("shop", "web", Some(&[]))
+            .effective(&chart, &all, "remora-system")
+            .restart_hash();
+        let sources = Some(&["workload:shop/web"][..]);
+        let current = injected("shop", "web-1", &web, sources, Some(&want));
+        let legacy = injected("shop", "web-1", &web, Some(&[]), None);
         let other = pod("shop", "db", Some(&[]));
         let pods = vec![current.clone(), legacy, other];
         let r = restart_report(&governed(
@@ -927,7 +923,7 @@ mod tests {
             1,
             "the pod without a recorded hash is not judged"
         );
-        assert_ne!(Some(&r.outdated[0].1), current.restart_hash.as_ref());
+        assert_ne!(Some(r.outdated[0].1.as_str()), current.restart_hash());
         let c = restart_condition(&r, true, Some(2), &now());
         assert_eq!(
             (c.status.as_str(), c.reason.as_str()),

@@ -7,8 +7,6 @@
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 
-use remora_contract::annotations::LIFECYCLE;
-
 use super::unconfirmed::Unconfirmed;
 use crate::live_pod::LivePod;
 use crate::status::PodInfo;
@@ -47,13 +45,7 @@ impl PodIndex {
         };
         let key = format!("{ns}/{name}");
         match change {
-            Change::Applied(_) => self.unconfirmed.seen(
-                &key,
-                meta.annotations
-                    .as_ref()
-                    .and_then(|a| a.get(LIFECYCLE))
-                    .map(String::as_str),
-            ),
+            Change::Applied(pod) => self.unconfirmed.seen(&key, pod.lifecycle()),
             Change::Deleted(_) => self.unconfirmed.forget(&key),
         }
         let mut map = self
@@ -107,21 +99,18 @@ mod tests {
     use kube::api::ObjectMeta;
 
     fn pod(ns: &str, name: &str, app: &str) -> LivePod {
-        LivePod {
-            metadata: ObjectMeta {
-                namespace: Some(ns.into()),
-                name: Some(name.into()),
-                labels: Some([("app".to_string(), app.to_string())].into()),
-                ..ObjectMeta::default()
-            },
-            ..LivePod::default()
-        }
+        LivePod::from_meta(ObjectMeta {
+            namespace: Some(ns.into()),
+            name: Some(name.into()),
+            labels: Some([("app".to_string(), app.to_string())].into()),
+            ..ObjectMeta::default()
+        })
     }
 
     fn names(pods: Vec<Arc<PodInfo>>) -> Vec<String> {
         let mut n: Vec<String> = pods
             .iter()
-            .map(|p| format!("{}={}", p.name(), p.labels()["app"]))
+            .map(|p| format!("{}={}", p.name(), p.labels().get("app").unwrap_or_default()))
             .collect();
         n.sort();
         n

@@ -65,7 +65,7 @@ pub(super) async fn retune(
     let stale: Vec<(String, Arc<PodInfo>, String)> = pods
         .iter()
         .filter_map(|g| {
-            let current = g.pod.annotations().get(LIFECYCLE_ANNOTATION)?;
+            let current = g.pod.lifecycle()?;
             let fresh = refreshed_lifecycle(current, &g.cfg)?;
             let key = format!("{}/{}", g.pod.namespace(), g.pod.name());
             if unconfirmed.pending(&key, &fresh) {

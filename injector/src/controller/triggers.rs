@@ -100,15 +100,17 @@ pub(super) fn generation(r: &SidecarLifecycle) -> (String, u64) {
 }
 
 /// What of a pod decides which resources reach it and what they report:
-/// labels, its controlling owner, and its annotations but the two the
-/// controllers write to running pods (`remora.dev/lifecycle`, retuned;
-/// `remora.dev/stop`, the Jobs controller's). Status-only updates (most of
-/// a pod's updates) leave it unchanged.
+/// labels, its controlling owner, what its `remora.dev/status` records and
+/// its own settings; not what the controllers write to running pods (the
+/// lifecycle, retuned, is kept apart; `remora.dev/stop` is the Jobs
+/// controller's). Status-only updates (most of a pod's updates) leave it
+/// unchanged.
 pub(super) fn pod_key(p: &LivePod) -> (String, u64) {
     let mut h = DefaultHasher::new();
-    p.metadata.labels.hash(&mut h);
-    for a in p.metadata.annotations.iter().flatten() {
-        if !WRITTEN_BY_CONTROLLERS.contains(&a.0.as_str()) {
+    p.labels().hash(&mut h);
+    p.injected().hash(&mut h);
+    for a in p.annotations() {
+        if a.0 != annotations::STOP {
             a.hash(&mut h);
         }
     }
@@ -122,15 +124,9 @@ pub(super) fn pod_key(p: &LivePod) -> (String, u64) {
 /// [`by_governor`]).
 pub(super) fn pod_settings(p: &LivePod) -> (String, u64) {
     let mut h = DefaultHasher::new();
-    p.metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(annotations::LIFECYCLE))
-        .hash(&mut h);
+    p.lifecycle().hash(&mut h);
     (pod_name(p), h.finish())
 }
-
-const WRITTEN_BY_CONTROLLERS: [&str; 2] = [annotations::LIFECYCLE, annotations::STOP];
 
 fn pod_name(p: &LivePod) -> String {
     format!(
@@ -198,21 +194,18 @@ mod tests {
     }
 
     fn pod(annotations: &[(&str, &str)]) -> LivePod {
-        LivePod {
-            metadata: ObjectMeta {
-                namespace: Some("shop".into()),
-                name: Some("web-1".into()),
-                labels: Some([("app".to_string(), "web".to_string())].into()),
-                annotations: Some(
-                    annotations
-                        .iter()
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                        .collect(),
-                ),
-                ..ObjectMeta::default()
-            },
-            ..LivePod::default()
-        }
+        LivePod::from_meta(ObjectMeta {
+            namespace: Some("shop".into()),
+            name: Some("web-1".into()),
+            labels: Some([("app".to_string(), "web".to_string())].into()),
+            annotations: Some(
+                annotations
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            ..ObjectMeta::default()
+        })
     }
 
     fn names(refs: Vec<ObjectRef<SidecarLifecycle>>) -> Vec<String> {
