@@ -67,11 +67,12 @@ pub struct KubeView {
 }
 
 impl ClusterView for KubeView {
-    fn lifecycles(&self) -> Vec<LifecycleEntry> {
+    fn lifecycles_in(&self, namespaces: &[&str]) -> Vec<LifecycleEntry> {
         self.lifecycles
             .store()
             .state()
             .iter()
+            .filter(|r| namespaces.contains(&r.metadata.namespace.as_deref().unwrap_or_default()))
             .map(|r| LifecycleEntry::from_resource(r))
             .collect()
     }

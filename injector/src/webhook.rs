@@ -31,8 +31,10 @@ use crate::sidecar_config::{ChartDefaults, LifecycleEntry, resolve};
 /// make is [`ClusterView::lookup_namespace_labels`], for a namespace the
 /// cache has not seen yet.
 pub trait ClusterView: Send + Sync {
-    /// Every `SidecarLifecycle` of the cluster.
-    fn lifecycles(&self) -> Vec<LifecycleEntry>;
+    /// The `SidecarLifecycle`s of these namespaces. A pod's own and the
+    /// operator's (the cluster default) are all that can reach it: copying
+    /// all of a cluster's thousand for each review cost a millisecond of CPU.
+    fn lifecycles_in(&self, namespaces: &[&str]) -> Vec<LifecycleEntry>;
     /// The labels of a namespace; `None` when unknown.
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>>;
     /// Whether every node runs native sidecars (kubelet >= 1.29).
@@ -92,8 +94,8 @@ impl<V: ClusterView> LookingUpView<V> {
 }
 
 impl<V: ClusterView> ClusterView for LookingUpView<V> {
-    fn lifecycles(&self) -> Vec<LifecycleEntry> {
-        self.cached.lifecycles()
+    fn lifecycles_in(&self, namespaces: &[&str]) -> Vec<LifecycleEntry> {
+        self.cached.lifecycles_in(namespaces)
     }
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
         self.cached.namespace_labels(namespace)
@@ -137,8 +139,12 @@ pub struct StaticView {
 }
 
 impl ClusterView for StaticView {
-    fn lifecycles(&self) -> Vec<LifecycleEntry> {
-        self.lifecycles.clone()
+    fn lifecycles_in(&self, namespaces: &[&str]) -> Vec<LifecycleEntry> {
+        self.lifecycles
+            .iter()
+            .filter(|e| namespaces.contains(&e.namespace.as_str()))
+            .cloned()
+            .collect()
     }
     fn namespace_labels(&self, namespace: &str) -> Option<BTreeMap<String, String>> {
         self.namespaces.get(namespace).cloned()
@@ -562,7 +568,9 @@ impl Injector {
         };
         let cfg = resolve(
             &self.chart,
-            &self.view.lifecycles(),
+            &self
+                .view
+                .lifecycles_in(&[namespace.as_str(), self.operator_namespace.as_str()]),
             &self.operator_namespace,
             &namespace,
             &labels,

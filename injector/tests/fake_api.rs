@@ -213,9 +213,13 @@ async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> 
         tokio_util::sync::CancellationToken::new(),
     )
     .await?;
-    let entries = view.lifecycles();
+    let entries = view.lifecycles_in(&["shop", "remora-system"]);
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].namespace, "remora-system");
+    assert!(
+        view.lifecycles_in(&["shop"]).is_empty(),
+        "another namespace's resources are not copied"
+    );
     assert_eq!(
         view.namespace_labels("shop")
             .and_then(|l| l.get("remora.dev/inject").cloned())

@@ -38,7 +38,7 @@ struct Lagging {
 }
 
 impl ClusterView for Lagging {
-    fn lifecycles(&self) -> Vec<LifecycleEntry> {
+    fn lifecycles_in(&self, _: &[&str]) -> Vec<LifecycleEntry> {
         Vec::new()
     }
     fn namespace_labels(&self, _: &str) -> Option<BTreeMap<String, String>> {
