@@ -59,6 +59,13 @@ pub async fn connect(
 }
 
 impl Connection {
+    /// Whether the server has closed it (an idle keep-alive connection
+    /// past the server's timeout, say): a pool drops it rather than send
+    /// on it, as Go's HTTP client (the API server's) does.
+    pub fn is_closed(&self) -> bool {
+        self.sender.is_closed()
+    }
+
     /// Send one request; returns the status and the body.
     pub async fn request(
         &mut self,

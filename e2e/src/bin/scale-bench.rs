@@ -89,6 +89,16 @@ struct Out {
     webhook_server_p50_ms_at_most: Option<f64>,
     webhook_server_p99_ms_at_most: Option<f64>,
     webhook_steady_server_p99_ms_at_most: Option<f64>,
+    /// The API server's own bound: the bench's pod patches a second, as
+    /// the leader's identity and with its in-flight bound, under the same
+    /// review load ([`scale_run::Run::ceiling`]).
+    api_ceiling_patches_per_s: Option<f64>,
+    /// The cluster default's patch rate over that bound.
+    default_over_ceiling: Option<f64>,
+    /// The webhook meanwhile: the machine's latency with no reconcile.
+    webhook_p99_ms_at_ceiling: Option<f64>,
+    webhook_errors_at_ceiling: Option<usize>,
+    webhook_server_p99_ms_at_most_at_ceiling: Option<f64>,
     failover_s: Option<f64>,
     lease_takeover_s: Option<f64>,
     new_leader_rss_mib: Option<f64>,
@@ -167,6 +177,7 @@ fn summarize(r: &Report, plan: &e2e::scale::Plan, bin: String) -> Out {
     let def = r.cluster_default.done();
     let hook_steady = r.webhook_steady.done();
     let fail = r.failover.done();
+    let ceiling = r.ceiling.done();
     let lease = scale_run::DEFAULT_LEASE_DURATION.as_secs_f64();
     let status_correct = r.settled.done().is_some_and(|s| s.correct())
         && r.final_status.done().is_some_and(|s| s.correct());
@@ -265,6 +276,15 @@ fn summarize(r: &Report, plan: &e2e::scale::Plan, bin: String) -> Out {
         webhook_server_p99_ms_at_most: server(def.map(|d| &d.webhook))
             .and_then(|s| s.p99_ms_at_most),
         webhook_steady_server_p99_ms_at_most: server(hook_steady).and_then(|s| s.p99_ms_at_most),
+        api_ceiling_patches_per_s: ceiling.map(|c| c.patches_per_s),
+        default_over_ceiling: def
+            .zip(ceiling)
+            .filter(|(_, c)| c.patches_per_s > 0.0)
+            .map(|(d, c)| d.retune.patches_per_s / c.patches_per_s),
+        webhook_p99_ms_at_ceiling: ceiling.map(|c| c.webhook.latency.p99_ms),
+        webhook_errors_at_ceiling: ceiling.map(|c| c.webhook.errors),
+        webhook_server_p99_ms_at_most_at_ceiling: server(ceiling.map(|c| &c.webhook))
+            .and_then(|s| s.p99_ms_at_most),
         failover_s: fail.map(|f| f.failover_s),
         lease_takeover_s: fail.map(|f| f.lease_takeover_s),
         new_leader_rss_mib: fail.map(|f| f.new_leader_rss_mib),
@@ -362,6 +382,18 @@ fn print_table(o: &Out) {
         f(o.webhook_steady_server_p99_ms_at_most)
     );
     println!(
+        "API server's own bound (the bench's patches, {} in flight, same review load): {} patches/s; the cluster default ran at {} of it",
+        scale_run::CEILING_IN_FLIGHT,
+        f(o.api_ceiling_patches_per_s),
+        f(o.default_over_ceiling)
+    );
+    println!(
+        "webhook meanwhile (no reconcile): p99 {} ms, {} errors; as the injector timed it p99 <= {} ms",
+        f(o.webhook_p99_ms_at_ceiling),
+        o.webhook_errors_at_ceiling.unwrap_or(0),
+        f(o.webhook_server_p99_ms_at_most_at_ceiling)
+    );
+    println!(
         "failover: Lease after {} s, new leader's RSS {} MiB (lease duration {} s)",
         f(o.lease_takeover_s),
         f(o.new_leader_rss_mib),
@@ -376,6 +408,7 @@ fn print_table(o: &Out) {
     outcome("webhook (no reconcile)", &r.webhook_steady);
     outcome("big namespace retune", &r.big_namespace_retune);
     outcome("cluster default edit", &r.cluster_default);
+    outcome("API server's bound", &r.ceiling);
     outcome("failover", &r.failover);
     outcome("final statuses", &r.final_status);
     if !r.load_problems.is_empty() {

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
@@ -103,6 +103,8 @@ pub struct Options {
     /// The `--lease-duration` those flags give (for the failover goal).
     pub lease_duration: Duration,
     pub cluster_default_edit: bool,
+    /// Measure [`Run::ceiling`] after the cluster-default edit.
+    pub ceiling: bool,
     pub failover: bool,
 }
 
@@ -117,6 +119,7 @@ impl Options {
             injector_args: Vec::new(),
             lease_duration: DEFAULT_LEASE_DURATION,
             cluster_default_edit: true,
+            ceiling: true,
             failover: true,
         }
     }
@@ -224,6 +227,27 @@ pub struct DefaultEdit {
     pub webhook: webhook_load::Outcome,
 }
 
+/// The API server's own bound on pod patches, Remora's writes out of it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Ceiling {
+    pub patches: usize,
+    pub errors: usize,
+    pub first_errors: Vec<String>,
+    pub in_flight: usize,
+    /// From the first patch sent to the last answered.
+    pub seconds: f64,
+    pub patches_per_s: f64,
+    /// The reviews sent to the leader meanwhile.
+    pub webhook: webhook_load::Outcome,
+}
+
+/// What [`Run::ceiling`] writes: outside Remora's prefix, so no replica
+/// keeps it (their watches still carry every update).
+pub const CEILING_ANNOTATION: &str = "bench.remora.test/ceiling";
+
+/// Patches the ceiling keeps in flight: as many as the leader does.
+pub const CEILING_IN_FLIGHT: usize = 32;
+
 /// The leader's crash.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Failover {
@@ -254,6 +278,7 @@ pub struct Report {
     pub webhook_steady: StepResult<webhook_load::Outcome>,
     pub big_namespace_retune: StepResult<Retune>,
     pub cluster_default: StepResult<DefaultEdit>,
+    pub ceiling: StepResult<Ceiling>,
     pub failover: StepResult<Failover>,
     /// The statuses once every edit is done.
     pub final_status: StepResult<Settled>,
@@ -269,6 +294,8 @@ pub struct Run {
     pub replicas: Vec<(String, Option<Injector>)>,
     pub watch: PodWatch,
     pub populated: Populated,
+    /// Each replica's kubeconfig (its service account's token).
+    kubeconfigs: BTreeMap<String, PathBuf>,
     _dir: tempfile::TempDir,
 }
 
@@ -317,6 +344,17 @@ fn token_kubeconfig(cp: &ControlPlane, token: &str, path: &std::path::Path) -> R
     std::fs::write(path, kc.to_string()).map_err(io(format!("writing {}", path.display())))
 }
 
+/// A client of that kubeconfig.
+async fn client_from(path: &std::path::Path) -> Result<Client, Error> {
+    let kc = kube::config::Kubeconfig::read_from(path)
+        .map_err(|e| Error::Unexpected(format!("reading {}: {e}", path.display())))?;
+    let config =
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await
+            .map_err(|e| Error::Unexpected(format!("kubeconfig {}: {e}", path.display())))?;
+    Client::try_from(config).map_err(kube_err(format!("a client of {}", path.display())))
+}
+
 impl Run {
     /// Starts the control plane (with the audit log), the replicas and the
     /// webhook, then creates the load through it.
@@ -363,10 +401,12 @@ impl Run {
 
         // Both replicas, before any pod.
         let mut starts = Vec::new();
+        let mut kubeconfigs = BTreeMap::new();
         for name in REPLICAS {
             let token = service_account_token(&client, &op, name).await?;
             let kc = dir.path().join(format!("{name}.kubeconfig"));
             token_kubeconfig(&cp, &token, &kc)?;
+            kubeconfigs.insert(name.to_owned(), kc.clone());
             let mut o = injector::Options::new(&op);
             o.controller = true;
             o.env = vec![("POD_NAME".to_owned(), name.to_owned())];
@@ -423,6 +463,7 @@ impl Run {
             ],
             watch,
             populated,
+            kubeconfigs,
             _dir: dir,
         })
     }
@@ -849,6 +890,62 @@ impl Run {
         })
     }
 
+    /// What the API server here accepts, measured the way the cluster
+    /// default's edit ran with Remora out of it: the bench patches every
+    /// planned pod with an annotation no replica keeps, as the leader's
+    /// service account (its flow in the API server's fairness), as many in
+    /// flight as the leader keeps and no rate limit, while the webhook
+    /// client sends `rate` reviews a second to the leader. The same pods,
+    /// watches and review load: the edit's rate against this one is what
+    /// Remora leaves on the table, and the webhook's latency here is the
+    /// machine's with no reconcile running.
+    pub async fn ceiling(&self, leader: &str) -> Result<StepResult<Ceiling>, Error> {
+        use futures::StreamExt as _;
+        let Some(kubeconfig) = self.kubeconfigs.get(leader) else {
+            return Ok(StepResult::Failed(format!("no kubeconfig of {leader}")));
+        };
+        let client = client_from(kubeconfig).await?;
+        let pods = self.pod_facts();
+        let stop = CancellationToken::new();
+        let load = self.webhook(leader, self.opts.step_timeout, stop.clone());
+        let value = Timestamp::now().to_string();
+        let patches = async {
+            let t0 = Instant::now();
+            let results: Vec<Result<(), String>> = futures::stream::iter(&pods)
+                .map(|p| {
+                    let api: Api<Pod> = Api::namespaced(client.clone(), &p.namespace);
+                    let patch = Patch::Merge(
+                        json!({"metadata": {"annotations": {CEILING_ANNOTATION: &value}}}),
+                    );
+                    async move {
+                        api.patch_metadata(&p.name, &PatchParams::default(), &patch)
+                            .await
+                            .map(drop)
+                            .map_err(|e| format!("{}/{}: {e}", p.namespace, p.name))
+                    }
+                })
+                .buffer_unordered(CEILING_IN_FLIGHT)
+                .collect()
+                .await;
+            let took = t0.elapsed();
+            stop.cancel();
+            (results, took)
+        };
+        let (webhook, (results, took)) = tokio::join!(load, patches);
+        let errors: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+        let ok = pods.len().saturating_sub(errors.len());
+        let seconds = took.as_secs_f64();
+        Ok(StepResult::Done(Ceiling {
+            patches: ok,
+            errors: errors.len(),
+            first_errors: errors.into_iter().take(5).collect(),
+            in_flight: CEILING_IN_FLIGHT,
+            seconds,
+            patches_per_s: audit::rate(ok, seconds),
+            webhook: webhook.unwrap_or_default(),
+        }))
+    }
+
     /// SIGKILL of the leader, then an edit of the first namespace's
     /// namespace-wide lifecycle: until the standby holds the Lease, and
     /// until it has written that lifecycle's status for the new generation.
@@ -1057,6 +1154,11 @@ pub async fn run(opts: Options) -> Result<(Report, Run), Error> {
             StepResult::Skipped("not asked".into()),
         )
     };
+    let ceiling = if run.opts.ceiling {
+        run.ceiling(&leader).await?
+    } else {
+        StepResult::Skipped("not asked".into())
+    };
     let failover = if run.opts.failover {
         run.failover(&leader).await?
     } else {
@@ -1076,6 +1178,7 @@ pub async fn run(opts: Options) -> Result<(Report, Run), Error> {
         webhook_steady,
         big_namespace_retune: big,
         cluster_default,
+        ceiling,
         failover,
         final_status,
     };

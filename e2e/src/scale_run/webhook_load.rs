@@ -4,7 +4,8 @@
 //! send, so a stall shows in full: no coordinated omission). No retries: a
 //! failed review is counted as an error. Keep-alive HTTPS connections are
 //! reused when idle and opened when none is (the connect then counts in the
-//! latency), as the API server's webhook client does.
+//! latency), as the API server's webhook client does; one the server closed
+//! while idle is dropped, as that client's is.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -131,7 +132,13 @@ struct Pool {
 
 impl Pool {
     async fn send(&self, body: Vec<u8>, uid: &str) -> Result<(), String> {
-        let idle = self.idle.lock().await.pop();
+        let idle = {
+            let mut idle = self.idle.lock().await;
+            // Closed by the server while idle (its 30 s read timeout):
+            // dropped unused, as the API server's client does.
+            idle.retain(|c| !c.is_closed());
+            idle.pop()
+        };
         let mut conn = match idle {
             Some(c) => c,
             None => connect(self.addr, "localhost", &self.ca_pem)
