@@ -40,12 +40,12 @@ pub struct LivePod {
     pub metadata: ObjectMeta,
     pub spec: Option<LiveSpec>,
     pub status: Option<LiveStatus>,
-    /// What [`slim`] moved out of `metadata`.
+    /// What [`Slim::slim`] moved out of `metadata`.
     #[serde(skip)]
     pub kept: Kept,
 }
 
-/// The metadata the controllers read, kept compactly by [`slim`].
+/// The metadata the controllers read, kept compactly by [`Slim::slim`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Kept {
     pub labels: Labels,
@@ -77,7 +77,8 @@ impl Injected {
 
 type Pairs = [(Box<str>, Box<str>)];
 
-/// A few labels, sorted by key, in one allocation of pairs.
+/// A few labels, sorted by key, in one allocation of pairs (shared by the
+/// pods that carry the same).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Labels(Arc<Pairs>);
 
@@ -98,9 +99,7 @@ impl Labels {
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
         self.0.iter().map(|(k, v)| (&**k, &**v))
     }
-}
 
-impl Labels {
     fn pairs(m: BTreeMap<String, String>) -> Vec<(Box<str>, Box<str>)> {
         // A BTreeMap iterates in key order: the pairs are sorted.
         m.into_iter()
@@ -463,6 +462,46 @@ mod tests {
         );
         // The Jobs controller never looks further into it.
         assert!(!crate::jobs::may_complete(&live));
+    }
+
+    #[test]
+    fn labels_are_found_by_key_and_shared_by_equal_pods() {
+        let meta = |name: &str| ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(
+                [
+                    ("app", "web"),
+                    ("tier", "front"),
+                    ("pod-template-hash", "7d9f"),
+                ]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into(),
+            ),
+            annotations: Some([(LIFECYCLE.to_string(), "{}".to_string())].into()),
+            ..Default::default()
+        };
+        let mut slim = Slim::default();
+        let (mut a, mut b) = (LivePod::from_meta(meta("a")), LivePod::from_meta(meta("b")));
+        for (k, v) in [
+            ("app", "web"),
+            ("tier", "front"),
+            ("pod-template-hash", "7d9f"),
+        ] {
+            assert_eq!(a.labels().get(k), Some(v));
+        }
+        assert_eq!(a.labels().get("absent"), None);
+        assert_eq!(LivePod::default().labels().get("app"), None);
+        // Read again through one watch's Slim, equal pods share one copy.
+        (a.kept, b.kept) = (Kept::default(), Kept::default());
+        a.metadata = meta("a");
+        b.metadata = meta("b");
+        slim.slim(&mut a);
+        slim.slim(&mut b);
+        assert!(Arc::ptr_eq(&a.kept.labels.0, &b.kept.labels.0));
+        assert!(Arc::ptr_eq(
+            a.kept.lifecycle.as_ref().expect("a lifecycle"),
+            b.kept.lifecycle.as_ref().expect("a lifecycle")
+        ));
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Offline injection for GitOps: multi-document YAML in, injected YAML out,
-//! through the same [`mutate`](crate::mutate::mutate) as the webhook.
+//! through the same [`mutate`](crate::mutate::mutate()) as the webhook.
 //!
 //! Documents that are not workloads, or that are not changed, are written
 //! back byte for byte, comments included; only injected documents are

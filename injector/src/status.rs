@@ -118,7 +118,7 @@ pub struct PodOwner {
 }
 
 impl PodInfo {
-    /// The pod the watch stored ([`crate::live_pod::slim`]).
+    /// The pod the watch stored ([`crate::live_pod::Slim::slim`]).
     pub fn of(pod: Arc<LivePod>) -> Self {
         Self { pod }
     }
