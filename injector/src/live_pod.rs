@@ -14,7 +14,7 @@
 //! and status, and the watch holds each once ([`Slim`]).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::{Metadata, NamespaceResourceScope, Resource};
@@ -83,8 +83,11 @@ type Pairs = [(Box<str>, Box<str>)];
 pub struct Labels(Arc<Pairs>);
 
 impl Default for Labels {
+    /// One empty set for every pod: each pod the watch reads starts with
+    /// this before `slim` moves its labels in.
     fn default() -> Self {
-        Self(Arc::new([]))
+        static EMPTY: LazyLock<Arc<Pairs>> = LazyLock::new(|| Arc::new([]));
+        Self(Arc::clone(&EMPTY))
     }
 }
 
