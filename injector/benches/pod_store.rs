@@ -79,7 +79,7 @@ fn pod_json(i: usize) -> String {
 }
 
 /// How the pods are kept.
-enum Kept<'a> {
+enum How<'a> {
     /// Through one watch's `Slim`: a workload's pods share.
     Shared(&'a mut Slim),
     /// A `Slim` of its own for each pod: nothing shared.
@@ -90,15 +90,15 @@ enum Kept<'a> {
 }
 
 /// Bytes a pod keeps allocated, read from `jsons` and kept as `how`.
-fn bytes_per_pod(jsons: &[String], mut how: Kept) -> anyhow::Result<f64> {
+fn bytes_per_pod(jsons: &[String], mut how: How) -> anyhow::Result<f64> {
     let before = ALLOC.allocated();
     let mut pods = Vec::with_capacity(jsons.len());
     for j in jsons {
         let mut p: LivePod = serde_json::from_str(j).context("a pod reads as a LivePod")?;
         match &mut how {
-            Kept::Shared(slim) => slim.slim(&mut p),
-            Kept::Alone => Slim::default().slim(&mut p),
-            Kept::Untrimmed => {}
+            How::Shared(slim) => slim.slim(&mut p),
+            How::Alone => Slim::default().slim(&mut p),
+            How::Untrimmed => {}
         }
         pods.push(Arc::new(PodInfo::of(Arc::new(p))));
     }
@@ -112,9 +112,9 @@ fn main() -> anyhow::Result<()> {
     let jsons: Vec<String> = (0..args.pods).map(pod_json).collect();
     let json_bytes = jsons.iter().map(String::len).sum::<usize>() as f64 / args.pods.max(1) as f64;
     let mut slim = Slim::default();
-    let shared = bytes_per_pod(&jsons, Kept::Shared(&mut slim))?;
-    let alone = bytes_per_pod(&jsons, Kept::Alone)?;
-    let untrimmed = bytes_per_pod(&jsons, Kept::Untrimmed)?;
+    let shared = bytes_per_pod(&jsons, How::Shared(&mut slim))?;
+    let alone = bytes_per_pod(&jsons, How::Alone)?;
+    let untrimmed = bytes_per_pod(&jsons, How::Untrimmed)?;
     println!("{} pods, {json_bytes:.0} B of JSON each", args.pods);
     println!("{:<44} {:>10}", "kept per pod", "bytes");
     println!(
