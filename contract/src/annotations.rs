@@ -23,6 +23,16 @@ pub const RESTARTED_FOR: &str = "remora.dev/restarted-for";
 pub const INBOUND: &str = "remora.dev/inbound";
 /// Static-mode outbound listeners, `PORT:HOST:PORT,...` (the agent's `--outbound`).
 pub const OUTBOUND: &str = "remora.dev/outbound";
+/// `"false"` on a pod: no certificate from the operator's workload CA (no CA
+/// address, token or trust bundle), even when the chart enables the CA.
+pub const WORKLOAD_CA: &str = "remora.dev/workload-ca";
+/// Static-mode inbound mTLS (the agent's `--inbound-tls`): `"true"`, or the
+/// SPIFFE identities allowed to call, comma-separated (`--inbound-tls-san`).
+pub const INBOUND_TLS: &str = "remora.dev/inbound-tls";
+/// Static-mode outbound mTLS, `PORT=SPIFFE_ID,...` (the agent's
+/// `--outbound-tls`): the outbound listener on PORT originates mTLS and
+/// accepts only a server presenting that identity.
+pub const OUTBOUND_TLS: &str = "remora.dev/outbound-tls";
 
 // Per-field overrides, `remora.dev/<kebab-case-field>`: the strongest layer.
 pub const MODE: &str = "remora.dev/sidecar-mode";

@@ -23,6 +23,14 @@ pub const RUN_DIR: &str = "REMORA_RUN_DIR";
 pub const ANNOTATIONS_FILE: &str = "REMORA_ANNOTATIONS_FILE";
 pub const INBOUND: &str = "REMORA_INBOUND";
 pub const OUTBOUND: &str = "REMORA_OUTBOUND";
+pub const INBOUND_TLS: &str = "REMORA_INBOUND_TLS";
+pub const INBOUND_TLS_SAN: &str = "REMORA_INBOUND_TLS_SAN";
+pub const OUTBOUND_TLS: &str = "REMORA_OUTBOUND_TLS";
+pub const CA_ADDRESS: &str = "REMORA_CA_ADDRESS";
+pub const CA_ROOT_CERT: &str = "REMORA_CA_ROOT_CERT";
+pub const TOKEN_PATH: &str = "REMORA_TOKEN_PATH";
+pub const TRUST_DOMAIN: &str = "REMORA_TRUST_DOMAIN";
+pub const CERT_TTL: &str = "REMORA_CERT_TTL";
 pub const HEALTH_PORT: &str = "REMORA_HEALTH_PORT";
 pub const ADMIN_PORT: &str = "REMORA_ADMIN_PORT";
 

@@ -20,6 +20,7 @@ pub mod overlay;
 pub mod pod;
 pub mod traffic;
 pub mod value;
+pub mod workload_ca;
 
 pub use duration::DurationError;
 pub use mode::{DrainMode, LogLevel, SidecarMode};
