@@ -205,6 +205,92 @@ pub struct ServeArgs {
     pub log_level: String,
     #[command(flatten)]
     pub proxy: ProxyArgs,
+    #[command(flatten)]
+    pub workload_ca: WorkloadCaArgs,
+}
+
+/// The workload CA (Istio's CA protocol): served by every replica when
+/// enabled, and given to every injected sidecar that does not opt out.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkloadCaArgs {
+    /// Serve the workload CA and wire it into injected sidecars.
+    #[arg(long = "workload-ca", env = "REMORA_WORKLOAD_CA", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub enabled: bool,
+    /// Where the CA's gRPC server (TLS) listens.
+    #[arg(long = "workload-ca-listen", env = "REMORA_WORKLOAD_CA_LISTEN", default_value = "0.0.0.0:15012")]
+    pub listen: SocketAddr,
+    /// The address sidecars dial (`host:port`); default
+    /// `<--service-name>.<operator namespace>.svc:15012`.
+    #[arg(long = "workload-ca-address", env = "REMORA_WORKLOAD_CA_ADDRESS")]
+    pub address: Option<String>,
+    /// SPIFFE trust domain of every workload identity.
+    #[arg(long, env = "REMORA_TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// Lifetime sidecars request (their `--cert-ttl`).
+    #[arg(long = "workload-cert-ttl", env = "REMORA_WORKLOAD_CERT_TTL", value_parser = parse_validity, default_value = "24h")]
+    pub cert_ttl: Duration,
+    /// The longest lifetime the CA grants; longer requests get this.
+    #[arg(long = "workload-cert-max-ttl", env = "REMORA_WORKLOAD_CERT_MAX_TTL", value_parser = parse_validity, default_value = "48h")]
+    pub cert_max_ttl: Duration,
+    /// Lifetime of a signing root; the next one is staged at two thirds of it.
+    #[arg(long = "workload-ca-root-validity", env = "REMORA_WORKLOAD_CA_ROOT_VALIDITY", value_parser = parse_validity, default_value = "365d")]
+    pub root_validity: Duration,
+    /// How long a trust-bundle change takes to reach every pod (the
+    /// kubelet's ConfigMap refresh and the agent's reload): a staged root
+    /// signs only after this, and a retired one leaves the bundle this long
+    /// after the last certificate it signed has expired.
+    #[arg(long = "workload-ca-settle", env = "REMORA_WORKLOAD_CA_SETTLE", value_parser = parse_validity, default_value = "2m")]
+    pub settle: Duration,
+    /// Secret (in the operator's namespace) with the signing roots.
+    #[arg(long = "workload-ca-secret", env = "REMORA_WORKLOAD_CA_SECRET", default_value = remora_contract::workload_ca::SIGNING_SECRET)]
+    pub secret: String,
+    /// Certificate requests served at once; more wait (bounded by the
+    /// connection limit and a request timeout).
+    #[arg(long = "workload-ca-max-in-flight", env = "REMORA_WORKLOAD_CA_MAX_IN_FLIGHT", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub max_in_flight: u32,
+}
+
+impl WorkloadCaArgs {
+    /// The address injected sidecars dial.
+    pub fn sidecar_address(&self, service_name: &str, operator_namespace: &str) -> String {
+        self.address.clone().filter(|a| !a.is_empty()).unwrap_or_else(|| {
+            format!(
+                "{service_name}.{operator_namespace}.svc:{}",
+                remora_contract::workload_ca::PORT
+            )
+        })
+    }
+
+    /// Lifetimes against each other; the message names the flags.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if self.cert_max_ttl < self.cert_ttl {
+            return Err(format!(
+                "--workload-cert-max-ttl ({:?}) must be at least --workload-cert-ttl ({:?})",
+                self.cert_max_ttl, self.cert_ttl
+            ));
+        }
+        if self.cert_ttl < Duration::from_secs(60) {
+            return Err("--workload-cert-ttl must be at least 60s".into());
+        }
+        // A root must outlive every certificate it signs plus a rotation's
+        // overlap, or leaves would outlive their issuer.
+        let needed = self
+            .cert_max_ttl
+            .saturating_add(self.settle)
+            .saturating_mul(3);
+        if self.root_validity < needed {
+            return Err(format!(
+                "--workload-ca-root-validity ({:?}) must be at least 3 x (--workload-cert-max-ttl + --workload-ca-settle) = {needed:?}",
+                self.root_validity
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl ServeArgs {
@@ -212,6 +298,7 @@ impl ServeArgs {
     /// lifetimes against each other and against the pickup intervals. The
     /// message names the flags.
     pub fn check(&self) -> Result<(), String> {
+        self.workload_ca.check()?;
         if !self.self_signed {
             return Ok(());
         }
