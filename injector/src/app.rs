@@ -50,6 +50,8 @@ pub enum AppError {
     Server(#[from] ServerError),
     #[error("aborted by a second signal")]
     Aborted,
+    #[error("workload CA: {0}")]
+    WorkloadCa(String),
 }
 
 /// Serve until SIGTERM/SIGINT; `Err(AppError::Aborted)` on a second signal.
@@ -107,13 +109,18 @@ struct LeaderContext {
     identity: String,
     /// The replica's SidecarLifecycle watch (the webhook's).
     lifecycles: SharedWatch<SidecarLifecycle>,
+    /// With the workload CA: the replica's roots, and its namespace view
+    /// (which namespaces get the trust bundle).
+    trust_bundle: Option<(crate::workload_ca::AuthorityRx, crate::cluster::KubeView)>,
+    /// How often the trust bundle's namespaces are checked.
+    trust_bundle_period: Duration,
 }
 
 /// Everything only the leader runs: the one place to add leader-only tasks.
 /// Each gets `token`, cancelled when leadership ends or shutdown begins, and
 /// must return soon after (the elector aborts it after --shutdown-grace).
 async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
-    if ctx.controller.is_none() && !ctx.stop_completed_jobs {
+    if ctx.controller.is_none() && !ctx.stop_completed_jobs && ctx.trust_bundle.is_none() {
         // Nothing to do is no reason to give up leadership, nor to watch.
         return token.cancelled().await;
     }
@@ -142,7 +149,7 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
         }));
     }
     if ctx.stop_completed_jobs {
-        let (ctx, pods) = (Arc::clone(&ctx), pods.clone());
+        let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());
         tasks.spawn(supervise("jobs", token.clone(), move |token| {
             let (client, identity, metrics, pods) = (
                 client.clone(),
@@ -157,9 +164,38 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
             }
         }));
     }
+    if let Some((authority, view)) = ctx.trust_bundle.clone() {
+        let (pods, client, period) = (pods.clone(), client.clone(), ctx.trust_bundle_period);
+        tasks.spawn(supervise("trust-bundle", token.clone(), move |token| {
+            let (authority, view, pods) = (authority.clone(), view.clone(), pods.clone());
+            let targets = move || injected_namespaces(&view, &pods);
+            crate::workload_ca::bundle::run(client.clone(), authority, targets, period, token)
+        }));
+    }
     while tasks.join_next().await.is_some() {}
     // Nothing (left) to do is no reason to give up leadership.
     token.cancelled().await;
+}
+
+/// Namespaces with the injection label, and those holding a pod the
+/// webhook injected (a pod may opt in by its own label).
+fn injected_namespaces(
+    view: &crate::cluster::KubeView,
+    pods: &SharedWatch<crate::live_pod::LivePod>,
+) -> std::collections::BTreeSet<String> {
+    let mut out: std::collections::BTreeSet<String> = view
+        .namespaces_labelled(remora_contract::annotations::INJECT_LABEL, "enabled")
+        .into_iter()
+        .collect();
+    for p in pods.store().state() {
+        if p.injected().is_some()
+            && let Some(ns) = &p.metadata.namespace
+            && !out.contains(ns)
+        {
+            out.insert(ns.clone());
+        }
+    }
+    out
 }
 
 /// The leader thread's nice value (0 is the webhook's): under contention
@@ -304,6 +340,12 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     if args.self_signed {
         ca_metrics.register(&mut registry);
     }
+    let trust_bundle = match &args.workload_ca.enabled {
+        true => Some(
+            start_workload_ca(&args, &client, &view, &mut registry, &readiness, &shutdown).await?,
+        ),
+        false => None,
+    };
     let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
     let ctx = Arc::new(LeaderContext {
         kube: kube_config,
@@ -320,6 +362,8 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         jobs_metrics,
         identity: leader_cfg.identity.clone(),
         lifecycles: view.lifecycle_watch(),
+        trust_bundle,
+        trust_bundle_period: Duration::from_secs(5),
     });
     let state = Arc::new(AppState {
         injector: Injector {
@@ -379,6 +423,75 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         "remora-injector stopped"
     );
     Ok(())
+}
+
+/// Start this replica's workload CA: the signing-root keeper and the gRPC
+/// server, both until `shutdown`. Not ready until it has a root. Returns
+/// what the leader needs to distribute the trust bundle.
+async fn start_workload_ca(
+    args: &ServeArgs,
+    client: &Client,
+    view: &crate::cluster::KubeView,
+    registry: &mut Registry,
+    readiness: &Readiness,
+    shutdown: &CancellationToken,
+) -> Result<(crate::workload_ca::AuthorityRx, crate::cluster::KubeView), AppError> {
+    use crate::workload_ca::{self as ca, authn, keeper, service};
+    let ca_args = &args.workload_ca;
+    let metrics = ca::Metrics::register(registry);
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let keeper = keeper::Keeper {
+        secrets: kube::Api::namespaced(client.clone(), &args.operator_namespace),
+        name: ca_args.secret.clone(),
+        policy: ca::policy(ca_args),
+        names: ca::serving_names(&args.service_name, &args.operator_namespace),
+        period: ca::keeper_period(ca_args),
+        metrics: metrics.clone(),
+    };
+    tokio::spawn(keeper.run(tx, shutdown.clone()));
+    let ready = readiness.register("workload-ca", "reading or making the signing root");
+    {
+        let mut rx = rx.clone();
+        tokio::spawn(shutdown.clone().run_until_cancelled_owned(async move {
+            if rx.wait_for(Option::is_some).await.is_ok() {
+                ready.ready();
+            }
+        }));
+    }
+    let listener = remora_serve::bind(ca_args.listen).map_err(|source| AppError::Bind {
+        addr: ca_args.listen,
+        source,
+    })?;
+    let svc = service::CaService {
+        auth: authn::TokenReviewer::new(
+            client.clone(),
+            remora_contract::workload_ca::TOKEN_AUDIENCE,
+        ),
+        authority: rx.clone(),
+        trust_domain: ca_args.trust_domain.clone(),
+        lifetimes: service::Lifetimes {
+            default: ca_args.cert_ttl,
+            max: ca_args.cert_max_ttl,
+        },
+        metrics,
+        recorder: Some(kube::runtime::events::Recorder::new(
+            client.clone(),
+            kube::runtime::events::Reporter {
+                controller: crate::controller::FIELD_MANAGER.into(),
+                instance: Some(args.leader_config().identity),
+            },
+        )),
+    };
+    let max = usize::try_from(ca_args.max_in_flight).unwrap_or(usize::MAX);
+    let token = shutdown.clone();
+    tokio::spawn(async move {
+        if let Err(e) = ca::serve::serve(listener, svc, max, token.clone()).await {
+            tracing::error!(error = %e, "workload CA: the server failed; shutting down");
+            token.cancel();
+        }
+    });
+    tracing::info!(listen = %ca_args.listen, trust_domain = %ca_args.trust_domain, "workload CA serving");
+    Ok((rx, view.clone()))
 }
 
 /// The API server's config, from the in-cluster config or KUBECONFIG,

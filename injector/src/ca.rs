@@ -154,7 +154,7 @@ pub fn issue_serving(
 }
 
 /// (not before, not after) of the first certificate in `pem`.
-fn validity_of(pem: &str) -> Option<(SystemTime, SystemTime)> {
+pub(crate) fn validity_of(pem: &str) -> Option<(SystemTime, SystemTime)> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     use x509_parser::prelude::{FromDer, X509Certificate};

@@ -175,6 +175,22 @@ impl KubeView {
         let _ = self.namespaces.wait_until_ready().await;
     }
 
+    /// The namespaces whose label `key` is `value` (the injection label).
+    pub fn namespaces_labelled(&self, key: &str, value: &str) -> Vec<String> {
+        self.namespaces
+            .state()
+            .iter()
+            .filter(|n| {
+                n.metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(key))
+                    .is_some_and(|v| v == value)
+            })
+            .filter_map(|n| n.metadata.name.clone())
+            .collect()
+    }
+
     /// The one SidecarLifecycle watch of this replica: the leader's
     /// controller reads it too, rather than opening its own.
     pub fn lifecycle_watch(&self) -> SharedWatch<SidecarLifecycle> {

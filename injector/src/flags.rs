@@ -218,7 +218,11 @@ pub struct WorkloadCaArgs {
           num_args = 0..=1, default_missing_value = "true")]
     pub enabled: bool,
     /// Where the CA's gRPC server (TLS) listens.
-    #[arg(long = "workload-ca-listen", env = "REMORA_WORKLOAD_CA_LISTEN", default_value = "0.0.0.0:15012")]
+    #[arg(
+        long = "workload-ca-listen",
+        env = "REMORA_WORKLOAD_CA_LISTEN",
+        default_value = "0.0.0.0:15012"
+    )]
     pub listen: SocketAddr,
     /// The address sidecars dial (`host:port`); default
     /// `<--service-name>.<operator namespace>.svc:15012`.
@@ -255,12 +259,15 @@ pub struct WorkloadCaArgs {
 impl WorkloadCaArgs {
     /// The address injected sidecars dial.
     pub fn sidecar_address(&self, service_name: &str, operator_namespace: &str) -> String {
-        self.address.clone().filter(|a| !a.is_empty()).unwrap_or_else(|| {
-            format!(
-                "{service_name}.{operator_namespace}.svc:{}",
-                remora_contract::workload_ca::PORT
-            )
-        })
+        self.address
+            .clone()
+            .filter(|a| !a.is_empty())
+            .unwrap_or_else(|| {
+                format!(
+                    "{service_name}.{operator_namespace}.svc:{}",
+                    remora_contract::workload_ca::PORT
+                )
+            })
     }
 
     /// Lifetimes against each other; the message names the flags.

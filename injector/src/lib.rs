@@ -19,3 +19,4 @@ pub mod status;
 pub mod tls;
 pub mod watch;
 pub mod webhook;
+pub mod workload_ca;

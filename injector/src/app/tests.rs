@@ -148,6 +148,8 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
         jobs_metrics: crate::jobs::Metrics::register(&mut registry),
         identity: "test".into(),
         lifecycles: view.lifecycle_watch(),
+        trust_bundle: None,
+        trust_bundle_period: Duration::from_secs(5),
         kube: config,
     });
     // On the leader's own runtime and client, as in the binary.

@@ -1,0 +1,327 @@
+//! `istio.v1.auth.IstioCertificateService/CreateCertificate`: authenticate
+//! the caller, check the CSR asks for exactly the caller's identity, sign.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use kube::runtime::events::{Event, EventType, Recorder};
+use remora_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateService;
+use remora_proto::istio::v1::auth::{IstioCertificateRequest, IstioCertificateResponse};
+use tokio::sync::watch;
+use tonic::{Request, Response, Status};
+
+use super::Metrics;
+use super::authn::{AuthError, Authenticate, Caller, bearer};
+use super::keeper::Authority;
+use super::signer::SignError;
+
+/// Lifetimes granted.
+#[derive(Debug, Clone, Copy)]
+pub struct Lifetimes {
+    /// When the request asks for none (0 or negative).
+    pub default: Duration,
+    pub max: Duration,
+}
+
+impl Lifetimes {
+    /// The lifetime granted for `asked` seconds.
+    pub fn grant(&self, asked: i64) -> Duration {
+        match u64::try_from(asked) {
+            Ok(s) if s > 0 => Duration::from_secs(s).min(self.max),
+            _ => self.default.min(self.max),
+        }
+    }
+}
+
+/// Why a request was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error(transparent)]
+    Sign(#[from] SignError),
+    #[error("the CA has no signing root yet")]
+    NotReady,
+}
+
+impl Refusal {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Auth(e) => e.reason(),
+            Self::Sign(e) => e.reason(),
+            Self::NotReady => "not_ready",
+        }
+    }
+
+    fn status(&self) -> Status {
+        let msg = self.to_string();
+        match self {
+            Self::Auth(AuthError::Review(_)) | Self::NotReady => Status::unavailable(msg),
+            Self::Auth(_) => Status::unauthenticated(msg),
+            Self::Sign(SignError::WrongIdentity { .. }) => Status::permission_denied(msg),
+            Self::Sign(SignError::Sign(_)) => Status::internal(msg),
+            Self::Sign(_) => Status::invalid_argument(msg),
+        }
+    }
+}
+
+pub struct CaService<A> {
+    pub auth: A,
+    pub authority: watch::Receiver<Option<Arc<Authority>>>,
+    pub trust_domain: String,
+    pub lifetimes: Lifetimes,
+    pub metrics: Metrics,
+    /// Events for refusals of a known caller (on its pod); `None` in tests.
+    pub recorder: Option<Recorder>,
+}
+
+impl<A: Authenticate> CaService<A> {
+    /// The whole decision, apart from gRPC; `Err` carries the caller when known.
+    pub async fn decide(
+        &self,
+        authorization: Option<&str>,
+        req: &IstioCertificateRequest,
+    ) -> Result<Vec<String>, (Refusal, Option<Caller>)> {
+        let token = bearer(authorization).map_err(|e| (e.into(), None))?;
+        let caller = self
+            .auth
+            .authenticate(token)
+            .await
+            .map_err(|e| (e.into(), None))?;
+        let identity = remora_contract::workload_ca::spiffe_id(
+            &self.trust_domain,
+            &caller.namespace,
+            &caller.service_account,
+        );
+        let Some(authority) = self.authority.borrow().clone() else {
+            return Err((Refusal::NotReady, Some(caller)));
+        };
+        let ttl = self.lifetimes.grant(req.validity_duration);
+        let csr = req.csr.clone();
+        // Signing is CPU work; keep it off the runtime's threads.
+        let signed = tokio::task::spawn_blocking(move || {
+            authority
+                .signer
+                .sign(&csr, &identity, ttl, SystemTime::now())
+        })
+        .await
+        .map_err(|e| {
+            (
+                Refusal::Sign(SignError::Sign(e.to_string())),
+                Some(caller.clone()),
+            )
+        })?;
+        signed.map_err(|e| (e.into(), Some(caller)))
+    }
+
+    /// An Event on the caller's pod, published on a task of its own so
+    /// that the refusal is not held up by the API server.
+    fn record(&self, refusal: &Refusal, caller: &Caller) {
+        let (Some(recorder), Some(pod)) = (self.recorder.clone(), &caller.pod) else {
+            return;
+        };
+        let event = Event {
+            type_: EventType::Warning,
+            reason: "CertificateRefused".into(),
+            note: Some(refusal.to_string()),
+            action: "IssueCertificate".into(),
+            secondary: None,
+        };
+        let regarding = k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(pod.clone()),
+            namespace: Some(caller.namespace.clone()),
+            ..Default::default()
+        };
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&event, &regarding).await {
+                tracing::debug!(error = %e, "workload CA: cannot record the refusal's Event");
+            }
+        });
+    }
+}
+
+#[tonic::async_trait]
+impl<A: Authenticate> IstioCertificateService for CaService<A> {
+    async fn create_certificate(
+        &self,
+        request: Request<IstioCertificateRequest>,
+    ) -> Result<Response<IstioCertificateResponse>, Status> {
+        let started = Instant::now();
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let req = request.into_inner();
+        let result = self.decide(authorization.as_deref(), &req).await;
+        self.metrics.observe(started.elapsed());
+        match result {
+            Ok(cert_chain) => {
+                self.metrics.issued();
+                Ok(Response::new(IstioCertificateResponse { cert_chain }))
+            }
+            Err((refusal, caller)) => {
+                self.metrics.refused(refusal.reason());
+                // Never the token: the refusal's text does not carry it.
+                tracing::info!(reason = refusal.reason(), namespace = caller.as_ref().map(|c| c.namespace.as_str()),
+                    service_account = caller.as_ref().map(|c| c.service_account.as_str()),
+                    pod = caller.as_ref().and_then(|c| c.pod.as_deref()),
+                    error = %refusal, "workload CA: certificate refused");
+                if let Some(c) = &caller {
+                    self.record(&refusal, c);
+                }
+                Err(refusal.status())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload_ca::roots;
+    use rcgen::{CertificateParams, KeyPair, SanType};
+
+    /// Test double of the API server's TokenReview: `good` is web/default's
+    /// token, `expired` is refused as the API server refuses an expired one.
+    struct FakeReviewer;
+
+    impl Authenticate for FakeReviewer {
+        async fn authenticate(&self, token: &str) -> Result<Caller, AuthError> {
+            match token {
+                "good" => Ok(Caller {
+                    namespace: "web".into(),
+                    service_account: "default".into(),
+                    pod: Some("web-0".into()),
+                }),
+                "expired" => Err(AuthError::Rejected(
+                    "service account token has expired".into(),
+                )),
+                _ => Err(AuthError::Rejected("invalid bearer token".into())),
+            }
+        }
+    }
+
+    fn service(ready: bool) -> CaService<FakeReviewer> {
+        let p = roots::Policy {
+            validity: Duration::from_secs(3600),
+            settle: Duration::from_secs(60),
+            overlap: Duration::from_secs(120),
+        };
+        let now = SystemTime::now();
+        let r = roots::apply(
+            None,
+            roots::Step::Create,
+            &p,
+            now - Duration::from_secs(600),
+        )
+        .expect("root");
+        let names = vec!["ca.test".to_string()];
+        let authority =
+            ready.then(|| Arc::new(Authority::new(&r, &names, now).expect("authority")));
+        let (_tx, rx) = watch::channel(authority);
+        CaService {
+            auth: FakeReviewer,
+            authority: rx,
+            trust_domain: "cluster.local".into(),
+            lifetimes: Lifetimes {
+                default: Duration::from_secs(3600),
+                max: Duration::from_secs(7200),
+            },
+            metrics: Metrics::default(),
+            recorder: None,
+        }
+    }
+
+    fn csr(id: &str) -> String {
+        let key = KeyPair::generate().expect("key");
+        let mut p = CertificateParams::default();
+        p.subject_alt_names = vec![SanType::URI(id.try_into().expect("uri"))];
+        p.serialize_request(&key).expect("csr").pem().expect("pem")
+    }
+
+    fn req(csr: String, ttl: i64) -> IstioCertificateRequest {
+        IstioCertificateRequest {
+            csr,
+            validity_duration: ttl,
+            metadata: None,
+        }
+    }
+
+    const ME: &str = "spiffe://cluster.local/ns/web/sa/default";
+
+    #[tokio::test]
+    async fn issues_for_the_tokens_identity_and_refuses_the_rest() {
+        let s = service(true);
+        let chain = s
+            .decide(Some("Bearer good"), &req(csr(ME), 600))
+            .await
+            .expect("issued");
+        assert_eq!(chain.len(), 2);
+        let cases: [(Option<&str>, IstioCertificateRequest, &str, tonic::Code); 6] = [
+            (
+                None,
+                req(csr(ME), 600),
+                "no_token",
+                tonic::Code::Unauthenticated,
+            ),
+            (
+                Some("Bearer expired"),
+                req(csr(ME), 600),
+                "bad_token",
+                tonic::Code::Unauthenticated,
+            ),
+            (
+                Some("Bearer someone-else"),
+                req(csr(ME), 600),
+                "bad_token",
+                tonic::Code::Unauthenticated,
+            ),
+            (
+                Some("Bearer good"),
+                req(csr("spiffe://cluster.local/ns/web/sa/admin"), 600),
+                "wrong_identity",
+                tonic::Code::PermissionDenied,
+            ),
+            (
+                Some("Bearer good"),
+                req("garbage".into(), 600),
+                "bad_csr",
+                tonic::Code::InvalidArgument,
+            ),
+            (
+                Some("Bearer good"),
+                req(String::new(), -5),
+                "bad_csr",
+                tonic::Code::InvalidArgument,
+            ),
+        ];
+        for (auth, r, reason, code) in cases {
+            let (refusal, _) = s.decide(auth, &r).await.expect_err(reason);
+            assert_eq!(refusal.reason(), reason, "{refusal}");
+            assert_eq!(refusal.status().code(), code, "{refusal}");
+            assert!(!refusal.to_string().contains("expired") || reason == "bad_token");
+        }
+        let (refusal, caller) = service(false)
+            .decide(Some("Bearer good"), &req(csr(ME), 600))
+            .await
+            .expect_err("no root yet");
+        assert_eq!(refusal.reason(), "not_ready");
+        assert_eq!(refusal.status().code(), tonic::Code::Unavailable);
+        assert!(caller.is_some());
+    }
+
+    #[test]
+    fn lifetimes_are_capped() {
+        let l = Lifetimes {
+            default: Duration::from_secs(3600),
+            max: Duration::from_secs(7200),
+        };
+        assert_eq!(l.grant(600), Duration::from_secs(600));
+        assert_eq!(l.grant(0), Duration::from_secs(3600));
+        assert_eq!(l.grant(-1), Duration::from_secs(3600));
+        assert_eq!(l.grant(i64::MAX), Duration::from_secs(7200));
+    }
+}
