@@ -344,14 +344,15 @@ pub trait CertSource: Send + 'static {
 }
 
 /// Pick the source the flags ask for: `--ca-address` wins, then
-/// `--cert-dir`; `--inbound-tls` alone means the default cert dir. `None`:
-/// no workload certificate configured.
+/// `--cert-dir`; `--inbound-tls` or `--outbound-tls` alone means the default
+/// cert dir. `None`: no workload certificate configured.
 pub fn source_from_config(cfg: &RunConfig) -> Result<Option<Box<dyn CertSource>>, CertError> {
     if let Some(addr) = cfg.ca_address.as_deref().filter(|a| !a.is_empty()) {
         let src = ca::CaSource::from_config(addr, cfg)?;
         return Ok(Some(Box::new(src)));
     }
-    let dir = match (&cfg.cert_dir, cfg.inbound_tls) {
+    let uses_tls = cfg.inbound_tls || !cfg.outbound_tls.is_empty();
+    let dir = match (&cfg.cert_dir, uses_tls) {
         (Some(d), _) => d.clone(),
         (None, true) => PathBuf::from(DEFAULT_CERT_DIR),
         (None, false) => return Ok(None),
