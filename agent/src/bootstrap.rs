@@ -2,7 +2,7 @@
 //!
 //! Static mode: one INBOUND listener per `--inbound` (HTTP, so that a drain
 //! answers with `connection: close`) and one OUTBOUND TCP listener per
-//! `--outbound`. xDS mode: an ADS cluster and LDS/CDS over ADS. Both modes get
+//! `--outbound` (its cluster originating mTLS with `--outbound-tls`). xDS mode: an ADS cluster and LDS/CDS over ADS. Both modes get
 //! the admin interface on 127.0.0.1 only and a Prometheus listener.
 //! `--bootstrap-override` is merged over the result (RFC 7386 merge patch).
 
@@ -52,6 +52,9 @@ pub struct Extras {
     pub clusters: Vec<Value>,
     /// A `transport_socket` put on every inbound listener's filter chain.
     pub inbound_transport_socket: Option<Value>,
+    /// A `transport_socket` put on the upstream cluster of the outbound
+    /// listener on each port (upstream mTLS).
+    pub outbound_transport_sockets: std::collections::BTreeMap<u16, Value>,
 }
 
 /// Read the override file, if any: JSON, or YAML (a superset of JSON).
@@ -119,7 +122,11 @@ pub fn generate(
             "outbound|{}|{}|{}",
             spec.port, spec.host, spec.upstream_port
         );
-        clusters.push(upstream_cluster(&cluster, &spec.host, spec.upstream_port));
+        let mut upstream = upstream_cluster(&cluster, &spec.host, spec.upstream_port);
+        if let Some(ts) = extras.outbound_transport_sockets.get(&spec.port) {
+            upstream["transport_socket"] = ts.clone();
+        }
+        clusters.push(upstream);
         listeners.push(outbound_listener(spec.port, &cluster));
     }
     clusters.extend(extras.clusters.iter().cloned());

@@ -78,6 +78,47 @@ impl DrainStrategy {
     }
 }
 
+/// `PORT=SPIFFE_ID` of `--outbound-tls`: the outbound listener on PORT
+/// speaks mTLS to its upstream, which must present SPIFFE_ID.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OutboundTlsSpec {
+    pub port: u16,
+    pub spiffe_id: String,
+}
+
+impl std::str::FromStr for OutboundTlsSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (port, id) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?} is not PORT=SPIFFE_ID"))?;
+        let port = port
+            .trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| format!("{port:?} is not a port (1-65535)"))?;
+        let id = id.trim();
+        // The ID becomes an exact URI SAN matcher: anything but a SPIFFE URI
+        // would never match a workload certificate.
+        let rest = id
+            .strip_prefix("spiffe://")
+            .ok_or_else(|| format!("{id:?} is not a SPIFFE ID (spiffe://...)"))?;
+        if rest.is_empty()
+            || rest.starts_with('/')
+            || id.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(format!(
+                "{id:?} is not a SPIFFE ID (spiffe://TRUST_DOMAIN/PATH)"
+            ));
+        }
+        Ok(Self {
+            port,
+            spiffe_id: id.to_string(),
+        })
+    }
+}
+
 /// Everything `remora-agent run` is configured with.
 #[derive(Debug, Clone, Args, Serialize)]
 pub struct RunConfig {
@@ -210,6 +251,11 @@ pub struct RunConfig {
     /// With --inbound-tls: accept only clients whose certificate has one of these SANs.
     #[arg(long, env = "REMORA_INBOUND_TLS_SAN", value_delimiter = ',')]
     pub inbound_tls_san: Vec<String>,
+    /// Static mode: `PORT=SPIFFE_ID`: the --outbound listener on PORT originates
+    /// mTLS (workload certificate from SDS) and accepts only an upstream
+    /// presenting SPIFFE_ID.
+    #[arg(long, env = env::OUTBOUND_TLS, value_delimiter = ',')]
+    pub outbound_tls: Vec<OutboundTlsSpec>,
     /// A JSON or YAML file deep-merged (RFC 7386) over the generated bootstrap.
     #[arg(long, env = "REMORA_BOOTSTRAP_OVERRIDE")]
     pub bootstrap_override: Option<PathBuf>,
@@ -350,11 +396,39 @@ impl RunConfig {
                 reason: "must be positive".into(),
             });
         }
+        self.check_outbound_tls()?;
         if self.drain_duration.as_secs() == 0 && !self.drain_duration.is_zero() {
             // Envoy takes whole seconds; round sub-second drains up rather than to zero.
             self.drain_duration = Duration::from_secs(1);
         }
         Ok(self)
+    }
+
+    /// Each `--outbound-tls` port is an `--outbound` listener's, and named once.
+    fn check_outbound_tls(&self) -> Result<(), ConfigError> {
+        let mut seen = std::collections::BTreeSet::new();
+        for spec in &self.outbound_tls {
+            let invalid = |reason: &str| ConfigError::Invalid {
+                name: "--outbound-tls".into(),
+                value: format!("{}={}", spec.port, spec.spiffe_id),
+                reason: reason.into(),
+            };
+            if !self.outbound.iter().any(|o| o.port == spec.port) {
+                return Err(invalid("the port is not one of an --outbound listener"));
+            }
+            if !seen.insert(spec.port) {
+                return Err(invalid("the port is given more than once"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The SPIFFE ID the upstream of the outbound listener on `port` must present.
+    pub fn outbound_tls_id(&self, port: u16) -> Option<&str> {
+        self.outbound_tls
+            .iter()
+            .find(|s| s.port == port)
+            .map(|s| s.spiffe_id.as_str())
     }
 
     /// Where the SDS socket lives.
@@ -575,6 +649,58 @@ pub(crate) mod tests {
         assert!(err.contains("--drain-duration"), "{err}");
         let err = run(&["--inbound", "x:1"], &[]).unwrap_err();
         assert!(err.contains("--inbound"), "{err}");
+    }
+
+    #[test]
+    fn outbound_tls_names_an_outbound_port_once_with_a_spiffe_id() {
+        let id = "spiffe://cluster.local/ns/shop/sa/cart";
+        let c = run(
+            &[
+                "--outbound=15001:cart:80,15002:db:5432",
+                &format!("--outbound-tls=15001={id}"),
+            ],
+            &[],
+        )
+        .expect("valid");
+        assert_eq!(c.outbound_tls_id(15001), Some(id));
+        assert_eq!(c.outbound_tls_id(15002), None);
+        assert_eq!(c.redacted()["outbound_tls"][0]["spiffe_id"], id);
+
+        for (args, says) in [
+            (
+                vec!["--outbound=15001:a:80", "--outbound-tls=15001"],
+                "PORT=SPIFFE_ID",
+            ),
+            (
+                vec!["--outbound=15001:a:80", "--outbound-tls=x=spiffe://a/b"],
+                "port",
+            ),
+            (
+                vec!["--outbound=15001:a:80", "--outbound-tls=15001=https://a/b"],
+                "SPIFFE",
+            ),
+            (
+                vec!["--outbound=15001:a:80", "--outbound-tls=15001=spiffe://"],
+                "SPIFFE",
+            ),
+            (
+                vec!["--outbound=15001:a:80", "--outbound-tls=15002=spiffe://a/b"],
+                "--outbound listener",
+            ),
+            (
+                vec![
+                    "--outbound=15001:a:80",
+                    "--outbound-tls=15001=spiffe://a/b,15001=spiffe://a/c",
+                ],
+                "more than once",
+            ),
+        ] {
+            let err = run(&args, &[]).unwrap_err();
+            assert!(
+                err.contains("--outbound-tls") && err.contains(says),
+                "{args:?}: {err}"
+            );
+        }
     }
 
     #[test]

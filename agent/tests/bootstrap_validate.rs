@@ -49,6 +49,22 @@ fn static_mode_bootstrap_is_valid() {
     validate(&bootstrap::generate(&c, &Extras::default(), None).expect("generate"));
 }
 
+/// Both directions of mTLS, with the SDS snippets the agent adds.
+#[test]
+fn static_mode_mtls_bootstrap_is_valid() {
+    let c = cfg(&[
+        "--inbound",
+        "15007:8080",
+        "--inbound-tls",
+        "--outbound",
+        "15001:example.org:443,15002:10.0.0.1:80",
+        "--outbound-tls",
+        "15001=spiffe://cluster.local/ns/a/sa/b",
+    ]);
+    let extras = remora_agent::sds::bootstrap::extras(&c, std::path::Path::new("/tmp/sds.sock"));
+    validate(&bootstrap::generate(&c, &extras, None).expect("generate"));
+}
+
 #[test]
 fn xds_mode_bootstrap_is_valid() {
     let c = cfg(&["--discovery-address", "istiod.istio-system.svc:15010"]);

@@ -86,6 +86,49 @@ fn bad_istio_alias_exits_2_naming_the_variable() {
 }
 
 #[test]
+fn bad_outbound_tls_exits_2_naming_the_flag() {
+    for value in [
+        "15001",                                  // not PORT=SPIFFE_ID
+        "15001=https://a/b",                      // not a SPIFFE ID
+        "15002=spiffe://cluster.local/ns/a/sa/b", // no --outbound on 15002
+    ] {
+        let o = run(&[
+            "run",
+            "--envoy-bin",
+            "/bin/true",
+            "--outbound",
+            "15001:api:80",
+            "--outbound-tls",
+            value,
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{value}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("--outbound-tls"),
+            "{value}: {}",
+            stderr(&o)
+        );
+        assert_no_panic(&o);
+    }
+    // The same through the contract's variable.
+    let o = Command::new(agent_bin())
+        .args([
+            "run",
+            "--envoy-bin",
+            "/bin/true",
+            "--outbound",
+            "15001:api:80",
+        ])
+        .env(
+            remora_contract::env::OUTBOUND_TLS,
+            "15001=spiffe://a/b,15001=spiffe://a/c",
+        )
+        .output()
+        .expect("runs");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--outbound-tls"), "{}", stderr(&o));
+}
+
+#[test]
 fn missing_envoy_binary_is_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     let o = run(&[

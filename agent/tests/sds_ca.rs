@@ -30,6 +30,8 @@ fn source(server: &CaServer, token_path: &Path, ttl: Duration, out: Option<&Path
     CaSource {
         address: format!("localhost:{}", server.addr.port()),
         ca_root_pem: Some(server.serving_root_pem.clone()),
+        ca_root_cert: None,
+        root_poll: Duration::from_millis(50),
         token_path: token_path.to_path_buf(),
         cluster_id: "cluster-7".into(),
         identity: Identity {
@@ -111,6 +113,7 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
     let client1 = connector(&root1_pem, &root1_client);
     let ca_impl = test_ca(root1, "tok-1");
     let server = CaServer::start(ca_impl.clone(), 0).await?;
+    let rig_serving_root = server.serving_root_pem.clone();
     let out = tmp.path().join("out");
     let src = source(&server, &token, Duration::from_secs(4), Some(&out));
     let rig = rig(tmp, src).await?;
@@ -130,7 +133,9 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
         assert_eq!(seen.ttls[0], 4);
     }
     let written = remora_agent::certs::file::load_dir(&out)?;
-    assert_eq!(written.roots_pem.trim(), root1_pem.trim());
+    // The chain's root joins the trust bundle (here the CA's serving root).
+    assert!(written.roots_pem.contains(root1_pem.trim()));
+    assert!(written.roots_pem.contains(rig_serving_root.trim()));
 
     // The token file rotates: the next call must carry the new one.
     std::fs::write(&token, "tok-2\n")?;
@@ -161,7 +166,7 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
     let third = wait_until(DEADLINE, "a certificate from the new root", || async {
         rig.handle
             .current()
-            .filter(|b| b.roots_pem.trim() == root2_pem.trim())
+            .filter(|b| b.roots_pem.contains(root2_pem.trim()))
             .map(|b| b.serial.clone())
     })
     .await?;
@@ -252,4 +257,74 @@ async fn ca_bad_token_holds_readiness_with_the_reason() -> Result<()> {
     handle.join().await?;
     server.stop().await;
     Ok(())
+}
+
+/// The trust bundle file (`--ca-root-cert`, a ConfigMap the kubelet swaps)
+/// gains a new root: Envoy's ROOTCA follows at once, without a CA call and
+/// without a restart; a broken file afterwards keeps the roots in service.
+#[tokio::test]
+async fn a_new_root_in_the_trust_bundle_file_reaches_envoy_without_a_ca_call() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let token = tmp.path().join("token");
+    std::fs::write(&token, "tok")?;
+    let mesh = Ca::new("mesh-root");
+    let client = connector(&mesh.pem, &mesh.leaf());
+    let ca_impl = test_ca(mesh, "tok");
+    let server = CaServer::start(ca_impl.clone(), 0).await?;
+    let bundle_dir = tmp.path().join("trust");
+    std::fs::create_dir_all(&bundle_dir)?;
+    let kubelet = |roots: &str| {
+        remora_test_support::kubelet::atomic_write(&bundle_dir, [("root-cert.pem", roots)])
+            .map(|_| ())
+    };
+    kubelet(&server.serving_root_pem)?;
+    let mut src = source(&server, &token, Duration::from_secs(3600), None);
+    src.ca_root_cert = Some(bundle_dir.join("root-cert.pem"));
+    let rig = rig(tmp, src).await?;
+    let port = rig.envoy.listener_port;
+    let first = rig.serial_other_than("").await?;
+    wait_serial(port, &client, &first).await?;
+    let calls = ca_impl.seen.lock().unwrap().calls;
+
+    // A client of a root the CA never signed with is refused ...
+    // (It trusts the served roots, to verify Envoy's certificate.)
+    let next = Ca::new("next-root");
+    let newcomer_both = connector(&rig_mesh_pem(&rig), &next.leaf());
+    assert!(roundtrip(port, &newcomer_both).await.is_err());
+
+    // ... until the trust bundle carries that root.
+    kubelet(&format!("{}{}", server.serving_root_pem, next.pem))?;
+    wait_until(DEADLINE, "ROOTCA with the new root at Envoy", || async {
+        roundtrip(port, &newcomer_both).await.ok().map(|_| ())
+    })
+    .await?;
+    assert_eq!(ca_impl.seen.lock().unwrap().calls, calls, "no CA call");
+    let (_, serial) = roundtrip(port, &client).await?;
+    assert_eq!(
+        serial, first,
+        "the same certificate, the mesh root still trusted"
+    );
+
+    // A broken file: counted, and the roots in service stay.
+    let failures = metric(&rig.registry, "cert_failures_total");
+    kubelet("not PEM")?;
+    wait_until(DEADLINE, "the broken bundle reported", || async {
+        (metric(&rig.registry, "cert_failures_total") > failures).then_some(())
+    })
+    .await?;
+    roundtrip(port, &newcomer_both).await?;
+    assert!(rig.readiness.is_ready(), "readiness does not flap");
+
+    rig.cancel.cancel();
+    rig.handle.join().await?;
+    server.stop().await;
+    Ok(())
+}
+
+/// The root the CA signs with, as the current bundle's roots hold it.
+fn rig_mesh_pem(rig: &Rig) -> String {
+    rig.handle
+        .current()
+        .map(|b| b.roots_pem.clone())
+        .unwrap_or_default()
 }

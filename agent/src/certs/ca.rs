@@ -5,11 +5,19 @@
 //! lifetime (default 50%, minus jitter so a fleet does not renew in step),
 //! never sooner than a minimum interval after the last issuance; a failed
 //! call is retried with jittered exponential backoff up to a cap while the
-//! current cert keeps being served. The root is the last element of the
-//! returned chain, so a CA root change reaches `ROOTCA` on the next issuance.
+//! current cert keeps being served.
+//!
+//! `ROOTCA` is the union of the trust bundle in `--ca-root-cert` (every root
+//! the mesh trusts, old and new during a rotation: a ConfigMap the kubelet
+//! swaps) and the root at the end of the CA's chain. The file is polled;
+//! new roots are republished with the current certificate at once, without
+//! a CA call, and verify the CA's own serving certificate from the next call
+//! on (re-signed by the new root after a rotation). A bad file is reported
+//! and the last good roots stay.
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
@@ -17,11 +25,12 @@ use rand::Rng;
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, SanType, string::Ia5String};
 use remora_proto::istio::v1::auth::IstioCertificateRequest;
 use remora_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
-use super::{BundleSender, CertBundle, CertError, CertSource, validate_bundle};
+use super::{BundleSender, CertBundle, CertError, CertSource, union_roots, validate_bundle};
 use crate::config::{KeyType, RunConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -184,26 +193,97 @@ impl Identity {
     }
 }
 
-/// Turn a CA answer into a validated bundle: the last element is the root.
+/// How often the `--ca-root-cert` trust bundle is read.
+pub const DEFAULT_ROOT_POLL: Duration = Duration::from_secs(5);
+
+/// The trust bundle of `--ca-root-cert` as last read well (normalized PEM);
+/// `None` without the flag.
+pub type TrustRoots = watch::Receiver<Option<Arc<str>>>;
+
+/// Turn a CA answer into a validated bundle: the last element of a longer
+/// chain is the CA's root; the roots are it plus `trust_roots`, each once.
+/// A one-element answer carries no root: `trust_roots`, or the element itself.
 pub fn bundle_from_chain(
     chain: Vec<String>,
     key_pem: String,
-    fallback_roots: Option<&str>,
+    trust_roots: Option<&str>,
 ) -> Result<CertBundle, CertError> {
     let mut parts: Vec<String> = chain
         .into_iter()
         .map(|c| c.trim().to_string())
         .filter(|c| !c.is_empty())
         .collect();
-    let roots = match (parts.len(), fallback_roots) {
+    let chain_root = match (parts.len(), trust_roots) {
         (0, _) => return Err(CaError::EmptyChain.into()),
-        (1, Some(r)) => r.to_string(),
-        (1, None) => parts[0].clone(),
-        _ => parts.pop().unwrap_or_default(),
+        (1, Some(_)) => None,
+        (1, None) => Some(parts[0].clone()),
+        _ => parts.pop(),
     };
+    let roots_pem = union_roots(
+        "root certificates",
+        trust_roots.into_iter().chain(chain_root.as_deref()),
+    )?;
     let chain_pem = parts.join("\n") + "\n";
-    let roots_pem = roots.trim().to_string() + "\n";
     validate_bundle(chain_pem, key_pem, roots_pem, SystemTime::now())
+}
+
+/// Poll the `--ca-root-cert` file at `path` and send its roots into `tx`
+/// whenever they change; an unreadable, empty or non-PEM file is reported
+/// into `out` (failure metric, log) and the last good roots stay.
+pub async fn watch_trust_roots(
+    path: PathBuf,
+    poll: Duration,
+    tx: watch::Sender<Option<Arc<str>>>,
+    out: BundleSender,
+    cancel: CancellationToken,
+) {
+    let source = format!("--ca-root-cert {}", path.display());
+    let files = vec![path.clone()];
+    super::file::watch_and_reload(files, poll, super::file::DEFAULT_RESYNC, cancel, move || {
+        let read = super::file::read(&path).and_then(|t| union_roots("--ca-root-cert", [t.as_str()]));
+        match read {
+            Ok(roots) => {
+                let changed = tx.send_if_modified(|cur| {
+                    if cur.as_deref() == Some(roots.as_str()) {
+                        return false;
+                    }
+                    *cur = Some(roots.as_str().into());
+                    true
+                });
+                if changed {
+                    tracing::info!(source = %source, roots = roots.matches("BEGIN CERTIFICATE").count(),
+                        "CA trust roots changed");
+                }
+            }
+            Err(e) => out.fail(&source, &e),
+        }
+    })
+    .await;
+}
+
+/// The bundle of the last CA answer with `trust_roots` now, published (and
+/// written out) without a CA call.
+fn republish(
+    chain: &[String],
+    key_pem: &str,
+    trust_roots: Option<&str>,
+    output_dir: Option<&Path>,
+    out: &BundleSender,
+) {
+    match bundle_from_chain(chain.to_vec(), key_pem.to_string(), trust_roots) {
+        Ok(b) => {
+            if let Some(dir) = output_dir
+                && let Err(e) = write_output(dir, &b)
+            {
+                out.fail("CA", &e);
+            }
+            let version = b.roots_version();
+            if out.publish(b) {
+                tracing::info!(roots_version = %version, "trust roots republished with the current certificate");
+            }
+        }
+        Err(e) => out.fail("CA", &e),
+    }
 }
 
 /// Write the bundle as files for apps, each one atomically (temp + rename).
@@ -243,7 +323,7 @@ pub async fn run_renewal<I: Issuer>(
     issuer: I,
     ident: Identity,
     policy: RenewPolicy,
-    fallback_roots: Option<String>,
+    mut roots: TrustRoots,
     output_dir: Option<PathBuf>,
     out: BundleSender,
     cancel: CancellationToken,
@@ -252,6 +332,10 @@ pub async fn run_renewal<I: Issuer>(
     let mut backoff = policy.backoff();
     // Warn once per run of certificates that are due at receipt, not every floor.
     let mut warned_due = false;
+    // The last answer and its key, to republish with new roots without a CA call.
+    let mut last: Option<(Vec<String>, String)> = None;
+    // A closed roots channel (no --ca-root-cert watcher) never changes again.
+    let mut roots_open = true;
     loop {
         let result = async {
             // Key generation is CPU work (seconds for RSA): keep it off the runtime's threads.
@@ -260,11 +344,15 @@ pub async fn run_renewal<I: Issuer>(
                 .await
                 .map_err(|e| CaError::Key(e.to_string()))??;
             let chain = issuer.issue(csr, ident.ttl).await?;
-            bundle_from_chain(chain, key.serialize_pem(), fallback_roots.as_deref())
+            let key_pem = key.serialize_pem();
+            let trust = roots.borrow_and_update().clone();
+            let b = bundle_from_chain(chain.clone(), key_pem.clone(), trust.as_deref())?;
+            Ok::<_, CertError>((b, chain, key_pem))
         }
         .await;
         let wait = match result {
-            Ok(b) => {
+            Ok((b, chain, key_pem)) => {
+                last = Some((chain, key_pem));
                 backoff = policy.backoff();
                 let now = SystemTime::now();
                 let u: f64 = rand::rng().random();
@@ -299,9 +387,22 @@ pub async fn run_renewal<I: Issuer>(
                 policy.jittered(d, rand::rng().random())
             }
         };
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(wait) => {}
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep_until(deadline) => break,
+                changed = roots.changed(), if roots_open => {
+                    if changed.is_err() {
+                        roots_open = false;
+                        continue;
+                    }
+                    let trust = roots.borrow_and_update().clone();
+                    if let Some((chain, key_pem)) = &last {
+                        republish(chain, key_pem, trust.as_deref(), output_dir.as_deref(), &out);
+                    }
+                }
+            }
         }
     }
 }
@@ -403,11 +504,74 @@ impl Issuer for GrpcIssuer {
     }
 }
 
+/// A [`GrpcIssuer`] that follows the trust roots: when they change, the
+/// next call goes over a new channel that verifies the CA with them (after
+/// a root rotation the CA serves a certificate of the new root).
+#[derive(Debug)]
+pub struct RootFollowingIssuer {
+    address: String,
+    token_path: PathBuf,
+    cluster_id: String,
+    state: Mutex<(TrustRoots, GrpcIssuer)>,
+}
+
+impl RootFollowingIssuer {
+    pub fn new(
+        address: &str,
+        mut roots: TrustRoots,
+        token_path: PathBuf,
+        cluster_id: String,
+    ) -> Result<Self, CaError> {
+        let current = roots.borrow_and_update().clone();
+        let issuer = GrpcIssuer::new(
+            address,
+            current.as_deref(),
+            token_path.clone(),
+            cluster_id.clone(),
+        )?;
+        Ok(Self {
+            address: address.to_string(),
+            token_path,
+            cluster_id,
+            state: Mutex::new((roots, issuer)),
+        })
+    }
+
+    /// The issuer for the next call, rebuilt if the roots changed since the last.
+    fn current(&self) -> Result<GrpcIssuer, CaError> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (roots, issuer) = &mut *state;
+        if roots.has_changed().unwrap_or(false) {
+            let now = roots.borrow_and_update().clone();
+            *issuer = GrpcIssuer::new(
+                &self.address,
+                now.as_deref(),
+                self.token_path.clone(),
+                self.cluster_id.clone(),
+            )?;
+            tracing::info!(address = %self.address, "CA connection rebuilt to verify the CA with the new trust roots");
+        }
+        Ok(issuer.clone())
+    }
+}
+
+impl Issuer for RootFollowingIssuer {
+    async fn issue(&self, csr_pem: String, ttl: Duration) -> Result<Vec<String>, CaError> {
+        let issuer = self.current()?;
+        issuer.issue(csr_pem, ttl).await
+    }
+}
+
 /// CA mode as a [`CertSource`].
 #[derive(Debug, Clone)]
 pub struct CaSource {
     pub address: String,
+    /// The trust bundle as read at start (`--ca-root-cert`).
     pub ca_root_pem: Option<String>,
+    /// The file to follow for new roots; `None`: the start's stay.
+    pub ca_root_cert: Option<PathBuf>,
+    /// How often `ca_root_cert` is read.
+    pub root_poll: Duration,
     pub token_path: PathBuf,
     pub cluster_id: String,
     pub identity: Identity,
@@ -417,8 +581,13 @@ pub struct CaSource {
 
 impl CaSource {
     pub fn from_config(address: &str, cfg: &RunConfig) -> Result<Self, CertError> {
+        // Unreadable or not PEM at start: a configuration error, as there
+        // are no earlier roots to keep.
         let ca_root_pem = match &cfg.ca_root_cert {
-            Some(p) => Some(super::file::read(p)?),
+            Some(p) => Some(union_roots(
+                "--ca-root-cert",
+                [super::file::read(p)?.as_str()],
+            )?),
             None => None,
         };
         let or_default = |s: &str| {
@@ -431,6 +600,8 @@ impl CaSource {
         Ok(Self {
             address: address.to_string(),
             ca_root_pem,
+            ca_root_cert: cfg.ca_root_cert.clone(),
+            root_poll: DEFAULT_ROOT_POLL,
             token_path: cfg.token_path.clone(),
             cluster_id: cfg.cluster_id.clone(),
             identity: Identity {
@@ -457,9 +628,11 @@ impl CertSource for CaSource {
         cancel: CancellationToken,
     ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         Box::pin(async move {
-            let issuer = match GrpcIssuer::new(
+            let initial = self.ca_root_pem.as_deref().map(Arc::<str>::from);
+            let (tx, roots) = watch::channel(initial);
+            let issuer = match RootFollowingIssuer::new(
                 &self.address,
-                self.ca_root_pem.as_deref(),
+                roots.clone(),
                 self.token_path.clone(),
                 self.cluster_id.clone(),
             ) {
@@ -471,16 +644,29 @@ impl CertSource for CaSource {
                     return;
                 }
             };
-            run_renewal(
+            let watcher = {
+                let (out, cancel) = (out.clone(), cancel.clone());
+                let (file, poll) = (self.ca_root_cert.clone(), self.root_poll);
+                async move {
+                    match file {
+                        Some(path) => {
+                            watch_trust_roots(path, poll, tx, out, cancel).await;
+                        }
+                        // Dropping the sender tells the renewal loop no change comes.
+                        None => drop(tx),
+                    }
+                }
+            };
+            let renewal = run_renewal(
                 issuer,
                 self.identity,
                 self.policy,
-                None,
+                roots,
                 self.output_dir,
                 out,
                 cancel,
-            )
-            .await;
+            );
+            tokio::join!(watcher, renewal);
         })
     }
 }
@@ -671,18 +857,175 @@ mod tests {
     }
 
     fn spawn(ca: FakeCa, policy: RenewPolicy) -> (BundleSender, CancellationToken) {
+        // No --ca-root-cert: the sender goes at once, as in `CaSource::run`.
+        let (out, cancel, _) = spawn_with_roots(ca, policy, watch::channel(None).1);
+        (out, cancel)
+    }
+
+    fn spawn_with_roots(
+        ca: FakeCa,
+        policy: RenewPolicy,
+        roots: TrustRoots,
+    ) -> (BundleSender, CancellationToken, tempfile::TempDir) {
         let out = BundleSender::new(CertMetrics::default());
         let cancel = CancellationToken::new();
+        let dir = tempfile::tempdir().expect("tmp");
         tokio::spawn(run_renewal(
             ca,
             ident(),
             policy,
-            None,
-            None,
+            roots,
+            Some(dir.path().join("out")),
             out.clone(),
             cancel.clone(),
         ));
-        (out, cancel)
+        (out, cancel, dir)
+    }
+
+    fn ders(pem: &str) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+        super::super::parse_certs("test", pem).expect("PEM")
+    }
+
+    /// ROOTCA is the trust bundle's roots plus the CA's chain root, each once.
+    #[test]
+    fn roots_are_the_union_of_the_trust_bundle_and_the_chain_root() {
+        let ca = fake_ca(Duration::from_secs(1000));
+        let old = Ca::new("old root");
+        let (key, csr) = ident().key_and_csr().expect("csr");
+        let leaf = ca
+            .root
+            .sign_csr(&csr, Duration::from_secs(600), &[])
+            .expect("sign");
+        let chain = vec![leaf.clone(), ca.root.pem.clone()];
+        let key_pem = key.serialize_pem();
+        let both = format!("{}{}", old.pem, ca.root.pem);
+        for trust in [old.pem.clone(), both.clone()] {
+            let b =
+                bundle_from_chain(chain.clone(), key_pem.clone(), Some(&trust)).expect("bundle");
+            assert_eq!(ders(&b.roots_pem), ders(&both), "{trust}");
+            assert_eq!(
+                ders(&b.chain_pem),
+                ders(&leaf),
+                "the root is not in the chain"
+            );
+        }
+        // No trust bundle: the chain's root alone, as before.
+        let b = bundle_from_chain(chain.clone(), key_pem.clone(), None).expect("bundle");
+        assert_eq!(ders(&b.roots_pem), ders(&ca.root.pem));
+        // A chain of one carries no root: the trust bundle alone.
+        let b = bundle_from_chain(vec![leaf], key_pem, Some(&old.pem)).expect("bundle");
+        assert_eq!(ders(&b.roots_pem), ders(&old.pem));
+    }
+
+    /// New trust roots reach the published bundle (a new roots version, so
+    /// SDS pushes ROOTCA) and the output files at once, with no CA call.
+    #[tokio::test(start_paused = true)]
+    async fn new_trust_roots_are_republished_without_a_ca_call() {
+        let ca = fake_ca(Duration::from_secs(1000));
+        let h = ca.handles();
+        let chain_root = ca.root.pem.clone();
+        let old = Ca::new("old root");
+        let (tx, rx) = watch::channel(Some(Arc::<str>::from(old.pem.as_str())));
+        let (out, cancel, dir) = spawn_with_roots(ca, RenewPolicy::default(), rx);
+        let mut bundles = out.subscribe();
+        bundles.wait_for(|b| b.is_some()).await.expect("first");
+        let first = out.current().expect("bundle");
+        assert_eq!(
+            ders(&first.roots_pem),
+            ders(&format!("{}{}", old.pem, chain_root))
+        );
+
+        let new = Ca::new("new root");
+        let bundle = format!("{}{}", old.pem, new.pem);
+        tx.send_replace(Some(bundle.as_str().into()));
+        bundles.changed().await.expect("republished");
+        let second = out.current().expect("bundle");
+        assert_eq!(
+            ders(&second.roots_pem),
+            ders(&format!("{bundle}{chain_root}"))
+        );
+        assert_ne!(second.roots_version(), first.roots_version());
+        assert_eq!(
+            second.cert_version(),
+            first.cert_version(),
+            "same certificate"
+        );
+        assert_eq!(h.calls.lock().expect("lock").len(), 1, "no CA call");
+        let written = super::super::file::load_dir(&dir.path().join("out")).expect("files");
+        assert_eq!(written, *second);
+
+        // The sender gone (no watcher): renewal goes on, nothing spins.
+        drop(tx);
+        let c = calls_within(&h, Duration::from_secs(600), 3).await;
+        assert_eq!(c.len(), 2, "one renewal at half-life");
+        cancel.cancel();
+    }
+
+    /// The `--ca-root-cert` file: a change is sent once; unreadable, empty
+    /// or non-PEM content is counted and reported, and the last good roots stay.
+    #[tokio::test(start_paused = true)]
+    async fn the_root_file_is_followed_and_bad_content_keeps_the_last_good() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let path = tmp.path().join("root-cert.pem");
+        let (a, b) = (Ca::new("root a"), Ca::new("root b"));
+        std::fs::write(&path, &a.pem).expect("write");
+        let (tx, mut rx) = watch::channel(None);
+        let out = BundleSender::new(CertMetrics::default());
+        let status = out.status();
+        let cancel = CancellationToken::new();
+        let poll = DEFAULT_ROOT_POLL;
+        let task = tokio::spawn(watch_trust_roots(
+            path.clone(),
+            poll,
+            tx,
+            out.clone(),
+            cancel.clone(),
+        ));
+        rx.changed().await.expect("first read");
+        assert_eq!(
+            rx.borrow_and_update().as_deref().map(ders),
+            Some(ders(&a.pem))
+        );
+
+        // Each bad state is noticed within a poll or two of paused time.
+        let failures = |n: u64| {
+            let out = out.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + poll * 3;
+                while out.metrics.failures.get() < n {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "failure {n} not reported"
+                    );
+                    tokio::time::sleep(poll / 5).await;
+                }
+            }
+        };
+        std::fs::write(&path, "").expect("empty");
+        failures(1).await;
+        assert!(
+            status
+                .borrow()
+                .as_deref()
+                .is_some_and(|s| s.contains("--ca-root-cert"))
+        );
+        std::fs::write(&path, "not a certificate").expect("garbage");
+        failures(2).await;
+        std::fs::remove_file(&path).expect("remove");
+        failures(3).await;
+        assert!(!rx.has_changed().expect("open"), "the last good roots stay");
+
+        // A rotation's bundle: both roots, sent once.
+        std::fs::write(&path, format!("{}{}", a.pem, b.pem)).expect("write");
+        rx.changed().await.expect("new roots");
+        assert_eq!(
+            rx.borrow_and_update().as_deref().map(ders),
+            Some(ders(&format!("{}{}", a.pem, b.pem)))
+        );
+        tokio::time::sleep(poll * 3).await;
+        assert!(!rx.has_changed().expect("open"), "no change, no send");
+        cancel.cancel();
+        task.await.expect("join");
     }
 
     #[tokio::test(start_paused = true)]

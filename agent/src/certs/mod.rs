@@ -156,6 +156,42 @@ pub fn parse_certs(
     Ok(out)
 }
 
+/// The certificates of `texts` (PEM), each once whatever its formatting
+/// (deduplicated by DER), in order of first appearance, as one PEM bundle:
+/// the trust bundle a rotation's old and new roots make together.
+pub fn union_roots<'a>(
+    what: &'static str,
+    texts: impl IntoIterator<Item = &'a str>,
+) -> Result<String, CertError> {
+    const BEGIN: &str = "-----BEGIN CERTIFICATE-----";
+    const END: &str = "-----END CERTIFICATE-----";
+    let mut seen = std::collections::HashSet::new();
+    let mut blocks = Vec::new();
+    for text in texts {
+        let mut rest = text;
+        while let Some(start) = rest.find(BEGIN) {
+            let Some(len) = rest[start..].find(END) else {
+                return Err(CertError::Pem {
+                    what,
+                    reason: "a certificate without its END line".into(),
+                });
+            };
+            let block = rest[start..start + len + END.len()].replace("\r\n", "\n");
+            rest = &rest[start + len + END.len()..];
+            let der = parse_certs(what, &block)?
+                .pop()
+                .ok_or(CertError::NoCertificate { what })?;
+            if seen.insert(der) {
+                blocks.push(block);
+            }
+        }
+    }
+    if blocks.is_empty() {
+        return Err(CertError::NoCertificate { what });
+    }
+    Ok(blocks.join("\n") + "\n")
+}
+
 /// Check a chain + key: the chain parses, the key matches the leaf, and the
 /// leaf is valid at `now`.
 pub fn validate_pair(
@@ -344,14 +380,15 @@ pub trait CertSource: Send + 'static {
 }
 
 /// Pick the source the flags ask for: `--ca-address` wins, then
-/// `--cert-dir`; `--inbound-tls` alone means the default cert dir. `None`:
-/// no workload certificate configured.
+/// `--cert-dir`; `--inbound-tls` or `--outbound-tls` alone means the default
+/// cert dir. `None`: no workload certificate configured.
 pub fn source_from_config(cfg: &RunConfig) -> Result<Option<Box<dyn CertSource>>, CertError> {
     if let Some(addr) = cfg.ca_address.as_deref().filter(|a| !a.is_empty()) {
         let src = ca::CaSource::from_config(addr, cfg)?;
         return Ok(Some(Box::new(src)));
     }
-    let dir = match (&cfg.cert_dir, cfg.inbound_tls) {
+    let uses_tls = cfg.inbound_tls || !cfg.outbound_tls.is_empty();
+    let dir = match (&cfg.cert_dir, uses_tls) {
         (Some(d), _) => d.clone(),
         (None, true) => PathBuf::from(DEFAULT_CERT_DIR),
         (None, false) => return Ok(None),
@@ -401,6 +438,29 @@ mod tests {
             Err(CertError::Expired(_))
         ));
         assert!(validate_bundle(chain, key, String::new(), now).is_err());
+    }
+
+    #[test]
+    fn union_roots_keeps_each_certificate_once() {
+        let (a, b) = (Ca::new("old root"), Ca::new("new root"));
+        let crlf = b.pem.replace('\n', "\r\n");
+        let u = union_roots("roots", [a.pem.as_str(), &format!("\n{crlf}\n\n{}", a.pem)])
+            .expect("union");
+        let ders = parse_certs("roots", &u).expect("parses");
+        assert_eq!(
+            ders,
+            [
+                parse_certs("a", &a.pem).expect("a"),
+                parse_certs("b", &b.pem).expect("b")
+            ]
+            .concat()
+        );
+        assert_eq!(union_roots("roots", [u.as_str()]).expect("again"), u);
+        for bad in ["", "garbage", "-----BEGIN CERTIFICATE-----\nAAAA\n"] {
+            assert!(union_roots("roots", [bad]).is_err(), "{bad:?}");
+        }
+        let broken = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+        assert!(union_roots("roots", [a.pem.as_str(), broken]).is_err());
     }
 
     #[test]

@@ -35,14 +35,20 @@ pub fn sds_cluster(socket: &Path) -> Value {
 }
 
 /// What SDS adds to the generated bootstrap: the `sds-grpc` cluster always
-/// (xDS-delivered configs may use its secrets), and with `--inbound-tls`
-/// mTLS from `default`/`ROOTCA` on every inbound listener.
+/// (xDS-delivered configs may use its secrets), with `--inbound-tls`
+/// mTLS from `default`/`ROOTCA` on every inbound listener, and with
+/// `--outbound-tls` mTLS on the named outbound listeners' clusters.
 pub fn extras(cfg: &RunConfig, socket: &Path) -> Extras {
     Extras {
         clusters: vec![sds_cluster(socket)],
         inbound_transport_socket: cfg
             .inbound_tls
             .then(|| inbound_tls_transport_socket(&cfg.inbound_tls_san)),
+        outbound_transport_sockets: cfg
+            .outbound_tls
+            .iter()
+            .map(|s| (s.port, outbound_tls_transport_socket(&s.spiffe_id)))
+            .collect(),
     }
 }
 
@@ -75,27 +81,48 @@ fn san_matchers(sans: &[String]) -> Vec<Value> {
         .collect()
 }
 
-/// The inbound mTLS transport socket: a `DownstreamTlsContext` presenting
-/// `default` and verifying clients against `ROOTCA` (both from SDS),
-/// requiring a client certificate; with `sans`, a client must carry one of them.
-/// Goes into each inbound filter chain's `transport_socket`.
-pub fn inbound_tls_transport_socket(sans: &[String]) -> Value {
+/// A `CommonTlsContext` presenting `default` and verifying the peer
+/// against `ROOTCA` (both from SDS); with `sans`, the peer must carry one of
+/// them. Both directions of mTLS use it.
+fn workload_tls_context(sans: &[String]) -> Value {
     let mut default_ctx = json!({});
     if !sans.is_empty() {
         default_ctx["match_typed_subject_alt_names"] = Value::Array(san_matchers(sans));
     }
     json!({
+        "tls_certificate_sds_secret_configs": [sds_secret_config(WORKLOAD_CERT)],
+        "combined_validation_context": {
+            "default_validation_context": default_ctx,
+            "validation_context_sds_secret_config": sds_secret_config(ROOT_CA)
+        }
+    })
+}
+
+/// The inbound mTLS transport socket: a `DownstreamTlsContext` presenting
+/// `default` and verifying clients against `ROOTCA` (both from SDS),
+/// requiring a client certificate; with `sans`, a client must carry one of them.
+/// Goes into each inbound filter chain's `transport_socket`.
+pub fn inbound_tls_transport_socket(sans: &[String]) -> Value {
+    json!({
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
             "require_client_certificate": true,
-            "common_tls_context": {
-                "tls_certificate_sds_secret_configs": [sds_secret_config(WORKLOAD_CERT)],
-                "combined_validation_context": {
-                    "default_validation_context": default_ctx,
-                    "validation_context_sds_secret_config": sds_secret_config(ROOT_CA)
-                }
-            }
+            "common_tls_context": workload_tls_context(sans)
+        }
+    })
+}
+
+/// The outbound mTLS transport socket: an `UpstreamTlsContext` presenting
+/// `default` and accepting only an upstream whose certificate, verified
+/// against `ROOTCA`, carries the URI SAN `spiffe_id`. Goes into an outbound
+/// cluster's `transport_socket` (`--outbound-tls`).
+pub fn outbound_tls_transport_socket(spiffe_id: &str) -> Value {
+    json!({
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": workload_tls_context(&[spiffe_id.to_string()])
         }
     })
 }
@@ -299,6 +326,74 @@ mod tests {
             }
         );
         assert_eq!(UsedSecrets::of_bootstrap(&json!([1, {"a": null}])), none);
+        // `--outbound-tls`: the outbound cluster uses both, with no inbound TLS.
+        assert_eq!(
+            used(
+                &[
+                    "--outbound",
+                    "15001:x:80",
+                    "--outbound-tls",
+                    "15001=spiffe://cluster.local/ns/a/sa/b",
+                ],
+                None
+            ),
+            UsedSecrets::BOTH
+        );
+    }
+
+    #[test]
+    fn outbound_tls_goes_on_the_named_outbound_cluster_only() {
+        let id = "spiffe://cluster.local/ns/shop/sa/cart";
+        let c = cfg(&[
+            "--outbound",
+            "15001:cart.shop:80,15002:10.0.0.9:5432",
+            "--outbound-tls",
+            &format!("15001={id}"),
+        ]);
+        let b = crate::bootstrap::generate(&c, &extras(&c, Path::new("/run/sds.sock")), None)
+            .expect("bootstrap");
+        let cluster = |name: &str| {
+            b["static_resources"]["clusters"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+                .cloned()
+                .unwrap_or_else(|| panic!("cluster {name}"))
+        };
+        let tls = cluster("outbound|15001|cart.shop|80");
+        let ts = &tls["transport_socket"];
+        assert_eq!(ts["name"], "envoy.transport_sockets.tls");
+        assert_eq!(
+            ts["typed_config"]["@type"],
+            "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+        );
+        let ctx = &ts["typed_config"]["common_tls_context"];
+        assert_eq!(
+            ctx["tls_certificate_sds_secret_configs"],
+            json!([sds_secret_config("default")])
+        );
+        assert_eq!(
+            ctx["combined_validation_context"],
+            json!({
+                "default_validation_context": {"match_typed_subject_alt_names": [
+                    {"san_type": "URI", "matcher": {"exact": id}}
+                ]},
+                "validation_context_sds_secret_config": sds_secret_config("ROOTCA")
+            })
+        );
+        assert!(
+            cluster("outbound|15002|10.0.0.9|5432")
+                .get("transport_socket")
+                .is_none()
+        );
+        // The listeners stay plain TCP for the app.
+        let listeners = b["static_resources"]["listeners"]
+            .as_array()
+            .expect("listeners");
+        assert!(
+            listeners
+                .iter()
+                .all(|l| l["filter_chains"][0].get("transport_socket").is_none())
+        );
     }
 
     #[test]

@@ -9,14 +9,17 @@
 //! - [`bootstrap::inbound_tls_transport_socket`]`(sans: &[String]) -> serde_json::Value`:
 //!   with `--inbound-tls`, set as `transport_socket` of each inbound filter
 //!   chain (`sans` = `--inbound-tls-san`).
+//! - [`bootstrap::outbound_tls_transport_socket`]`(spiffe_id: &str) -> serde_json::Value`:
+//!   with `--outbound-tls PORT=SPIFFE_ID`, set as `transport_socket` of that
+//!   outbound listener's cluster.
 //! - [`bootstrap::sds_secret_config`]`(name: &str) -> serde_json::Value`:
-//!   an `SdsSecretConfig` for any other TLS context (e.g. outbound).
+//!   an `SdsSecretConfig` for any other TLS context.
 //!
 //! App wiring:
 //! - [`start`]`(cfg: &RunConfig, registry: &mut Registry, cancel:
 //!   CancellationToken) -> Result<SdsHandle, SdsError>`: picks the
 //!   certificate source from the flags (`--ca-address`, else `--cert-dir`,
-//!   else `/etc/certs` when `--inbound-tls`, else none), binds
+//!   else `/etc/certs` when `--inbound-tls` or `--outbound-tls`, else none), binds
 //!   `cfg.sds_socket_path()`, and runs until `cancel`. Metrics go into
 //!   `registry` (pass a sub-registry, e.g.
 //!   `registry.sub_registry_with_prefix("remora")`). [`SdsHandle::join`]
