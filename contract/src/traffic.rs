@@ -1,6 +1,7 @@
-//! Static-mode listener specs: the agent's `--inbound`/`--outbound` and the
-//! pod annotations `remora.dev/inbound`/`remora.dev/outbound` that the
-//! injector turns into them.
+//! Static-mode listener specs: the agent's `--inbound`/`--outbound`/
+//! `--outbound-tls` and the pod annotations `remora.dev/inbound`/
+//! `remora.dev/outbound`/`remora.dev/outbound-tls` that the injector turns
+//! into them.
 
 use std::str::FromStr;
 
@@ -81,6 +82,61 @@ impl OutboundSpec {
     }
 }
 
+/// A SPIFFE ID as the spec allows it: `spiffe://` and a trust domain of
+/// lowercase letters, digits, `.`, `-`, `_`, then an optional path of
+/// non-empty segments (letters, digits, `.`, `-`, `_`; never `.` or `..`).
+/// Checked where it is written, so a typo is not a peer nobody can match.
+pub fn check_spiffe_id(s: &str) -> Result<(), String> {
+    let bad = |why: &str| format!("{:?} is not a SPIFFE ID ({why})", crate::mode::short(s));
+    let rest = s
+        .strip_prefix("spiffe://")
+        .ok_or_else(|| bad("it must start with spiffe://"))?;
+    let (domain, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let domain_ok = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || ".-_".contains(c);
+    if domain.is_empty() || !domain.chars().all(domain_ok) {
+        return Err(bad(
+            "the trust domain must be lowercase letters, digits, '.', '-' or '_'",
+        ));
+    }
+    if rest.len() > domain.len() {
+        let seg_ok = |c: char| c.is_ascii_alphanumeric() || ".-_".contains(c);
+        if path
+            .split('/')
+            .any(|g| g.is_empty() || g == "." || g == ".." || !g.chars().all(seg_ok))
+        {
+            return Err(bad(
+                "path segments must be non-empty letters, digits, '.', '-' or '_'",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `PORT=SPIFFE_ID`: the outbound listener on PORT originates mTLS and
+/// accepts only an upstream presenting that identity (the agent's
+/// `--outbound-tls`, the annotation `remora.dev/outbound-tls`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OutboundTlsSpec {
+    pub port: u16,
+    pub spiffe_id: String,
+}
+
+impl FromStr for OutboundTlsSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (p, id) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{:?} is not PORT=SPIFFE_ID", crate::mode::short(s)))?;
+        let id = id.trim();
+        check_spiffe_id(id)?;
+        Ok(Self {
+            port: port(p.trim())?,
+            spiffe_id: id.to_string(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,5 +180,38 @@ mod tests {
         assert_eq!(local("1:LocalHost:80"), Ok(true));
         assert_eq!(local("1:api.local:80"), Ok(false));
         assert_eq!(local("1:10.0.0.1:80"), Ok(false));
+    }
+
+    #[test]
+    fn outbound_tls_specs() {
+        assert_eq!(
+            "15001=spiffe://cluster.local/ns/shop/sa/api".parse::<OutboundTlsSpec>(),
+            Ok(OutboundTlsSpec {
+                port: 15001,
+                spiffe_id: "spiffe://cluster.local/ns/shop/sa/api".into()
+            })
+        );
+        assert_eq!(
+            " 9000 = spiffe://td "
+                .parse::<OutboundTlsSpec>()
+                .map(|s| s.port),
+            Ok(9000)
+        );
+        for bad in [
+            "15001",
+            "15001:spiffe://td/x",
+            "x=spiffe://td/x",
+            "0=spiffe://td/x",
+            "15001=http://td/x",
+            "15001=spiffe://",
+            "15001=spiffe://TD/x",
+            "15001=spiffe://td//x",
+            "15001=spiffe://td/x/",
+            "15001=spiffe://td/../x",
+            "15001=spiffe://td/a b",
+        ] {
+            assert!(bad.parse::<OutboundTlsSpec>().is_err(), "{bad}");
+        }
+        assert_eq!(check_spiffe_id("spiffe://cluster.local"), Ok(()));
     }
 }

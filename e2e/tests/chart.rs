@@ -149,6 +149,16 @@ async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
             .is_some_and(|f| !f.is_empty() && f.iter().all(|p| p["ipBlock"].is_object())),
         "{rule:#}"
     );
+    // The workload CA is off by default: no port, no rights for it.
+    assert_eq!(np["spec"]["ingress"].as_array().map(Vec::len), Some(1));
+    assert!(!dep.to_string().contains("15012"), "{dep:#}");
+    assert!(!find(&objects, "Service")?.to_string().contains("15012"));
+    for kind in ["ClusterRole", "Role", "ValidatingAdmissionPolicy"] {
+        let text = find(&objects, kind)?.to_string();
+        for what in ["tokenreviews", "configmaps", "remora-workload-ca"] {
+            assert!(!text.contains(what), "{kind} names {what}: {text}");
+        }
+    }
     let mwc = find(&objects, "MutatingWebhookConfiguration")?;
     let hooks = mwc["webhooks"].as_array().context("no webhooks")?;
     assert_eq!(hooks.len(), 2);
@@ -213,6 +223,176 @@ async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<(
             && !writes.contains("/secrets")
             && !writes.contains("webhookConfig"),
         "{writes}"
+    );
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+/// The RBAC rules of a rendered (Cluster)Role as (apiGroups, resources,
+/// resourceNames, verbs), one string each.
+fn rules(role: &Value) -> Vec<[String; 4]> {
+    let list = |r: &Value, k: &str| {
+        r[k].as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .unwrap_or_default()
+    };
+    role["rules"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            [
+                list(r, "apiGroups"),
+                list(r, "resources"),
+                list(r, "resourceNames"),
+                list(r, "verbs"),
+            ]
+        })
+        .collect()
+}
+
+fn rule(group: &str, resource: &str, names: &str, verbs: &str) -> [String; 4] {
+    [group, resource, names, verbs].map(str::to_owned)
+}
+
+/// With workloadCA.enabled the injector serves the CA on 15012 (its
+/// Deployment, Service and NetworkPolicy say so) and gets exactly the rights
+/// the CA needs, in RBAC and in the admission policy; the API server accepts
+/// every object, in both certificate modes.
+#[tokio::test]
+async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart-ca").await?;
+    let sets = [
+        "workloadCA.enabled=true",
+        "workloadCA.trustDomain=mesh.example",
+        "workloadCA.certTTL=12h",
+    ];
+    let (applied, skipped) = dry_run_chart(&client, "remora", &ns, &sets).await?;
+    assert!(applied.contains(&"Deployment".to_owned()), "{applied:?}");
+    assert!(skipped.is_empty(), "{skipped:?}");
+    let objects = e2e::chart::render("remora", &ns, &sets)?;
+
+    let dep = find(&objects, "Deployment")?;
+    let c = &dep["spec"]["template"]["spec"]["containers"][0];
+    let env: std::collections::BTreeMap<&str, &str> = c["env"]
+        .as_array()
+        .context("env")?
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?, e["value"].as_str()?)))
+        .collect();
+    for (k, v) in [
+        ("REMORA_WORKLOAD_CA", "true"),
+        ("REMORA_WORKLOAD_CA_LISTEN", "0.0.0.0:15012"),
+        ("REMORA_WORKLOAD_CA_SECRET", "remora-workload-ca"),
+        ("REMORA_TRUST_DOMAIN", "mesh.example"),
+        ("REMORA_WORKLOAD_CERT_TTL", "12h"),
+        ("REMORA_WORKLOAD_CERT_MAX_TTL", "48h"),
+        ("REMORA_WORKLOAD_CA_ROOT_VALIDITY", "365d"),
+        ("REMORA_WORKLOAD_CA_SETTLE", "2m"),
+        ("REMORA_SERVICE_NAME", "remora-injector"),
+    ] {
+        assert_eq!(env.get(k).copied(), Some(v), "{k}");
+    }
+    assert!(
+        c["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["name"] == "grpc-ca" && p["containerPort"] == 15012),
+        "{c:#}"
+    );
+    let svc = find(&objects, "Service")?;
+    assert!(
+        svc["spec"]["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["name"] == "grpc-ca" && p["port"] == 15012 && p["targetPort"] == "grpc-ca"),
+        "{svc:#}"
+    );
+    // The webhook port stays for the API servers only; the CA's is open to
+    // every pod (no `from`).
+    let np = find(&objects, "NetworkPolicy")?;
+    let ingress = np["spec"]["ingress"].as_array().context("ingress")?;
+    assert_eq!(ingress.len(), 2, "{np:#}");
+    assert_eq!(ingress[0]["ports"][0]["port"], 9443);
+    assert_eq!(
+        ingress[1]["ports"],
+        serde_json::json!([{"port": 15012, "protocol": "TCP"}])
+    );
+    assert!(ingress[1]["from"].is_null(), "{np:#}");
+
+    // RBAC: exactly these rules are added for the CA.
+    let off = e2e::chart::render("remora", &ns, &[])?;
+    let added = |kind: &str| -> anyhow::Result<Vec<[String; 4]>> {
+        let before = rules(find(&off, kind)?);
+        Ok(rules(find(&objects, kind)?)
+            .into_iter()
+            .filter(|r| !before.contains(r))
+            .collect())
+    };
+    assert_eq!(
+        added("ClusterRole")?,
+        [
+            rule("authentication.k8s.io", "tokenreviews", "", "create"),
+            rule("", "configmaps", "", "create"),
+            rule("", "configmaps", "remora-ca-root-cert", "get,patch,update"),
+        ]
+    );
+    assert_eq!(
+        added("Role")?,
+        [rule(
+            "",
+            "secrets",
+            "remora-workload-ca",
+            "get,list,watch,update,patch"
+        )]
+    );
+    // The admission policy lets those writes through, by name.
+    let vap = find(&objects, "ValidatingAdmissionPolicy")?;
+    let writes = vap["spec"]["validations"][0]["expression"]
+        .as_str()
+        .context("no first validation")?;
+    for what in [
+        "'remora-workload-ca'",
+        "'/configmaps'",
+        "'remora-ca-root-cert'",
+        "'authentication.k8s.io/tokenreviews'",
+    ] {
+        assert!(writes.contains(what), "{what}: {writes}");
+    }
+
+    // certManager: no TLS Secret of its own, but still the CA's, and its create.
+    let cm_sets = [
+        "workloadCA.enabled=true",
+        "certMode=certManager",
+        "webhook.failurePolicy=Ignore",
+    ];
+    let (_, mut skipped) = dry_run_chart(&client, "remora", &ns, &cm_sets).await?;
+    skipped.sort();
+    assert_eq!(skipped, ["Certificate", "Issuer"]);
+    let cm = e2e::chart::render("remora", &ns, &cm_sets)?;
+    assert_eq!(
+        rules(find(&cm, "Role")?)
+            .into_iter()
+            .filter(|r| r[1] == "secrets")
+            .collect::<Vec<_>>(),
+        [
+            rule("", "secrets", "", "create"),
+            rule(
+                "",
+                "secrets",
+                "remora-workload-ca",
+                "get,list,watch,update,patch"
+            ),
+        ]
     );
     cp.delete_namespace(&client, &ns).await?;
     Ok(())

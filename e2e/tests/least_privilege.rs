@@ -596,3 +596,141 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     cp.delete_namespace(&admin, &ns).await?;
     Ok(())
 }
+
+/// With the workload CA (workloadCA.enabled): the injector's identity
+/// reviews tokens, keeps the trust-bundle ConfigMap in any namespace and its
+/// signing Secret in its own, and nothing more: another ConfigMap or Secret
+/// is refused, by RBAC where it can name objects, by the policy where it
+/// cannot (create).
+#[tokio::test]
+async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Result<()> {
+    use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+    use remora_contract::workload_ca::{SIGNING_SECRET, TOKEN_AUDIENCE, TRUST_BUNDLE_CONFIGMAP};
+
+    let cp = ControlPlane::shared().await?;
+    let admin = cp.client()?;
+    let ns = cp.create_namespace(&admin, "lp-ca").await?;
+    let work = cp.create_namespace(&admin, "lp-ca-work").await?;
+    let release = ns.clone();
+    let name = format!("{release}-remora-injector");
+    let objects = e2e::chart::render(&release, &ns, &["workloadCA.enabled=true"])?;
+    let cluster_scoped =
+        e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
+    let token = service_account_token(&admin, &ns, &name).await?;
+    let injector = cp.client_with_token(&token)?;
+    let own_mwc = Api::<MutatingWebhookConfiguration>::all(injector.clone());
+    let retime = json_patch(json!(
+        [{"op": "replace", "path": "/webhooks/0/timeoutSeconds", "value": 29}]))?;
+    let dry_run = PatchParams::default().dry_run();
+    e2e::chart::wait_until_policy_refuses(&name, || own_mwc.patch(&name, &dry_run, &retime))
+        .await?;
+
+    // --- What the CA does passes. ---
+    // A TokenReview of a workload's token (its audience only).
+    let review = TokenReview {
+        spec: TokenReviewSpec {
+            token: token.clone(),
+            audiences: Some(vec![TOKEN_AUDIENCE.into()]),
+        },
+        ..TokenReview::default()
+    };
+    Api::<TokenReview>::all(injector.clone())
+        .create(&PostParams::default(), &review)
+        .await
+        .context("creating a TokenReview")?;
+    // The trust bundle in a workload namespace: create, read, patch, replace.
+    let cms = Api::<ConfigMap>::namespaced(injector.clone(), &work);
+    let bundle: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": TRUST_BUNDLE_CONFIGMAP},
+        "data": {"root-cert.pem": "a"}}))?;
+    cms.create(&PostParams::default(), &bundle)
+        .await
+        .context("creating the trust bundle")?;
+    cms.patch(
+        TRUST_BUNDLE_CONFIGMAP,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"data": {"root-cert.pem": "b"}})),
+    )
+    .await
+    .context("patching the trust bundle")?;
+    let mut current = cms.get(TRUST_BUNDLE_CONFIGMAP).await?;
+    current.data = Some(BTreeMap::from([("root-cert.pem".into(), "c".into())]));
+    cms.replace(TRUST_BUNDLE_CONFIGMAP, &PostParams::default(), &current)
+        .await
+        .context("replacing the trust bundle")?;
+    // The signing Secret in the release namespace: create, watch by name,
+    // read, patch, replace.
+    let secrets = Api::<Secret>::namespaced(injector.clone(), &ns);
+    let roots: Secret = serde_json::from_value(json!({
+        "metadata": {"name": SIGNING_SECRET}, "stringData": {"k": "v"}}))?;
+    secrets
+        .create(&PostParams::default(), &roots)
+        .await
+        .context("creating the signing Secret")?;
+    let by_name = ListParams::default().fields(&format!("metadata.name={SIGNING_SECRET}"));
+    secrets
+        .list(&by_name)
+        .await
+        .context("listing the signing Secret by name")?;
+    secrets
+        .patch(
+            SIGNING_SECRET,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"stringData": {"k": "w"}})),
+        )
+        .await
+        .context("patching the signing Secret")?;
+    let current = secrets.get(SIGNING_SECRET).await?;
+    secrets
+        .replace(SIGNING_SECRET, &PostParams::default(), &current)
+        .await
+        .context("replacing the signing Secret")?;
+
+    // --- Anything else is refused. ---
+    let other: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "c"}}))?;
+    refused(
+        &name,
+        "a ConfigMap not the bundle",
+        &not_at_all("CREATE", "/configmaps", &format!("{work}/c")),
+        cms.create(&PostParams::default(), &other).await,
+    )?;
+    let stolen: Secret = serde_json::from_value(json!({"metadata": {"name": "stolen"}}))?;
+    refused(
+        &name,
+        "a Secret not its own",
+        &not_at_all("CREATE", "/secrets", &format!("{ns}/stolen")),
+        secrets.create(&PostParams::default(), &stolen).await,
+    )?;
+    // Secrets only in the release namespace (a Role).
+    refused_by_rbac(
+        "creating its signing Secret's name in another namespace",
+        Api::<Secret>::namespaced(injector.clone(), &work)
+            .create(&PostParams::default(), &roots)
+            .await,
+    )?;
+    // Reading: RBAC names the objects.
+    let admin_cms = Api::<ConfigMap>::namespaced(admin.clone(), &work);
+    admin_cms.create(&PostParams::default(), &other).await?;
+    refused_by_rbac("reading another ConfigMap", cms.get("c").await)?;
+    refused_by_rbac(
+        "listing every ConfigMap",
+        cms.list(&ListParams::default()).await,
+    )?;
+    refused_by_rbac(
+        "listing every Secret",
+        secrets.list(&ListParams::default()).await,
+    )?;
+    refused_by_rbac(
+        "the signing Secret's name in another namespace",
+        Api::<Secret>::namespaced(injector.clone(), &work)
+            .get(SIGNING_SECRET)
+            .await,
+    )?;
+
+    for (api, n) in cluster_scoped {
+        api.delete(&n, &DeleteParams::default()).await?;
+    }
+    cp.delete_namespace(&admin, &work).await?;
+    cp.delete_namespace(&admin, &ns).await?;
+    Ok(())
+}

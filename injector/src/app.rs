@@ -319,7 +319,14 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         listener,
         view,
     } = started;
-    let chart = args.proxy.chart(args.default_mode);
+    let chart = crate::sidecar_config::ChartDefaults {
+        workload_ca: crate::sidecar_config::WorkloadCaWiring::from_args(
+            &args.workload_ca,
+            &args.service_name,
+            &args.operator_namespace,
+        ),
+        ..args.proxy.chart(args.default_mode)
+    };
     // Not ready (out of the Service) until the first listing is in, even
     // when the sync timeout let the server start without it.
     let readiness = Readiness::new();

@@ -11,10 +11,11 @@ use std::time::Duration;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource,
-    EmptyDirVolumeSource, EnvVar, EnvVarSource, ExecAction, HTTPGetAction, Lifecycle,
-    LifecycleHandler, ObjectFieldSelector, Probe, SeccompProfile, SecurityContext, Volume,
-    VolumeMount,
+    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, DownwardAPIVolumeFile,
+    DownwardAPIVolumeSource, EmptyDirVolumeSource, EnvVar, EnvVarSource, ExecAction, HTTPGetAction,
+    KeyToPath, Lifecycle, LifecycleHandler, ObjectFieldSelector, Probe, ProjectedVolumeSource,
+    SeccompProfile, SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount,
+    VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use remora_contract::duration::format as format_duration;
@@ -25,14 +26,16 @@ use remora_contract::pod::{
     HEALTH_PORT, INBOUND_PORT, PODINFO_DIR, PODINFO_VOLUME, PROXY_CONTAINER, PROXY_UID, READY_PATH,
     RUN_DIR, RUN_VOLUME, SIDECAR_PORTS, sidecar_port_use,
 };
-use remora_contract::traffic::{InboundSpec, MAX_LISTENERS, OutboundSpec};
-use remora_contract::{annotations as keys, defaults, env as env_name};
+use remora_contract::traffic::{
+    InboundSpec, MAX_LISTENERS, OutboundSpec, OutboundTlsSpec, check_spiffe_id,
+};
+use remora_contract::{annotations as keys, defaults, env as env_name, workload_ca};
 use remora_crds::SidecarMode;
 use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::sidecar_config::EffectiveConfig;
+use crate::sidecar_config::{EffectiveConfig, WorkloadCaWiring};
 
 // Names other modules of the injector use; they are the contract's.
 pub use remora_contract::annotations::{
@@ -230,9 +233,15 @@ pub fn mutate(
             )],
         ));
     }
+    let workload_ca = workload_ca_wiring(cfg, &annotations)?;
+    let mut our_volumes = vec![RUN_VOLUME, PODINFO_VOLUME];
+    if workload_ca.is_some() {
+        our_volumes.extend([workload_ca::TOKEN_VOLUME, workload_ca::TRUST_BUNDLE_VOLUME]);
+    }
     let volume_names = names(&spec["volumes"]);
-    if let Some(v) = [RUN_VOLUME, PODINFO_VOLUME]
-        .into_iter()
+    if let Some(v) = our_volumes
+        .iter()
+        .copied()
         .find(|v| volume_names.contains(v))
     {
         return Ok(Mutation::skipped(
@@ -319,7 +328,17 @@ pub fn mutate(
 
     let lifecycle = lifecycle_annotation(cfg, mode, deadline);
     let mut container = proxy_container(cfg, mode, deadline);
-    plumb_traffic(&mut container, &annotations, containers, &mut warnings)?;
+    let plumbed = plumb_traffic(&mut container, &annotations, containers, &mut warnings)?;
+    plumb_tls(
+        &mut container,
+        &annotations,
+        &plumbed,
+        workload_ca.is_some(),
+        &mut warnings,
+    )?;
+    if let Some(ca) = workload_ca {
+        wire_workload_ca(&mut container, ca);
+    }
     // Hashed before the token goes in: the token differs on every injection,
     // the sidecar it belongs to does not.
     let config_hash = config_hash(&container, &lifecycle);
@@ -341,7 +360,7 @@ pub fn mutate(
         mode,
         containers: only_in(SidecarMode::Legacy),
         init_containers: only_in(SidecarMode::Native),
-        volumes: vec![RUN_VOLUME.into(), PODINFO_VOLUME.into()],
+        volumes: our_volumes.iter().map(|v| v.to_string()).collect(),
         config_hash,
         restart_hash: Some(cfg.restart_hash()),
         sources: cfg.sources.clone(),
@@ -368,9 +387,13 @@ pub fn mutate(
             Value::String(lifecycle_json),
         ));
     }
-    let volumes = [run_volume(), podinfo_volume()].map(|v| to_json(&v));
+    let mut volumes = vec![run_volume(), podinfo_volume()];
+    if workload_ca.is_some() {
+        volumes.extend([token_volume(), trust_bundle_volume()]);
+    }
+    let volumes: Vec<Value> = volumes.iter().map(to_json).collect();
     if spec["volumes"].is_null() {
-        ops.push(add(&["spec", "volumes"], Value::Array(volumes.to_vec())));
+        ops.push(add(&["spec", "volumes"], Value::Array(volumes)));
     } else {
         for v in volumes {
             ops.push(add(&["spec", "volumes", "-"], v));
@@ -476,6 +499,24 @@ pub enum PlumbingError {
         key: &'static str,
         count: usize,
         max: usize,
+    },
+    #[error("{key}: {reason}")]
+    BadValue { key: &'static str, reason: String },
+    #[error(
+        "{key} entry {entry:?}: port {port} is not a listener of {}",
+        keys::OUTBOUND
+    )]
+    NotOutbound {
+        key: &'static str,
+        entry: String,
+        port: u16,
+    },
+    #[error("{key} entry {entry:?}: port {port} is already given by {first:?}")]
+    TlsTwice {
+        key: &'static str,
+        entry: String,
+        port: u16,
+        first: String,
     },
 }
 
@@ -589,7 +630,7 @@ fn plumb_traffic(
     annotations: &BTreeMap<String, String>,
     app_containers: &[Value],
     warnings: &mut Vec<String>,
-) -> Result<(), PlumbingError> {
+) -> Result<Plumbed, PlumbingError> {
     let inbound_port = |item: &str| {
         item.parse::<InboundSpec>()
             .map(|s| (s.port.unwrap_or(INBOUND_PORT), Some(s.app_port)))
@@ -660,7 +701,168 @@ fn plumb_traffic(
             ..Default::default()
         });
     }
+    Ok(Plumbed {
+        has_inbound: all.iter().any(|l| l.inbound),
+        outbound_ports: all.iter().filter(|l| !l.inbound).map(|l| l.port).collect(),
+    })
+}
+
+/// The static listeners the sidecar got, as the TLS annotations need them.
+struct Plumbed {
+    has_inbound: bool,
+    outbound_ports: Vec<u16>,
+}
+
+/// Whether the sidecar gets the workload CA: the chart enables it and the
+/// pod does not say `remora.dev/workload-ca: "false"`. A value that is not a
+/// boolean is refused: guessing would hand out (or withhold) an identity.
+fn workload_ca_wiring<'c>(
+    cfg: &'c EffectiveConfig,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Option<&'c WorkloadCaWiring>, PlumbingError> {
+    let wanted = match annotations.get(keys::WORKLOAD_CA) {
+        Some(v) => {
+            remora_contract::value::parse_bool(v).map_err(|reason| PlumbingError::BadValue {
+                key: keys::WORKLOAD_CA,
+                reason,
+            })?
+        }
+        None => true,
+    };
+    Ok(cfg.workload_ca.as_ref().filter(|_| wanted))
+}
+
+/// The static-mode mTLS annotations, checked against the listeners the
+/// sidecar got: `remora.dev/inbound-tls` (`true`, or the SPIFFE IDs allowed
+/// to call) and `remora.dev/outbound-tls` (`PORT=SPIFFE_ID,...`, each PORT an
+/// outbound listener, at most once). Anything else is refused: a pod that
+/// asked for mTLS must not start without it.
+fn plumb_tls(
+    container: &mut Container,
+    annotations: &BTreeMap<String, String>,
+    plumbed: &Plumbed,
+    ca_wired: bool,
+    warnings: &mut Vec<String>,
+) -> Result<(), PlumbingError> {
+    let items = |raw: &str| -> Vec<String> {
+        raw.split(',')
+            .map(str::trim)
+            .filter(|i| !i.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let mut asked = Vec::new();
+    let mut vars = Vec::new();
+    if let Some(raw) = annotations.get(keys::INBOUND_TLS) {
+        let sans = match remora_contract::value::parse_bool(raw) {
+            Ok(false) => None,
+            Ok(true) => Some(Vec::new()),
+            Err(_) => {
+                let ids = items(raw);
+                if ids.len() > MAX_LISTENERS {
+                    return Err(PlumbingError::TooMany {
+                        key: keys::INBOUND_TLS,
+                        count: ids.len(),
+                        max: MAX_LISTENERS,
+                    });
+                }
+                for id in &ids {
+                    check_spiffe_id(id).map_err(|e| PlumbingError::BadValue {
+                        key: keys::INBOUND_TLS,
+                        reason: format!("expected true, false or SPIFFE IDs: {e}"),
+                    })?;
+                }
+                Some(ids)
+            }
+        };
+        if let Some(sans) = sans {
+            asked.push(keys::INBOUND_TLS);
+            if !plumbed.has_inbound {
+                warnings.push(format!(
+                    "remora: {} is set but the sidecar has no inbound listener",
+                    keys::INBOUND_TLS
+                ));
+            }
+            vars.push(env(env_name::INBOUND_TLS, "true".into()));
+            if !sans.is_empty() {
+                vars.push(env(env_name::INBOUND_TLS_SAN, sans.join(",")));
+            }
+        }
+    }
+    if let Some(raw) = annotations.get(keys::OUTBOUND_TLS) {
+        let entries = items(raw);
+        let mut given: BTreeMap<u16, &str> = BTreeMap::new();
+        for entry in &entries {
+            let spec = entry
+                .parse::<OutboundTlsSpec>()
+                .map_err(|e| PlumbingError::BadValue {
+                    key: keys::OUTBOUND_TLS,
+                    reason: format!("entry {entry:?}: {e}"),
+                })?;
+            if !plumbed.outbound_ports.contains(&spec.port) {
+                return Err(PlumbingError::NotOutbound {
+                    key: keys::OUTBOUND_TLS,
+                    entry: entry.clone(),
+                    port: spec.port,
+                });
+            }
+            if let Some(first) = given.insert(spec.port, entry) {
+                return Err(PlumbingError::TlsTwice {
+                    key: keys::OUTBOUND_TLS,
+                    entry: entry.clone(),
+                    port: spec.port,
+                    first: first.to_string(),
+                });
+            }
+        }
+        if !entries.is_empty() {
+            asked.push(keys::OUTBOUND_TLS);
+            vars.push(env(env_name::OUTBOUND_TLS, entries.join(",")));
+        }
+    }
+    if !ca_wired && let Some(key) = asked.first() {
+        // Not refused: certificates may come from a mounted --cert-dir.
+        warnings.push(format!(
+            "remora: {key} without the workload CA (not enabled, or {} is \"false\"): the \
+             sidecar needs its certificates in its --cert-dir",
+            keys::WORKLOAD_CA
+        ));
+    }
+    container.env.get_or_insert_with(Vec::new).extend(vars);
     Ok(())
+}
+
+/// Point the sidecar at the workload CA: its address and trust domain, the
+/// projected token it proves its service account with, and the trust bundle
+/// that verifies the CA (and, in mTLS, its peers).
+fn wire_workload_ca(container: &mut Container, ca: &WorkloadCaWiring) {
+    container.env.get_or_insert_with(Vec::new).extend([
+        env(env_name::CA_ADDRESS, ca.address.clone()),
+        env(
+            env_name::CA_ROOT_CERT,
+            workload_ca::TRUST_BUNDLE_PATH.into(),
+        ),
+        env(env_name::TOKEN_PATH, workload_ca::TOKEN_PATH.into()),
+        env(env_name::TRUST_DOMAIN, ca.trust_domain.clone()),
+        env(env_name::CERT_TTL, format_duration(ca.cert_ttl)),
+    ]);
+    container
+        .volume_mounts
+        .get_or_insert_with(Vec::new)
+        .extend([
+            VolumeMount {
+                name: workload_ca::TOKEN_VOLUME.into(),
+                mount_path: workload_ca::TOKEN_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+            VolumeMount {
+                name: workload_ca::TRUST_BUNDLE_VOLUME.into(),
+                mount_path: workload_ca::TRUST_BUNDLE_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+        ]);
 }
 
 /// Serializing these plain k8s structs cannot fail; null rather than a panic if it did.
@@ -872,6 +1074,45 @@ fn run_volume() -> Volume {
         name: RUN_VOLUME.into(),
         empty_dir: Some(EmptyDirVolumeSource {
             medium: Some("Memory".into()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The pod's service-account token for the CA only: its audience is one
+/// the API server (and everything else) refuses, and the kubelet renews it.
+/// Projected, so it is there even with `automountServiceAccountToken: false`.
+fn token_volume() -> Volume {
+    Volume {
+        name: workload_ca::TOKEN_VOLUME.into(),
+        projected: Some(ProjectedVolumeSource {
+            sources: Some(vec![VolumeProjection {
+                service_account_token: Some(ServiceAccountTokenProjection {
+                    audience: Some(workload_ca::TOKEN_AUDIENCE.into()),
+                    expiration_seconds: Some(workload_ca::TOKEN_EXPIRATION_SECONDS),
+                    path: workload_ca::TOKEN_FILE.into(),
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The namespace's trust-bundle ConfigMap. Not optional: the pod waits for
+/// it rather than start a sidecar that cannot verify the CA.
+fn trust_bundle_volume() -> Volume {
+    Volume {
+        name: workload_ca::TRUST_BUNDLE_VOLUME.into(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: workload_ca::TRUST_BUNDLE_CONFIGMAP.into(),
+            items: Some(vec![KeyToPath {
+                key: workload_ca::TRUST_BUNDLE_KEY.into(),
+                path: workload_ca::TRUST_BUNDLE_KEY.into(),
+                ..Default::default()
+            }]),
             ..Default::default()
         }),
         ..Default::default()

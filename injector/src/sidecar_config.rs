@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use remora_contract::{Overlay, defaults, duration};
+use remora_contract::{Overlay, annotations, defaults, duration, value};
 use remora_crds::{
     DrainMode, LabelSet, LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode,
 };
@@ -21,6 +21,38 @@ pub struct ChartDefaults {
     pub image_pull_policy: String,
     pub mode: SidecarMode,
     pub resources: ResourceRequirements,
+    /// What every injected sidecar is told about the workload CA; `None`
+    /// when the CA is not enabled.
+    pub workload_ca: Option<WorkloadCaWiring>,
+}
+
+/// How a sidecar reaches the operator's workload CA (serve `--workload-ca`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadCaWiring {
+    /// `host:port` the sidecar dials.
+    pub address: String,
+    pub trust_domain: String,
+    /// The lifetime the sidecar requests.
+    pub cert_ttl: Duration,
+}
+
+impl WorkloadCaWiring {
+    /// The wiring `serve`'s flags give, `None` when the CA is off.
+    pub fn from_args(
+        ca: &crate::flags::WorkloadCaArgs,
+        service_name: &str,
+        operator_namespace: &str,
+    ) -> Option<Self> {
+        ca.enabled.then(|| Self {
+            address: ca.sidecar_address(service_name, operator_namespace),
+            trust_domain: ca.trust_domain.clone(),
+            // The agent reads --cert-ttl in the contract's grammar, bounded by
+            // its MAX: a longer request would stop the sidecar from starting,
+            // and the CA grants at most its own maximum anyway.
+            cert_ttl: ca.cert_ttl.min(duration::MAX),
+        })
+    }
 }
 
 impl Default for ChartDefaults {
@@ -30,6 +62,7 @@ impl Default for ChartDefaults {
             image_pull_policy: "IfNotPresent".into(),
             mode: SidecarMode::Auto,
             resources: default_resources(),
+            workload_ca: None,
         }
     }
 }
@@ -66,6 +99,10 @@ pub struct EffectiveConfig {
     pub concurrency: i32,
     pub log_level: LogLevel,
     pub resources: ResourceRequirements,
+    /// The workload CA the sidecar is given; `None` when the chart does not
+    /// enable it or the pod opts out (`remora.dev/workload-ca: "false"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workload_ca: Option<WorkloadCaWiring>,
     /// Which layers contributed, weakest first (for the status annotation).
     pub sources: Vec<String>,
     /// Problems met while resolving (bad annotation values); they become warnings.
@@ -83,7 +120,7 @@ impl EffectiveConfig {
     /// upgrade alone never asks for a restart.
     pub fn restart_hash(&self) -> String {
         use sha2::{Digest, Sha256};
-        let fields = serde_json::json!({
+        let mut fields = serde_json::json!({
             "image": self.image,
             "imagePullPolicy": self.image_pull_policy,
             "mode": self.mode.as_str(),
@@ -93,6 +130,17 @@ impl EffectiveConfig {
             "logLevel": self.log_level,
             "resources": self.resources,
         });
+        // Only when wired: pods injected without the CA keep their hash.
+        if let (Some(ca), Some(o)) = (&self.workload_ca, fields.as_object_mut()) {
+            o.insert(
+                "workloadCa".into(),
+                serde_json::json!({
+                    "address": ca.address,
+                    "trustDomain": ca.trust_domain,
+                    "certTtl": ca.cert_ttl.as_millis() as u64,
+                }),
+            );
+        }
         let digest = Sha256::digest(fields.to_string().as_bytes());
         let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
         format!("sha256:{hex}")
@@ -116,6 +164,7 @@ impl EffectiveConfig {
             concurrency: concurrency(defaults::CONCURRENCY),
             log_level: defaults::LOG_LEVEL,
             resources: d.resources.clone(),
+            workload_ca: d.workload_ca.clone(),
             sources: vec!["defaults".into()],
             problems: Vec::new(),
         }
@@ -210,6 +259,14 @@ impl EffectiveConfig {
         self.quiet_period = o.quiet_period.unwrap_or(self.quiet_period);
         self.concurrency = o.concurrency.map_or(self.concurrency, concurrency);
         self.log_level = o.log_level.unwrap_or(self.log_level);
+        // Only a clear "false" opts out; any other bad value is refused at
+        // injection (mutate), not guessed at here.
+        if ann
+            .get(annotations::WORKLOAD_CA)
+            .is_some_and(|v| value::parse_bool(v) == Ok(false))
+        {
+            self.workload_ca = None;
+        }
         self.problems
             .extend(problems.iter().map(|p| format!("annotation {p}")));
         let mut after = self.clone();
@@ -555,6 +612,76 @@ mod tests {
         assert_eq!(
             cfg.sources.last().map(String::as_str),
             Some("pod-annotations")
+        );
+    }
+
+    #[test]
+    fn workload_ca_wiring_from_the_serve_flags() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            ca: crate::flags::WorkloadCaArgs,
+        }
+        let wiring = |args: &[&str]| {
+            let cli = Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+                .expect("flags parse");
+            WorkloadCaWiring::from_args(&cli.ca, "remora-injector", "ops")
+        };
+        assert_eq!(wiring(&[]), None, "off by default");
+        assert_eq!(
+            wiring(&["--workload-ca"]),
+            Some(WorkloadCaWiring {
+                address: "remora-injector.ops.svc:15012".into(),
+                trust_domain: "cluster.local".into(),
+                cert_ttl: Duration::from_secs(24 * 3600),
+            })
+        );
+        let w = wiring(&[
+            "--workload-ca=true",
+            "--workload-ca-address",
+            "ca.example:443",
+            "--trust-domain",
+            "mesh.example",
+            "--workload-cert-ttl",
+            "2d",
+            "--workload-cert-max-ttl",
+            "3d",
+        ])
+        .expect("on");
+        assert_eq!(w.address, "ca.example:443");
+        assert_eq!(w.trust_domain, "mesh.example");
+        assert_eq!(w.cert_ttl, duration::MAX, "bounded by what the agent reads");
+    }
+
+    #[test]
+    fn the_pod_opts_out_of_the_workload_ca() {
+        let chart = ChartDefaults {
+            workload_ca: Some(WorkloadCaWiring {
+                address: "ca:15012".into(),
+                trust_domain: "cluster.local".into(),
+                cert_ttl: Duration::from_secs(3600),
+            }),
+            ..ChartDefaults::default()
+        };
+        let cfg = |v: Option<&str>| {
+            let ann = v
+                .map(|v| labels(&[(annotations::WORKLOAD_CA, v)]))
+                .unwrap_or_default();
+            resolve(&chart, &[], "remora-system", "shop", &BTreeMap::new(), &ann)
+        };
+        assert!(cfg(None).workload_ca.is_some());
+        assert!(cfg(Some("true")).workload_ca.is_some());
+        // Refused by mutate, not guessed at here.
+        assert!(cfg(Some("nope")).workload_ca.is_some());
+        let out = cfg(Some("false"));
+        assert_eq!(out.workload_ca, None);
+        assert_eq!(out.sources, ["defaults", "pod-annotations"]);
+        assert_ne!(cfg(None).restart_hash(), out.restart_hash());
+        assert_eq!(
+            out.restart_hash(),
+            EffectiveConfig::from_defaults(&ChartDefaults::default()).restart_hash(),
+            "a pod without the CA hashes as before the CA existed"
         );
     }
 }

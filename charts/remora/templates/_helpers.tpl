@@ -16,6 +16,16 @@
 {{- printf "%s-tls" (include "remora.injector" .) -}}
 {{- end -}}
 
+{{/* The workload CA's signing Secret (the injector's default, contract's SIGNING_SECRET). */}}
+{{- define "remora.workloadCASecret" -}}
+remora-workload-ca
+{{- end -}}
+
+{{/* The trust-bundle ConfigMap in every injected namespace (contract's TRUST_BUNDLE_CONFIGMAP). */}}
+{{- define "remora.trustBundleConfigMap" -}}
+remora-ca-root-cert
+{{- end -}}
+
 {{- define "remora.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 app.kubernetes.io/part-of: remora

@@ -308,8 +308,8 @@ impl Node {
     }
 
     /// `helm upgrade --install` of `charts/remora` as release [`RELEASE`]
-    /// into `namespace`, with the locally built images
-    /// ([`local_image_values`]) and `extra` `--set` values, `--wait`ing for
+    /// into `namespace`, with the locally built images and the workload CA
+    /// ([`node_chart_values`]) and `extra` `--set` values, `--wait`ing for
     /// the rollout. Idempotent: the same values again roll nothing. While
     /// helm waits, injector pods that cannot start (image not imported,
     /// crash loop) end the install at once with what the kubelet says.
@@ -393,6 +393,15 @@ pub fn local_image_values() -> Vec<String> {
         format!("image.proxy.tag={tag}"),
         "image.proxy.pullPolicy=Never".to_owned(),
     ]
+}
+
+/// Every `--set` the node's install gives before a test's own (which win):
+/// the local images, and the workload CA on (as `values-local.yaml` has it),
+/// so injected pods get their certificates from the operator.
+pub fn node_chart_values() -> Vec<String> {
+    let mut values = local_image_values();
+    values.push("workloadCA.enabled=true".to_owned());
+    values
 }
 
 /// A pod of the pause image (present on every node: `cluster.sh up`
@@ -632,7 +641,7 @@ impl Remora {
         &self.kubeconfig
     }
 
-    /// `helm upgrade --install --wait` with the local images and `extra`.
+    /// `helm upgrade --install --wait` with [`node_chart_values`] and `extra`.
     pub async fn upgrade(&self, client: &Client, extra: &[String]) -> Result<Duration, Error> {
         let mut args: Vec<OsString> = [
             "upgrade",
@@ -648,7 +657,7 @@ impl Remora {
         .collect();
         args.push(crate::chart::chart_dir().into());
         args.push(format!("--timeout={}s", ROLLOUT_TIMEOUT.as_secs()).into());
-        for s in local_image_values().iter().chain(extra) {
+        for s in node_chart_values().iter().chain(extra) {
             args.push("--set".into());
             args.push(s.into());
         }
