@@ -78,46 +78,9 @@ impl DrainStrategy {
     }
 }
 
-/// `PORT=SPIFFE_ID` of `--outbound-tls`: the outbound listener on PORT
-/// speaks mTLS to its upstream, which must present SPIFFE_ID.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct OutboundTlsSpec {
-    pub port: u16,
-    pub spiffe_id: String,
-}
-
-impl std::str::FromStr for OutboundTlsSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let (port, id) = s
-            .split_once('=')
-            .ok_or_else(|| format!("{s:?} is not PORT=SPIFFE_ID"))?;
-        let port = port
-            .trim()
-            .parse::<u16>()
-            .ok()
-            .filter(|p| *p != 0)
-            .ok_or_else(|| format!("{port:?} is not a port (1-65535)"))?;
-        let id = id.trim();
-        // The ID becomes an exact URI SAN matcher: anything but a SPIFFE URI
-        // would never match a workload certificate.
-        let rest = id
-            .strip_prefix("spiffe://")
-            .ok_or_else(|| format!("{id:?} is not a SPIFFE ID (spiffe://...)"))?;
-        if rest.is_empty()
-            || rest.starts_with('/')
-            || id.chars().any(|c| c.is_whitespace() || c.is_control())
-        {
-            return Err(format!(
-                "{id:?} is not a SPIFFE ID (spiffe://TRUST_DOMAIN/PATH)"
-            ));
-        }
-        Ok(Self {
-            port,
-            spiffe_id: id.to_string(),
-        })
-    }
-}
+/// `PORT=SPIFFE_ID` of `--outbound-tls`: the contract's, so the agent and
+/// the injector's check of `remora.dev/outbound-tls` agree.
+pub use remora_contract::traffic::OutboundTlsSpec;
 
 /// Everything `remora-agent run` is configured with.
 #[derive(Debug, Clone, Args, Serialize)]
@@ -267,6 +230,10 @@ pub struct RunConfig {
     /// CA mode: address of an Istio-compatible CA (host:port).
     #[arg(long, env = "REMORA_CA_ADDRESS")]
     pub ca_address: Option<String>,
+    /// CA mode: the name the CA's certificate must carry; default the host
+    /// of --ca-address (set it when dialling the CA by IP, with no cluster DNS).
+    #[arg(long, env = remora_contract::env::CA_SERVER_NAME)]
+    pub ca_server_name: Option<String>,
     /// CA mode: PEM bundle that verifies the CA's serving certificate.
     #[arg(long, env = "REMORA_CA_ROOT_CERT")]
     pub ca_root_cert: Option<PathBuf>,

@@ -28,7 +28,10 @@ fn test_ca(root: Ca, token: &str) -> TestCa {
 
 fn source(server: &CaServer, token_path: &Path, ttl: Duration, out: Option<&Path>) -> CaSource {
     CaSource {
-        address: format!("localhost:{}", server.addr.port()),
+        // Dialled by IP and checked under the certificate's name, as an
+        // injected sidecar dials the CA's ClusterIP with no cluster DNS.
+        address: format!("127.0.0.1:{}", server.addr.port()),
+        server_name: Some("localhost".into()),
         ca_root_pem: Some(server.serving_root_pem.clone()),
         ca_root_cert: None,
         root_poll: Duration::from_millis(50),

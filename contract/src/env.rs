@@ -27,6 +27,7 @@ pub const INBOUND_TLS: &str = "REMORA_INBOUND_TLS";
 pub const INBOUND_TLS_SAN: &str = "REMORA_INBOUND_TLS_SAN";
 pub const OUTBOUND_TLS: &str = "REMORA_OUTBOUND_TLS";
 pub const CA_ADDRESS: &str = "REMORA_CA_ADDRESS";
+pub const CA_SERVER_NAME: &str = "REMORA_CA_SERVER_NAME";
 pub const CA_ROOT_CERT: &str = "REMORA_CA_ROOT_CERT";
 pub const TOKEN_PATH: &str = "REMORA_TOKEN_PATH";
 pub const TRUST_DOMAIN: &str = "REMORA_TRUST_DOMAIN";

@@ -416,10 +416,12 @@ pub struct GrpcIssuer {
 }
 
 impl GrpcIssuer {
-    /// `address` is `host:port` (TLS, verified by `ca_root_pem`) or an
-    /// explicit `http://host:port` for a plaintext CA (local testing only).
+    /// `address` is `host:port` (TLS, verified by `ca_root_pem` under
+    /// `server_name`, default the host) or an explicit `http://host:port`
+    /// for a plaintext CA (local testing only).
     pub fn new(
         address: &str,
+        server_name: Option<&str>,
         ca_root_pem: Option<&str>,
         token_path: PathBuf,
         cluster_id: String,
@@ -440,7 +442,9 @@ impl GrpcIssuer {
                 CaError::Config("--ca-root-cert is required to verify the CA over TLS".into())
             })?;
             let uri: http::Uri = url.parse().map_err(|e| bad(&e))?;
-            let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
+            let host = server_name
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| uri.host().unwrap_or_default().trim_matches(['[', ']']));
             ep = ep
                 .tls_config(
                     ClientTlsConfig::new()
@@ -510,6 +514,7 @@ impl Issuer for GrpcIssuer {
 #[derive(Debug)]
 pub struct RootFollowingIssuer {
     address: String,
+    server_name: Option<String>,
     token_path: PathBuf,
     cluster_id: String,
     state: Mutex<(TrustRoots, GrpcIssuer)>,
@@ -518,6 +523,7 @@ pub struct RootFollowingIssuer {
 impl RootFollowingIssuer {
     pub fn new(
         address: &str,
+        server_name: Option<String>,
         mut roots: TrustRoots,
         token_path: PathBuf,
         cluster_id: String,
@@ -525,12 +531,14 @@ impl RootFollowingIssuer {
         let current = roots.borrow_and_update().clone();
         let issuer = GrpcIssuer::new(
             address,
+            server_name.as_deref(),
             current.as_deref(),
             token_path.clone(),
             cluster_id.clone(),
         )?;
         Ok(Self {
             address: address.to_string(),
+            server_name,
             token_path,
             cluster_id,
             state: Mutex::new((roots, issuer)),
@@ -545,6 +553,7 @@ impl RootFollowingIssuer {
             let now = roots.borrow_and_update().clone();
             *issuer = GrpcIssuer::new(
                 &self.address,
+                self.server_name.as_deref(),
                 now.as_deref(),
                 self.token_path.clone(),
                 self.cluster_id.clone(),
@@ -566,6 +575,8 @@ impl Issuer for RootFollowingIssuer {
 #[derive(Debug, Clone)]
 pub struct CaSource {
     pub address: String,
+    /// The name the CA's certificate is checked against (`--ca-server-name`).
+    pub server_name: Option<String>,
     /// The trust bundle as read at start (`--ca-root-cert`).
     pub ca_root_pem: Option<String>,
     /// The file to follow for new roots; `None`: the start's stay.
@@ -599,6 +610,7 @@ impl CaSource {
         };
         Ok(Self {
             address: address.to_string(),
+            server_name: cfg.ca_server_name.clone().filter(|n| !n.is_empty()),
             ca_root_pem,
             ca_root_cert: cfg.ca_root_cert.clone(),
             root_poll: DEFAULT_ROOT_POLL,
@@ -632,6 +644,7 @@ impl CertSource for CaSource {
             let (tx, roots) = watch::channel(initial);
             let issuer = match RootFollowingIssuer::new(
                 &self.address,
+                self.server_name.clone(),
                 roots.clone(),
                 self.token_path.clone(),
                 self.cluster_id.clone(),
