@@ -343,17 +343,15 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
         [
             rule("authentication.k8s.io", "tokenreviews", "", "create"),
             rule("", "configmaps", "", "create"),
-            rule("", "configmaps", "remora-ca-root-cert", "get,patch,update"),
+            rule("", "configmaps", "remora-ca-root-cert", "patch"),
         ]
     );
     assert_eq!(
         added("Role")?,
-        [rule(
-            "",
-            "secrets",
-            "remora-workload-ca",
-            "get,list,watch,update,patch"
-        )]
+        [
+            rule("", "secrets", "remora-workload-ca", "get,update"),
+            rule("", "services", "remora-injector", "get"),
+        ]
     );
     // The admission policy lets those writes through, by name.
     let vap = find(&objects, "ValidatingAdmissionPolicy")?;
@@ -386,12 +384,7 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
             .collect::<Vec<_>>(),
         [
             rule("", "secrets", "", "create"),
-            rule(
-                "",
-                "secrets",
-                "remora-workload-ca",
-                "get,list,watch,update,patch"
-            ),
+            rule("", "secrets", "remora-workload-ca", "get,update"),
         ]
     );
     cp.delete_namespace(&client, &ns).await?;

@@ -319,12 +319,23 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         listener,
         view,
     } = started;
+    let mut workload_ca = crate::sidecar_config::WorkloadCaWiring::from_args(
+        &args.workload_ca,
+        &args.service_name,
+        &args.operator_namespace,
+    );
+    if let Some(ca) = &mut workload_ca
+        && args
+            .workload_ca
+            .address
+            .as_deref()
+            .unwrap_or_default()
+            .is_empty()
+    {
+        dial_by_cluster_ip(&client, &args, ca).await;
+    }
     let chart = crate::sidecar_config::ChartDefaults {
-        workload_ca: crate::sidecar_config::WorkloadCaWiring::from_args(
-            &args.workload_ca,
-            &args.service_name,
-            &args.operator_namespace,
-        ),
+        workload_ca,
         ..args.proxy.chart(args.default_mode)
     };
     // Not ready (out of the Service) until the first listing is in, even
@@ -499,6 +510,38 @@ async fn start_workload_ca(
     });
     tracing::info!(listen = %ca_args.listen, trust_domain = %ca_args.trust_domain, "workload CA serving");
     Ok((rx, view.clone()))
+}
+
+/// Sidecars dial the CA at its Service's ClusterIP and check its
+/// certificate under the Service's DNS name: a cluster without DNS for
+/// Services (or a pod with its own resolver) still reaches it. Without the
+/// Service (or the right to read it) they dial the DNS name.
+async fn dial_by_cluster_ip(
+    client: &Client,
+    args: &ServeArgs,
+    ca: &mut crate::sidecar_config::WorkloadCaWiring,
+) {
+    let services: kube::Api<k8s_openapi::api::core::v1::Service> =
+        kube::Api::namespaced(client.clone(), &args.operator_namespace);
+    match services.get_opt(&args.service_name).await {
+        Ok(Some(svc)) => {
+            let ip = svc
+                .spec
+                .and_then(|s| s.cluster_ip)
+                .and_then(|ip| ip.parse::<std::net::IpAddr>().ok());
+            if let Some(ip) = ip {
+                let name = format!("{}.{}.svc", args.service_name, args.operator_namespace);
+                ca.address =
+                    std::net::SocketAddr::new(ip, remora_contract::workload_ca::PORT).to_string();
+                ca.server_name = Some(name);
+            }
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, service = %args.service_name, "workload CA: cannot read the Service; sidecars dial its DNS name");
+        }
+    }
+    tracing::info!(address = %ca.address, server_name = ?ca.server_name, "workload CA: the address sidecars dial");
 }
 
 /// The API server's config, from the in-cluster config or KUBECONFIG,

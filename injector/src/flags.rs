@@ -219,6 +219,7 @@ pub struct WorkloadCaArgs {
     pub enabled: bool,
     /// Where the CA's gRPC server (TLS) listens.
     #[arg(
+        id = "workload_ca_listen",
         long = "workload-ca-listen",
         env = "REMORA_WORKLOAD_CA_LISTEN",
         default_value = "0.0.0.0:15012"
@@ -281,8 +282,13 @@ impl WorkloadCaArgs {
                 self.cert_max_ttl, self.cert_ttl
             ));
         }
-        if self.cert_ttl < Duration::from_secs(60) {
-            return Err("--workload-cert-ttl must be at least 60s".into());
+        // The sidecar's --cert-ttl takes the contract's durations (up to 24h).
+        if self.cert_ttl < Duration::from_secs(60) || self.cert_ttl > remora_contract::duration::MAX
+        {
+            return Err(format!(
+                "--workload-cert-ttl must be within 60s and {:?}",
+                remora_contract::duration::MAX
+            ));
         }
         // A root must outlive every certificate it signs plus a rotation's
         // overlap, or leaves would outlive their issuer.

@@ -846,6 +846,12 @@ fn wire_workload_ca(container: &mut Container, ca: &WorkloadCaWiring) {
         env(env_name::TRUST_DOMAIN, ca.trust_domain.clone()),
         env(env_name::CERT_TTL, format_duration(ca.cert_ttl)),
     ]);
+    if let Some(name) = &ca.server_name {
+        container
+            .env
+            .get_or_insert_with(Vec::new)
+            .push(env(env_name::CA_SERVER_NAME, name.clone()));
+    }
     container
         .volume_mounts
         .get_or_insert_with(Vec::new)

@@ -32,6 +32,9 @@ pub struct ChartDefaults {
 pub struct WorkloadCaWiring {
     /// `host:port` the sidecar dials.
     pub address: String,
+    /// The name the CA's certificate is checked against when `address`
+    /// does not carry it (the Service's ClusterIP).
+    pub server_name: Option<String>,
     pub trust_domain: String,
     /// The lifetime the sidecar requests.
     pub cert_ttl: Duration,
@@ -46,6 +49,7 @@ impl WorkloadCaWiring {
     ) -> Option<Self> {
         ca.enabled.then(|| Self {
             address: ca.sidecar_address(service_name, operator_namespace),
+            server_name: None,
             trust_domain: ca.trust_domain.clone(),
             // The agent reads --cert-ttl in the contract's grammar, bounded by
             // its MAX: a longer request would stop the sidecar from starting,
@@ -633,6 +637,7 @@ mod tests {
             wiring(&["--workload-ca"]),
             Some(WorkloadCaWiring {
                 address: "remora-injector.ops.svc:15012".into(),
+                server_name: None,
                 trust_domain: "cluster.local".into(),
                 cert_ttl: Duration::from_secs(24 * 3600),
             })
@@ -659,6 +664,7 @@ mod tests {
         let chart = ChartDefaults {
             workload_ca: Some(WorkloadCaWiring {
                 address: "ca:15012".into(),
+                server_name: None,
                 trust_domain: "cluster.local".into(),
                 cert_ttl: Duration::from_secs(3600),
             }),

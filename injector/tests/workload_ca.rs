@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 fn wiring() -> WorkloadCaWiring {
     WorkloadCaWiring {
         address: "remora-injector.remora-system.svc:15012".into(),
+        server_name: None,
         trust_domain: "mesh.example".into(),
         cert_ttl: Duration::from_secs(12 * 3600),
     }
@@ -49,6 +50,10 @@ fn pod(annotations: &[(&str, &str)]) -> Value {
 
 /// The webhook's path: resolve the pod's config from the chart, then mutate.
 fn mutate_with(p: &Value, with_ca: bool) -> Result<(Value, Vec<String>), MutateError> {
+    mutate_chart(p, &chart(with_ca))
+}
+
+fn mutate_chart(p: &Value, chart: &ChartDefaults) -> Result<(Value, Vec<String>), MutateError> {
     let ns = BTreeMap::from([("remora.dev/inject".to_string(), "enabled".to_string())]);
     let t = Target {
         namespace: "shop",
@@ -57,14 +62,7 @@ fn mutate_with(p: &Value, with_ca: bool) -> Result<(Value, Vec<String>), MutateE
         selection: Selection::Webhook,
     };
     let (labels, annotations) = remora_injector::mutate::pod_meta(p);
-    let cfg = resolve(
-        &chart(with_ca),
-        &[],
-        "remora-system",
-        "shop",
-        &labels,
-        &annotations,
-    );
+    let cfg = resolve(chart, &[], "remora-system", "shop", &labels, &annotations);
     let m = mutate(p, &t, &cfg)?;
     assert_eq!(m.outcome, Outcome::Injected(SidecarMode::Legacy));
     let mut out = p.clone();
@@ -206,6 +204,23 @@ fn the_ca_is_wired_when_enabled() {
         s.volumes.iter().any(|n| n == ca::TRUST_BUNDLE_VOLUME),
         "{s:?}"
     );
+}
+
+#[test]
+fn a_ca_dialled_by_its_cluster_ip_is_checked_under_its_name() {
+    let mut c = chart(true);
+    let w = c.workload_ca.as_mut().expect("wiring");
+    w.address = "10.96.0.9:15012".into();
+    w.server_name = Some("remora-injector.remora-system.svc".into());
+    let (out, _) = mutate_chart(&pod(&[]), &c).expect("injected");
+    let e = env(&out);
+    assert_eq!(e["REMORA_CA_ADDRESS"], "10.96.0.9:15012");
+    assert_eq!(
+        e["REMORA_CA_SERVER_NAME"],
+        "remora-injector.remora-system.svc"
+    );
+    let (out, _) = injected(&pod(&[]), true);
+    assert!(!env(&out).contains_key("REMORA_CA_SERVER_NAME"));
 }
 
 #[test]

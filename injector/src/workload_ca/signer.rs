@@ -11,8 +11,14 @@ use rcgen::{
     Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
 
-/// Backdating of a leaf's start, for clocks a little behind ours.
-const BACKDATE: Duration = Duration::from_secs(60);
+/// Backdating of a leaf's start, for clocks a little behind ours: a
+/// twentieth of its lifetime, at most a minute. More would move the
+/// sidecar's renewal (at half the lifetime from the start) forward.
+const MAX_BACKDATE: Duration = Duration::from_secs(60);
+
+fn backdate(ttl: Duration) -> Duration {
+    (ttl / 20).min(MAX_BACKDATE)
+}
 /// The largest CSR read (a P-256 or RSA-4096 CSR is well under 4 KiB).
 pub const MAX_CSR_BYTES: usize = 16 * 1024;
 
@@ -144,7 +150,7 @@ impl Signer {
         ];
         leaf.serial_number = Some(SerialNumber::from_slice(&rand::random::<[u8; 16]>()));
         leaf.not_before = now
-            .checked_sub(BACKDATE)
+            .checked_sub(backdate(ttl))
             .unwrap_or(now)
             .max(self.not_before)
             .into();
@@ -176,7 +182,7 @@ impl Signer {
         p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         p.not_before = now
-            .checked_sub(BACKDATE)
+            .checked_sub(backdate(validity))
             .unwrap_or(now)
             .max(self.not_before)
             .into();
@@ -238,7 +244,7 @@ mod tests {
         assert_eq!(sans, vec![format!("URI({ID})")]);
         assert!(!cert.is_ca());
         let life = cert.validity().not_after.timestamp() - cert.validity().not_before.timestamp();
-        assert_eq!(life, 180, "120 s asked, backdated 60 s");
+        assert_eq!(life, 126, "120 s asked, backdated a twentieth");
         // A day asked from a root of an hour: cut at the root's end.
         let long = s
             .sign(&csr(vec![uri(ID)]), ID, Duration::from_secs(86_400), now)
