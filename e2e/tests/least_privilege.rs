@@ -638,28 +638,21 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
         .create(&PostParams::default(), &review)
         .await
         .context("creating a TokenReview")?;
-    // The trust bundle in a workload namespace: create, read, patch, replace.
+    // The trust bundle in a workload namespace, as the leader writes it:
+    // server-side apply, which creates it and then patches it.
     let cms = Api::<ConfigMap>::namespaced(injector.clone(), &work);
-    let bundle: ConfigMap = serde_json::from_value(json!({
-        "metadata": {"name": TRUST_BUNDLE_CONFIGMAP},
-        "data": {"root-cert.pem": "a"}}))?;
-    cms.create(&PostParams::default(), &bundle)
-        .await
-        .context("creating the trust bundle")?;
-    cms.patch(
-        TRUST_BUNDLE_CONFIGMAP,
-        &PatchParams::default(),
-        &Patch::Merge(json!({"data": {"root-cert.pem": "b"}})),
-    )
-    .await
-    .context("patching the trust bundle")?;
-    let mut current = cms.get(TRUST_BUNDLE_CONFIGMAP).await?;
-    current.data = Some(BTreeMap::from([("root-cert.pem".into(), "c".into())]));
-    cms.replace(TRUST_BUNDLE_CONFIGMAP, &PostParams::default(), &current)
-        .await
-        .context("replacing the trust bundle")?;
-    // The signing Secret in the release namespace: create, watch by name,
-    // read, patch, replace.
+    let apply = PatchParams::apply("remora-injector").force();
+    for value in ["a", "b"] {
+        let bundle = json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": TRUST_BUNDLE_CONFIGMAP},
+            "data": {"root-cert.pem": value}});
+        cms.patch(TRUST_BUNDLE_CONFIGMAP, &apply, &Patch::Apply(bundle))
+            .await
+            .with_context(|| format!("applying the trust bundle ({value})"))?;
+    }
+    // The signing Secret in the release namespace: create, read, replace
+    // (what every replica's keeper does).
     let secrets = Api::<Secret>::namespaced(injector.clone(), &ns);
     let roots: Secret = serde_json::from_value(json!({
         "metadata": {"name": SIGNING_SECRET}, "stringData": {"k": "v"}}))?;
@@ -667,24 +660,21 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
         .create(&PostParams::default(), &roots)
         .await
         .context("creating the signing Secret")?;
-    let by_name = ListParams::default().fields(&format!("metadata.name={SIGNING_SECRET}"));
-    secrets
-        .list(&by_name)
-        .await
-        .context("listing the signing Secret by name")?;
-    secrets
-        .patch(
-            SIGNING_SECRET,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"stringData": {"k": "w"}})),
-        )
-        .await
-        .context("patching the signing Secret")?;
     let current = secrets.get(SIGNING_SECRET).await?;
     secrets
         .replace(SIGNING_SECRET, &PostParams::default(), &current)
         .await
         .context("replacing the signing Secret")?;
+    refused_by_rbac(
+        "watching the signing Secret (it is read by name)",
+        secrets
+            .list(&ListParams::default().fields(&format!("metadata.name={SIGNING_SECRET}")))
+            .await,
+    )?;
+    refused_by_rbac(
+        "reading the trust bundle back (it is only applied)",
+        cms.get(TRUST_BUNDLE_CONFIGMAP).await,
+    )?;
 
     // --- Anything else is refused. ---
     let other: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "c"}}))?;

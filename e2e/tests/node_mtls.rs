@@ -19,7 +19,7 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use e2e::node::pods::{self, LogFollower};
 use e2e::node::workload_ca::{
-    self as ca, CaClient, EnvoyCerts, envoy_certs, serials, signing_roots, sum_series,
+    self as ca, CaClient, EnvoyCerts, envoy_certs, serials, signing_roots, sum_matching, sum_series,
 };
 use e2e::node::workloads::wait_deployment_rolled_out;
 use e2e::node::{self, Check, Node, Remora, TestNamespace, report, wait_for};
@@ -47,10 +47,12 @@ const CA_VALUES: [&str; 4] = [
 /// Stage → switch (settle) → retire (max TTL + settle), plus pickup.
 const ROTATION_DEADLINE: Duration = Duration::from_secs(600);
 
-async fn install(node: &Node, client: &Client) -> anyhow::Result<Remora> {
+/// Remora with [`CA_VALUES`], installed once for this binary's tests.
+async fn install(node: &Node, client: &Client) -> anyhow::Result<&'static Remora> {
+    static INSTALLED: tokio::sync::OnceCell<Remora> = tokio::sync::OnceCell::const_new();
     let values: Vec<String> = CA_VALUES.iter().map(|s| s.to_string()).collect();
-    Ok(node
-        .install_remora(client, node::RELEASE_NAMESPACE, &values)
+    Ok(INSTALLED
+        .get_or_try_init(|| node.install_remora(client, node::RELEASE_NAMESPACE, &values))
         .await?)
 }
 
@@ -59,7 +61,8 @@ fn spiffe(ns: &str, sa: &str) -> String {
 }
 
 async fn service_account(ns: &TestNamespace, name: &str) -> anyhow::Result<()> {
-    let sa: ServiceAccount = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+    let sa: ServiceAccount =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
     ns.api::<ServiceAccount>()
         .create(&PostParams::default(), &sa)
         .await?;
@@ -73,11 +76,7 @@ fn deployment(
     args: &[&str],
 ) -> anyhow::Result<Deployment> {
     let mut d = pods::test_app_deployment(name, 1, annotations, args)?;
-    if let Some(spec) = d
-        .spec
-        .as_mut()
-        .and_then(|s| s.template.spec.as_mut())
-    {
+    if let Some(spec) = d.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
         spec.service_account_name = Some(name.to_string());
     }
     Ok(d)
@@ -103,9 +102,14 @@ fn name(p: &Pod) -> String {
     p.metadata.name.clone().unwrap_or_default()
 }
 
-async fn envoy_stats(p: &Pod) -> anyhow::Result<String> {
-    let addr = SocketAddr::new(pod_ip(p)?, STATS_PORT);
-    let r = pods::http_get(addr, "/stats/prometheus", Duration::from_secs(5)).await?;
+/// Envoy's Prometheus stats, straight from the pod's stats port.
+async fn envoy_stats(ip: IpAddr) -> Result<String, node::Error> {
+    let r = pods::http_get(
+        SocketAddr::new(ip, STATS_PORT),
+        "/stats/prometheus",
+        Duration::from_secs(5),
+    )
+    .await?;
     Ok(r.into_body())
 }
 
@@ -126,10 +130,10 @@ fn tls_counts(stats: &str, side: &str) -> TlsCounts {
         "fail_verify_cert_hash",
     ]
     .iter()
-    .map(|s| sum_series(stats, &format!("envoy_{side}_ssl_{s}")))
+    .map(|s| sum_matching(stats, &format!("envoy_{side}_"), &format!("_ssl_{s}")))
     .sum();
     TlsCounts {
-        handshakes: sum_series(stats, &format!("envoy_{side}_ssl_handshake")),
+        handshakes: sum_matching(stats, &format!("envoy_{side}_"), "_ssl_handshake"),
         errors,
         hot_restart_epoch: sum_series(stats, "envoy_server_hot_restart_epoch"),
     }
@@ -151,7 +155,12 @@ fn outbound_counts(lines: &[pods::LogLine]) -> Option<(u64, u64)> {
 }
 
 /// Scale `app` to 0 and return its app container's whole log.
-async fn stop_and_log(client: &Client, ns: &str, app: &str, pod: &str) -> anyhow::Result<Vec<pods::LogLine>> {
+async fn stop_and_log(
+    client: &Client,
+    ns: &str,
+    app: &str,
+    pod: &str,
+) -> anyhow::Result<Vec<pods::LogLine>> {
     let follower = LogFollower::start(client, ns, pod, "app").await?;
     Api::<Deployment>::namespaced(client.clone(), ns)
         .patch(
@@ -182,7 +191,10 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
         })
     })
     .await?;
-    report(&format!("  trust bundle in {n} after {} ms", t.elapsed().as_millis()));
+    report(&format!(
+        "  trust bundle in {n} after {} ms",
+        t.elapsed().as_millis()
+    ));
     service_account(&ns, "server").await?;
     service_account(&ns, "client").await?;
     let (client_id, server_id) = (spiffe(&n, "client"), spiffe(&n, "server"));
@@ -195,7 +207,11 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
             &PostParams::default(),
             &deployment(
                 "server",
-                &[(MODE, "Legacy"), (INBOUND, &inbound), (INBOUND_TLS, &client_id)],
+                &[
+                    (MODE, "Legacy"),
+                    (INBOUND, &inbound),
+                    (INBOUND_TLS, &client_id),
+                ],
                 &["--port", &port, "--delay", "1ms"],
             )?,
         )
@@ -226,7 +242,11 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
             &PostParams::default(),
             &deployment(
                 "client",
-                &[(MODE, "Legacy"), (OUTBOUND, &outbound), (OUTBOUND_TLS, &outbound_tls)],
+                &[
+                    (MODE, "Legacy"),
+                    (OUTBOUND, &outbound),
+                    (OUTBOUND_TLS, &outbound_tls),
+                ],
                 &[
                     "--port",
                     &port,
@@ -240,20 +260,27 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
         .await?;
     let client_pod = one_pod(&client, &n, "client").await?;
     let (cp, sp) = (name(&client_pod), name(&server));
+    let (cip, sip) = (pod_ip(&client_pod)?, pod_ip(&server)?);
 
     // Both identities, as each Envoy holds them.
     let c0 = envoy_certs(&client, &n, &cp).await?;
     let s0 = envoy_certs(&client, &n, &sp).await?;
-    ensure!(c0.leaf_uris == vec![client_id.clone()], "client's certificate: {c0:?}");
-    ensure!(s0.leaf_uris == vec![server_id.clone()], "server's certificate: {s0:?}");
-    report(&format!("  client {cp} is {client_id}; server {sp} is {server_id}"));
+    ensure!(
+        c0.leaf_uris == vec![client_id.clone()],
+        "client's certificate: {c0:?}"
+    );
+    ensure!(
+        s0.leaf_uris == vec![server_id.clone()],
+        "server's certificate: {s0:?}"
+    );
+    report(&format!(
+        "  client {cp} is {client_id}; server {sp} is {server_id}"
+    ));
     // The calls go through, over TLS on both sides.
-    let mut handshakes = 0.0;
     wait_for("mTLS handshakes on both sides", DEADLINE, || async {
-        let c = tls_counts(&envoy_stats(&client_pod).await?, "cluster");
-        let s = tls_counts(&envoy_stats(&server).await?, "listener");
-        handshakes = c.handshakes.min(s.handshakes);
-        Ok(if handshakes >= 20.0 {
+        let c = tls_counts(&envoy_stats(cip).await?, "cluster");
+        let s = tls_counts(&envoy_stats(sip).await?, "listener");
+        Ok(if c.handshakes.min(s.handshakes) >= 20.0 {
             Check::Done(())
         } else {
             Check::NotYet(format!("client {c:?}, server {s:?}"))
@@ -262,13 +289,17 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
     .await?;
 
     // Rotate the signing root while the load runs.
-    let roots0 = signing_roots(&client, &remora).await?.context("no signing roots")?;
+    let roots0 = signing_roots(&client, remora)
+        .await?
+        .context("no signing roots")?;
     let old_root = serials(&roots0.current);
     Api::<Secret>::namespaced(client.clone(), &remora.namespace)
         .patch(
             SIGNING_SECRET,
             &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {"remora.dev/rotate": "now"}}})),
+            &Patch::Merge(
+                serde_json::json!({"metadata": {"annotations": {"remora.dev/rotate": "now"}}}),
+            ),
         )
         .await?;
     let t_rot = Instant::now();
@@ -282,7 +313,9 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
             last[0],
             last[1]
         );
-        let r = signing_roots(&client, &remora).await?.context("signing roots gone")?;
+        let r = signing_roots(&client, remora)
+            .await?
+            .context("signing roots gone")?;
         let step = match (&r.next, &r.previous, r.current == roots0.current) {
             (Some(_), _, true) => "staged",
             (None, Some(_), false) => "switched",
@@ -320,13 +353,16 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
         agent_cert_updates(&client, &n, &cp).await?,
         agent_cert_updates(&client, &n, &sp).await?,
     ];
-    let c = tls_counts(&envoy_stats(&client_pod).await?, "cluster");
-    let s = tls_counts(&envoy_stats(&server).await?, "listener");
+    let c = tls_counts(&envoy_stats(cip).await?, "cluster");
+    let s = tls_counts(&envoy_stats(sip).await?, "listener");
     report(&format!(
         "  agent certificate updates: client {}, server {}; TLS: client {c:?}, server {s:?}",
         updates[0], updates[1]
     ));
-    ensure!(c.errors == 0.0 && s.errors == 0.0, "TLS failures: client {c:?}, server {s:?}");
+    ensure!(
+        c.errors == 0.0 && s.errors == 0.0,
+        "TLS failures: client {c:?}, server {s:?}"
+    );
     ensure!(
         c.hot_restart_epoch == 0.0 && s.hot_restart_epoch == 0.0,
         "Envoy was restarted: client {c:?}, server {s:?}"
@@ -364,7 +400,14 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
     let mut outsider = deployment(
         "outsider",
         &[],
-        &["--port", &port, "--outbound-every", "200ms", "--outbound-url", &format!("http://{ip}:80/")],
+        &[
+            "--port",
+            &port,
+            "--outbound-every",
+            "200ms",
+            "--outbound-url",
+            &format!("http://{ip}:80/"),
+        ],
     )?;
     outsider
         .spec
@@ -384,7 +427,7 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
     );
     let opn = name(&op);
     wait_for("the outsider's refused calls", DEADLINE, || async {
-        let log = pods::container_log(&client, &n, &opn, "app").await?;
+        let log = pods::container_log(&client, &n, &opn, "app", false).await?;
         let refused = log.iter().filter(|l| l.text.contains(" failed:")).count();
         Ok(if refused >= 5 {
             Check::Done(())
@@ -397,7 +440,10 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
     let (ok, failed) = outbound_counts(&lines).context("the outsider's count")?;
     report(&format!("  outside the mesh: {ok} ok, {failed} refused"));
     ensure!(ok == 0 && failed > 0, "the outsider got {ok} answers");
-    ensure!(node.guard_drops().await? == 0, "the egress guard dropped packets");
+    ensure!(
+        node.guard_drops().await? == 0,
+        "the egress guard dropped packets"
+    );
     ns.delete().await?;
     Ok(())
 }
@@ -421,7 +467,7 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     })
     .await?;
     let injectors = Api::<Pod>::namespaced(client.clone(), &remora.namespace)
-        .list(&ListParams::default().labels("app.kubernetes.io/component=injector"))
+        .list(&ListParams::default().labels("app.kubernetes.io/name=remora-injector"))
         .await?;
     let injector = injectors
         .items
@@ -448,7 +494,10 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
         "metadata": {"name": "doomed", "labels": {"remora.dev/inject": "false"}},
         "spec": {"serviceAccountName": "alice", "containers": [node::test_app_container("app", &["--port", "8080"])]}
     }))?;
-    let doomed = ns.api::<Pod>().create(&PostParams::default(), &doomed).await?;
+    let doomed = ns
+        .api::<Pod>()
+        .create(&PostParams::default(), &doomed)
+        .await?;
     let stale_token = ca::token(&client, &n, "alice", TOKEN_AUDIENCE, Some(&doomed)).await?;
     ns.api::<Pod>()
         .delete("doomed", &DeleteParams::default().grace_period(0))
@@ -462,26 +511,66 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     .await?;
 
     let cases: Vec<(&str, Option<&str>, String, tonic::Code)> = vec![
-        ("no token", None, ca::csr(&alice)?, tonic::Code::Unauthenticated),
-        ("garbage token", Some("not-a-jwt"), ca::csr(&alice)?, tonic::Code::Unauthenticated),
-        ("the API server's audience", Some(&api_token), ca::csr(&alice)?, tonic::Code::Unauthenticated),
-        ("a token of a deleted pod", Some(&stale_token), ca::csr(&alice)?, tonic::Code::Unauthenticated),
-        ("bob's token for alice's identity", Some(&bob_token), ca::csr(&alice)?, tonic::Code::PermissionDenied),
+        (
+            "no token",
+            None,
+            ca::csr(&alice)?,
+            tonic::Code::Unauthenticated,
+        ),
+        (
+            "garbage token",
+            Some("not-a-jwt"),
+            ca::csr(&alice)?,
+            tonic::Code::Unauthenticated,
+        ),
+        (
+            "the API server's audience",
+            Some(&api_token),
+            ca::csr(&alice)?,
+            tonic::Code::Unauthenticated,
+        ),
+        (
+            "a token of a deleted pod",
+            Some(&stale_token),
+            ca::csr(&alice)?,
+            tonic::Code::Unauthenticated,
+        ),
+        (
+            "bob's token for alice's identity",
+            Some(&bob_token),
+            ca::csr(&alice)?,
+            tonic::Code::PermissionDenied,
+        ),
         (
             "another trust domain",
             Some(&alice_token),
             ca::csr(&format!("spiffe://evil.example/ns/{n}/sa/alice"))?,
             tonic::Code::PermissionDenied,
         ),
-        ("a garbage CSR", Some(&alice_token), "garbage".into(), tonic::Code::InvalidArgument),
-        ("a huge CSR", Some(&alice_token), "A".repeat(40_000), tonic::Code::InvalidArgument),
+        (
+            "a garbage CSR",
+            Some(&alice_token),
+            "garbage".into(),
+            tonic::Code::InvalidArgument,
+        ),
+        (
+            "a huge CSR",
+            Some(&alice_token),
+            "A".repeat(40_000),
+            tonic::Code::InvalidArgument,
+        ),
     ];
     for (what, token, csr, code) in cases {
         match ca.create(token, csr, ttl).await {
             Ok(chain) => bail!("{what}: issued {} certificates", chain.len()),
             Err(s) => {
                 report(&format!("  {what}: {:?}: {}", s.code(), s.message()));
-                ensure!(s.code() == code, "{what}: {:?} {}, wanted {code:?}", s.code(), s.message());
+                ensure!(
+                    s.code() == code,
+                    "{what}: {:?} {}, wanted {code:?}",
+                    s.code(),
+                    s.message()
+                );
                 ensure!(
                     token.is_none_or(|t| !s.message().contains(t)),
                     "{what}: the refusal echoes the token"

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, ServiceAccount};
-use kube::api::{Api, PostParams};
 use kube::Client;
+use kube::api::{Api, PostParams};
 use remora_contract::workload_ca::{PORT, TRUST_BUNDLE_CONFIGMAP, TRUST_BUNDLE_KEY};
 use remora_proto::istio::v1::auth::IstioCertificateRequest;
 use remora_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
@@ -43,7 +43,10 @@ pub struct SigningRoots {
     pub previous: Option<String>,
 }
 
-pub async fn signing_roots(client: &Client, remora: &Remora) -> Result<Option<SigningRoots>, Error> {
+pub async fn signing_roots(
+    client: &Client,
+    remora: &Remora,
+) -> Result<Option<SigningRoots>, Error> {
     let s = Api::<Secret>::namespaced(client.clone(), &remora.namespace)
         .get_opt(remora_contract::workload_ca::SIGNING_SECRET)
         .await?;
@@ -68,9 +71,12 @@ pub fn serials(pem: &str) -> Vec<String> {
     x509_parser::pem::Pem::iter_from_buffer(pem.as_bytes())
         .filter_map(Result::ok)
         .filter_map(|p| {
-            p.parse_x509()
-                .ok()
-                .map(|c| c.raw_serial().iter().map(|b| format!("{b:02x}")).collect::<String>())
+            p.parse_x509().ok().map(|c| {
+                c.raw_serial()
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+            })
         })
         .map(|s| s.trim_start_matches('0').to_string())
         .collect()
@@ -98,8 +104,8 @@ pub async fn envoy_certs(client: &Client, namespace: &str, pod: &str) -> Result<
     if !status.is_success() {
         return Err(failed(format!("/certs of {namespace}/{pod}"), status));
     }
-    let v: serde_json::Value =
-        serde_json::from_str(&body).map_err(|e| failed(format!("/certs of {namespace}/{pod}"), e))?;
+    let v: serde_json::Value = serde_json::from_str(&body)
+        .map_err(|e| failed(format!("/certs of {namespace}/{pod}"), e))?;
     let mut out = EnvoyCerts::default();
     let norm = |s: &str| s.to_ascii_lowercase().trim_start_matches('0').to_string();
     for c in v["certificates"].as_array().into_iter().flatten() {
@@ -159,7 +165,8 @@ pub async fn token(
 /// A fresh ECDSA P-256 key's CSR asking for `uri` (what the agent sends).
 pub fn csr(uri: &str) -> Result<String, Error> {
     use rcgen::{CertificateParams, KeyPair, SanType};
-    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| failed("key", e))?;
+    let key =
+        KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| failed("key", e))?;
     let mut p = CertificateParams::default();
     p.subject_alt_names = vec![SanType::URI(uri.try_into().map_err(|e| failed("uri", e))?)];
     p.serialize_request(&key)
@@ -176,7 +183,16 @@ pub struct CaClient {
 
 impl CaClient {
     pub fn connect(pod_ip: IpAddr, server_name: &str, bundle: &str) -> Result<Self, Error> {
-        let url = format!("https://{}", std::net::SocketAddr::new(pod_ip, PORT));
+        Self::connect_addr(std::net::SocketAddr::new(pod_ip, PORT), server_name, bundle)
+    }
+
+    /// As [`CaClient::connect`], to any address (the Service's ClusterIP).
+    pub fn connect_addr(
+        addr: std::net::SocketAddr,
+        server_name: &str,
+        bundle: &str,
+    ) -> Result<Self, Error> {
+        let url = format!("https://{addr}");
         let ep = Endpoint::from_shared(url.clone())
             .map_err(|e| failed(&url, e))?
             .connect_timeout(Duration::from_secs(5))
@@ -220,12 +236,20 @@ impl CaClient {
 
 /// The sum of every series of metric `name` in a Prometheus text exposition.
 pub fn sum_series(text: &str, name: &str) -> f64 {
+    sum_matching(text, name, "")
+}
+
+/// The sum of every series whose metric name starts with `prefix` and ends
+/// with `suffix`. Envoy folds a cluster name with dots (an IP) into the
+/// metric name, so a cluster's series is found by both ends.
+pub fn sum_matching(text: &str, prefix: &str, suffix: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let name = series.split('{').next()?;
+            (name.starts_with(prefix) && name.ends_with(suffix))
+                .then(|| value.parse::<f64>().ok())?
         })
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
         .sum()
 }
