@@ -7,7 +7,10 @@
 //! connection per call, no retry) the certificates (2-minute lifetime) are
 //! renewed at half life and the CA's signing root is rotated (staged,
 //! switched, retired): no call may fail, no TLS handshake may fail, and
-//! Envoy is never restarted. A workload outside the mesh is refused.
+//! Envoy is never restarted. Then the CA goes away (the injector scaled to
+//! 0) until each sidecar has failed a renewal, and comes back: the calls go
+//! on with the certificate in hand, and both sidecars renew again. A
+//! workload outside the mesh is refused.
 //! The bad-input test calls the CA itself from the host.
 //!
 //! Runs with `REMORA_NODE_TESTS=1` (see `e2e::node`).
@@ -139,9 +142,24 @@ fn tls_counts(stats: &str, side: &str) -> TlsCounts {
     }
 }
 
-async fn agent_cert_updates(client: &Client, ns: &str, pod: &str) -> anyhow::Result<f64> {
+/// The agent's certificate counters: (bundles published, failed CA calls).
+async fn agent_certs(client: &Client, ns: &str, pod: &str) -> Result<(f64, f64), node::Error> {
     let (_, body) = node::pod_http_get(client, ns, pod, AGENT_ADMIN_PORT, "/metrics").await?;
-    Ok(sum_series(&body, "remora_agent_cert_updates_total"))
+    Ok((
+        sum_series(&body, "remora_agent_cert_updates_total"),
+        sum_series(&body, "remora_agent_cert_failures_total"),
+    ))
+}
+
+async fn scale_injector(client: &Client, remora: &Remora, replicas: i32) -> anyhow::Result<()> {
+    Api::<Deployment>::namespaced(client.clone(), &remora.namespace)
+        .patch(
+            &remora.injector(),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"replicas": replicas}})),
+        )
+        .await?;
+    Ok(())
 }
 
 /// The client app's own count, logged when it stops: `N ok, M failed`.
@@ -350,8 +368,8 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
         "fewer than two renewals: {leaves:?}"
     );
     let updates = [
-        agent_cert_updates(&client, &n, &cp).await?,
-        agent_cert_updates(&client, &n, &sp).await?,
+        agent_certs(&client, &n, &cp).await?.0,
+        agent_certs(&client, &n, &sp).await?.0,
     ];
     let c = tls_counts(&envoy_stats(cip).await?, "cluster");
     let s = tls_counts(&envoy_stats(sip).await?, "listener");
@@ -366,6 +384,65 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
     ensure!(
         c.hot_restart_epoch == 0.0 && s.hot_restart_epoch == 0.0,
         "Envoy was restarted: client {c:?}, server {s:?}"
+    );
+
+    // The CA down (both replicas gone): each sidecar fails to renew, keeps
+    // serving the certificate it has, retries with backoff, and renews once
+    // the CA is back; the calls keep going through all along.
+    let before = [
+        agent_certs(&client, &n, &cp).await?,
+        agent_certs(&client, &n, &sp).await?,
+    ];
+    scale_injector(&client, remora, 0).await?;
+    let t_down = Instant::now();
+    wait_for(
+        "both sidecars to fail a renewal",
+        Duration::from_secs(180),
+        || async {
+            let now = [
+                agent_certs(&client, &n, &cp).await?,
+                agent_certs(&client, &n, &sp).await?,
+            ];
+            Ok(if now.iter().zip(&before).all(|(a, b)| a.1 > b.1) {
+                Check::Done(())
+            } else {
+                Check::NotYet(format!("failures before {before:?}, now {now:?}"))
+            })
+        },
+    )
+    .await?;
+    let down_for = t_down.elapsed().as_secs();
+    scale_injector(&client, remora, 2).await?;
+    remora.wait_ready(&client, 2).await?;
+    let mid = [
+        agent_certs(&client, &n, &cp).await?,
+        agent_certs(&client, &n, &sp).await?,
+    ];
+    wait_for(
+        "both sidecars to renew from the CA again",
+        Duration::from_secs(180),
+        || async {
+            let now = [
+                agent_certs(&client, &n, &cp).await?,
+                agent_certs(&client, &n, &sp).await?,
+            ];
+            Ok(if now.iter().zip(&mid).all(|(a, b)| a.0 > b.0) {
+                Check::Done(())
+            } else {
+                Check::NotYet(format!("updates when back {mid:?}, now {now:?}"))
+            })
+        },
+    )
+    .await?;
+    report(&format!(
+        "  CA down: both sidecars failed a renewal within {down_for} s, renewed {} s after the CA was gone",
+        t_down.elapsed().as_secs()
+    ));
+    let c = tls_counts(&envoy_stats(cip).await?, "cluster");
+    let s = tls_counts(&envoy_stats(sip).await?, "listener");
+    ensure!(
+        c.errors == 0.0 && s.errors == 0.0,
+        "TLS failures around the CA's outage: client {c:?}, server {s:?}"
     );
 
     // Stop the client and read its own count of calls.

@@ -492,12 +492,14 @@ async fn start_workload_ca(
             max: ca_args.cert_max_ttl,
         },
         metrics,
-        recorder: Some(kube::runtime::events::Recorder::new(
-            client.clone(),
-            kube::runtime::events::Reporter {
-                controller: crate::controller::FIELD_MANAGER.into(),
-                instance: Some(args.leader_config().identity),
-            },
+        events: Some(service::RefusalEvents::new(
+            kube::runtime::events::Recorder::new(
+                client.clone(),
+                kube::runtime::events::Reporter {
+                    controller: crate::controller::FIELD_MANAGER.into(),
+                    instance: Some(args.leader_config().identity),
+                },
+            ),
         )),
     };
     let max = usize::try_from(ca_args.max_in_flight).unwrap_or(usize::MAX);

@@ -72,7 +72,28 @@ pub struct CaService<A> {
     pub lifetimes: Lifetimes,
     pub metrics: Metrics,
     /// Events for refusals of a known caller (on its pod); `None` in tests.
-    pub recorder: Option<Recorder>,
+    pub events: Option<RefusalEvents>,
+}
+
+/// At most this many refusal Events are being published at once; more are
+/// dropped (counted in the metrics all the same), so that a pod sending bad
+/// requests in a loop cannot make the CA flood the API server.
+const MAX_EVENTS_IN_FLIGHT: usize = 8;
+
+/// Publishes refusal Events, a bounded number at a time.
+#[derive(Clone)]
+pub struct RefusalEvents {
+    recorder: Recorder,
+    slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl RefusalEvents {
+    pub fn new(recorder: Recorder) -> Self {
+        Self {
+            recorder,
+            slots: Arc::new(tokio::sync::Semaphore::new(MAX_EVENTS_IN_FLIGHT)),
+        }
+    }
 }
 
 impl<A: Authenticate> CaService<A> {
@@ -117,9 +138,16 @@ impl<A: Authenticate> CaService<A> {
     /// An Event on the caller's pod, published on a task of its own so
     /// that the refusal is not held up by the API server.
     fn record(&self, refusal: &Refusal, caller: &Caller) {
-        let (Some(recorder), Some(pod)) = (self.recorder.clone(), &caller.pod) else {
+        let (Some(events), Some(pod)) = (&self.events, &caller.pod) else {
             return;
         };
+        let Ok(slot) = Arc::clone(&events.slots).try_acquire_owned() else {
+            tracing::debug!(
+                "workload CA: refusal Events are being published already; dropping this one"
+            );
+            return;
+        };
+        let recorder = events.recorder.clone();
         let event = Event {
             type_: EventType::Warning,
             reason: "CertificateRefused".into(),
@@ -135,6 +163,7 @@ impl<A: Authenticate> CaService<A> {
             ..Default::default()
         };
         tokio::spawn(async move {
+            let _slot = slot;
             if let Err(e) = recorder.publish(&event, &regarding).await {
                 tracing::debug!(error = %e, "workload CA: cannot record the refusal's Event");
             }
@@ -231,7 +260,7 @@ mod tests {
                 max: Duration::from_secs(7200),
             },
             metrics: Metrics::default(),
-            recorder: None,
+            events: None,
         }
     }
 
