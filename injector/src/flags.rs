@@ -290,6 +290,14 @@ impl WorkloadCaArgs {
                 remora_contract::duration::MAX
             ));
         }
+        // The kubelet refreshes a ConfigMap volume within about a minute: a
+        // shorter settle would let a new root sign before pods trust it.
+        if self.settle < Duration::from_secs(60) {
+            return Err(format!(
+                "--workload-ca-settle ({:?}) must be at least 60s",
+                self.settle
+            ));
+        }
         // A root must outlive every certificate it signs plus a rotation's
         // overlap, or leaves would outlive their issuer.
         let needed = self

@@ -387,7 +387,11 @@ pub async fn run_renewal<I: Issuer>(
                 policy.jittered(d, rand::rng().random())
             }
         };
-        let deadline = tokio::time::Instant::now() + wait;
+        let now = tokio::time::Instant::now();
+        // Saturate: a huge wait is "a day from now", never a panic.
+        let deadline = now
+            .checked_add(wait)
+            .unwrap_or_else(|| now + Duration::from_secs(86_400));
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -551,13 +555,20 @@ impl RootFollowingIssuer {
         let (roots, issuer) = &mut *state;
         if roots.has_changed().unwrap_or(false) {
             let now = roots.borrow_and_update().clone();
-            *issuer = GrpcIssuer::new(
+            match GrpcIssuer::new(
                 &self.address,
                 self.server_name.as_deref(),
                 now.as_deref(),
                 self.token_path.clone(),
                 self.cluster_id.clone(),
-            )?;
+            ) {
+                Ok(i) => *issuer = i,
+                Err(e) => {
+                    // Not seen until it is in use: the next call tries again.
+                    roots.mark_changed();
+                    return Err(e);
+                }
+            }
             tracing::info!(address = %self.address, "CA connection rebuilt to verify the CA with the new trust roots");
         }
         Ok(issuer.clone())

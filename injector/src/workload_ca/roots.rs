@@ -7,7 +7,9 @@
 //! 1. stage: at two thirds of the root's life, or when someone sets the
 //!    annotation [`ROTATE`] on the Secret, a new root is made and joins the
 //!    trust bundle; the old one still signs;
-//! 2. switch: `settle` later (every pod has the new bundle by then) the new
+//! 2. switch: `settle` later (the time it takes the bundle to reach every
+//!    pod: the leader's write, the kubelet's ConfigMap refresh and the
+//!    agent's poll; assumed, not checked) the new
 //!    root signs, and the old one stays in the bundle as `previous`;
 //! 3. retire: once every certificate the old root signed has ended (the
 //!    longest lifetime granted, plus `settle`), it leaves the bundle.
@@ -107,13 +109,21 @@ pub fn plan(roots: Option<&Roots>, p: &Policy, now: SystemTime) -> Option<Step> 
             // A broken staged root is made again.
             return Some(Step::Stage);
         }
-        let due = at(r.staged_at.unwrap_or(0)).checked_add(p.settle);
+        // Staged at an unknown time (someone edited the annotations): stage
+        // again, so that the clock starts now rather than at the epoch.
+        let Some(staged) = r.staged_at else {
+            return Some(Step::Stage);
+        };
+        let due = at(staged).checked_add(p.settle);
         return due.is_some_and(|d| d <= now).then_some(Step::Switch);
     }
     if let Some(prev) = &r.previous {
         let expired = crate::ca::validity_of(prev).is_none_or(|(_, e)| e <= now);
-        let over = at(r.switched_at.unwrap_or(0))
-            .checked_add(p.overlap)
+        // Switched at an unknown time: the old root stays until it ends, as
+        // leaves it signed may still be in use.
+        let over = r
+            .switched_at
+            .and_then(|t| at(t).checked_add(p.overlap))
             .is_some_and(|d| d <= now);
         return (expired || over).then_some(Step::Retire);
     }
@@ -343,6 +353,28 @@ mod tests {
         assert!(!staged.rotate);
         let back = from_secret(&to_secret(&staged, ObjectMeta::default())).expect("parsed");
         assert_eq!(back, staged);
+    }
+
+    #[test]
+    fn lost_timestamps_never_shorten_a_step() {
+        let p = policy();
+        let t0 = SystemTime::now();
+        let r = apply(None, Step::Create, &p, t0).expect("create");
+        let mut staged = apply(Some(&r), Step::Stage, &p, t0).expect("stage");
+        staged.staged_at = None;
+        assert_eq!(
+            plan(Some(&staged), &p, t0),
+            Some(Step::Stage),
+            "staged again, not switched"
+        );
+        let mut switched = apply(Some(&staged), Step::Switch, &p, t0).expect("switch");
+        switched.switched_at = None;
+        assert_eq!(
+            plan(Some(&switched), &p, t0 + 10 * MIN),
+            None,
+            "kept until it ends"
+        );
+        assert_eq!(plan(Some(&switched), &p, t0 + 31 * MIN), Some(Step::Create));
     }
 
     #[test]

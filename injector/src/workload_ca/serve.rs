@@ -1,8 +1,12 @@
 //! The CA's gRPC server: TLS with this replica's serving certificate
 //! (swapped in place when the root changes), HTTP/2 only, bounded: at most
 //! [`MAX_CONNECTIONS`] connections (more wait in the kernel's queue), a TLS
-//! handshake deadline, a request timeout, a message size cap and at most
-//! `max_in_flight` requests served at once.
+//! handshake deadline, a request timeout, a message size cap, at most
+//! `max_in_flight` requests served at once, and connections closed
+//! (gracefully: a GOAWAY, requests in flight finish) after
+//! [`MAX_CONNECTION_AGE`], so an idle or silent client holds a place for at
+//! most that long. There is no per-peer cap: a pod that opens thousands of
+//! connections can still fill the places for that long.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -29,6 +33,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// A CSR is a few KiB; nothing legitimate comes near this.
 const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 const MAX_STREAMS_PER_CONNECTION: u32 = 64;
+/// A sidecar asks about once per half certificate lifetime; its client
+/// reconnects by itself when the connection is closed.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(300);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -150,6 +157,8 @@ pub async fn serve<A: Authenticate>(
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .max_connection_age(MAX_CONNECTION_AGE)
+        .max_connection_age_grace(REQUEST_TIMEOUT)
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
             max_in_flight,
         ))

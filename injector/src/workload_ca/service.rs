@@ -194,10 +194,15 @@ impl<A: Authenticate> IstioCertificateService for CaService<A> {
             Err((refusal, caller)) => {
                 self.metrics.refused(refusal.reason());
                 // Never the token: the refusal's text does not carry it.
-                tracing::info!(reason = refusal.reason(), namespace = caller.as_ref().map(|c| c.namespace.as_str()),
-                    service_account = caller.as_ref().map(|c| c.service_account.as_str()),
-                    pod = caller.as_ref().and_then(|c| c.pod.as_deref()),
-                    error = %refusal, "workload CA: certificate refused");
+                // A refusal of no known caller (no or a bad token) costs
+                // any pod one request to cause: debug, counted all the same.
+                match &caller {
+                    Some(c) => tracing::info!(reason = refusal.reason(), namespace = %c.namespace,
+                        service_account = %c.service_account, pod = c.pod.as_deref(),
+                        error = %refusal, "workload CA: certificate refused"),
+                    None => tracing::debug!(reason = refusal.reason(), error = %refusal,
+                        "workload CA: certificate refused"),
+                }
                 if let Some(c) = &caller {
                     self.record(&refusal, c);
                 }

@@ -88,7 +88,7 @@ impl Signer {
     }
 
     /// Sign `csr_pem` for `identity`, valid `ttl` from `now` (backdated a
-    /// minute) and never past the root. Returns the chain, leaf first and
+    /// twentieth of `ttl`, at most a minute) and never past the root. Returns the chain, leaf first and
     /// the root last (what Istio's protocol returns).
     pub fn sign(
         &self,
