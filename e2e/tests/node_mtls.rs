@@ -202,13 +202,7 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
     // The leader writes the trust bundle into the new namespace; a pod
     // created before it waits on its volume.
     let t = Instant::now();
-    wait_for("the trust bundle ConfigMap", DEADLINE, || async {
-        Ok(match ca::trust_bundle(&client, &n).await? {
-            Some(b) if !b.trim().is_empty() => Check::Done(()),
-            _ => Check::NotYet("not written yet".into()),
-        })
-    })
-    .await?;
+    ca::wait_trust_bundle(&client, &n, DEADLINE).await?;
     report(&format!(
         "  trust bundle in {n} after {} ms",
         t.elapsed().as_millis()
@@ -536,13 +530,7 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     let n = ns.name().to_string();
     service_account(&ns, "alice").await?;
     service_account(&ns, "bob").await?;
-    let bundle = wait_for("the trust bundle", DEADLINE, || async {
-        Ok(match ca::trust_bundle(&client, &n).await? {
-            Some(b) if !b.trim().is_empty() => Check::Done(b),
-            _ => Check::NotYet("not written yet".into()),
-        })
-    })
-    .await?;
+    let bundle = ca::wait_trust_bundle(&client, &n, DEADLINE).await?;
     let injectors = Api::<Pod>::namespaced(client.clone(), &remora.namespace)
         .list(&ListParams::default().labels("app.kubernetes.io/name=remora-injector"))
         .await?;

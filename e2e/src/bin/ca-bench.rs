@@ -31,7 +31,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Parser;
 use e2e::node::workload_ca::{self as ca, CaClient};
-use e2e::node::{self, Check, Node, TestNamespace, wait_for};
+use e2e::node::{self, Node, TestNamespace};
 use e2e::stats::Summary;
 use k8s_openapi::api::core::v1::{Service, ServiceAccount};
 use kube::api::{Api, PostParams};
@@ -105,13 +105,7 @@ async fn main() -> Result<()> {
         .await?;
     let ns = TestNamespace::injected(node, &client, "ca-bench").await?;
     let n = ns.name().to_string();
-    let bundle = wait_for("the trust bundle", Duration::from_secs(120), || async {
-        Ok(match ca::trust_bundle(&client, &n).await? {
-            Some(b) if !b.trim().is_empty() => Check::Done(b),
-            _ => Check::NotYet("not written yet".into()),
-        })
-    })
-    .await?;
+    let bundle = ca::wait_trust_bundle(&client, &n, Duration::from_secs(120)).await?;
     let svc = Api::<Service>::namespaced(client.clone(), &remora.namespace)
         .get(&remora.injector())
         .await?;

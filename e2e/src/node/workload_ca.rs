@@ -34,6 +34,21 @@ pub async fn trust_bundle(client: &Client, namespace: &str) -> Result<Option<Str
         .and_then(|d| d.get(TRUST_BUNDLE_KEY).cloned()))
 }
 
+/// Waits (up to `deadline`) for the trust bundle in `namespace`; returns it.
+pub async fn wait_trust_bundle(
+    client: &Client,
+    namespace: &str,
+    deadline: Duration,
+) -> Result<String, Error> {
+    super::wait_for("the trust bundle ConfigMap", deadline, || async {
+        Ok(match trust_bundle(client, namespace).await? {
+            Some(b) if !b.trim().is_empty() => super::Check::Done(b),
+            _ => super::Check::NotYet("not written yet".into()),
+        })
+    })
+    .await
+}
+
 /// The signing Secret's current root (`root-cert.pem`), staged root and
 /// retiring root, as PEM.
 #[derive(Debug, Clone, PartialEq, Eq)]

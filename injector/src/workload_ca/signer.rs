@@ -79,6 +79,20 @@ impl Signer {
         })
     }
 
+    /// A certificate's start and end for `life` from `now`: backdated,
+    /// and never outside the root's own.
+    fn window(&self, now: SystemTime, life: Duration) -> (SystemTime, SystemTime) {
+        let start = now
+            .checked_sub(backdate(life))
+            .unwrap_or(now)
+            .max(self.not_before);
+        let end = now
+            .checked_add(life)
+            .unwrap_or(self.not_after)
+            .min(self.not_after);
+        (start, end)
+    }
+
     pub fn root_pem(&self) -> &str {
         &self.root_pem
     }
@@ -149,16 +163,8 @@ impl Signer {
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
         leaf.serial_number = Some(SerialNumber::from_slice(&rand::random::<[u8; 16]>()));
-        leaf.not_before = now
-            .checked_sub(backdate(ttl))
-            .unwrap_or(now)
-            .max(self.not_before)
-            .into();
-        leaf.not_after = now
-            .checked_add(ttl)
-            .unwrap_or(self.not_after)
-            .min(self.not_after)
-            .into();
+        let (start, end) = self.window(now, ttl);
+        (leaf.not_before, leaf.not_after) = (start.into(), end.into());
         let signed = CertificateSigningRequestParams {
             params: leaf,
             public_key: csr.public_key,
@@ -181,16 +187,8 @@ impl Signer {
         p.distinguished_name = DistinguishedName::new();
         p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        p.not_before = now
-            .checked_sub(backdate(validity))
-            .unwrap_or(now)
-            .max(self.not_before)
-            .into();
-        p.not_after = now
-            .checked_add(validity)
-            .unwrap_or(self.not_after)
-            .min(self.not_after)
-            .into();
+        let (start, end) = self.window(now, validity);
+        (p.not_before, p.not_after) = (start.into(), end.into());
         let cert = p.signed_by(&key, &self.issuer).map_err(e)?;
         Ok((cert.pem() + &self.root_pem, key.serialize_pem()))
     }
