@@ -537,7 +537,8 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     let injector = injectors
         .items
         .iter()
-        .find(|p| node::is_ready(p))
+        // Not one the install's rollout is taking away.
+        .find(|p| node::is_ready(p) && p.metadata.deletion_timestamp.is_none())
         .context("no ready injector pod")?;
     let server_name = format!("{}.{}.svc", remora.injector(), remora.namespace);
     let ca = CaClient::connect(pod_ip(injector)?, &server_name, &bundle)?;
@@ -546,10 +547,19 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     let alice_token = ca::token(&client, &n, "alice", TOKEN_AUDIENCE, None).await?;
 
     // The good case first, so that a refusal below is not a broken setup.
-    let chain = ca
-        .create(Some(&alice_token), ca::csr(&alice)?, ttl)
-        .await
-        .context("alice's own certificate")?;
+    let chain = wait_for(
+        "the CA to issue alice's own certificate",
+        DEADLINE,
+        || async {
+            Ok(
+                match ca.create(Some(&alice_token), ca::csr(&alice)?, ttl).await {
+                    Ok(chain) => Check::Done(chain),
+                    Err(s) => Check::NotYet(format!("{:?}: {}", s.code(), s.message())),
+                },
+            )
+        },
+    )
+    .await?;
     ensure!(chain.len() == 2, "chain {chain:?}");
 
     let bob_token = ca::token(&client, &n, "bob", TOKEN_AUDIENCE, None).await?;
