@@ -240,7 +240,9 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
 /// deletes it. The leader writes the CA's bundle back within seconds (it
 /// watches the ConfigMap; before, it rewrote it every 10 minutes). The CA,
 /// over its real TLS, returns the same bundle with every certificate it
-/// issues, which is what sidecars trust for their peers.
+/// issues, which is what sidecars trust for their peers. Then a rotation:
+/// the leader records on the signing Secret that every bundle carries the
+/// staged root, and the switch comes `settle` after that record (item 10).
 #[tokio::test]
 async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> anyhow::Result<()> {
     use e2e::injector::Options;
@@ -262,6 +264,8 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
         "--workload-ca",
         "--workload-ca-listen",
         &format!("127.0.0.1:{ca_port}"),
+        "--workload-ca-settle",
+        "60s",
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -270,12 +274,17 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
     let logs = || injector.log_tail();
 
     let cms = Api::<ConfigMap>::namespaced(admin.clone(), &work);
+    // The bundle key, when it is in `data` alone.
     let bundle_now = || async {
+        let cm = cms.get_opt(TRUST_BUNDLE_CONFIGMAP).await?;
+        let in_binary = cm
+            .as_ref()
+            .and_then(|c| c.binary_data.as_ref())
+            .is_some_and(|b| b.contains_key(TRUST_BUNDLE_KEY));
         Ok::<_, kube::Error>(
-            cms.get_opt(TRUST_BUNDLE_CONFIGMAP)
-                .await?
-                .and_then(|c| c.data)
-                .and_then(|d| d.get(TRUST_BUNDLE_KEY).cloned()),
+            cm.and_then(|c| c.data)
+                .and_then(|d| d.get(TRUST_BUNDLE_KEY).cloned())
+                .filter(|_| !in_binary),
         )
     };
     let bundle = wait_until(
@@ -350,10 +359,29 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
     )
     .await
     .with_context(logs)?;
-    eprintln!(
-        "foreign edit reverted in {reverted_in:?}, deletion restored in {:?}",
-        deleted.elapsed()
-    );
+    let restored_in = deleted.elapsed();
+
+    // Moved to `binaryData` with their root (the kubelet mounts either):
+    // written back too.
+    let mut cm = theirs.get(TRUST_BUNDLE_CONFIGMAP).await?;
+    cm.data = None;
+    cm.binary_data = Some(std::collections::BTreeMap::from([(
+        TRUST_BUNDLE_KEY.to_string(),
+        k8s_openapi::ByteString(format!("{bundle}{evil_root}").into_bytes()),
+    )]));
+    theirs.replace(TRUST_BUNDLE_CONFIGMAP, &pp, &cm).await?;
+    wait_until(
+        "the binaryData edit reverted",
+        Duration::from_secs(5),
+        || async {
+            Ok::<_, kube::Error>(
+                (bundle_now().await?.as_deref() == Some(bundle.as_str())).then_some(()),
+            )
+        },
+    )
+    .await
+    .with_context(logs)?;
+    eprintln!("foreign edit reverted in {reverted_in:?}, deletion restored in {restored_in:?}");
 
     // The CA over its TLS (verified by the bundle, under the Service's
     // name): the certificate comes with the same bundle, not the attacker's.
@@ -381,6 +409,58 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
             .contains("changed or deleted by someone else"),
         "{}",
         logs()
+    );
+
+    // A rotation asked for: staged at once; recorded once the namespace's
+    // bundle carries the staged root; switched `settle` after the record.
+    use remora_injector::workload_ca::roots::{DISTRIBUTED, DISTRIBUTED_AT, ROTATE, fingerprint};
+    let secrets = Api::<Secret>::namespaced(admin.clone(), &op);
+    let name = remora_contract::workload_ca::SIGNING_SECRET;
+    secrets
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"metadata": {"annotations": {ROTATE: "now"}}})),
+        )
+        .await?;
+    let (staged, recorded_at) = wait_until(
+        "the staged root recorded as in every bundle",
+        Duration::from_secs(30),
+        || async {
+            let s = secrets.get(name).await?;
+            let ann = s.metadata.annotations.clone().unwrap_or_default();
+            let Some(next) = text(&s, "next-cert.pem") else {
+                return Ok::<_, kube::Error>(None);
+            };
+            let recorded = ann.get(DISTRIBUTED).cloned() == fingerprint(&next);
+            let at = ann.get(DISTRIBUTED_AT).and_then(|t| t.parse::<u64>().ok());
+            Ok(at.filter(|_| recorded).map(|at| (next, at)))
+        },
+    )
+    .await
+    .with_context(logs)?;
+    let carried = bundle_now().await?.unwrap_or_default();
+    assert!(
+        carried.contains(staged.trim()),
+        "recorded before the bundle carries it"
+    );
+    let switched_at = wait_until("the switch", Duration::from_secs(120), || async {
+        let s = secrets.get(name).await?;
+        let switched = text(&s, "root-cert.pem").is_some_and(|r| r.trim() == staged.trim());
+        let at = s
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("remora.dev/switched-at"))
+            .and_then(|t| t.parse::<u64>().ok());
+        Ok::<_, kube::Error>(at.filter(|_| switched))
+    })
+    .await
+    .with_context(logs)?;
+    assert!(
+        switched_at >= recorded_at + 60,
+        "switched at {switched_at}, {}s after the record",
+        switched_at.saturating_sub(recorded_at)
     );
 
     drop(injector);

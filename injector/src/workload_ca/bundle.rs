@@ -220,6 +220,8 @@ pub async fn run(
             }
             let wanted = targets();
             written.retain(|ns, _| wanted.contains(ns));
+            // Namespaces being deleted: they take no bundle, and need none.
+            let mut terminating: BTreeSet<&str> = BTreeSet::new();
             for ns in &wanted {
                 if written.get(ns) == Some(&bundle) {
                     continue;
@@ -237,8 +239,33 @@ pub async fn run(
                         tracing::info!(namespace = %ns, "workload CA: trust bundle written");
                         written.insert(ns.clone(), bundle.clone());
                     }
+                    // Someone put the key in `binaryData`, which the apply
+                    // cannot take over (a key may not be in both): drop it
+                    // there; the next pass applies.
+                    Err(kube::Error::Api(e)) if e.code == 422 => {
+                        tracing::warn!(namespace = %ns, error = %e.message, "workload CA: the trust bundle's key is in binaryData; removing it there");
+                        let drop_binary =
+                            serde_json::json!({"binaryData": {TRUST_BUNDLE_KEY: null}});
+                        if let Err(e) = api
+                            .patch(
+                                TRUST_BUNDLE_CONFIGMAP,
+                                &PatchParams::default(),
+                                &Patch::Merge(drop_binary),
+                            )
+                            .await
+                        {
+                            tracing::warn!(namespace = %ns, error = %e, "workload CA: cannot write the trust bundle");
+                        }
+                        wake.notify_one();
+                    }
                     // A namespace being deleted refuses new objects; the
                     // next pass tries again while it is still wanted.
+                    Err(kube::Error::Api(e))
+                        if e.code == 403 && e.message.contains("being terminated") =>
+                    {
+                        tracing::debug!(namespace = %ns, "workload CA: the namespace is being deleted; no trust bundle");
+                        terminating.insert(ns);
+                    }
                     Err(e) => {
                         tracing::warn!(namespace = %ns, error = %e, "workload CA: cannot write the trust bundle");
                     }
@@ -247,7 +274,9 @@ pub async fn run(
                     return;
                 }
             }
-            let everywhere = wanted.iter().all(|ns| written.get(ns) == Some(&bundle));
+            let everywhere = wanted
+                .iter()
+                .all(|ns| written.get(ns) == Some(&bundle) || terminating.contains(ns.as_str()));
             if let Some(fp) = staged.filter(|fp| everywhere && recorded.as_ref() != Some(fp)) {
                 match record_distributed(&secrets, &signing.name, &fp).await {
                     Ok(true) => {
