@@ -403,10 +403,9 @@ pub async fn run_renewal<I: Issuer>(
         };
         let now = tokio::time::Instant::now();
         // Saturate: a huge wait is "a day from now", never a panic.
-        let deadline = now
+        let mut deadline = now
             .checked_add(wait)
             .unwrap_or_else(|| now + Duration::from_secs(86_400));
-        let mut deadline = deadline;
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -1090,6 +1089,34 @@ mod tests {
         let c = calls_within(&h, policy.min_interval * 2, 3).await;
         assert_eq!(c.len(), 3);
         cancel.cancel();
+    }
+
+    /// The CA's trust bundle metadata: absent is `None` (an Istio CA);
+    /// garbage or too much is the CA's error, named as such.
+    #[test]
+    fn the_trust_bundle_metadata_is_read_and_checked() {
+        use remora_contract::workload_ca::{MAX_TRUST_BUNDLE_BYTES, TRUST_BUNDLE_METADATA};
+        use tonic::metadata::{BinaryMetadataValue, MetadataMap};
+        let with = |bytes: &[u8]| {
+            let mut m = MetadataMap::new();
+            m.insert_bin(
+                TRUST_BUNDLE_METADATA,
+                BinaryMetadataValue::from_bytes(bytes),
+            );
+            m
+        };
+        assert_eq!(trust_bundle_of(&MetadataMap::new()).expect("none"), None);
+        let root = Ca::new("root").pem;
+        assert_eq!(
+            trust_bundle_of(&with(root.as_bytes())).expect("good"),
+            Some(root.clone())
+        );
+        let big = root.repeat(MAX_TRUST_BUNDLE_BYTES / root.len() + 1);
+        for bad in [&b"not PEM"[..], &[0xff, 0xfe][..], big.as_bytes()] {
+            let e = trust_bundle_of(&with(bad)).expect_err("refused");
+            assert!(matches!(e, CaError::TrustBundle(..)), "{e}");
+            assert!(e.to_string().contains(TRUST_BUNDLE_METADATA), "{e}");
+        }
     }
 
     /// The `--ca-root-cert` file: a change is sent once; unreadable, empty
