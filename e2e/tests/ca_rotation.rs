@@ -236,9 +236,9 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
 
 /// The trust-bundle attack against the workload CA (issue 27, item 5), on
 /// the real API server: a user with the rights `edit` gives on ConfigMaps
-/// in a namespace adds their own root to its `remora-ca-root-cert`, or
-/// deletes it. The leader writes the CA's bundle back within seconds (it
-/// watches the ConfigMap; before, it rewrote it every 10 minutes). The CA,
+/// in a namespace adds their own root to its `remora-ca-root-cert`, moves
+/// it to `binaryData`, or deletes it. The leader, which watches the
+/// ConfigMap, writes the CA's bundle back within seconds. The CA,
 /// over its real TLS, returns the same bundle with every certificate it
 /// issues, which is what sidecars trust for their peers. Then a rotation:
 /// the leader records on the signing Secret that every bundle carries the
