@@ -23,6 +23,7 @@ fn test_ca(root: Ca, token: &str) -> TestCa {
         signer: Arc::new(Mutex::new(Arc::new(root))),
         seen: Arc::default(),
         expected_token: Arc::new(Mutex::new(token.to_string())),
+        trust_bundle: Arc::default(),
     }
 }
 
@@ -136,9 +137,10 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
         assert_eq!(seen.ttls[0], 4);
     }
     let written = remora_agent::certs::file::load_dir(&out)?;
-    // The chain's root joins the trust bundle (here the CA's serving root).
+    // A CA that sends no trust bundle (Istio's): its chain's root alone,
+    // not the roots that verify the CA (here the CA's serving root).
     assert!(written.roots_pem.contains(root1_pem.trim()));
-    assert!(written.roots_pem.contains(rig_serving_root.trim()));
+    assert!(!written.roots_pem.contains(rig_serving_root.trim()));
 
     // The token file rotates: the next call must carry the new one.
     std::fs::write(&token, "tok-2\n")?;
@@ -262,17 +264,23 @@ async fn ca_bad_token_holds_readiness_with_the_reason() -> Result<()> {
     Ok(())
 }
 
-/// The trust bundle file (`--ca-root-cert`, a ConfigMap the kubelet swaps)
-/// gains a new root: Envoy's ROOTCA follows at once, without a CA call and
-/// without a restart; a broken file afterwards keeps the roots in service.
+/// The trust-bundle attack (issue 27, item 5): whoever may write ConfigMaps
+/// in the namespace adds a root of their own to the bundle file
+/// (`--ca-root-cert`, a ConfigMap the kubelet swaps). Envoy's ROOTCA stays
+/// what the CA said over its verified connection, and a client whose
+/// certificate that root signed is refused at Envoy. A root the CA itself
+/// stages does reach Envoy, by the CA call the file's change prompts, with
+/// no restart; a broken file afterwards keeps the roots in service.
 #[tokio::test]
-async fn a_new_root_in_the_trust_bundle_file_reaches_envoy_without_a_ca_call() -> Result<()> {
+async fn an_attackers_root_in_the_trust_bundle_file_is_not_trusted() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let token = tmp.path().join("token");
     std::fs::write(&token, "tok")?;
     let mesh = Ca::new("mesh-root");
+    let mesh_pem = mesh.pem.clone();
     let client = connector(&mesh.pem, &mesh.leaf());
     let ca_impl = test_ca(mesh, "tok");
+    *ca_impl.trust_bundle.lock().unwrap() = Some(mesh_pem.clone());
     let server = CaServer::start(ca_impl.clone(), 0).await?;
     let bundle_dir = tmp.path().join("trust");
     std::fs::create_dir_all(&bundle_dir)?;
@@ -287,26 +295,48 @@ async fn a_new_root_in_the_trust_bundle_file_reaches_envoy_without_a_ca_call() -
     let port = rig.envoy.listener_port;
     let first = rig.serial_other_than("").await?;
     wait_serial(port, &client, &first).await?;
-    let calls = ca_impl.seen.lock().unwrap().calls;
+    let calls = || ca_impl.seen.lock().unwrap().calls;
+    let before = calls();
 
-    // A client of a root the CA never signed with is refused ...
-    // (It trusts the served roots, to verify Envoy's certificate.)
+    // The attacker's root and a certificate it signed (any identity: the
+    // listener checks the chain, as `inbound-tls` without SANs does). The
+    // client trusts the mesh root, to verify Envoy's certificate.
+    let attacker = Ca::new("attacker-root");
+    let attacker_client = connector(&mesh_pem, &attacker.leaf());
+    assert!(roundtrip(port, &attacker_client).await.is_err());
+    kubelet(&format!("{}{}", server.serving_root_pem, attacker.pem))?;
+    // The agent asks the CA again, and serves what it says.
+    wait_until(
+        DEADLINE,
+        "a CA call prompted by the edited file",
+        || async { (calls() > before).then_some(()) },
+    )
+    .await?;
+    let second = rig.serial_other_than(&first).await?;
+    wait_serial(port, &client, &second).await?;
+    let served = rig_mesh_pem(&rig);
+    assert!(!served.contains(attacker.pem.trim()), "{served}");
+    assert!(
+        roundtrip(port, &attacker_client).await.is_err(),
+        "a certificate of the attacker's root is refused"
+    );
+    // One call for that content, however long it stays.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(calls(), before + 1, "no call loop");
+    assert!(roundtrip(port, &attacker_client).await.is_err());
+
+    // A root the CA stages: the leader writes it to the file too.
     let next = Ca::new("next-root");
-    let newcomer_both = connector(&rig_mesh_pem(&rig), &next.leaf());
-    assert!(roundtrip(port, &newcomer_both).await.is_err());
-
-    // ... until the trust bundle carries that root.
+    let newcomer = connector(&mesh_pem, &next.leaf());
+    assert!(roundtrip(port, &newcomer).await.is_err());
+    *ca_impl.trust_bundle.lock().unwrap() = Some(format!("{mesh_pem}{}", next.pem));
     kubelet(&format!("{}{}", server.serving_root_pem, next.pem))?;
-    wait_until(DEADLINE, "ROOTCA with the new root at Envoy", || async {
-        roundtrip(port, &newcomer_both).await.ok().map(|_| ())
+    wait_until(DEADLINE, "ROOTCA with the staged root at Envoy", || async {
+        roundtrip(port, &newcomer).await.ok().map(|_| ())
     })
     .await?;
-    assert_eq!(ca_impl.seen.lock().unwrap().calls, calls, "no CA call");
-    let (_, serial) = roundtrip(port, &client).await?;
-    assert_eq!(
-        serial, first,
-        "the same certificate, the mesh root still trusted"
-    );
+    roundtrip(port, &client).await?;
+    assert!(roundtrip(port, &attacker_client).await.is_err());
 
     // A broken file: counted, and the roots in service stay.
     let failures = metric(&rig.registry, "cert_failures_total");
@@ -315,7 +345,7 @@ async fn a_new_root_in_the_trust_bundle_file_reaches_envoy_without_a_ca_call() -
         (metric(&rig.registry, "cert_failures_total") > failures).then_some(())
     })
     .await?;
-    roundtrip(port, &newcomer_both).await?;
+    roundtrip(port, &newcomer).await?;
     assert!(rig.readiness.is_ready(), "readiness does not flap");
 
     rig.cancel.cancel();
@@ -330,4 +360,98 @@ fn rig_mesh_pem(rig: &Rig) -> String {
         .current()
         .map(|b| b.roots_pem.clone())
         .unwrap_or_default()
+}
+
+/// A TLS session resumed from before a root's retirement is refused after
+/// it (issue 27, item 10). The TLS meant is the workload mTLS at the
+/// sidecar's Envoy, the only one where a peer's certificate is checked
+/// against the roots that retire (the CA's own server asks for no client
+/// certificate). A client whose certificate the retiring root signed
+/// resumes its session while that root is trusted; once the CA retires it
+/// and the agent has pushed the new ROOTCA, the same client, resuming the
+/// same session, is refused.
+#[tokio::test]
+async fn a_session_resumed_from_before_a_root_retires_is_refused_after_it() -> Result<()> {
+    use rustls::client::Resumption;
+    use rustls::pki_types::ServerName;
+    use tokio_rustls::TlsConnector;
+
+    let tmp = tempfile::tempdir()?;
+    let token = tmp.path().join("token");
+    std::fs::write(&token, "tok")?;
+    let (old, new) = (Ca::new("retiring-root"), Ca::new("current-root"));
+    let (old_pem, new_pem) = (old.pem.clone(), new.pem.clone());
+    let ca_impl = test_ca(new, "tok");
+    *ca_impl.trust_bundle.lock().unwrap() = Some(format!("{new_pem}{old_pem}"));
+    let server = CaServer::start(ca_impl.clone(), 0).await?;
+    let bundle_dir = tmp.path().join("trust");
+    std::fs::create_dir_all(&bundle_dir)?;
+    let kubelet = |roots: &str| {
+        remora_test_support::kubelet::atomic_write(&bundle_dir, [("root-cert.pem", roots)])
+            .map(|_| ())
+    };
+    kubelet(&format!("{}{new_pem}{old_pem}", server.serving_root_pem))?;
+    let mut src = source(&server, &token, Duration::from_secs(3600), None);
+    src.ca_root_cert = Some(bundle_dir.join("root-cert.pem"));
+    let rig = rig(tmp, src).await?;
+    let port = rig.envoy.listener_port;
+    rig.serial_other_than("").await?;
+
+    // A peer of the retiring root, with session resumption on.
+    let peer = old.leaf();
+    let mut cfg = (*remora_test_support::pki::client_config(&new_pem, Some(&peer))?).clone();
+    cfg.resumption = Resumption::in_memory_sessions(16);
+    let resuming = TlsConnector::from(Arc::new(cfg));
+    let connect = |tls: TlsConnector| async move {
+        let fut = async {
+            let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+            let mut s = tls.connect(ServerName::try_from("localhost")?, tcp).await?;
+            echo(&mut s).await?;
+            let kind = s.get_ref().1.handshake_kind();
+            Ok::<_, anyhow::Error>(kind)
+        };
+        tokio::time::timeout(Duration::from_secs(5), fut)
+            .await
+            .map_err(|_| anyhow::anyhow!("timed out"))?
+    };
+    wait_until(DEADLINE, "the retiring root's peer let in", || async {
+        connect(resuming.clone()).await.ok()
+    })
+    .await?;
+    // A ticket from the first session: this one resumes.
+    let kind = wait_until(DEADLINE, "a resumed session", || async {
+        connect(resuming.clone())
+            .await
+            .ok()
+            .flatten()
+            .filter(|k| *k == rustls::HandshakeKind::Resumed)
+    })
+    .await?;
+    assert_eq!(kind, rustls::HandshakeKind::Resumed);
+    // Store a fresh ticket just before the retirement.
+    connect(resuming.clone()).await?;
+
+    // The retirement: the CA's trust set drops the old root, the bundle
+    // file follows, the agent asks the CA and pushes the new ROOTCA.
+    *ca_impl.trust_bundle.lock().unwrap() = Some(new_pem.clone());
+    kubelet(&format!("{}{new_pem}", server.serving_root_pem))?;
+    let fresh = connector(&new_pem, &peer);
+    wait_until(
+        DEADLINE,
+        "the retired root's peer refused afresh",
+        || async { roundtrip(port, &fresh).await.is_err().then_some(()) },
+    )
+    .await?;
+    let served = rig_mesh_pem(&rig);
+    assert!(!served.contains(old_pem.trim()), "{served}");
+    let resumed = connect(resuming.clone()).await;
+    assert!(
+        resumed.is_err(),
+        "a session from before the retirement resumed after it: {resumed:?}"
+    );
+
+    rig.cancel.cancel();
+    rig.handle.join().await?;
+    server.stop().await;
+    Ok(())
 }

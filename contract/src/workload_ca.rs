@@ -22,7 +22,10 @@ pub const TOKEN_PATH: &str = "/var/run/secrets/tokens/remora-token";
 pub const TOKEN_EXPIRATION_SECONDS: i64 = 3600;
 
 /// The ConfigMap that carries the trust bundle (every root the mesh trusts,
-/// old and new during a rotation) in every injected namespace.
+/// old and new during a rotation) in every injected namespace. Anyone who
+/// may write ConfigMaps in the namespace can edit it, so the sidecar uses it
+/// only to check the CA's own certificate and as a hint to ask the CA again;
+/// the roots it trusts for its peers come from [`TRUST_BUNDLE_METADATA`].
 pub const TRUST_BUNDLE_CONFIGMAP: &str = "remora-ca-root-cert";
 /// Its key: PEM, one or more roots.
 pub const TRUST_BUNDLE_KEY: &str = "root-cert.pem";
@@ -31,6 +34,17 @@ pub const TRUST_BUNDLE_VOLUME: &str = "remora-ca-root";
 pub const TRUST_BUNDLE_DIR: &str = "/etc/remora/ca";
 /// [`TRUST_BUNDLE_DIR`]/[`TRUST_BUNDLE_KEY`]: the agent's `--ca-root-cert`.
 pub const TRUST_BUNDLE_PATH: &str = "/etc/remora/ca/root-cert.pem";
+
+/// The gRPC response metadata (binary: tonic base64-encodes it) in which the
+/// CA returns, with every certificate it issues, every root the mesh trusts
+/// now (current, staged and retiring; PEM). It reaches the sidecar over the
+/// CA's verified connection, so a tenant who can write the
+/// [`TRUST_BUNDLE_CONFIGMAP`] cannot add to it: the sidecar's peers are
+/// checked against these roots alone. Istio clients ignore it.
+pub const TRUST_BUNDLE_METADATA: &str = "x-remora-trust-bundle-bin";
+/// The most the agent reads of [`TRUST_BUNDLE_METADATA`] (three P-256 roots
+/// are about 2 KiB).
+pub const MAX_TRUST_BUNDLE_BYTES: usize = 64 * 1024;
 
 /// The Secret (in the operator's namespace) that holds the CA's signing roots.
 pub const SIGNING_SECRET: &str = "remora-workload-ca";

@@ -233,3 +233,238 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }
+
+/// The trust-bundle attack against the workload CA (issue 27, item 5), on
+/// the real API server: a user with the rights `edit` gives on ConfigMaps
+/// in a namespace adds their own root to its `remora-ca-root-cert`, moves
+/// it to `binaryData`, or deletes it. The leader, which watches the
+/// ConfigMap, writes the CA's bundle back within seconds. The CA,
+/// over its real TLS, returns the same bundle with every certificate it
+/// issues, which is what sidecars trust for their peers. Then a rotation:
+/// the leader records on the signing Secret that every bundle carries the
+/// staged root, and the switch comes `settle` after that record (item 10).
+#[tokio::test]
+async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> anyhow::Result<()> {
+    use e2e::injector::Options;
+    use e2e::node::workload_ca::{CaClient, csr, token};
+    use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    use remora_contract::workload_ca::{TOKEN_AUDIENCE, TRUST_BUNDLE_CONFIGMAP, TRUST_BUNDLE_KEY};
+    use serde_json::json;
+
+    let cp = ControlPlane::shared().await?;
+    let admin = cp.client()?;
+    let op = cp.create_namespace(&admin, "tb-op").await?;
+    let work = cp.create_namespace(&admin, "tb-work").await?;
+    label_namespace(&admin, &work, "remora.dev/inject", "enabled").await?;
+    let ca_port = remora_test_support::ports::free_port();
+    let mut options = Options::new(&op);
+    options.args = [
+        "--leader-elect=false",
+        "--workload-ca",
+        "--workload-ca-listen",
+        &format!("127.0.0.1:{ca_port}"),
+        "--workload-ca-settle",
+        "60s",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let injector = Injector::start(cp.kubeconfig(), options).await?;
+    let logs = || injector.log_tail();
+
+    let cms = Api::<ConfigMap>::namespaced(admin.clone(), &work);
+    // The bundle key, when it is in `data` alone.
+    let bundle_now = || async {
+        let cm = cms.get_opt(TRUST_BUNDLE_CONFIGMAP).await?;
+        let in_binary = cm
+            .as_ref()
+            .and_then(|c| c.binary_data.as_ref())
+            .is_some_and(|b| b.contains_key(TRUST_BUNDLE_KEY));
+        Ok::<_, kube::Error>(
+            cm.and_then(|c| c.data)
+                .and_then(|d| d.get(TRUST_BUNDLE_KEY).cloned())
+                .filter(|_| !in_binary),
+        )
+    };
+    let bundle = wait_until(
+        "the trust bundle in the injected namespace",
+        Duration::from_secs(30),
+        || async { bundle_now().await },
+    )
+    .await
+    .with_context(logs)?;
+
+    // The attacker: a ServiceAccount with what `edit` grants on ConfigMaps.
+    let pp = PostParams::default();
+    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": "gitops"}}))?;
+    Api::<ServiceAccount>::namespaced(admin.clone(), &work)
+        .create(&pp, &sa)
+        .await?;
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": "configmaps"},
+        "rules": [{"apiGroups": [""], "resources": ["configmaps"],
+                   "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}]}))?;
+    Api::<Role>::namespaced(admin.clone(), &work)
+        .create(&pp, &role)
+        .await?;
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "gitops"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "configmaps"},
+        "subjects": [{"kind": "ServiceAccount", "name": "gitops", "namespace": work}]}))?;
+    Api::<RoleBinding>::namespaced(admin.clone(), &work)
+        .create(&pp, &binding)
+        .await?;
+    let attacker = cp.client_with_token(
+        &e2e::controlplane::service_account_token(&admin, &work, "gitops").await?,
+    )?;
+    let theirs = Api::<ConfigMap>::namespaced(attacker, &work);
+    let evil_root = remora_test_support::pki::Ca::new("attacker root").pem;
+
+    // Their root added: written back within seconds.
+    let mut cm = wait_until(
+        "the attacker may write it",
+        Duration::from_secs(10),
+        || async { Ok::<_, kube::Error>(theirs.get(TRUST_BUNDLE_CONFIGMAP).await.ok()) },
+    )
+    .await?;
+    cm.data = Some(std::collections::BTreeMap::from([(
+        TRUST_BUNDLE_KEY.to_string(),
+        format!("{bundle}{evil_root}"),
+    )]));
+    theirs.replace(TRUST_BUNDLE_CONFIGMAP, &pp, &cm).await?;
+    let edited = Instant::now();
+    wait_until("the edit reverted", Duration::from_secs(5), || async {
+        Ok::<_, kube::Error>(
+            (bundle_now().await?.as_deref() == Some(bundle.as_str())).then_some(()),
+        )
+    })
+    .await
+    .with_context(logs)?;
+    let reverted_in = edited.elapsed();
+
+    // Deleted: back within seconds.
+    theirs
+        .delete(TRUST_BUNDLE_CONFIGMAP, &Default::default())
+        .await?;
+    let deleted = Instant::now();
+    wait_until(
+        "the deleted bundle restored",
+        Duration::from_secs(5),
+        || async {
+            Ok::<_, kube::Error>(
+                (bundle_now().await?.as_deref() == Some(bundle.as_str())).then_some(()),
+            )
+        },
+    )
+    .await
+    .with_context(logs)?;
+    let restored_in = deleted.elapsed();
+
+    // Moved to `binaryData` with their root (the kubelet mounts either):
+    // written back too.
+    let mut cm = theirs.get(TRUST_BUNDLE_CONFIGMAP).await?;
+    cm.data = None;
+    cm.binary_data = Some(std::collections::BTreeMap::from([(
+        TRUST_BUNDLE_KEY.to_string(),
+        k8s_openapi::ByteString(format!("{bundle}{evil_root}").into_bytes()),
+    )]));
+    theirs.replace(TRUST_BUNDLE_CONFIGMAP, &pp, &cm).await?;
+    wait_until(
+        "the binaryData edit reverted",
+        Duration::from_secs(5),
+        || async {
+            Ok::<_, kube::Error>(
+                (bundle_now().await?.as_deref() == Some(bundle.as_str())).then_some(()),
+            )
+        },
+    )
+    .await
+    .with_context(logs)?;
+    eprintln!("foreign edit reverted in {reverted_in:?}, deletion restored in {restored_in:?}");
+
+    // The CA over its TLS (verified by the bundle, under the Service's
+    // name): the certificate comes with the same bundle, not the attacker's.
+    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": "app"}}))?;
+    Api::<ServiceAccount>::namespaced(admin.clone(), &work)
+        .create(&pp, &sa)
+        .await?;
+    let tok = token(&admin, &work, "app", TOKEN_AUDIENCE, None).await?;
+    let ca = CaClient::connect_addr(
+        std::net::SocketAddr::from(([127, 0, 0, 1], ca_port)),
+        &format!("remora-injector.{op}.svc"),
+        &bundle,
+    )?;
+    let id = remora_contract::workload_ca::spiffe_id("cluster.local", &work, "app");
+    let (chain, sent) = ca
+        .create_with_trust_bundle(Some(&tok), csr(&id)?, Duration::from_secs(600))
+        .await
+        .with_context(logs)?;
+    assert_eq!(chain.len(), 2);
+    assert_eq!(sent.as_deref(), Some(bundle.as_str()), "{}", logs());
+    assert!(!bundle.contains(evil_root.trim()));
+    assert!(
+        injector
+            .log_text()
+            .contains("changed or deleted by someone else"),
+        "{}",
+        logs()
+    );
+
+    // A rotation asked for: staged at once; recorded once the namespace's
+    // bundle carries the staged root; switched `settle` after the record.
+    use remora_injector::workload_ca::roots::{DISTRIBUTED, DISTRIBUTED_AT, ROTATE, fingerprint};
+    let secrets = Api::<Secret>::namespaced(admin.clone(), &op);
+    let name = remora_contract::workload_ca::SIGNING_SECRET;
+    secrets
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"metadata": {"annotations": {ROTATE: "now"}}})),
+        )
+        .await?;
+    let (staged, recorded_at) = wait_until(
+        "the staged root recorded as in every bundle",
+        Duration::from_secs(30),
+        || async {
+            let s = secrets.get(name).await?;
+            let ann = s.metadata.annotations.clone().unwrap_or_default();
+            let Some(next) = text(&s, "next-cert.pem") else {
+                return Ok::<_, kube::Error>(None);
+            };
+            let recorded = ann.get(DISTRIBUTED).cloned() == fingerprint(&next);
+            let at = ann.get(DISTRIBUTED_AT).and_then(|t| t.parse::<u64>().ok());
+            Ok(at.filter(|_| recorded).map(|at| (next, at)))
+        },
+    )
+    .await
+    .with_context(logs)?;
+    let carried = bundle_now().await?.unwrap_or_default();
+    assert!(
+        carried.contains(staged.trim()),
+        "recorded before the bundle carries it"
+    );
+    let switched_at = wait_until("the switch", Duration::from_secs(120), || async {
+        let s = secrets.get(name).await?;
+        let switched = text(&s, "root-cert.pem").is_some_and(|r| r.trim() == staged.trim());
+        let at = s
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("remora.dev/switched-at"))
+            .and_then(|t| t.parse::<u64>().ok());
+        Ok::<_, kube::Error>(at.filter(|_| switched))
+    })
+    .await
+    .with_context(logs)?;
+    assert!(
+        switched_at >= recorded_at + 60,
+        "switched at {switched_at}, {}s after the record",
+        switched_at.saturating_sub(recorded_at)
+    );
+
+    drop(injector);
+    cp.delete_namespace(&admin, &work).await?;
+    cp.delete_namespace(&admin, &op).await?;
+    Ok(())
+}

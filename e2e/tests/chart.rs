@@ -343,7 +343,12 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
         [
             rule("authentication.k8s.io", "tokenreviews", "", "create"),
             rule("", "configmaps", "", "create"),
-            rule("", "configmaps", "remora-ca-root-cert", "patch"),
+            rule(
+                "",
+                "configmaps",
+                "remora-ca-root-cert",
+                "get,list,watch,patch"
+            ),
         ]
     );
     assert_eq!(

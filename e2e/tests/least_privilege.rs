@@ -671,9 +671,17 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
             .list(&ListParams::default().fields(&format!("metadata.name={SIGNING_SECRET}")))
             .await,
     )?;
+    // The leader watches the bundle by name in every namespace, to write
+    // back someone else's edit at once; no other ConfigMap is read.
+    Api::<ConfigMap>::all(injector.clone())
+        .list(&ListParams::default().fields(&format!("metadata.name={TRUST_BUNDLE_CONFIGMAP}")))
+        .await
+        .context("listing the trust bundles by name")?;
     refused_by_rbac(
-        "reading the trust bundle back (it is only applied)",
-        cms.get(TRUST_BUNDLE_CONFIGMAP).await,
+        "listing every ConfigMap",
+        Api::<ConfigMap>::all(injector.clone())
+            .list(&ListParams::default())
+            .await,
     )?;
 
     // --- Anything else is refused. ---

@@ -111,7 +111,11 @@ struct LeaderContext {
     lifecycles: SharedWatch<SidecarLifecycle>,
     /// With the workload CA: the replica's roots, and its namespace view
     /// (which namespaces get the trust bundle).
-    trust_bundle: Option<(crate::workload_ca::AuthorityRx, crate::cluster::KubeView)>,
+    trust_bundle: Option<(
+        crate::workload_ca::AuthorityRx,
+        crate::cluster::KubeView,
+        crate::workload_ca::bundle::SigningSecret,
+    )>,
     /// How often the trust bundle's namespaces are checked.
     trust_bundle_period: Duration,
 }
@@ -164,12 +168,20 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
             }
         }));
     }
-    if let Some((authority, view)) = ctx.trust_bundle.clone() {
+    if let Some((authority, view, signing)) = ctx.trust_bundle.clone() {
         let (pods, client, period) = (pods.clone(), client.clone(), ctx.trust_bundle_period);
         tasks.spawn(supervise("trust-bundle", token.clone(), move |token| {
             let (authority, view, pods) = (authority.clone(), view.clone(), pods.clone());
             let targets = move || injected_namespaces(&view, &pods);
-            crate::workload_ca::bundle::run(client.clone(), authority, targets, period, token)
+            let signing = signing.clone();
+            crate::workload_ca::bundle::run(
+                client.clone(),
+                authority,
+                targets,
+                period,
+                signing,
+                token,
+            )
         }));
     }
     while tasks.join_next().await.is_some() {}
@@ -453,7 +465,14 @@ async fn start_workload_ca(
     registry: &mut Registry,
     readiness: &Readiness,
     shutdown: &CancellationToken,
-) -> Result<(crate::workload_ca::AuthorityRx, crate::cluster::KubeView), AppError> {
+) -> Result<
+    (
+        crate::workload_ca::AuthorityRx,
+        crate::cluster::KubeView,
+        crate::workload_ca::bundle::SigningSecret,
+    ),
+    AppError,
+> {
     use crate::workload_ca::{self as ca, authn, keeper, service};
     let ca_args = &args.workload_ca;
     let metrics = ca::Metrics::register(registry);
@@ -468,14 +487,11 @@ async fn start_workload_ca(
     };
     tokio::spawn(keeper.run(tx, shutdown.clone()));
     let ready = readiness.register("workload-ca", "reading or making the signing root");
-    {
-        let mut rx = rx.clone();
-        tokio::spawn(shutdown.clone().run_until_cancelled_owned(async move {
-            if rx.wait_for(Option::is_some).await.is_ok() {
-                ready.ready();
-            }
-        }));
-    }
+    tokio::spawn(
+        shutdown
+            .clone()
+            .run_until_cancelled_owned(ca::follow_readiness(rx.clone(), ready)),
+    );
     let listener = remora_serve::bind(ca_args.listen).map_err(|source| AppError::Bind {
         addr: ca_args.listen,
         source,
@@ -511,7 +527,11 @@ async fn start_workload_ca(
         }
     });
     tracing::info!(listen = %ca_args.listen, trust_domain = %ca_args.trust_domain, "workload CA serving");
-    Ok((rx, view.clone()))
+    let signing = ca::bundle::SigningSecret {
+        namespace: args.operator_namespace.clone(),
+        name: ca_args.secret.clone(),
+    };
+    Ok((rx, view.clone(), signing))
 }
 
 /// Sidecars dial the CA at its Service's ClusterIP and check its

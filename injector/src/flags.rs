@@ -242,9 +242,12 @@ pub struct WorkloadCaArgs {
     #[arg(long = "workload-ca-root-validity", env = "REMORA_WORKLOAD_CA_ROOT_VALIDITY", value_parser = parse_validity, default_value = "365d")]
     pub root_validity: Duration,
     /// How long a trust-bundle change takes to reach every pod (the
-    /// kubelet's ConfigMap refresh and the agent's reload): a staged root
-    /// signs only after this, and a retired one leaves the bundle this long
-    /// after the last certificate it signed has expired.
+    /// kubelet's ConfigMap refresh, and the agent's call to the CA it
+    /// prompts): a staged root signs only this long after the leader has
+    /// seen it into every namespace's bundle, a retired one leaves the
+    /// bundle this long after the last certificate it signed has expired,
+    /// and a replica that has not read the signing Secret for this long
+    /// stops signing.
     #[arg(long = "workload-ca-settle", env = "REMORA_WORKLOAD_CA_SETTLE", value_parser = parse_validity, default_value = "2m")]
     pub settle: Duration,
     /// Secret (in the operator's namespace) with the signing roots.

@@ -7,13 +7,16 @@
 //! call is retried with jittered exponential backoff up to a cap while the
 //! current cert keeps being served.
 //!
-//! `ROOTCA` is the union of the trust bundle in `--ca-root-cert` (every root
-//! the mesh trusts, old and new during a rotation: a ConfigMap the kubelet
-//! swaps) and the root at the end of the CA's chain. The file is polled;
-//! new roots are republished with the current certificate at once, without
-//! a CA call, and verify the CA's own serving certificate from the next call
-//! on (re-signed by the new root after a rotation). A bad file is reported
-//! and the last good roots stay.
+//! `ROOTCA` is what the CA said over its verified connection: the trust
+//! bundle of its answer (every root the mesh trusts, old and new during a
+//! rotation; response metadata `x-remora-trust-bundle-bin`) and the root at
+//! the end of its chain. The `--ca-root-cert` file (in a pod, a ConfigMap
+//! anyone who may write ConfigMaps in the namespace can edit) verifies the
+//! CA's own serving certificate, together with the roots the CA said last,
+//! and is polled: when it comes to differ from the roots served, the agent
+//! asks the CA again (a staged or retired root reaches Envoy that way), but
+//! a root that only the file holds is never trusted for peers. A bad file is
+//! reported and the last good roots stay.
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -45,20 +48,32 @@ pub enum CaError {
     Rpc { code: tonic::Code, message: String },
     #[error("CA returned an empty certificate chain")]
     EmptyChain,
+    #[error("the CA's trust bundle ({0}): {1}")]
+    TrustBundle(&'static str, String),
     #[error("CA address {0:?}: {1}")]
     Address(String, String),
     #[error("{0}")]
     Config(String),
 }
 
+/// A CA's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Issued {
+    /// PEM, leaf first, root last.
+    pub chain: Vec<String>,
+    /// Every root the CA says the mesh trusts now (PEM), from
+    /// [`TRUST_BUNDLE_METADATA`](remora_contract::workload_ca::TRUST_BUNDLE_METADATA);
+    /// `None` from a CA that sends none (Istio's).
+    pub trust_bundle: Option<String>,
+}
+
 /// Something that signs CSRs: the real gRPC CA client, or a fake in tests.
 pub trait Issuer: Send + Sync + 'static {
-    /// Returns the PEM chain, leaf first, root last.
     fn issue(
         &self,
         csr_pem: String,
         ttl: Duration,
-    ) -> impl Future<Output = Result<Vec<String>, CaError>> + Send;
+    ) -> impl Future<Output = Result<Issued, CaError>> + Send;
 }
 
 /// When to renew and how to back off.
@@ -197,12 +212,16 @@ impl Identity {
 pub const DEFAULT_ROOT_POLL: Duration = Duration::from_secs(5);
 
 /// The trust bundle of `--ca-root-cert` as last read well (normalized PEM);
-/// `None` without the flag.
+/// `None` without the flag. In a pod it is a ConfigMap that anyone who may
+/// write ConfigMaps in the namespace can edit: it only checks the CA's own
+/// certificate and tells the agent when to ask the CA again, and never adds
+/// a root that the agent's peers are checked against.
 pub type TrustRoots = watch::Receiver<Option<Arc<str>>>;
 
 /// Turn a CA answer into a validated bundle: the last element of a longer
-/// chain is the CA's root; the roots are it plus `trust_roots`, each once.
-/// A one-element answer carries no root: `trust_roots`, or the element itself.
+/// chain is the CA's root; the roots are it plus `trust_roots` (what the CA
+/// said over its verified connection), each once. A one-element answer
+/// carries no root: `trust_roots`, or the element itself.
 pub fn bundle_from_chain(
     chain: Vec<String>,
     key_pem: String,
@@ -261,31 +280,6 @@ pub async fn watch_trust_roots(
     .await;
 }
 
-/// The bundle of the last CA answer with `trust_roots` now, published (and
-/// written out) without a CA call.
-fn republish(
-    chain: &[String],
-    key_pem: &str,
-    trust_roots: Option<&str>,
-    output_dir: Option<&Path>,
-    out: &BundleSender,
-) {
-    match bundle_from_chain(chain.to_vec(), key_pem.to_string(), trust_roots) {
-        Ok(b) => {
-            if let Some(dir) = output_dir
-                && let Err(e) = write_output(dir, &b)
-            {
-                out.fail("CA", &e);
-            }
-            let version = b.roots_version();
-            if out.publish(b) {
-                tracing::info!(roots_version = %version, "trust roots republished with the current certificate");
-            }
-        }
-        Err(e) => out.fail("CA", &e),
-    }
-}
-
 /// Write the bundle as files for apps, each one atomically (temp + rename).
 pub fn write_output(dir: &Path, b: &CertBundle) -> Result<(), CertError> {
     use std::io::Write;
@@ -315,10 +309,27 @@ pub fn write_output(dir: &Path, b: &CertBundle) -> Result<(), CertError> {
     Ok(())
 }
 
+/// Whether the roots of `file` (the `--ca-root-cert` bundle) are those the
+/// agent serves now; unparsable text counts as different.
+fn same_roots(file: &str, served: &str) -> bool {
+    let set = |pem: &str| {
+        super::parse_certs("roots", pem)
+            .ok()
+            .map(|v| v.into_iter().collect::<std::collections::HashSet<_>>())
+    };
+    matches!((set(file), set(served)), (Some(a), Some(b)) if a == b)
+}
+
 /// Issue, publish, sleep until renewal; on failure back off. Runs until
 /// cancelled. Between two CA calls there is always at least
 /// `policy.min_interval` after a success and the (jittered, capped)
 /// backoff after a failure; the last good bundle stays published meanwhile.
+///
+/// The roots served for peers are the CA's answer alone (its trust bundle
+/// and chain root). A `roots` file that comes to differ from them (a staged
+/// or retired root, or an edit by someone else) makes the agent ask the CA
+/// again, once per content and no sooner than `policy.min_interval` after
+/// the last call; what the file holds is never served.
 pub async fn run_renewal<I: Issuer>(
     issuer: I,
     ident: Identity,
@@ -332,27 +343,30 @@ pub async fn run_renewal<I: Issuer>(
     let mut backoff = policy.backoff();
     // Warn once per run of certificates that are due at receipt, not every floor.
     let mut warned_due = false;
-    // The last answer and its key, to republish with new roots without a CA call.
-    let mut last: Option<(Vec<String>, String)> = None;
     // A closed roots channel (no --ca-root-cert watcher) never changes again.
     let mut roots_open = true;
+    // The file content the last CA call answered (or that prompted one).
+    let mut checked: Option<Arc<str>> = None;
     loop {
+        let called = tokio::time::Instant::now();
+        checked = roots.borrow_and_update().clone().or(checked);
         let result = async {
             // Key generation is CPU work (seconds for RSA): keep it off the runtime's threads.
             let id = ident.clone();
             let (key, csr) = tokio::task::spawn_blocking(move || id.key_and_csr())
                 .await
                 .map_err(|e| CaError::Key(e.to_string()))??;
-            let chain = issuer.issue(csr, ident.ttl).await?;
-            let key_pem = key.serialize_pem();
-            let trust = roots.borrow_and_update().clone();
-            let b = bundle_from_chain(chain.clone(), key_pem.clone(), trust.as_deref())?;
-            Ok::<_, CertError>((b, chain, key_pem))
+            let issued = issuer.issue(csr, ident.ttl).await?;
+            let b = bundle_from_chain(
+                issued.chain,
+                key.serialize_pem(),
+                issued.trust_bundle.as_deref(),
+            )?;
+            Ok::<_, CertError>(b)
         }
         .await;
         let wait = match result {
-            Ok((b, chain, key_pem)) => {
-                last = Some((chain, key_pem));
+            Ok(b) => {
                 backoff = policy.backoff();
                 let now = SystemTime::now();
                 let u: f64 = rand::rng().random();
@@ -389,7 +403,7 @@ pub async fn run_renewal<I: Issuer>(
         };
         let now = tokio::time::Instant::now();
         // Saturate: a huge wait is "a day from now", never a panic.
-        let deadline = now
+        let mut deadline = now
             .checked_add(wait)
             .unwrap_or_else(|| now + Duration::from_secs(86_400));
         loop {
@@ -401,9 +415,19 @@ pub async fn run_renewal<I: Issuer>(
                         roots_open = false;
                         continue;
                     }
-                    let trust = roots.borrow_and_update().clone();
-                    if let Some((chain, key_pem)) = &last {
-                        republish(chain, key_pem, trust.as_deref(), output_dir.as_deref(), &out);
+                    let Some(file) = roots.borrow_and_update().clone() else {
+                        continue;
+                    };
+                    let served = out.current().map(|b| b.roots_pem.clone()).unwrap_or_default();
+                    if checked.as_ref() == Some(&file) || same_roots(&file, &served) {
+                        continue;
+                    }
+                    checked = Some(file);
+                    let soonest = called + policy.min_interval;
+                    if soonest < deadline {
+                        deadline = soonest.max(tokio::time::Instant::now());
+                        tracing::info!(ask_in = ?deadline.saturating_duration_since(tokio::time::Instant::now()),
+                            "the trust bundle file differs from the roots the CA gave; asking the CA again (the file's roots are not trusted)");
                     }
                 }
             }
@@ -482,7 +506,7 @@ impl GrpcIssuer {
 }
 
 impl Issuer for GrpcIssuer {
-    async fn issue(&self, csr_pem: String, ttl: Duration) -> Result<Vec<String>, CaError> {
+    async fn issue(&self, csr_pem: String, ttl: Duration) -> Result<Issued, CaError> {
         let token = self.token().await?;
         let mut req = tonic::Request::new(IstioCertificateRequest {
             csr: csr_pem,
@@ -508,20 +532,66 @@ impl Issuer for GrpcIssuer {
                 code: s.code(),
                 message: s.message().to_string(),
             })?;
-        Ok(resp.into_inner().cert_chain)
+        let trust_bundle = trust_bundle_of(resp.metadata())?;
+        Ok(Issued {
+            chain: resp.into_inner().cert_chain,
+            trust_bundle,
+        })
     }
+}
+
+/// The CA's trust bundle in an answer's metadata, if it sent one.
+fn trust_bundle_of(m: &tonic::metadata::MetadataMap) -> Result<Option<String>, CaError> {
+    use remora_contract::workload_ca::{MAX_TRUST_BUNDLE_BYTES, TRUST_BUNDLE_METADATA};
+    let Some(v) = m.get_bin(TRUST_BUNDLE_METADATA) else {
+        return Ok(None);
+    };
+    let bad = |why: String| CaError::TrustBundle(TRUST_BUNDLE_METADATA, why);
+    let bytes = v.to_bytes().map_err(|e| bad(e.to_string()))?;
+    if bytes.len() > MAX_TRUST_BUNDLE_BYTES {
+        return Err(bad(format!(
+            "{} bytes, more than {MAX_TRUST_BUNDLE_BYTES}",
+            bytes.len()
+        )));
+    }
+    let text = String::from_utf8(bytes.to_vec()).map_err(|e| bad(e.to_string()))?;
+    // Checked here so that a bad value is the CA's fault, named as such.
+    union_roots("the CA's trust bundle", [text.as_str()]).map_err(|e| bad(e.to_string()))?;
+    Ok(Some(text))
 }
 
 /// A [`GrpcIssuer`] that follows the trust roots: when they change, the
 /// next call goes over a new channel that verifies the CA with them (after
-/// a root rotation the CA serves a certificate of the new root).
+/// a root rotation the CA serves a certificate of the new root). It checks
+/// the CA with the file's roots and those the CA itself said last, so that
+/// roots taken out of the file (by someone else) do not cut the agent off.
 #[derive(Debug)]
 pub struct RootFollowingIssuer {
     address: String,
     server_name: Option<String>,
     token_path: PathBuf,
     cluster_id: String,
-    state: Mutex<(TrustRoots, GrpcIssuer)>,
+    state: Mutex<Following>,
+}
+
+#[derive(Debug)]
+struct Following {
+    file: TrustRoots,
+    /// The trust bundle of the CA's last answer.
+    learned: Option<String>,
+    /// `learned` changed since the channel was built.
+    relearned: bool,
+    issuer: GrpcIssuer,
+}
+
+/// The roots the CA's certificate is checked with.
+fn verifying_roots(file: Option<&str>, learned: Option<&str>) -> Option<String> {
+    match (file, learned) {
+        (None, None) => None,
+        (f, l) => union_roots("CA verification roots", f.into_iter().chain(l))
+            .ok()
+            .or_else(|| f.map(str::to_string)),
+    }
 }
 
 impl RootFollowingIssuer {
@@ -545,40 +615,58 @@ impl RootFollowingIssuer {
             server_name,
             token_path,
             cluster_id,
-            state: Mutex::new((roots, issuer)),
+            state: Mutex::new(Following {
+                file: roots,
+                learned: None,
+                relearned: false,
+                issuer,
+            }),
         })
     }
 
     /// The issuer for the next call, rebuilt if the roots changed since the last.
     fn current(&self) -> Result<GrpcIssuer, CaError> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let (roots, issuer) = &mut *state;
-        if roots.has_changed().unwrap_or(false) {
-            let now = roots.borrow_and_update().clone();
+        let st = &mut *state;
+        if st.file.has_changed().unwrap_or(false) || st.relearned {
+            let file = st.file.borrow_and_update().clone();
+            let roots = verifying_roots(file.as_deref(), st.learned.as_deref());
             match GrpcIssuer::new(
                 &self.address,
                 self.server_name.as_deref(),
-                now.as_deref(),
+                roots.as_deref(),
                 self.token_path.clone(),
                 self.cluster_id.clone(),
             ) {
-                Ok(i) => *issuer = i,
+                Ok(i) => st.issuer = i,
                 Err(e) => {
                     // Not seen until it is in use: the next call tries again.
-                    roots.mark_changed();
+                    st.file.mark_changed();
                     return Err(e);
                 }
             }
+            st.relearned = false;
             tracing::info!(address = %self.address, "CA connection rebuilt to verify the CA with the new trust roots");
         }
-        Ok(issuer.clone())
+        Ok(st.issuer.clone())
+    }
+
+    fn learn(&self, trust_bundle: Option<&str>) {
+        let Some(b) = trust_bundle else { return };
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.learned.as_deref() != Some(b) {
+            state.learned = Some(b.to_string());
+            state.relearned = true;
+        }
     }
 }
 
 impl Issuer for RootFollowingIssuer {
-    async fn issue(&self, csr_pem: String, ttl: Duration) -> Result<Vec<String>, CaError> {
+    async fn issue(&self, csr_pem: String, ttl: Duration) -> Result<Issued, CaError> {
         let issuer = self.current()?;
-        issuer.issue(csr_pem, ttl).await
+        let issued = issuer.issue(csr_pem, ttl).await?;
+        self.learn(issued.trust_bundle.as_deref());
+        Ok(issued)
     }
 }
 
@@ -715,6 +803,8 @@ mod tests {
         window: Arc<Mutex<(i64, i64)>>,
         /// Signalled on every call, so a test sees a runaway loop at once.
         called: Arc<Notify>,
+        /// The trust bundle it sends with each answer.
+        trust: Arc<Mutex<Option<String>>>,
     }
 
     fn fake_ca(lifetime: Duration) -> FakeCa {
@@ -725,6 +815,7 @@ mod tests {
             calls: Arc::default(),
             window: Arc::new(Mutex::new((0, secs))),
             called: Arc::default(),
+            trust: Arc::default(),
         }
     }
 
@@ -734,7 +825,7 @@ mod tests {
     }
 
     impl Issuer for FakeCa {
-        async fn issue(&self, csr_pem: String, _ttl: Duration) -> Result<Vec<String>, CaError> {
+        async fn issue(&self, csr_pem: String, _ttl: Duration) -> Result<Issued, CaError> {
             self.calls.lock().expect("lock").push(Instant::now());
             self.called.notify_one();
             if *self.fail.lock().expect("lock") {
@@ -749,7 +840,10 @@ mod tests {
                 .root
                 .sign_csr_valid(&csr_pem, offset(now, from), offset(now, to), &[])
                 .expect("sign");
-            Ok(vec![leaf, self.root.pem.clone()])
+            Ok(Issued {
+                chain: vec![leaf, self.root.pem.clone()],
+                trust_bundle: self.trust.lock().expect("lock").clone(),
+            })
         }
     }
 
@@ -777,6 +871,7 @@ mod tests {
         calls: Arc<Mutex<Vec<Instant>>>,
         called: Arc<Notify>,
         window: Arc<Mutex<(i64, i64)>>,
+        trust: Arc<Mutex<Option<String>>>,
     }
 
     impl FakeCa {
@@ -785,6 +880,7 @@ mod tests {
                 calls: self.calls.clone(),
                 called: self.called.clone(),
                 window: self.window.clone(),
+                trust: self.trust.clone(),
             }
         }
     }
@@ -838,7 +934,8 @@ mod tests {
             .expect("rt");
         let chain = rt
             .block_on(ca.issue(csr, Duration::from_secs(1)))
-            .expect("issue");
+            .expect("issue")
+            .chain;
         bundle_from_chain(chain, key.serialize_pem(), None).expect("valid bundle");
     }
 
@@ -941,48 +1038,85 @@ mod tests {
         assert_eq!(ders(&b.roots_pem), ders(&old.pem));
     }
 
-    /// New trust roots reach the published bundle (a new roots version, so
-    /// SDS pushes ROOTCA) and the output files at once, with no CA call.
+    /// The trust bundle file gains a root (an edit by whoever may write the
+    /// ConfigMap): the agent asks the CA again, once, no sooner than the
+    /// floor, and serves what the CA said, never the file's extra root. A
+    /// root the CA stages does reach the served roots that way.
     #[tokio::test(start_paused = true)]
-    async fn new_trust_roots_are_republished_without_a_ca_call() {
+    async fn the_trust_bundle_file_prompts_a_ca_call_but_never_adds_a_root() {
         let ca = fake_ca(Duration::from_secs(1000));
         let h = ca.handles();
         let chain_root = ca.root.pem.clone();
-        let old = Ca::new("old root");
-        let (tx, rx) = watch::channel(Some(Arc::<str>::from(old.pem.as_str())));
-        let (out, cancel, dir) = spawn_with_roots(ca, RenewPolicy::default(), rx);
+        *h.trust.lock().expect("lock") = Some(chain_root.clone());
+        let (tx, rx) = watch::channel(Some(Arc::<str>::from(chain_root.as_str())));
+        let policy = RenewPolicy::default();
+        let (out, cancel, dir) = spawn_with_roots(ca, policy.clone(), rx);
         let mut bundles = out.subscribe();
         bundles.wait_for(|b| b.is_some()).await.expect("first");
         let first = out.current().expect("bundle");
-        assert_eq!(
-            ders(&first.roots_pem),
-            ders(&format!("{}{}", old.pem, chain_root))
-        );
+        assert_eq!(ders(&first.roots_pem), ders(&chain_root));
 
-        let new = Ca::new("new root");
-        let bundle = format!("{}{}", old.pem, new.pem);
-        tx.send_replace(Some(bundle.as_str().into()));
-        bundles.changed().await.expect("republished");
-        let second = out.current().expect("bundle");
-        assert_eq!(
-            ders(&second.roots_pem),
-            ders(&format!("{bundle}{chain_root}"))
+        // The attack: the file gains a root of someone else's.
+        let attacker = Ca::new("attacker root");
+        let poisoned = format!("{chain_root}{}", attacker.pem);
+        tx.send_replace(Some(poisoned.as_str().into()));
+        let c = calls_within(&h, policy.min_interval * 4, 2).await;
+        assert_eq!(c.len(), 2, "one more CA call for the changed file");
+        assert!(
+            c[1] - c[0] >= policy.min_interval,
+            "not sooner than the floor"
         );
-        assert_ne!(second.roots_version(), first.roots_version());
+        let now = out.current().expect("bundle");
         assert_eq!(
-            second.cert_version(),
-            first.cert_version(),
-            "same certificate"
+            ders(&now.roots_pem),
+            ders(&chain_root),
+            "the file's extra root is not served"
         );
-        assert_eq!(h.calls.lock().expect("lock").len(), 1, "no CA call");
+        assert!(!now.roots_pem.contains(attacker.pem.trim()));
         let written = super::super::file::load_dir(&dir.path().join("out")).expect("files");
-        assert_eq!(written, *second);
+        assert!(!written.roots_pem.contains(attacker.pem.trim()));
 
-        // The sender gone (no watcher): renewal goes on, nothing spins.
-        drop(tx);
-        let c = calls_within(&h, Duration::from_secs(600), 3).await;
-        assert_eq!(c.len(), 2, "one renewal at half-life");
+        // The CA stages a root: the file's change brings it in, by a CA call.
+        let next = Ca::new("staged root");
+        let both = format!("{chain_root}{}", next.pem);
+        *h.trust.lock().expect("lock") = Some(both.clone());
+        tx.send_replace(Some(both.as_str().into()));
+        let c = calls_within(&h, policy.min_interval * 2, 3).await;
+        assert_eq!(c.len(), 3);
+        assert_eq!(ders(&out.current().expect("bundle").roots_pem), ders(&both));
+        // The same content again, or the roots served already: no call.
+        tx.send_replace(Some(both.as_str().into()));
+        let c = calls_within(&h, policy.min_interval * 2, 3).await;
+        assert_eq!(c.len(), 3);
         cancel.cancel();
+    }
+
+    /// The CA's trust bundle metadata: absent is `None` (an Istio CA);
+    /// garbage or too much is the CA's error, named as such.
+    #[test]
+    fn the_trust_bundle_metadata_is_read_and_checked() {
+        use remora_contract::workload_ca::{MAX_TRUST_BUNDLE_BYTES, TRUST_BUNDLE_METADATA};
+        use tonic::metadata::{BinaryMetadataValue, MetadataMap};
+        let with = |bytes: &[u8]| {
+            let mut m = MetadataMap::new();
+            m.insert_bin(
+                TRUST_BUNDLE_METADATA,
+                BinaryMetadataValue::from_bytes(bytes),
+            );
+            m
+        };
+        assert_eq!(trust_bundle_of(&MetadataMap::new()).expect("none"), None);
+        let root = Ca::new("root").pem;
+        assert_eq!(
+            trust_bundle_of(&with(root.as_bytes())).expect("good"),
+            Some(root.clone())
+        );
+        let big = root.repeat(MAX_TRUST_BUNDLE_BYTES / root.len() + 1);
+        for bad in [&b"not PEM"[..], &[0xff, 0xfe][..], big.as_bytes()] {
+            let e = trust_bundle_of(&with(bad)).expect_err("refused");
+            assert!(matches!(e, CaError::TrustBundle(..)), "{e}");
+            assert!(e.to_string().contains(TRUST_BUNDLE_METADATA), "{e}");
+        }
     }
 
     /// The `--ca-root-cert` file: a change is sent once; unreadable, empty
@@ -1237,7 +1371,8 @@ mod tests {
         let (key, csr) = ident().key_and_csr().expect("csr");
         let chain = rt
             .block_on(ca.issue(csr, Duration::from_secs(1)))
-            .expect("issue");
+            .expect("issue")
+            .chain;
         let b = bundle_from_chain(chain, key.serialize_pem(), None).expect("bundle");
         assert_eq!(b.roots_pem.trim(), ca.root.pem.trim());
         assert!(bundle_from_chain(vec![], String::new(), None).is_err());

@@ -275,6 +275,9 @@ pub mod ca_double {
         pub signer: Arc<Mutex<Arc<Ca>>>,
         pub seen: Arc<Mutex<Seen>>,
         pub expected_token: Arc<Mutex<String>>,
+        /// Sent as the CA's trust bundle (response metadata), as Remora's
+        /// CA does; `None`: none, as Istio's.
+        pub trust_bundle: Arc<Mutex<Option<String>>>,
     }
 
     #[tonic::async_trait]
@@ -312,9 +315,16 @@ pub mod ca_double {
             let leaf = ca
                 .sign_csr(&r.csr, ttl, &["localhost"])
                 .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
-            Ok(tonic::Response::new(IstioCertificateResponse {
+            let mut resp = tonic::Response::new(IstioCertificateResponse {
                 cert_chain: vec![leaf, ca.pem.clone()],
-            }))
+            });
+            if let Some(b) = self.trust_bundle.lock().unwrap().clone() {
+                resp.metadata_mut().insert_bin(
+                    remora_contract::workload_ca::TRUST_BUNDLE_METADATA,
+                    tonic::metadata::BinaryMetadataValue::from_bytes(b.as_bytes()),
+                );
+            }
+            Ok(resp)
         }
     }
 

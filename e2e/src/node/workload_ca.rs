@@ -230,6 +230,19 @@ impl CaClient {
         csr: String,
         ttl: Duration,
     ) -> Result<Vec<String>, tonic::Status> {
+        self.create_with_trust_bundle(token, csr, ttl)
+            .await
+            .map(|(chain, _)| chain)
+    }
+
+    /// [`CaClient::create`], with the trust bundle the CA sent as response
+    /// metadata ([`TRUST_BUNDLE_METADATA`](remora_contract::workload_ca::TRUST_BUNDLE_METADATA)).
+    pub async fn create_with_trust_bundle(
+        &self,
+        token: Option<&str>,
+        csr: String,
+        ttl: Duration,
+    ) -> Result<(Vec<String>, Option<String>), tonic::Status> {
         let mut req = tonic::Request::new(IstioCertificateRequest {
             csr,
             validity_duration: i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX),
@@ -241,11 +254,13 @@ impl CaClient {
                 .map_err(|_| tonic::Status::invalid_argument("token not a header value"))?;
             req.metadata_mut().insert("authorization", v);
         }
-        self.inner
-            .clone()
-            .create_certificate(req)
-            .await
-            .map(|r| r.into_inner().cert_chain)
+        let r = self.inner.clone().create_certificate(req).await?;
+        let bundle = r
+            .metadata()
+            .get_bin(remora_contract::workload_ca::TRUST_BUNDLE_METADATA)
+            .and_then(|v| v.to_bytes().ok())
+            .map(|b| String::from_utf8_lossy(&b).into_owned());
+        Ok((r.into_inner().cert_chain, bundle))
     }
 }
 

@@ -148,3 +148,29 @@ pub fn keeper_period(args: &WorkloadCaArgs) -> Duration {
 
 /// What the replica's CA publishes for the rest of the process.
 pub type AuthorityRx = watch::Receiver<Option<Arc<Authority>>>;
+
+/// Keep `guard` ready while the replica has an authority and pending while
+/// it has none (none yet, or its last reading of the signing Secret is too
+/// old), until the sender goes.
+pub async fn follow_readiness(
+    mut authority: AuthorityRx,
+    guard: remora_serve::readiness::ReadinessGuard,
+) {
+    // Before the first authority the guard keeps the reason it was made with.
+    let mut had = false;
+    loop {
+        match authority.borrow_and_update().is_some() {
+            true => {
+                had = true;
+                guard.ready();
+            }
+            false if had => {
+                guard.pending("the signing Secret was not read within the settle time: not signing")
+            }
+            false => {}
+        }
+        if authority.changed().await.is_err() {
+            return;
+        }
+    }
+}

@@ -7,10 +7,12 @@
 //! 1. stage: at two thirds of the root's life, or when someone sets the
 //!    annotation [`ROTATE`] on the Secret, a new root is made and joins the
 //!    trust bundle; the old one still signs;
-//! 2. switch: `settle` later (the time it takes the bundle to reach every
-//!    pod: the leader's write, the kubelet's ConfigMap refresh and the
-//!    agent's poll; assumed, not checked) the new
-//!    root signs, and the old one stays in the bundle as `previous`;
+//! 2. switch: once the leader has recorded on the Secret ([`DISTRIBUTED`],
+//!    the staged root's fingerprint, and [`DISTRIBUTED_AT`]) that every
+//!    injected namespace's bundle carries it, and `settle` after both that
+//!    record and the stage (the time it takes the kubelet's ConfigMap
+//!    refresh and the agent's call to the CA that it prompts), the new root
+//!    signs, and the old one stays in the bundle as `previous`;
 //! 3. retire: once every certificate the old root signed has ended (the
 //!    longest lifetime granted, plus `settle`), it leaves the bundle.
 
@@ -33,6 +35,11 @@ pub const PREVIOUS_CERT: &str = "previous-cert.pem";
 pub const ROTATE: &str = "remora.dev/rotate";
 const STAGED_AT: &str = "remora.dev/staged-at";
 const SWITCHED_AT: &str = "remora.dev/switched-at";
+/// The fingerprint ([`fingerprint`]) of the staged root that the leader has
+/// seen into every injected namespace's trust bundle, and when (Unix
+/// seconds).
+pub const DISTRIBUTED: &str = "remora.dev/distributed";
+pub const DISTRIBUTED_AT: &str = "remora.dev/distributed-at";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RootsError {
@@ -50,6 +57,15 @@ pub struct Roots {
     pub staged_at: Option<u64>,
     pub switched_at: Option<u64>,
     pub rotate: bool,
+    /// The staged root every bundle carries ([`fingerprint`]), and since when.
+    pub distributed: Option<(String, u64)>,
+}
+
+/// SHA-256 of a certificate's DER, hex; `None` when `pem` is not one.
+pub fn fingerprint(pem: &str) -> Option<String> {
+    use sha2::{Digest, Sha256};
+    let (_, p) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).ok()?;
+    Some(format!("{:x}", Sha256::digest(&p.contents)))
 }
 
 /// The timings of a rotation.
@@ -114,7 +130,13 @@ pub fn plan(roots: Option<&Roots>, p: &Policy, now: SystemTime) -> Option<Step> 
         let Some(staged) = r.staged_at else {
             return Some(Step::Stage);
         };
-        let due = at(staged).checked_add(p.settle);
+        // Only once every bundle carries this root, and `settle` after
+        // both: a timer alone would switch while pods do not trust it yet.
+        let recorded = match &r.distributed {
+            Some((fp, t)) if fingerprint(&next.cert_pem).as_deref() == Some(fp.as_str()) => *t,
+            _ => return None,
+        };
+        let due = at(staged.max(recorded)).checked_add(p.settle);
         return due.is_some_and(|d| d <= now).then_some(Step::Switch);
     }
     if let Some(prev) = &r.previous {
@@ -180,11 +202,13 @@ pub fn apply(
             staged_at: None,
             switched_at: None,
             rotate: false,
+            distributed: None,
         },
         (Step::Stage, Some(r)) => Roots {
             next: Some(fresh()?),
             staged_at: Some(secs(now)),
             rotate: false,
+            distributed: None,
             ..r.clone()
         },
         (Step::Switch, Some(r)) => match &r.next {
@@ -195,6 +219,7 @@ pub fn apply(
                 staged_at: None,
                 switched_at: Some(secs(now)),
                 rotate: r.rotate,
+                distributed: None,
             },
             None => r.clone(),
         },
@@ -249,6 +274,7 @@ pub fn from_secret(s: &Secret) -> Option<Roots> {
         staged_at: num(STAGED_AT),
         switched_at: num(SWITCHED_AT),
         rotate: ann.contains_key(ROTATE),
+        distributed: ann.get(DISTRIBUTED).cloned().zip(num(DISTRIBUTED_AT)),
     })
 }
 
@@ -257,8 +283,12 @@ pub fn from_secret(s: &Secret) -> Option<Roots> {
 pub fn to_secret(r: &Roots, base: ObjectMeta) -> Secret {
     let mut meta = base;
     let mut ann = meta.annotations.take().unwrap_or_default();
-    for k in [STAGED_AT, SWITCHED_AT, ROTATE] {
+    for k in [STAGED_AT, SWITCHED_AT, ROTATE, DISTRIBUTED, DISTRIBUTED_AT] {
         ann.remove(k);
+    }
+    if let Some((fp, t)) = &r.distributed {
+        ann.insert(DISTRIBUTED.into(), fp.clone());
+        ann.insert(DISTRIBUTED_AT.into(), t.to_string());
     }
     if let Some(t) = r.staged_at {
         ann.insert(STAGED_AT.into(), t.to_string());
@@ -324,6 +354,8 @@ mod tests {
         assert_eq!(staged.current.cert_pem, first, "the old root still signs");
         assert_eq!(plan(Some(&staged), &p, t1 + MIN / 2), None);
         let t2 = t1 + MIN;
+        assert_eq!(plan(Some(&staged), &p, t2), None, "not recorded yet");
+        let staged = recorded(staged, t1);
         assert_eq!(plan(Some(&staged), &p, t2), Some(Step::Switch));
         let switched = apply(Some(&staged), Step::Switch, &p, t2).expect("switch");
         assert_eq!(switched.current.cert_pem, second);
@@ -337,6 +369,55 @@ mod tests {
         let retired = apply(Some(&switched), Step::Retire, &p, t3).expect("retire");
         assert_eq!(trust_bundle(&retired).trim(), second.trim());
         assert_eq!(plan(Some(&retired), &p, t3), None);
+    }
+
+    /// `r` as the leader leaves it once every bundle carries its staged root.
+    fn recorded(mut r: Roots, t: SystemTime) -> Roots {
+        let fp = fingerprint(&r.next.as_ref().expect("staged").cert_pem).expect("fingerprint");
+        r.distributed = Some((fp, secs(t)));
+        r
+    }
+
+    /// The switch waits for the leader's record that every namespace's
+    /// bundle carries the staged root (of that root, not another), and for
+    /// `settle` after both the stage and the record; the record survives the
+    /// Secret and a new stage drops it.
+    #[test]
+    fn the_switch_waits_for_the_record_that_every_bundle_carries_the_root() {
+        let p = policy();
+        let t0 = SystemTime::now();
+        let r = apply(None, Step::Create, &p, t0).expect("create");
+        let staged = apply(Some(&r), Step::Stage, &p, t0).expect("stage");
+        // Long after `settle`, no record: no switch.
+        assert_eq!(plan(Some(&staged), &p, t0 + 10 * MIN), None);
+        // A record of another root (a stage since): no switch.
+        let mut other = staged.clone();
+        other.distributed = Some((fingerprint(&r.current.cert_pem).expect("fp"), secs(t0)));
+        assert_eq!(plan(Some(&other), &p, t0 + 10 * MIN), None);
+        // Recorded late: `settle` after the record, not after the stage.
+        let late = recorded(staged.clone(), t0 + 5 * MIN);
+        assert_eq!(plan(Some(&late), &p, t0 + 5 * MIN + MIN / 2), None);
+        assert_eq!(plan(Some(&late), &p, t0 + 6 * MIN), Some(Step::Switch));
+        // Recorded at once: still not before `settle` after the stage.
+        let early = recorded(staged.clone(), t0);
+        assert_eq!(plan(Some(&early), &p, t0 + MIN / 2), None);
+        assert_eq!(plan(Some(&early), &p, t0 + MIN), Some(Step::Switch));
+        // Kept in the Secret; a timestamp lost is no record.
+        let back = from_secret(&to_secret(&early, ObjectMeta::default())).expect("parsed");
+        assert_eq!(back, early);
+        let mut s = to_secret(&early, ObjectMeta::default());
+        if let Some(a) = s.metadata.annotations.as_mut() {
+            a.remove(DISTRIBUTED_AT);
+        }
+        let lost = from_secret(&s).expect("parsed");
+        assert_eq!(plan(Some(&lost), &p, t0 + 10 * MIN), None);
+        // A new stage, and the switch, drop the record.
+        let mut again = early.clone();
+        again.rotate = true;
+        let switched = apply(Some(&early), Step::Switch, &p, t0 + MIN).expect("switch");
+        assert_eq!(switched.distributed, None);
+        let restaged = apply(Some(&again), Step::Stage, &p, t0 + MIN).expect("stage");
+        assert_eq!(restaged.distributed, None);
     }
 
     #[test]

@@ -189,7 +189,9 @@ impl<A: Authenticate> IstioCertificateService for CaService<A> {
         match result {
             Ok(cert_chain) => {
                 self.metrics.issued();
-                Ok(Response::new(IstioCertificateResponse { cert_chain }))
+                let mut response = Response::new(IstioCertificateResponse { cert_chain });
+                attach_trust_bundle(&mut response, &self.authority);
+                Ok(response)
             }
             Err((refusal, caller)) => {
                 self.metrics.refused(refusal.reason());
@@ -210,6 +212,28 @@ impl<A: Authenticate> IstioCertificateService for CaService<A> {
             }
         }
     }
+}
+
+/// Adds every root the mesh trusts now to a successful answer, as
+/// [`TRUST_BUNDLE_METADATA`](remora_contract::workload_ca::TRUST_BUNDLE_METADATA):
+/// the sidecar trusts its peers by these roots, which reach it over this
+/// verified connection, never by the ConfigMap a tenant can write. Read
+/// after signing: a rotation in between still leaves the leaf's root in it
+/// (a switched root is kept as the retiring one), and the sidecar adds the
+/// chain's root in any case.
+fn attach_trust_bundle<T>(
+    response: &mut Response<T>,
+    authority: &watch::Receiver<Option<Arc<Authority>>>,
+) {
+    let Some(bundle) = authority.borrow().as_ref().map(|a| a.bundle.clone()) else {
+        return;
+    };
+    response.metadata_mut().insert_bin(
+        tonic::metadata::BinaryMetadataKey::from_static(
+            remora_contract::workload_ca::TRUST_BUNDLE_METADATA,
+        ),
+        tonic::metadata::BinaryMetadataValue::from_bytes(bundle.as_bytes()),
+    );
 }
 
 #[cfg(test)]
@@ -345,6 +369,43 @@ mod tests {
         assert_eq!(refusal.reason(), "not_ready");
         assert_eq!(refusal.status().code(), tonic::Code::Unavailable);
         assert!(caller.is_some());
+    }
+
+    /// The answer carries the CA's whole trust set as binary metadata.
+    #[tokio::test]
+    async fn an_issued_certificate_comes_with_the_trust_bundle() {
+        let s = service(true);
+        let bundle = s
+            .authority
+            .borrow()
+            .as_ref()
+            .expect("authority")
+            .bundle
+            .clone();
+        let mut request = Request::new(req(csr(ME), 600));
+        request
+            .metadata_mut()
+            .insert("authorization", "Bearer good".parse().expect("value"));
+        let response = s.create_certificate(request).await.expect("issued");
+        let sent = response
+            .metadata()
+            .get_bin(remora_contract::workload_ca::TRUST_BUNDLE_METADATA)
+            .expect("trust bundle metadata")
+            .to_bytes()
+            .expect("base64");
+        assert_eq!(sent.as_ref(), bundle.as_bytes());
+        assert!(bundle.contains("BEGIN CERTIFICATE"));
+        // A refusal carries none.
+        let refused = s
+            .create_certificate(Request::new(req(csr(ME), 600)))
+            .await
+            .expect_err("no token");
+        assert!(
+            refused
+                .metadata()
+                .get_bin(remora_contract::workload_ca::TRUST_BUNDLE_METADATA)
+                .is_none()
+        );
     }
 
     #[test]
