@@ -782,6 +782,107 @@ mod attacks {
         ca.stop().await;
     }
 
+    /// A request body that never comes: a slow client.
+    struct Endless;
+
+    impl hyper::body::Body for Endless {
+        type Data = hyper::body::Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+            std::task::Poll::Pending
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slow_requests_of_one_source_do_not_hold_every_place() {
+        const STREAMS: usize = 64;
+        let limits = Limits::default();
+        let streams = limits.per_source * STREAMS;
+        assert!(
+            streams > limits.max_in_flight,
+            "the attack could fill the places"
+        );
+        let ca = Ca::start(limits, GateLimits::default()).await;
+        let csr = csr();
+        // The attack: every connection one source may hold, every stream of
+        // each a CreateCertificate whose body never comes.
+        let mut conns = Vec::new();
+        for _ in 0..limits.per_source {
+            let h2: H2<Endless> = h2_client::connect(attacker(), ca.addr, SERVER_NAME, &ca.bundle)
+                .await
+                .expect("connect");
+            conns.push(h2);
+        }
+        let answered = Arc::new(AtomicUsize::new(0));
+        let mut slow = Vec::new();
+        for h2 in &conns {
+            for _ in 0..STREAMS {
+                let (mut sender, answered) = (h2.sender.clone(), Arc::clone(&answered));
+                slow.push(tokio::spawn(async move {
+                    sender.ready().await.ok()?;
+                    let req = http::Request::post(format!(
+                        "https://{SERVER_NAME}/istio.v1.auth.IstioCertificateService/CreateCertificate"
+                    ))
+                    .header("content-type", "application/grpc")
+                    .header("te", "trailers")
+                    .body(Endless)
+                    .expect("request");
+                    let res = sender.send_request(req).await.ok()?;
+                    answered.fetch_add(1, Ordering::SeqCst);
+                    res.headers()
+                        .get("grpc-status")
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string)
+                }));
+            }
+        }
+        // Past the source's share, its requests are refused at once; its
+        // share waits for bodies that never come.
+        let refused = streams - limits.per_source_requests;
+        wait_until(
+            Duration::from_secs(10),
+            "the source's extra requests refused",
+            || {
+                let n = answered.load(Ordering::SeqCst);
+                async move { (n >= refused).then_some(()) }
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}: {} answered", answered.load(Ordering::SeqCst)));
+
+        let (first, renewal) =
+            tokio::time::timeout(Duration::from_secs(5), first_and_renewal(&ca, &csr))
+                .await
+                .expect("the sidecar is served within 5 s");
+        assert_eq!(
+            answered.load(Ordering::SeqCst),
+            refused,
+            "the slow ones still hang"
+        );
+        println!(
+            "workload CA, one source holding {streams} slow requests ({refused} refused at once): \
+             sidecar's first certificate {first:?}, renewal {renewal:?}"
+        );
+        for h2 in conns {
+            h2.conn.abort();
+        }
+        let mut codes = Vec::new();
+        for t in slow {
+            if let Ok(code) = t.await {
+                codes.push(code);
+            }
+        }
+        assert_eq!(
+            codes.iter().filter(|c| c.as_deref() == Some("14")).count(),
+            refused,
+            "refused with UNAVAILABLE: {codes:?}"
+        );
+        ca.stop().await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn junk_tokens_cost_no_token_review() {
         const JUNK: u64 = 10_000;
@@ -811,7 +912,7 @@ mod attacks {
                     }
                 }
             })
-            .buffer_unordered(32)
+            .buffer_unordered(Limits::default().per_source_requests)
             .collect()
             .await;
         let elapsed = started.elapsed();
@@ -860,7 +961,7 @@ mod attacks {
                         .code()
                 }
             })
-            .buffer_unordered(32)
+            .buffer_unordered(Limits::default().per_source_requests)
             .collect()
             .await;
         let elapsed = started.elapsed();

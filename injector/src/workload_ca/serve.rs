@@ -5,6 +5,9 @@
 //!
 //! - a source address holds at most [`Limits::per_source`] connections,
 //!   handshaking or served; one more is closed at once, before any TLS work;
+//!   and has at most [`Limits::per_source_requests`] requests in flight
+//!   (waiting for a place under `max_in_flight` included); one more is
+//!   answered UNAVAILABLE at once;
 //! - TLS handshakes run in a pool of their own ([`Limits::handshakes`]),
 //!   under a deadline, and take a served place only once done, so silent
 //!   clients cannot fill the served places;
@@ -60,6 +63,11 @@ pub struct Limits {
     /// address (host-network pods share the node's) and is 1/512 of
     /// `connections`, so filling the CA takes 512 addresses.
     pub per_source: usize,
+    /// Requests one source address has in flight at once. An agent asks
+    /// one thing at a time; without this, one pod's slow requests (a body
+    /// sent a byte at a time) on its connections' streams could hold every
+    /// place under `max_in_flight` (8 connections x 64 streams > 256).
+    pub per_source_requests: usize,
     /// TLS handshakes at once, over all sources.
     pub handshakes: usize,
     pub handshake_timeout: Duration,
@@ -79,6 +87,7 @@ impl Default for Limits {
         Self {
             connections: 4096,
             per_source: 8,
+            per_source_requests: 16,
             handshakes: 256,
             handshake_timeout: Duration::from_secs(5),
             idle: Duration::from_secs(30),
@@ -111,27 +120,39 @@ impl ResolvesServerCert for Resolver {
     }
 }
 
-/// Connections held per source address (handshaking or served).
+/// What each source address holds: connections (handshaking or served)
+/// and the places for its requests in flight, shared by its connections.
 #[derive(Debug, Default)]
-struct Sources(Mutex<HashMap<IpAddr, usize>>);
+struct Sources(Mutex<HashMap<IpAddr, Source>>);
+
+#[derive(Debug)]
+struct Source {
+    conns: usize,
+    requests: Arc<Semaphore>,
+}
 
 /// One connection's place in [`Sources`], given back on drop.
 struct SourceHold {
     sources: Arc<Sources>,
     ip: IpAddr,
+    requests: Arc<Semaphore>,
 }
 
 impl Sources {
-    fn hold(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<SourceHold> {
+    fn hold(self: &Arc<Self>, ip: IpAddr, max: usize, requests: usize) -> Option<SourceHold> {
         let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let n = held.entry(ip).or_default();
-        if *n >= max {
+        let source = held.entry(ip).or_insert_with(|| Source {
+            conns: 0,
+            requests: Arc::new(Semaphore::new(requests)),
+        });
+        if source.conns >= max {
             return None;
         }
-        *n += 1;
+        source.conns += 1;
         Some(SourceHold {
             sources: Arc::clone(self),
             ip,
+            requests: Arc::clone(&source.requests),
         })
     }
 }
@@ -143,9 +164,9 @@ impl Drop for SourceHold {
             .0
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(n) = held.get_mut(&self.ip) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
+        if let Some(source) = held.get_mut(&self.ip) {
+            source.conns = source.conns.saturating_sub(1);
+            if source.conns == 0 {
                 held.remove(&self.ip);
             }
         }
@@ -203,13 +224,15 @@ async fn idle_for(activity: &mut watch::Receiver<Activity>, idle: Duration) {
 
 /// The per-connection service: tags each request with its [`Peer`], counts
 /// it in flight from its arrival (waiting for a place under
-/// `max_in_flight` included) and answers DEADLINE_EXCEEDED after the
-/// request timeout.
+/// `max_in_flight` included), for its connection and its source, and
+/// answers DEADLINE_EXCEEDED after the request timeout.
 #[derive(Clone)]
 struct Tracked<S> {
     inner: S,
     peer: Peer,
     activity: Arc<watch::Sender<Activity>>,
+    /// The source's places for requests in flight.
+    requests: Arc<Semaphore>,
     timeout: Duration,
 }
 
@@ -236,10 +259,19 @@ where
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         req.extensions_mut().insert(self.peer);
         let busy = Busy::new(&self.activity);
+        let Ok(place) = Arc::clone(&self.requests).try_acquire_owned() else {
+            let refused = tonic::Status::unavailable(
+                "too many requests in flight from this address; try again shortly",
+            );
+            return Box::pin(async move {
+                drop(busy);
+                Ok(refused.into_http())
+            });
+        };
         let inner = self.inner.clone();
         let timeout = self.timeout;
         Box::pin(async move {
-            let _busy = busy;
+            let (_busy, _place) = (busy, place);
             match tokio::time::timeout(timeout, inner.oneshot(req)).await {
                 Ok(Ok(res)) => Ok(res),
                 Ok(Err(e)) => Ok(tonic::Status::internal(e.to_string()).into_http()),
@@ -263,11 +295,12 @@ pub async fn serve<A: Authenticate>(
 ) -> Result<(), ServeError> {
     if limits.connections == 0
         || limits.per_source == 0
+        || limits.per_source_requests == 0
         || limits.handshakes == 0
         || limits.max_in_flight == 0
     {
         return Err(ServeError::Limits(
-            "connections, per_source, handshakes and max_in_flight must be at least 1",
+            "every connection and request limit must be at least 1",
         ));
     }
     let mut tls = rustls::ServerConfig::builder()
@@ -309,7 +342,8 @@ pub async fn serve<A: Authenticate>(
         };
         // Small gRPC messages: no waiting for the peer's delayed ACK.
         let _ = stream.set_nodelay(true);
-        let Some(hold) = sources.hold(peer.ip(), limits.per_source) else {
+        let Some(hold) = sources.hold(peer.ip(), limits.per_source, limits.per_source_requests)
+        else {
             tracing::debug!(%peer, limit = limits.per_source,
                 "workload CA: too many connections from this address; closed");
             continue;
@@ -370,6 +404,7 @@ where
             token,
             open,
         } = self;
+        let requests = Arc::clone(&hold.requests);
         let (_hold, _open) = (hold, open);
         let handshaken = tokio::time::timeout(limits.handshake_timeout, acceptor.accept(stream));
         let tls = match handshaken.await {
@@ -398,6 +433,7 @@ where
             inner: routes,
             peer: Peer(peer.ip()),
             activity: Arc::new(activity),
+            requests,
             timeout: limits.request_timeout,
         };
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
@@ -479,11 +515,17 @@ mod tests {
         let s = Arc::new(Sources::default());
         let a: IpAddr = "127.0.0.1".parse().expect("ip");
         let b: IpAddr = "127.0.0.2".parse().expect("ip");
-        let held: Vec<_> = (0..3).map(|_| s.hold(a, 3).expect("room")).collect();
-        assert!(s.hold(a, 3).is_none(), "a fourth from a");
-        let other = s.hold(b, 3).expect("b is not a");
+        let held: Vec<_> = (0..3).map(|_| s.hold(a, 3, 2).expect("room")).collect();
+        assert!(s.hold(a, 3, 2).is_none(), "a fourth from a");
+        // The source's request places are shared by its connections.
+        let first = Arc::clone(&held[0].requests).try_acquire_owned();
+        let second = Arc::clone(&held[1].requests).try_acquire_owned();
+        assert!(first.is_ok() && second.is_ok());
+        assert!(Arc::clone(&held[2].requests).try_acquire_owned().is_err());
+        let other = s.hold(b, 3, 2).expect("b is not a");
+        assert!(Arc::clone(&other.requests).try_acquire_owned().is_ok());
         drop(held);
-        assert!(s.hold(a, 3).is_some(), "given back");
+        assert!(s.hold(a, 3, 2).is_some(), "given back");
         drop(other);
         assert!(s.0.lock().expect("lock").is_empty(), "no entry left behind");
     }
