@@ -567,6 +567,7 @@ mod attacks {
         addr: SocketAddr,
         bundle: String,
         reviews: Arc<AtomicUsize>,
+        metrics: Metrics,
         stop: CancellationToken,
         served: tokio::task::JoinHandle<()>,
     }
@@ -586,6 +587,7 @@ mod attacks {
             let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
             let reviewer = CountingReviewer::default();
             let reviews = Arc::clone(&reviewer.0);
+            let metrics = Metrics::default();
             let svc = CaService {
                 auth: reviewer,
                 gate: Gate::new(AUD, gate),
@@ -595,7 +597,7 @@ mod attacks {
                     default: Duration::from_secs(600),
                     max: Duration::from_secs(600),
                 },
-                metrics: Metrics::default(),
+                metrics: metrics.clone(),
                 events: None,
             };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -612,6 +614,7 @@ mod attacks {
                 addr,
                 bundle,
                 reviews,
+                metrics,
                 stop,
                 served,
             }
@@ -767,6 +770,11 @@ mod attacks {
             still_open <= limits.per_source,
             "{still_open} flood connections open"
         );
+        assert_eq!(
+            ca.metrics.connections_refused_total("per_source"),
+            (FLOOD - held.len()) as u64,
+            "every connection over the cap counted"
+        );
         let (q1, q2): (Vec<_>, Vec<_>) = quiet.into_iter().unzip();
         let (f1, f2): (Vec<_>, Vec<_>) = flooded.into_iter().unzip();
         println!(
@@ -862,18 +870,21 @@ mod attacks {
             refused,
             "the slow ones still hang"
         );
+        assert_eq!(ca.metrics.refused_total("source_busy"), refused as u64);
         println!(
             "workload CA, one source holding {streams} slow requests ({refused} refused at once): \
              sidecar's first certificate {first:?}, renewal {renewal:?}"
         );
-        for h2 in conns {
-            h2.conn.abort();
-        }
         let mut codes = Vec::new();
         for t in slow {
-            if let Ok(code) = t.await {
-                codes.push(code);
+            if t.is_finished() {
+                codes.push(t.await.expect("request task"));
+            } else {
+                t.abort();
             }
+        }
+        for h2 in conns {
+            h2.conn.abort();
         }
         assert_eq!(
             codes.iter().filter(|c| c.as_deref() == Some("14")).count(),

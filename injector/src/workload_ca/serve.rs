@@ -42,6 +42,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceExt};
 
+use super::Metrics;
 use super::authn::Authenticate;
 use super::keeper::Authority;
 use super::service::CaService;
@@ -234,6 +235,7 @@ struct Tracked<S> {
     /// The source's places for requests in flight.
     requests: Arc<Semaphore>,
     timeout: Duration,
+    metrics: Metrics,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -260,6 +262,7 @@ where
         req.extensions_mut().insert(self.peer);
         let busy = Busy::new(&self.activity);
         let Ok(place) = Arc::clone(&self.requests).try_acquire_owned() else {
+            self.metrics.refused("source_busy");
             let refused = tonic::Status::unavailable(
                 "too many requests in flight from this address; try again shortly",
             );
@@ -308,6 +311,7 @@ pub async fn serve<A: Authenticate>(
         .with_cert_resolver(Arc::new(Resolver(service.authority.clone())));
     tls.alpn_protocols = vec![b"h2".to_vec()];
     let acceptor = TlsAcceptor::from(Arc::new(tls));
+    let metrics = service.metrics.clone();
     let svc = IstioCertificateServiceServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -346,6 +350,7 @@ pub async fn serve<A: Authenticate>(
         else {
             tracing::debug!(%peer, limit = limits.per_source,
                 "workload CA: too many connections from this address; closed");
+            metrics.connection_refused("per_source");
             continue;
         };
         let conn = Accepted {
@@ -359,6 +364,7 @@ pub async fn serve<A: Authenticate>(
             limits,
             token: token.clone(),
             open: open_rx.clone(),
+            metrics: metrics.clone(),
         };
         tokio::spawn(conn.run());
     }
@@ -380,6 +386,7 @@ struct Accepted<S> {
     limits: Limits,
     token: CancellationToken,
     open: watch::Receiver<()>,
+    metrics: Metrics,
 }
 
 impl<S> Accepted<S>
@@ -403,6 +410,7 @@ where
             limits,
             token,
             open,
+            metrics,
         } = self;
         let requests = Arc::clone(&hold.requests);
         let (_hold, _open) = (hold, open);
@@ -411,10 +419,12 @@ where
             Ok(Ok(io)) => io,
             Ok(Err(e)) => {
                 tracing::debug!(%peer, error = %e, "workload CA: TLS handshake failed");
+                metrics.connection_refused("handshake");
                 return;
             }
             Err(_) => {
                 tracing::debug!(%peer, "workload CA: TLS handshake timed out");
+                metrics.connection_refused("handshake");
                 return;
             }
         };
@@ -425,6 +435,7 @@ where
         };
         let Ok(Ok(_place)) = place else {
             tracing::debug!(%peer, "workload CA: no place for the connection; closed");
+            metrics.connection_refused("no_place");
             return;
         };
 
@@ -435,6 +446,7 @@ where
             activity: Arc::new(activity),
             requests,
             timeout: limits.request_timeout,
+            metrics,
         };
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         builder
