@@ -790,6 +790,45 @@ mod attacks {
         ca.stop().await;
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_source_silent_in_4096_handshakes_does_not_starve_the_ca() {
+        const SILENT: usize = 4096;
+        files_for(SILENT as u64);
+        let limits = Limits::default();
+        let ca = Ca::start(limits, GateLimits::default()).await;
+        let csr = csr();
+        // The attack: TCP connections that never send a ClientHello, each
+        // worth a place for the handshake deadline (5 s) where a place is
+        // taken before the handshake.
+        let mut silent = Vec::with_capacity(SILENT);
+        for _ in 0..SILENT {
+            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+            socket.bind(SocketAddr::new(attacker(), 0)).expect("bind");
+            silent.push(socket.connect(ca.addr).await.expect("connect"));
+        }
+        let over = (SILENT - limits.per_source) as u64;
+        wait_until(
+            Duration::from_secs(10),
+            "the silent connections over the cap closed",
+            || {
+                let n = ca.metrics.connections_refused_total("per_source");
+                async move { (n >= over).then_some(()) }
+            },
+        )
+        .await
+        .expect("closed at accept");
+        // Served well within the handshake deadline the silent ones hold.
+        let (first, renewal) =
+            tokio::time::timeout(limits.handshake_timeout / 2, first_and_renewal(&ca, &csr))
+                .await
+                .expect("the sidecar is served while the silent connections are open");
+        println!(
+            "workload CA, one source holding {SILENT} silent TCP connections: sidecar's first certificate {first:?}, renewal {renewal:?}"
+        );
+        drop(silent);
+        ca.stop().await;
+    }
+
     /// A request body that never comes: a slow client.
     struct Endless;
 
