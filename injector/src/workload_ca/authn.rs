@@ -168,8 +168,7 @@ impl Authenticate for TokenReviewer {
     }
 }
 
-/// Longer than any service-account token (about 1 KiB); HTTP/2 headers of
-/// this size are refused by the server before this anyway.
+/// Far longer than any service-account token (about 1 KiB).
 const MAX_TOKEN_BYTES: usize = 16 * 1024;
 
 /// JWT parts are base64url; padding is tolerated, not required.

@@ -226,7 +226,9 @@ async fn idle_for(activity: &mut watch::Receiver<Activity>, idle: Duration) {
 /// The per-connection service: tags each request with its [`Peer`], counts
 /// it in flight from its arrival (waiting for a place under
 /// `max_in_flight` included), for its connection and its source, and
-/// answers DEADLINE_EXCEEDED after the request timeout.
+/// answers DEADLINE_EXCEEDED after the request timeout. A request counts
+/// until its answer is made, which for the CA's unary call is its end; a
+/// streaming RPC served here would need its response body counted too.
 #[derive(Clone)]
 struct Tracked<S> {
     inner: S,
