@@ -76,7 +76,7 @@ pub struct Limits {
     /// ask about once per half certificate lifetime and reconnect by
     /// themselves, so an idle connection serves no one.
     pub idle: Duration,
-    /// Every connection is closed this long after it was accepted.
+    /// Every connection is closed this long after it got its place.
     pub max_age: Duration,
     pub request_timeout: Duration,
     /// Requests served at once, over all connections.
