@@ -372,7 +372,16 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     }
     let trust_bundle = match &args.workload_ca.enabled {
         true => Some(
-            start_workload_ca(&args, &client, &view, &mut registry, &readiness, &shutdown).await?,
+            start_workload_ca(
+                &args,
+                &client,
+                &kube_config,
+                &view,
+                &mut registry,
+                &readiness,
+                &shutdown,
+            )
+            .await?,
         ),
         false => None,
     };
@@ -461,6 +470,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
 async fn start_workload_ca(
     args: &ServeArgs,
     client: &Client,
+    kube_config: &kube::Config,
     view: &crate::cluster::KubeView,
     registry: &mut Registry,
     readiness: &Readiness,
@@ -496,11 +506,14 @@ async fn start_workload_ca(
         addr: ca_args.listen,
         source,
     })?;
+    // TokenReviews on a client (and connections) of their own, behind the
+    // gate's rate limits, so that a flood of them cannot queue ahead of the
+    // Lease renewals and watches on the main client.
+    let review_client = Client::try_from(kube_config.clone()).map_err(AppError::Connect)?;
+    let audience = remora_contract::workload_ca::TOKEN_AUDIENCE;
     let svc = service::CaService {
-        auth: authn::TokenReviewer::new(
-            client.clone(),
-            remora_contract::workload_ca::TOKEN_AUDIENCE,
-        ),
+        auth: authn::TokenReviewer::new(review_client, audience),
+        gate: authn::Gate::new(audience, authn::GateLimits::default()),
         authority: rx.clone(),
         trust_domain: ca_args.trust_domain.clone(),
         lifetimes: service::Lifetimes {
@@ -518,10 +531,13 @@ async fn start_workload_ca(
             ),
         )),
     };
-    let max = usize::try_from(ca_args.max_in_flight).unwrap_or(usize::MAX);
+    let limits = ca::serve::Limits {
+        max_in_flight: usize::try_from(ca_args.max_in_flight).unwrap_or(usize::MAX),
+        ..ca::serve::Limits::default()
+    };
     let token = shutdown.clone();
     tokio::spawn(async move {
-        if let Err(e) = ca::serve::serve(listener, svc, max, token.clone()).await {
+        if let Err(e) = ca::serve::serve(listener, svc, limits, token.clone()).await {
             tracing::error!(error = %e, "workload CA: the server failed; shutting down");
             token.cancel();
         }

@@ -1,7 +1,8 @@
 //! Helpers shared by Remora's tests, benchmarks and the e2e harness, so each
-//! exists once: free ports, a test PKI, the kubelet's atomic volume writer,
-//! locating Envoy and sibling binaries, waiting with a deadline, inline
-//! label/annotation maps, and the webhook's HTTPS client.
+//! exists once: free ports, a test PKI, JWT-shaped tokens, the kubelet's
+//! atomic volume writer, locating Envoy and sibling binaries, waiting with
+//! a deadline, inline label/annotation maps, the webhook's HTTPS client,
+//! and an HTTP/2-over-TLS connection from a chosen source address.
 //!
 //! Only ever a dev-dependency (or a dependency of the unpublished e2e
 //! crate): it sits below `remora-agent` and `remora-injector` and must not
@@ -9,6 +10,8 @@
 //! nothing but fail; those a harness recovers from return errors.
 
 pub mod bins;
+pub mod h2_client;
+pub mod jwt;
 pub mod kubelet;
 pub mod maps;
 pub mod pki;

@@ -48,6 +48,7 @@ struct StepLabel {
 pub struct Metrics {
     issued: Counter,
     refused: Family<ReasonLabel, Counter>,
+    connections_refused: Family<ReasonLabel, Counter>,
     seconds: Histogram,
     rotations: Family<StepLabel, Counter>,
     root_expiry: Gauge,
@@ -58,6 +59,7 @@ impl Default for Metrics {
         Self {
             issued: Counter::default(),
             refused: Family::default(),
+            connections_refused: Family::default(),
             // 0.5 ms doubling to 4 s.
             seconds: Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
                 0.0005, 2.0, 14,
@@ -77,6 +79,11 @@ impl Metrics {
             "refused",
             "Certificate requests refused, by reason",
             m.refused.clone(),
+        );
+        r.register(
+            "connections_refused",
+            "Connections closed unserved, by reason (per_source, handshake, no_place)",
+            m.connections_refused.clone(),
         );
         r.register(
             "request_seconds",
@@ -107,6 +114,16 @@ impl Metrics {
     }
     pub fn refused_total(&self, reason: &'static str) -> u64 {
         self.refused.get_or_create(&ReasonLabel { reason }).get()
+    }
+    pub fn connection_refused(&self, reason: &'static str) {
+        self.connections_refused
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+    pub fn connections_refused_total(&self, reason: &'static str) -> u64 {
+        self.connections_refused
+            .get_or_create(&ReasonLabel { reason })
+            .get()
     }
     pub fn observe(&self, d: Duration) {
         self.seconds.observe(d.as_secs_f64());

@@ -1,6 +1,7 @@
 //! `istio.v1.auth.IstioCertificateService/CreateCertificate`: authenticate
 //! the caller, check the CSR asks for exactly the caller's identity, sign.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -11,7 +12,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
 use super::Metrics;
-use super::authn::{AuthError, Authenticate, Caller, bearer};
+use super::authn::{AuthError, Authenticate, Caller, Gate, bearer};
 use super::keeper::Authority;
 use super::signer::SignError;
 
@@ -56,7 +57,9 @@ impl Refusal {
     fn status(&self) -> Status {
         let msg = self.to_string();
         match self {
-            Self::Auth(AuthError::Review(_)) | Self::NotReady => Status::unavailable(msg),
+            Self::Auth(AuthError::Review(_) | AuthError::Throttled(_)) | Self::NotReady => {
+                Status::unavailable(msg)
+            }
             Self::Auth(_) => Status::unauthenticated(msg),
             Self::Sign(SignError::WrongIdentity { .. }) => Status::permission_denied(msg),
             Self::Sign(SignError::Sign(_)) => Status::internal(msg),
@@ -67,6 +70,8 @@ impl Refusal {
 
 pub struct CaService<A> {
     pub auth: A,
+    /// What a token must pass before `auth` is asked about it.
+    pub gate: Gate,
     pub authority: watch::Receiver<Option<Arc<Authority>>>,
     pub trust_domain: String,
     pub lifetimes: Lifetimes,
@@ -97,16 +102,18 @@ impl RefusalEvents {
 }
 
 impl<A: Authenticate> CaService<A> {
-    /// The whole decision, apart from gRPC; `Err` carries the caller when known.
+    /// The whole decision, apart from gRPC; `Err` carries the caller when
+    /// known. `source` is the caller's address, for its share of reviews.
     pub async fn decide(
         &self,
         authorization: Option<&str>,
+        source: Option<IpAddr>,
         req: &IstioCertificateRequest,
     ) -> Result<Vec<String>, (Refusal, Option<Caller>)> {
         let token = bearer(authorization).map_err(|e| (e.into(), None))?;
         let caller = self
-            .auth
-            .authenticate(token)
+            .gate
+            .authenticate(&self.auth, token, source)
             .await
             .map_err(|e| (e.into(), None))?;
         let identity = remora_contract::workload_ca::spiffe_id(
@@ -183,8 +190,12 @@ impl<A: Authenticate> IstioCertificateService for CaService<A> {
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
+        let source = request
+            .extensions()
+            .get::<super::serve::Peer>()
+            .map(|p| p.0);
         let req = request.into_inner();
-        let result = self.decide(authorization.as_deref(), &req).await;
+        let result = self.decide(authorization.as_deref(), source, &req).await;
         self.metrics.observe(started.elapsed());
         match result {
             Ok(cert_chain) => {
@@ -239,23 +250,40 @@ fn attach_trust_bundle<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::workload_ca::authn::GateLimits;
     use crate::workload_ca::roots;
     use rcgen::{CertificateParams, KeyPair, SanType};
+    use remora_test_support::jwt;
 
-    /// Test double of the API server's TokenReview: `good` is web/default's
-    /// token, `expired` is refused as the API server refuses an expired one.
+    /// JWT-shaped tokens the [`FakeReviewer`] knows: web/default's, and
+    /// one refused as the API server refuses a token of a deleted pod.
+    fn token(which: &str) -> String {
+        let nonce = match which {
+            "good" => 1,
+            "revoked" => 2,
+            _ => 3,
+        };
+        // A fixed `exp` (in 2096), so the same name gives the same token.
+        jwt::service_account("remora-ca", 4_000_000_000, nonce)
+    }
+
+    fn bearer_of(which: &str) -> String {
+        format!("Bearer {}", token(which))
+    }
+
+    /// Test double of the API server's TokenReview.
     struct FakeReviewer;
 
     impl Authenticate for FakeReviewer {
-        async fn authenticate(&self, token: &str) -> Result<Caller, AuthError> {
-            match token {
-                "good" => Ok(Caller {
+        async fn authenticate(&self, t: &str) -> Result<Caller, AuthError> {
+            match t {
+                t if t == token("good") => Ok(Caller {
                     namespace: "web".into(),
                     service_account: "default".into(),
                     pod: Some("web-0".into()),
                 }),
-                "expired" => Err(AuthError::Rejected(
-                    "service account token has expired".into(),
+                t if t == token("revoked") => Err(AuthError::Rejected(
+                    "the pod the token is bound to is gone".into(),
                 )),
                 _ => Err(AuthError::Rejected("invalid bearer token".into())),
             }
@@ -282,6 +310,7 @@ mod tests {
         let (_tx, rx) = watch::channel(authority);
         CaService {
             auth: FakeReviewer,
+            gate: Gate::new("remora-ca", GateLimits::default()),
             authority: rx,
             trust_domain: "cluster.local".into(),
             lifetimes: Lifetimes {
@@ -313,12 +342,14 @@ mod tests {
     #[tokio::test]
     async fn issues_for_the_tokens_identity_and_refuses_the_rest() {
         let s = service(true);
+        let good = bearer_of("good");
         let chain = s
-            .decide(Some("Bearer good"), &req(csr(ME), 600))
+            .decide(Some(&good), None, &req(csr(ME), 600))
             .await
             .expect("issued");
         assert_eq!(chain.len(), 2);
-        let cases: [(Option<&str>, IstioCertificateRequest, &str, tonic::Code); 6] = [
+        let (revoked, other) = (bearer_of("revoked"), bearer_of("someone-else"));
+        let cases: [(Option<&str>, IstioCertificateRequest, &str, tonic::Code); 7] = [
             (
                 None,
                 req(csr(ME), 600),
@@ -326,49 +357,57 @@ mod tests {
                 tonic::Code::Unauthenticated,
             ),
             (
-                Some("Bearer expired"),
+                Some("Bearer not-a-jwt"),
                 req(csr(ME), 600),
                 "bad_token",
                 tonic::Code::Unauthenticated,
             ),
             (
-                Some("Bearer someone-else"),
+                Some(&revoked),
                 req(csr(ME), 600),
                 "bad_token",
                 tonic::Code::Unauthenticated,
             ),
             (
-                Some("Bearer good"),
+                Some(&other),
+                req(csr(ME), 600),
+                "bad_token",
+                tonic::Code::Unauthenticated,
+            ),
+            (
+                Some(&good),
                 req(csr("spiffe://cluster.local/ns/web/sa/admin"), 600),
                 "wrong_identity",
                 tonic::Code::PermissionDenied,
             ),
             (
-                Some("Bearer good"),
+                Some(&good),
                 req("garbage".into(), 600),
                 "bad_csr",
                 tonic::Code::InvalidArgument,
             ),
             (
-                Some("Bearer good"),
+                Some(&good),
                 req(String::new(), -5),
                 "bad_csr",
                 tonic::Code::InvalidArgument,
             ),
         ];
         for (auth, r, reason, code) in cases {
-            let (refusal, _) = s.decide(auth, &r).await.expect_err(reason);
+            let (refusal, _) = s.decide(auth, None, &r).await.expect_err(reason);
             assert_eq!(refusal.reason(), reason, "{refusal}");
             assert_eq!(refusal.status().code(), code, "{refusal}");
-            assert!(!refusal.to_string().contains("expired") || reason == "bad_token");
+            assert!(!refusal.to_string().contains("gone") || reason == "bad_token");
         }
         let (refusal, caller) = service(false)
-            .decide(Some("Bearer good"), &req(csr(ME), 600))
+            .decide(Some(&good), None, &req(csr(ME), 600))
             .await
             .expect_err("no root yet");
         assert_eq!(refusal.reason(), "not_ready");
         assert_eq!(refusal.status().code(), tonic::Code::Unavailable);
         assert!(caller.is_some());
+        let throttled = Refusal::Auth(AuthError::Throttled("in total"));
+        assert_eq!(throttled.status().code(), tonic::Code::Unavailable);
     }
 
     /// The answer carries the CA's whole trust set as binary metadata.
