@@ -424,7 +424,7 @@ mod tests {
         let mut request = Request::new(req(csr(ME), 600));
         request
             .metadata_mut()
-            .insert("authorization", "Bearer good".parse().expect("value"));
+            .insert("authorization", bearer_of("good").parse().expect("value"));
         let response = s.create_certificate(request).await.expect("issued");
         let sent = response
             .metadata()
