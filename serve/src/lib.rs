@@ -28,6 +28,9 @@
 //! - requests in flight: over [`Limits::max_in_flight`] a request gets a
 //!   fast `503` instead of queueing.
 //!
+//! Each request carries its client's address as axum's `ConnectInfo`, for
+//! handlers that bound what one client may hold.
+//!
 //! Shutdown: stop accepting; for [`Limits::drain_linger`] keep every open
 //! connection serving, each response saying `connection: close`; then let
 //! each connection finish the request it is in (idle ones close), and after
