@@ -854,6 +854,34 @@ mod tests {
         assert!(text.contains("AdmissionReview"), "{text}");
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn time_spent_waiting_for_the_budget_is_not_held_against_the_body() {
+        let state = Arc::new(state(1 << 20, 16 << 10));
+        let mut held = Vec::new();
+        for i in 2..6 {
+            held.push(hold(&state.budget, ip(i), 4).await);
+        }
+        let (tx, body) = fed_body();
+        let review = {
+            let state = Arc::clone(&state);
+            tokio::spawn(async move { call(&state, inject_request(body, Some(2048))).await })
+        };
+        tx.send(Ok(axum::body::Bytes::from(vec![b' '; 1024])))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        // The first KiB waits 1.5 s for room, past the 1 s of grace.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        held.pop();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        tx.send(Ok(axum::body::Bytes::from(vec![b' '; 1024])))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        drop(tx);
+        let (status, text) = review.await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert!(text.contains("AdmissionReview"), "{text}");
+    }
+
     #[tokio::test]
     async fn a_client_holds_at_most_its_share_and_its_reviews_and_others_are_unaffected() {
         let budget = ReviewBudget::new(16 << 10);

@@ -782,16 +782,18 @@ async fn slow_reviews_from_many_clients_do_not_starve_real_ones() -> anyhow::Res
     );
     anyhow::ensure!(total >= 100, "only {total} real reviews were sent");
     assert_eq!(ok, total, "real reviews refused during the attack");
-    let slowest = latency.last().copied().unwrap_or_default();
+    // They do not queue for the budget (which every one did, for all of
+    // BUDGET_WAIT, when it was reserved by declared size).
+    let median = percentile(&latency, 0.5);
     assert!(
-        slowest < BUDGET_WAIT,
-        "a real review took {slowest:?}: it queued for the budget"
+        median < BUDGET_WAIT / 4,
+        "real reviews took {median:?} (median): they queued for the budget"
     );
-    // Each slow review was cut off by the pace (408), within a few seconds,
-    // not after the whole body deadline.
+    // Each slow review was cut off by the pace (408) after about a second
+    // (more on a loaded machine), not after the body deadline (10 s).
     assert!(holds.len() >= all, "{} slow reviews ended", holds.len());
     assert!(
-        longest < Duration::from_secs(3),
+        longest < Duration::from_secs(5),
         "a slow review was held {longest:?}"
     );
     assert!(
