@@ -69,12 +69,14 @@ pub const DEFAULT_REVIEW_MEMORY_BUDGET: usize = 24 << 20;
 /// default object limit) in full; a single review is never refused for
 /// being larger than the share (its charge stops growing there).
 pub const CLIENT_SHARE_DIVISOR: u32 = 4;
-/// Reviews one client address may have in progress at once, so that one
-/// client cannot hold every request place of the server
-/// (`max_in_flight` of [`limits`]). An API server sends one per pod
-/// being admitted: 32 at a few milliseconds each is thousands of pods a
-/// second per replica.
-pub const MAX_REVIEWS_PER_CLIENT: usize = 32;
+/// Requests the webhook server handles at once (`max_in_flight` of
+/// [`limits`]).
+pub const MAX_IN_FLIGHT: usize = 128;
+/// Reviews one client address may have in progress at once: half the
+/// server's request places, so that one client cannot hold them all. An
+/// API server sends one per pod being admitted, a few milliseconds each:
+/// 64 at once is a burst of thousands of pods a second per replica.
+pub const MAX_REVIEWS_PER_CLIENT: usize = MAX_IN_FLIGHT / 2;
 
 /// How fast a review's body must arrive. The API server writes a review in
 /// one go, so anything slower is a client holding a place on purpose (or a
@@ -545,7 +547,7 @@ pub fn limits(grace: Duration) -> remora_serve::Limits {
         max_connections: 256,
         evict_after: Duration::from_secs(1),
         max_parked: 4096,
-        max_in_flight: 128,
+        max_in_flight: MAX_IN_FLIGHT,
         // API servers keep idle connections for 90 s; closing ours after 30 s
         // costs them a new handshake now and then, not an error.
         header_read_timeout: Duration::from_secs(30),

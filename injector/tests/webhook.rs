@@ -808,7 +808,7 @@ async fn slow_reviews_from_many_clients_do_not_starve_real_ones() -> anyhow::Res
 /// a review at once and then keeps it alive (a byte every 200 ms), holding
 /// a quarter of the budget; its next review is refused at once with the
 /// reason, while 127.0.0.4's are admitted. And one client opening more
-/// slow reviews than the server has request places (160 > 128) gets 32
+/// slow reviews than the server has request places (160 > 128) gets 64
 /// of them, the rest refused at once, while 127.0.0.6's reviews are
 /// admitted; before, it held every place and others got 503s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -879,7 +879,7 @@ async fn a_client_over_its_share_is_refused_and_others_are_not() -> anyhow::Resu
                 )
                 .await
                     && answer.starts_with("HTTP/1.1 503")
-                    && answer.contains("127.0.0.5 has 32 reviews in progress already")
+                    && answer.contains("127.0.0.5 has 64 reviews in progress already")
                 {
                     refused.fetch_add(1, Ordering::Relaxed);
                 }
@@ -890,8 +890,8 @@ async fn a_client_over_its_share_is_refused_and_others_are_not() -> anyhow::Resu
     }
     wait_until(
         Duration::from_secs(10),
-        "127.0.0.5's reviews over 32 to be refused",
-        || async { (refused.load(Ordering::Relaxed) >= 128).then_some(()) },
+        "127.0.0.5's reviews over 64 to be refused",
+        || async { (refused.load(Ordering::Relaxed) >= 96).then_some(()) },
     )
     .await?;
     let mut answers = Vec::new();
