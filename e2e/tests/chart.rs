@@ -138,19 +138,12 @@ async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
     let probes = &pod["containers"][0];
     assert_eq!(probes["readinessProbe"]["httpGet"]["path"], "/readyz");
     assert_eq!(probes["livenessProbe"]["httpGet"]["path"], "/healthz");
-    // Only the webhook port, only from addresses (the API servers).
+    // Until told who the API servers are, the policy admits no one (it
+    // fails closed; see network_policy_admits_only_the_api_servers).
     let np = find(&objects, "NetworkPolicy")?;
     assert_eq!(np["spec"]["policyTypes"][0], "Ingress");
-    let rule = &np["spec"]["ingress"][0];
-    assert_eq!(rule["ports"][0]["port"], 9443);
-    assert!(
-        rule["from"]
-            .as_array()
-            .is_some_and(|f| !f.is_empty() && f.iter().all(|p| p["ipBlock"].is_object())),
-        "{rule:#}"
-    );
+    assert_eq!(np["spec"]["ingress"], serde_json::json!([]), "{np:#}");
     // The workload CA is off by default: no port, no rights for it.
-    assert_eq!(np["spec"]["ingress"].as_array().map(Vec::len), Some(1));
     assert!(!dep.to_string().contains("15012"), "{dep:#}");
     assert!(!find(&objects, "Service")?.to_string().contains("15012"));
     for kind in ["ClusterRole", "Role", "ValidatingAdmissionPolicy"] {
@@ -317,17 +310,14 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
             .any(|p| p["name"] == "grpc-ca" && p["port"] == 15012 && p["targetPort"] == "grpc-ca"),
         "{svc:#}"
     );
-    // The webhook port stays for the API servers only; the CA's is open to
-    // every pod (no `from`).
+    // The webhook port stays closed (no API server named); the CA's is
+    // open to every pod (no `from`).
     let np = find(&objects, "NetworkPolicy")?;
-    let ingress = np["spec"]["ingress"].as_array().context("ingress")?;
-    assert_eq!(ingress.len(), 2, "{np:#}");
-    assert_eq!(ingress[0]["ports"][0]["port"], 9443);
     assert_eq!(
-        ingress[1]["ports"],
-        serde_json::json!([{"port": 15012, "protocol": "TCP"}])
+        np["spec"]["ingress"],
+        serde_json::json!([{"ports": [{"port": 15012, "protocol": "TCP"}]}]),
+        "{np:#}"
     );
-    assert!(ingress[1]["from"].is_null(), "{np:#}");
 
     // RBAC: exactly these rules are added for the CA.
     let off = e2e::chart::render("remora", &ns, &[])?;
@@ -630,6 +620,126 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
 
     for (api, n) in cluster_scoped {
         api.delete(&n, &Default::default()).await?;
+    }
+    cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+/// The `from` of the NetworkPolicy's webhook rule rendered with `sets`.
+fn webhook_peers(sets: &[&str]) -> anyhow::Result<Value> {
+    let objects = e2e::chart::render("remora", "remora-system", sets)?;
+    let np = find(&objects, "NetworkPolicy")?;
+    let rule = &np["spec"]["ingress"][0];
+    assert_eq!(rule["ports"][0]["port"], 9443, "{np:#}");
+    Ok(rule["from"].clone())
+}
+
+/// The webhook port admits the API servers and never the pod network:
+/// "any address" only with the pods taken out, a pod CIDR taken out of
+/// every CIDR that contains it (the API server refuses an `except` outside
+/// its `cidr`), and a render that would admit every pod refused unless the
+/// user says so. Each render is also dry-run against the API server.
+#[tokio::test]
+async fn network_policy_admits_only_the_api_servers() -> anyhow::Result<()> {
+    use serde_json::json;
+    // The pod network alone: any address of its families but the pods'.
+    let pods = ["injector.networkPolicy.podCIDRs={10.244.0.0/16,fd00:10::/56}"];
+    assert_eq!(
+        webhook_peers(&pods)?,
+        json!([
+            {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.244.0.0/16"]}},
+            {"ipBlock": {"cidr": "::/0", "except": ["fd00:10::/56"]}},
+        ])
+    );
+    // The API servers by address; the pods are taken out only where they lie.
+    let named = [
+        "injector.networkPolicy.apiServerCIDRs={10.99.0.1/32,10.0.0.0/8,192.168.0.0/24,::/0}",
+        "injector.networkPolicy.podCIDRs={10.244.0.0/16,fd00:10::/56}",
+    ];
+    assert_eq!(
+        webhook_peers(&named)?,
+        json!([
+            {"ipBlock": {"cidr": "10.99.0.1/32"}},
+            {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.244.0.0/16"]}},
+            {"ipBlock": {"cidr": "192.168.0.0/24"}},
+            {"ipBlock": {"cidr": "::/0", "except": ["fd00:10::/56"]}},
+        ])
+    );
+    // Any address with no pod network of that family to take out: refused.
+    for (sets, family) in [
+        (
+            vec!["injector.networkPolicy.apiServerCIDRs={0.0.0.0/0}"],
+            "0.0.0.0/0 but podCIDRs names no IPv4",
+        ),
+        (
+            vec![
+                "injector.networkPolicy.apiServerCIDRs={0.0.0.0/0,::/0}",
+                "injector.networkPolicy.podCIDRs={10.244.0.0/16}",
+            ],
+            "::/0 but podCIDRs names no IPv6",
+        ),
+    ] {
+        let err = e2e::chart::render("remora", "remora-system", &sets)
+            .err()
+            .with_context(|| format!("{sets:?} rendered"))?
+            .to_string();
+        assert!(
+            err.contains(family) && err.contains("allowPodNetwork=true"),
+            "{err}"
+        );
+    }
+    // Unless acknowledged.
+    let open = [
+        "injector.networkPolicy.apiServerCIDRs={0.0.0.0/0}",
+        "injector.networkPolicy.allowPodNetwork=true",
+    ];
+    assert_eq!(
+        webhook_peers(&open)?,
+        json!([{"ipBlock": {"cidr": "0.0.0.0/0"}}])
+    );
+    // Not a CIDR: refused by the schema.
+    let err = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &["injector.networkPolicy.podCIDRs={10.244.0/16}"],
+    )
+    .err()
+    .context("a bad CIDR rendered")?
+    .to_string();
+    assert!(err.contains("podCIDRs"), "{err}");
+
+    // values-local.yaml: the node's API server, as its calls arrive.
+    let out = std::process::Command::new(e2e::chart::helm_bin()?)
+        .args(["template", "remora"])
+        .arg(e2e::chart::chart_dir())
+        .args(["--namespace", "remora-system", "-f"])
+        .arg(e2e::chart::chart_dir().join("values-local.yaml"))
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let local: Vec<Value> = serde_saphyr::from_multiple(&String::from_utf8_lossy(&out.stdout))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let local: Vec<Value> = local.into_iter().filter(Value::is_object).collect();
+    let np = find(&local, "NetworkPolicy")?;
+    assert_eq!(
+        np["spec"]["ingress"][0]["from"],
+        json!([
+            {"ipBlock": {"cidr": "10.99.0.1/32"}},
+            {"ipBlock": {"cidr": "10.244.0.1/32"}},
+        ]),
+        "{np:#}"
+    );
+
+    // The API server accepts each rendering.
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart-np").await?;
+    for sets in [&pods[..], &named[..], &open[..]] {
+        let (applied, _) = dry_run_chart(&client, "remora", &ns, sets).await?;
+        assert!(applied.contains(&"NetworkPolicy".to_owned()), "{applied:?}");
     }
     cp.delete_namespace(&client, &ns).await?;
     Ok(())

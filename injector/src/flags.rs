@@ -109,8 +109,9 @@ pub struct ServeArgs {
     /// once: 4 MiB leaves room for the review's envelope and JSON growth.
     #[arg(long, env = "REMORA_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
     pub max_request_bytes: usize,
-    /// Memory the reviews in progress may hold together (each counts twelve
-    /// times its body size); a review that finds none within 2 s gets a 503.
+    /// Memory the reviews in progress may hold together (each counts four
+    /// times the body bytes received so far; one client address may hold a
+    /// quarter); a review that finds none within 2 s gets a 503.
     #[arg(long, env = "REMORA_REVIEW_MEMORY_BUDGET", default_value_t = crate::server::DEFAULT_REVIEW_MEMORY_BUDGET)]
     pub review_memory_budget: usize,
     /// Mode when no SidecarLifecycle or annotation says.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
-use remora_injector::server::{AppState, router, serve_tls};
+use remora_injector::server::{AppState, BUDGET_WAIT, router, serve_tls};
 use remora_injector::sidecar_config::{ChartDefaults, LifecycleEntry};
 use remora_injector::tls::ReloadingCert;
 use remora_injector::webhook::{AdmissionOutcome, Injector, StaticView};
@@ -542,6 +542,372 @@ async fn self_managed_ca_serves_the_service_name() -> anyhow::Result<()> {
         webhook_client::connect(addr, "elsewhere.example", &bundle.ca_pem)
             .await
             .is_err()
+    );
+    Ok(())
+}
+
+// ---- Attacks on the webhook's budget, over TLS, from many client addresses.
+
+/// A webhook server that reads bodies of up to 4 MiB (the chart's limit),
+/// with the default review budget and the server's real limits.
+async fn start_attackable_server() -> anyhow::Result<Server> {
+    let dir = tempfile::tempdir()?;
+    let serving = self_signed(&["localhost"]);
+    let (cert, key) = serving.write_pem(dir.path(), "tls.crt", "tls.key")?;
+    let cert = ReloadingCert::load(cert, key)?;
+    let tls = Arc::new(cert.server_config()?);
+    let state = Arc::new(AppState::new(injector(), 4 << 20));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_tls(listener, tls, router(state), async move {
+        let _ = rx.await;
+    }));
+    Ok(Server {
+        addr,
+        ca: serving.chain,
+        dir,
+        cert,
+        stop: Some(tx),
+    })
+}
+
+fn client_ip(last: u8) -> std::net::IpAddr {
+    std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, last))
+}
+
+/// A review the size the API server sends for an ordinary pod (about
+/// 8 KiB: labels, annotations, managed fields), sent at once.
+fn real_review() -> Vec<u8> {
+    let mut p = pod();
+    p["metadata"]["annotations"] = json!({"example.com/config": "x".repeat(6 << 10)});
+    serde_json::to_vec(&review("Pod", "", p)).unwrap_or_default()
+}
+
+/// One slow review from `source`: a head declaring `declared` bytes, then
+/// `first` bytes of body at once, then a byte every `every`, until the
+/// server answers or closes. Returns how long it was held open and the
+/// server's status line and body ("closed" if none).
+async fn slow_review(
+    server_addr: std::net::SocketAddr,
+    ca: &str,
+    source: std::net::IpAddr,
+    declared: usize,
+    first: usize,
+    every: Duration,
+) -> anyhow::Result<(Duration, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tls = webhook_client::tls_from(server_addr, Some(source), "localhost", ca).await?;
+    let (mut rd, mut wr) = tokio::io::split(tls);
+    let mut head = format!(
+        "POST /inject HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {declared}\r\n\r\n"
+    )
+    .into_bytes();
+    head.resize(head.len() + first, b' ');
+    wr.write_all(&head).await?;
+    wr.flush().await?;
+    let t = std::time::Instant::now();
+    let mut tick = tokio::time::interval(every);
+    tick.tick().await;
+    let mut buf = vec![0u8; 4096];
+    loop {
+        tokio::select! {
+            r = rd.read(&mut buf) => {
+                let n = r.unwrap_or(0);
+                let answer = if n == 0 {
+                    "closed".to_owned()
+                } else {
+                    String::from_utf8_lossy(&buf[..n]).into_owned()
+                };
+                return Ok((t.elapsed(), answer));
+            }
+            _ = tick.tick() => {
+                if wr.write_all(b" ").await.is_err() || wr.flush().await.is_err() {
+                    return Ok((t.elapsed(), "closed".to_owned()));
+                }
+            }
+        }
+    }
+}
+
+/// Sends `review` from `source` on a fresh connection; (status, body).
+async fn send_from(
+    server: &Server,
+    source: std::net::IpAddr,
+    review: Vec<u8>,
+) -> anyhow::Result<(u16, String)> {
+    let mut conn =
+        webhook_client::connect_from(server.addr, Some(source), "localhost", &server.ca).await?;
+    let (status, body) = conn.request(http::Method::POST, "/inject", review).await?;
+    Ok((status.as_u16(), String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Whether `body` is an answer that injects the pod.
+fn admitted(status: u16, body: &str) -> bool {
+    status == 200
+        && serde_json::from_str::<Value>(body)
+            .is_ok_and(|v| v["response"]["allowed"] == true && v["response"]["patch"].is_string())
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+/// Many pods (40 client addresses) each hold two slow reviews (4 MiB
+/// declared, a byte a second), opening another as soon as one is cut off,
+/// while the API server (127.0.0.1) sends real reviews at once over four
+/// keep-alive connections: every real review is admitted, none waiting for
+/// the budget. With the budget reserved by declared size, every real
+/// review queued behind the slow ones' reservations for the whole budget
+/// wait (p50 2.0 s; 12 reviews in 6 s instead of about 800), and a slow
+/// review held its 16 MiB for the whole body deadline (10 s); now it holds
+/// 4 KiB for about a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_reviews_from_many_clients_do_not_starve_real_ones() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    const CLIENTS: u8 = 40;
+    const PER_CLIENT: usize = 2;
+    const REAL_FOR: Duration = Duration::from_secs(6);
+    let server = Arc::new(start_attackable_server().await?);
+    let stop = Arc::new(AtomicBool::new(false));
+    let open = Arc::new(AtomicUsize::new(0));
+    let holds = Arc::new(std::sync::Mutex::new(Vec::<(Duration, String)>::new()));
+    let mut attackers = tokio::task::JoinSet::new();
+    for c in 0..CLIENTS {
+        for _ in 0..PER_CLIENT {
+            let (server, stop, open, holds) = (
+                Arc::clone(&server),
+                Arc::clone(&stop),
+                Arc::clone(&open),
+                Arc::clone(&holds),
+            );
+            attackers.spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    open.fetch_add(1, Ordering::Relaxed);
+                    let r = slow_review(
+                        server.addr,
+                        &server.ca,
+                        client_ip(2 + c),
+                        4 << 20,
+                        1,
+                        Duration::from_secs(1),
+                    )
+                    .await;
+                    open.fetch_sub(1, Ordering::Relaxed);
+                    if let Ok(hold) = r {
+                        holds.lock().unwrap_or_else(|e| e.into_inner()).push(hold);
+                    }
+                }
+            });
+        }
+    }
+    let all = usize::from(CLIENTS) * PER_CLIENT;
+    wait_until(
+        Duration::from_secs(10),
+        "every slow review to be open",
+        || async { (open.load(Ordering::Relaxed) >= all).then_some(()) },
+    )
+    .await?;
+
+    let review = real_review();
+    let mut api_server = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let (server, review) = (Arc::clone(&server), review.clone());
+        api_server.spawn(async move {
+            let mut results = Vec::new();
+            let mut conn = None;
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < REAL_FOR {
+                let t = std::time::Instant::now();
+                // As Go's client does: a new connection when the last was closed.
+                if conn
+                    .as_ref()
+                    .is_none_or(webhook_client::Connection::is_closed)
+                {
+                    conn = webhook_client::connect_from(
+                        server.addr,
+                        Some(client_ip(1)),
+                        "localhost",
+                        &server.ca,
+                    )
+                    .await
+                    .ok();
+                }
+                let ok = match conn.as_mut() {
+                    Some(c) => match c
+                        .request(http::Method::POST, "/inject", review.clone())
+                        .await
+                    {
+                        Ok((status, body)) => {
+                            admitted(status.as_u16(), &String::from_utf8_lossy(&body))
+                        }
+                        Err(_) => false,
+                    },
+                    None => false,
+                };
+                if !ok {
+                    conn = None;
+                }
+                results.push((ok, t.elapsed()));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            results
+        });
+    }
+    let mut results = Vec::new();
+    while let Some(r) = api_server.join_next().await {
+        results.extend(r?);
+    }
+    stop.store(true, Ordering::Relaxed);
+    attackers.shutdown().await;
+
+    let total = results.len();
+    let ok = results.iter().filter(|(ok, _)| *ok).count();
+    let mut latency: Vec<Duration> = results.iter().map(|(_, d)| *d).collect();
+    latency.sort();
+    let holds = holds.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let longest = holds.iter().map(|(d, _)| *d).max().unwrap_or_default();
+    println!(
+        "slow-review attack: {all} slow reviews from {CLIENTS} clients ({} cut off, held at most {longest:?}); \
+         real reviews admitted {ok}/{total} ({:.1}%), latency p50 {:?} p99 {:?} max {:?}",
+        holds.len(),
+        100.0 * ok as f64 / total.max(1) as f64,
+        percentile(&latency, 0.5),
+        percentile(&latency, 0.99),
+        latency.last().copied().unwrap_or_default(),
+    );
+    anyhow::ensure!(total >= 100, "only {total} real reviews were sent");
+    assert_eq!(ok, total, "real reviews refused during the attack");
+    // They do not queue for the budget (which every one did, for all of
+    // BUDGET_WAIT, when it was reserved by declared size).
+    let median = percentile(&latency, 0.5);
+    assert!(
+        median < BUDGET_WAIT / 4,
+        "real reviews took {median:?} (median): they queued for the budget"
+    );
+    // Each slow review was cut off by the pace (408) after about a second
+    // (more on a loaded machine), not after the body deadline (10 s).
+    assert!(holds.len() >= all, "{} slow reviews ended", holds.len());
+    assert!(
+        longest < Duration::from_secs(5),
+        "a slow review was held {longest:?}"
+    );
+    assert!(
+        holds.iter().all(|(_, a)| a.starts_with("HTTP/1.1 408")),
+        "{:?}",
+        holds.iter().find(|(_, a)| !a.starts_with("HTTP/1.1 408"))
+    );
+    Ok(())
+}
+
+/// One client cannot take more than its share: 127.0.0.3 sends 1.5 MiB of
+/// a review at once and then keeps it alive (a byte every 200 ms), holding
+/// a quarter of the budget; its next review is refused at once with the
+/// reason, while 127.0.0.4's are admitted. And one client opening more
+/// slow reviews than the server has request places (160 > 128) gets 64
+/// of them, the rest refused at once, while 127.0.0.6's reviews are
+/// admitted; before, it held every place and others got 503s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_over_its_share_is_refused_and_others_are_not() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let server = Arc::new(start_attackable_server().await?);
+    let hold = || {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move {
+            slow_review(
+                server.addr,
+                &server.ca,
+                client_ip(3),
+                4 << 20,
+                3 << 19,
+                Duration::from_millis(200),
+            )
+            .await
+        })
+    };
+    let holder = std::sync::Mutex::new(hold());
+    let refusal = wait_until(
+        Duration::from_secs(5),
+        "127.0.0.3's next review to be refused for its share",
+        || async {
+            {
+                // Refused itself: its bytes came after those of the last
+                // review below, which held part of the share then.
+                let mut h = holder.lock().unwrap_or_else(|e| e.into_inner());
+                if h.is_finished() {
+                    *h = hold();
+                    return None;
+                }
+            }
+            let (status, body) = send_from(&server, client_ip(3), real_review()).await.ok()?;
+            (status == 503 && body.contains("127.0.0.3 holds its share")).then_some(body)
+        },
+    )
+    .await?;
+    println!("refused: {refusal}");
+    let holder = holder.into_inner().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..5 {
+        let (status, body) = send_from(&server, client_ip(4), real_review()).await?;
+        assert!(admitted(status, &body), "{status} {body}");
+    }
+    assert!(
+        !holder.is_finished(),
+        "the holder was cut off though it kept the pace"
+    );
+    holder.abort();
+
+    // Request places: 160 slow reviews from one client, reopened when cut.
+    let stop = Arc::new(AtomicBool::new(false));
+    let refused = Arc::new(AtomicUsize::new(0));
+    let mut attackers = tokio::task::JoinSet::new();
+    for _ in 0..160 {
+        let (server, stop, refused) =
+            (Arc::clone(&server), Arc::clone(&stop), Arc::clone(&refused));
+        attackers.spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok((_, answer)) = slow_review(
+                    server.addr,
+                    &server.ca,
+                    client_ip(5),
+                    8 << 10,
+                    1,
+                    Duration::from_millis(100),
+                )
+                .await
+                    && answer.starts_with("HTTP/1.1 503")
+                    && answer.contains("127.0.0.5 has 64 reviews in progress already")
+                {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                }
+                // Not a CPU flood: this is about request places.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "127.0.0.5's reviews over 64 to be refused",
+        || async { (refused.load(Ordering::Relaxed) >= 96).then_some(()) },
+    )
+    .await?;
+    let mut answers = Vec::new();
+    for _ in 0..20 {
+        let (status, body) = send_from(&server, client_ip(6), real_review()).await?;
+        answers.push((status, body));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    attackers.shutdown().await;
+    let ok = answers.iter().filter(|(s, b)| admitted(*s, b)).count();
+    assert_eq!(
+        ok,
+        answers.len(),
+        "{:?}",
+        answers.iter().find(|(s, b)| !admitted(*s, b))
     );
     Ok(())
 }

@@ -28,6 +28,9 @@
 //! - requests in flight: over [`Limits::max_in_flight`] a request gets a
 //!   fast `503` instead of queueing.
 //!
+//! Each request carries its client's address as axum's `ConnectInfo`, for
+//! handlers that bound what one client may hold.
+//!
 //! Shutdown: stop accepting; for [`Limits::drain_linger`] keep every open
 //! connection serving, each response saying `connection: close`; then let
 //! each connection finish the request it is in (idle ones close), and after
@@ -44,11 +47,13 @@ pub mod readiness;
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
+use axum::extract::ConnectInfo;
 use axum::http::{Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use hyper::body::Incoming;
@@ -341,7 +346,7 @@ impl Server {
         conns.spawn(async move {
             let id = slot.id;
             let _open = shared.metrics.open_guard();
-            shared.connection(stream, slot).await;
+            shared.connection(stream, slot, peer).await;
             shared.table.remove(id);
             tracing::trace!(server = name, %peer, "connection closed");
         });
@@ -378,17 +383,22 @@ struct Shared {
 
 impl Shared {
     /// One connection, from handshake to close; returns early when evicted.
-    async fn connection(self: &Arc<Self>, stream: TcpStream, slot: conns::Slot) {
+    async fn connection(self: &Arc<Self>, stream: TcpStream, slot: conns::Slot, peer: SocketAddr) {
         let evicted = slot.evict.clone();
         tokio::select! {
             () = evicted.cancelled() => {}
-            () = self.handshake_and_serve(stream, slot) => {}
+            () = self.handshake_and_serve(stream, slot, peer) => {}
         }
     }
 
-    async fn handshake_and_serve(self: &Arc<Self>, stream: TcpStream, slot: conns::Slot) {
+    async fn handshake_and_serve(
+        self: &Arc<Self>,
+        stream: TcpStream,
+        slot: conns::Slot,
+        peer: SocketAddr,
+    ) {
         match &self.acceptor {
-            None => self.http(TokioIo::new(stream), slot).await,
+            None => self.http(TokioIo::new(stream), slot, peer).await,
             Some(acceptor) => {
                 let deadline = deadline_after(self.limits.tls_handshake_timeout);
                 let handshake = tokio::time::timeout_at(deadline, acceptor.accept(stream));
@@ -415,20 +425,23 @@ impl Shared {
                         }
                     },
                 };
-                self.http(TokioIo::new(tls), slot).await;
+                self.http(TokioIo::new(tls), slot, peer).await;
             }
         }
     }
 
-    async fn http<I>(self: &Arc<Self>, io: I, slot: conns::Slot)
+    async fn http<I>(self: &Arc<Self>, io: I, slot: conns::Slot, peer: SocketAddr)
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
         let shared = Arc::clone(self);
         let busy = slot.busy;
-        let svc = tower::service_fn(move |req: Request<Incoming>| {
+        let svc = tower::service_fn(move |mut req: Request<Incoming>| {
             let shared = Arc::clone(&shared);
             let busy = BusyGuard::new(&busy);
+            // Handlers that bound what one client may hold read its address
+            // as axum's `ConnectInfo`.
+            req.extensions_mut().insert(ConnectInfo(peer));
             async move {
                 let _busy = busy;
                 Ok::<_, Infallible>(shared.request(req).await)

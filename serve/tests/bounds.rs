@@ -524,3 +524,30 @@ async fn the_listen_queue_holds_a_burst_far_larger_than_128() -> Result<()> {
     drop(listener);
     Ok(())
 }
+
+/// A handler sees the client's address (what the webhook bounds per client).
+#[tokio::test]
+async fn a_handler_sees_the_client_address() -> Result<()> {
+    use axum::extract::ConnectInfo;
+    let app =
+        Router::new().route(
+            "/who",
+            get(
+                |ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>| async move {
+                    peer.ip().to_string()
+                },
+            ),
+        );
+    let running = start(Limits::default(), app).await?;
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind("127.0.0.7:0".parse()?)?;
+    let mut s = socket.connect(running.addr).await?;
+    s.write_all(b"GET /who HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await?;
+    let out = read_until_closed(&mut s).await?;
+    let text = String::from_utf8_lossy(&out);
+    assert_eq!(status_of(&out)?, 200, "{text}");
+    assert!(text.ends_with("127.0.0.7"), "{text}");
+    running.stop.cancel();
+    Ok(())
+}

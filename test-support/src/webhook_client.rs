@@ -37,17 +37,18 @@ pub async fn connect(
     server_name: &str,
     ca_pem: &str,
 ) -> Result<Connection, ClientError> {
-    let cfg = client_config(ca_pem, None)?;
-    let tcp = TcpStream::connect(addr)
-        .await
-        .map_err(ClientError::Connect)?;
-    let _ = tcp.set_nodelay(true);
-    let name = ServerName::try_from(server_name.to_string())
-        .map_err(|e| ClientError::Tls(e.to_string()))?;
-    let tls = TlsConnector::from(cfg)
-        .connect(name, tcp)
-        .await
-        .map_err(|e| ClientError::Tls(e.to_string()))?;
+    connect_from(addr, None, server_name, ca_pem).await
+}
+
+/// [`connect`] from the local address `source` (any of 127.0.0.0/8 on
+/// loopback: a client that looks like another pod to the server).
+pub async fn connect_from(
+    addr: std::net::SocketAddr,
+    source: Option<std::net::IpAddr>,
+    server_name: &str,
+    ca_pem: &str,
+) -> Result<Connection, ClientError> {
+    let tls = tls_from(addr, source, server_name, ca_pem).await?;
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
     tokio::spawn(async move {
         let _ = conn.await;
@@ -56,6 +57,40 @@ pub async fn connect(
         sender,
         host: server_name.to_string(),
     })
+}
+
+/// A TLS connection to `addr` from `source` (else the kernel's choice),
+/// for writing raw HTTP (a request sent slowly, say).
+pub async fn tls_from(
+    addr: std::net::SocketAddr,
+    source: Option<std::net::IpAddr>,
+    server_name: &str,
+    ca_pem: &str,
+) -> Result<tokio_rustls::client::TlsStream<TcpStream>, ClientError> {
+    let cfg = client_config(ca_pem, None)?;
+    let tcp = match source {
+        None => TcpStream::connect(addr).await,
+        Some(ip) => {
+            let socket = if ip.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()
+            } else {
+                tokio::net::TcpSocket::new_v6()
+            }
+            .map_err(ClientError::Connect)?;
+            socket
+                .bind(std::net::SocketAddr::new(ip, 0))
+                .map_err(ClientError::Connect)?;
+            socket.connect(addr).await
+        }
+    }
+    .map_err(ClientError::Connect)?;
+    let _ = tcp.set_nodelay(true);
+    let name = ServerName::try_from(server_name.to_string())
+        .map_err(|e| ClientError::Tls(e.to_string()))?;
+    TlsConnector::from(cfg)
+        .connect(name, tcp)
+        .await
+        .map_err(|e| ClientError::Tls(e.to_string()))
 }
 
 impl Connection {
