@@ -731,6 +731,25 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn pod_restart_policy_says_whether_the_pod_can_complete() {
+        for (args, can) in [
+            (vec![], false),
+            (vec!["--pod-restart-policy", "Always"], false),
+            (vec!["--pod-restart-policy", "Never"], true),
+            (vec!["--pod-restart-policy", "OnFailure"], true),
+        ] {
+            let c = run(&args, &[]).expect("valid");
+            assert_eq!(
+                PodRestartPolicy::can_complete(c.pod_restart_policy),
+                can,
+                "{args:?}"
+            );
+        }
+        let err = run(&["--pod-restart-policy", "Sometimes"], &[]).unwrap_err();
+        assert!(err.contains("--pod-restart-policy"), "{err}");
+    }
+
+    #[test]
     fn redaction_hides_secret_like_keys() {
         assert!(is_secret_key("bearer_token"));
         assert!(!is_secret_key("token_path"));
