@@ -187,6 +187,13 @@ if ((${#cargo_args[@]})); then
   done
 fi
 gcc -static -s -O2 -Wall -Wextra -Werror -o "$BIN/pause" "$ROOT/images/pause/pause.c"
+# The app containers' preStop helper, which the sidecar copies into app
+# containers: std only, static, so it runs in any app image (no libc there).
+if [[ " ${WANT[*]} " == *" agent "* ]]; then
+  rustc --edition 2024 -O -C target-feature=+crt-static -C strip=symbols \
+    --target x86_64-unknown-linux-gnu -o "$BIN/remora-prestop" "$ROOT/agent/src/bin/remora-prestop.rs"
+  ldd "$BIN/remora-prestop" >/dev/null 2>&1 && die "remora-prestop is not static"
+fi
 
 # $1 image, $2 Dockerfile, $3 context dir, rest: buildah bud arguments.
 bud() {

@@ -13,8 +13,9 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::bootstrap;
-use crate::config::RunConfig;
+use crate::config::{PodRestartPolicy, RunConfig};
 use crate::envoy::process;
+use crate::hook::{self, Secret};
 use crate::lifecycle::LiveSettings;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
@@ -52,6 +53,8 @@ pub enum AppError {
     Signals(std::io::Error),
     #[error(transparent)]
     Sds(#[from] sds::SdsError),
+    #[error(transparent)]
+    Hook(#[from] hook::HookError),
 }
 
 /// A built agent, ready to run.
@@ -69,6 +72,8 @@ pub struct App {
     log: LogLevelHandle,
     sds: SdsHandle,
     shutdown: CancellationToken,
+    admin_token: Secret,
+    hook_token: Option<Secret>,
 }
 
 /// Check everything that can be checked before Envoy starts, so bad input
@@ -100,6 +105,18 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
     )
     .await?;
     check_envoy_ports(&cfg).await?;
+    let admin_token = hook::write_admin_token(&cfg.run_dir)?;
+    let hook_token = match &cfg.hook_dir {
+        Some(dir) => {
+            let helper = cfg.prestop_helper_path().ok_or(hook::HookError::NoHelper)?;
+            let addr = admin.local_addr().unwrap_or(SocketAddr::new(
+                IpAddr::V4(Ipv4Addr::LOCALHOST),
+                cfg.admin_port,
+            ));
+            Some(hook::install(dir, &helper, addr)?)
+        }
+        None => None,
+    };
 
     let mut registry = Registry::with_prefix("remora_agent");
     let metrics = Metrics::new(&mut registry);
@@ -138,6 +155,8 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         log,
         sds,
         shutdown,
+        admin_token,
+        hook_token,
     })
 }
 
@@ -187,11 +206,7 @@ impl App {
         tasks.push(tokio::spawn(servers::serve(
             self.health_server,
             self.health,
-            servers::health_router(
-                self.readiness.clone(),
-                self.metrics.clone(),
-                servers::AppPrestop::new(&self.cfg, self.handle.clone()),
-            ),
+            servers::health_router(self.readiness.clone(), self.metrics.clone()),
             shutdown.clone(),
         )));
         tasks.push(tokio::spawn(servers::serve(
@@ -202,6 +217,8 @@ impl App {
                 self.handle.clone(),
                 self.cfg.clone(),
                 self.log.clone(),
+                self.admin_token.clone(),
+                servers::AppPrestop::new(&self.cfg, self.hook_token.clone(), self.handle.clone()),
             ),
             shutdown.clone(),
         )));
@@ -215,6 +232,7 @@ impl App {
         )));
         tasks.push(tokio::spawn(watch_stop(
             self.cfg.annotations_file.clone(),
+            PodRestartPolicy::can_complete(self.cfg.pod_restart_policy),
             STOP_POLL,
             self.handle.control.clone(),
             shutdown.clone(),
@@ -320,9 +338,12 @@ async fn watch_inputs(
 /// ([`remora_contract::mounted`]), like [`watch_inputs`]'s. A request
 /// already there at start counts too: the operator sets it only after the
 /// apps are done and never removes it, so a sidecar (re)started afterwards
-/// has nothing left to serve.
+/// has nothing left to serve. A pod that cannot complete (restartPolicy
+/// Always) would only restart its sidecar in a loop and be left without a
+/// proxy: there the request is ignored, and said so once.
 async fn watch_stop(
     file: PathBuf,
+    can_complete: bool,
     poll: Duration,
     control: tokio::sync::mpsc::Sender<Control>,
     shutdown: CancellationToken,
@@ -339,6 +360,14 @@ async fn watch_stop(
                 tracing::warn!(
                     annotation = STOP_ANNOTATION,
                     "stop request ignored: a native sidecar is stopped by the kubelet"
+                );
+                return;
+            }
+            if !can_complete {
+                tracing::warn!(
+                    annotation = STOP_ANNOTATION,
+                    "stop request ignored: the pod's restartPolicy is Always (or unknown), so it \
+                     cannot complete and a stopped sidecar would only be restarted"
                 );
                 return;
             }
@@ -373,6 +402,7 @@ mod tests {
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(watch_stop(
             dir.path().join("annotations"),
+            true,
             STOP_POLL,
             tx,
             shutdown.clone(),
@@ -401,6 +431,7 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         let task = tokio::spawn(watch_stop(
             dir.path().join("annotations"),
+            true,
             STOP_POLL,
             tx,
             CancellationToken::new(),
@@ -413,6 +444,7 @@ mod tests {
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(watch_stop(
             empty.path().join("annotations"),
+            true,
             STOP_POLL,
             tx,
             shutdown.clone(),
@@ -422,5 +454,24 @@ mod tests {
             .await
             .expect("stops on shutdown")
             .expect("no panic");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stop_is_ignored_when_the_pod_cannot_complete() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        kubelet_write(dir.path(), "remora.dev/stop=\"{}\"\n");
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        let task = tokio::spawn(watch_stop(
+            dir.path().join("annotations"),
+            false,
+            STOP_POLL,
+            tx,
+            CancellationToken::new(),
+        ));
+        tokio::time::timeout(Duration::from_secs(1), task)
+            .await
+            .expect("the watcher gives up at once")
+            .expect("no panic");
+        assert!(rx.recv().await.is_none(), "no quit was asked for");
     }
 }

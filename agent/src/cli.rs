@@ -35,10 +35,23 @@ pub async fn wait(cfg: &WaitConfig) -> i32 {
 }
 
 /// Ask the agent to drain and wait for its report. Returns the process status.
+/// The agent's admin token is read from its run dir: this helper runs in the
+/// sidecar's container, as its user.
 pub async fn drain(cfg: &DrainConfig) -> i32 {
+    let token_file = cfg.run_dir.join(remora_contract::pod::ADMIN_TOKEN_FILE);
+    let token = match std::fs::read_to_string(&token_file) {
+        Ok(t) => t.trim().to_string(),
+        Err(e) => {
+            eprintln!(
+                "remora-agent drain: cannot read the admin token {}: {e}",
+                token_file.display()
+            );
+            return 1;
+        }
+    };
     let client = HttpClient::new(Duration::from_secs(1));
     let url = format!("{}/drain", cfg.admin_url().trim_end_matches('/'));
-    match client.post_with_timeout(&url, cfg.timeout).await {
+    match client.post_authorized(&url, &token, cfg.timeout).await {
         Ok(r) if r.status == 200 => {
             println!("{}", r.body.trim());
             0

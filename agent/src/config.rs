@@ -78,6 +78,25 @@ impl DrainStrategy {
     }
 }
 
+/// The pod's `spec.restartPolicy`, as Kubernetes spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+pub enum PodRestartPolicy {
+    #[value(name = "Always")]
+    Always,
+    #[value(name = "OnFailure")]
+    OnFailure,
+    #[value(name = "Never")]
+    Never,
+}
+
+impl PodRestartPolicy {
+    /// Whether a pod with this policy can complete (and so its sidecar may
+    /// be stopped for good).
+    pub fn can_complete(policy: Option<Self>) -> bool {
+        matches!(policy, Some(Self::Never | Self::OnFailure))
+    }
+}
+
 /// `PORT=SPIFFE_ID` of `--outbound-tls`: the contract's, so the agent and
 /// the injector's check of `remora.dev/outbound-tls` agree.
 pub use remora_contract::traffic::OutboundTlsSpec;
@@ -157,11 +176,19 @@ pub struct RunConfig {
     #[arg(long, env = env::QUIET_PERIOD, value_parser = duration::parse, default_value = defaults::QUIET_PERIOD)]
     #[serde(with = "duration_text")]
     pub quiet_period: Duration,
-    /// The secret the app containers' preStop hook must present to start the
-    /// drain on the health port (the injector sets it); unset: that endpoint
-    /// is off.
-    #[arg(long, env = env::DRAIN_TOKEN, hide_env_values = true)]
-    pub drain_token: Option<String>,
+    /// Where to put the app containers' preStop helper and the file telling
+    /// it how to reach this agent (an emptyDir the injector mounts read-only
+    /// into the app containers); unset: no app hook.
+    #[arg(long, env = env::HOOK_DIR)]
+    pub hook_dir: Option<PathBuf>,
+    /// The app hook helper copied into --hook-dir; default: `remora-prestop`
+    /// next to this executable.
+    #[arg(long, env = "REMORA_PRESTOP_HELPER")]
+    pub prestop_helper: Option<PathBuf>,
+    /// The pod's restartPolicy: `remora.dev/stop` is obeyed only when the pod
+    /// can complete (Never, OnFailure); unset counts as Always.
+    #[arg(long, env = env::POD_RESTART_POLICY, value_enum)]
+    pub pod_restart_policy: Option<PodRestartPolicy>,
     /// Hard upper bound of a drain, from its start to Envoy stopped (the injector
     /// derives it from terminationGracePeriodSeconds).
     #[arg(long, env = env::DRAIN_DEADLINE, value_parser = duration::parse, default_value = defaults::DRAIN_DEADLINE)]
@@ -405,6 +432,20 @@ impl RunConfig {
             .unwrap_or_else(|| self.run_dir.join("sds.sock"))
     }
 
+    /// The token file of the admin actions ([`pod::ADMIN_TOKEN_FILE`]).
+    pub fn admin_token_path(&self) -> PathBuf {
+        self.run_dir.join(pod::ADMIN_TOKEN_FILE)
+    }
+
+    /// The app hook helper to copy into --hook-dir.
+    pub fn prestop_helper_path(&self) -> Option<PathBuf> {
+        self.prestop_helper.clone().or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|p| p.parent().map(|d| d.join(pod::HOOK_HELPER)))
+        })
+    }
+
     /// Where the generated bootstrap is written.
     pub fn bootstrap_path(&self) -> PathBuf {
         self.run_dir.join("envoy-bootstrap.json")
@@ -477,6 +518,9 @@ pub struct DrainConfig {
     /// Admin port of the agent in this container (the hook runs with its env).
     #[arg(long, env = env::ADMIN_PORT, default_value_t = pod::AGENT_ADMIN_PORT)]
     pub admin_port: u16,
+    /// The agent's run dir, where it keeps the admin token this helper presents.
+    #[arg(long, env = env::RUN_DIR, default_value = pod::RUN_DIR)]
+    pub run_dir: PathBuf,
 }
 
 impl DrainConfig {
@@ -684,6 +728,25 @@ pub(crate) mod tests {
             unreachable!()
         };
         assert_eq!(d.admin_url(), "http://127.0.0.1:17020");
+    }
+
+    #[test]
+    fn pod_restart_policy_says_whether_the_pod_can_complete() {
+        for (args, can) in [
+            (vec![], false),
+            (vec!["--pod-restart-policy", "Always"], false),
+            (vec!["--pod-restart-policy", "Never"], true),
+            (vec!["--pod-restart-policy", "OnFailure"], true),
+        ] {
+            let c = run(&args, &[]).expect("valid");
+            assert_eq!(
+                PodRestartPolicy::can_complete(c.pod_restart_policy),
+                can,
+                "{args:?}"
+            );
+        }
+        let err = run(&["--pod-restart-policy", "Sometimes"], &[]).unwrap_err();
+        assert!(err.contains("--pod-restart-policy"), "{err}");
     }
 
     #[test]

@@ -87,11 +87,37 @@ impl HttpClient {
         .await
     }
 
+    /// A POST with `Authorization: Bearer <token>`, with its own timeout.
+    pub async fn post_authorized(
+        &self,
+        url: &str,
+        token: &str,
+        timeout: Duration,
+    ) -> Result<Response, HttpError> {
+        Self {
+            client: self.client.clone(),
+            timeout,
+        }
+        .send(hyper::Method::POST, url, Some(token))
+        .await
+    }
+
     pub async fn request(&self, method: hyper::Method, url: &str) -> Result<Response, HttpError> {
+        self.send(method, url, None).await
+    }
+
+    async fn send(
+        &self,
+        method: hyper::Method,
+        url: &str,
+        bearer: Option<&str>,
+    ) -> Result<Response, HttpError> {
         let uri: hyper::Uri = url.parse().map_err(|_| HttpError::Url(url.to_string()))?;
-        let req = hyper::Request::builder()
-            .method(method)
-            .uri(uri)
+        let mut req = hyper::Request::builder().method(method).uri(uri);
+        if let Some(token) = bearer {
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let req = req
             .body(Empty::new())
             .map_err(|_| HttpError::Url(url.to_string()))?;
         let fut = async {

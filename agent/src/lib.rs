@@ -9,6 +9,7 @@ pub mod cli;
 pub mod config;
 pub mod drain;
 pub mod envoy;
+pub mod hook;
 pub mod http_client;
 pub mod lifecycle;
 pub mod metrics;

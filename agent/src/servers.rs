@@ -17,10 +17,11 @@ use tokio_util::sync::CancellationToken;
 use remora_contract::pod;
 
 use crate::config::RunConfig;
+use crate::hook::Secret;
 use crate::lifecycle::LiveSettings;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
-use crate::supervisor::{Control, SupervisorHandle};
+use crate::supervisor::{Control, DrainOrigin, SupervisorHandle};
 use crate::telemetry::LogLevelHandle;
 
 #[derive(Debug, thiserror::Error)]
@@ -43,62 +44,57 @@ pub async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, S
 struct HealthState {
     readiness: Readiness,
     metrics: Metrics,
-    prestop: AppPrestop,
 }
 
 /// What the app containers' preStop hook needs (see [`app_prestop`]).
 #[derive(Clone)]
 pub struct AppPrestop {
-    /// None: the endpoint is off (no token configured).
-    token: Option<Arc<str>>,
+    /// None: there is no hook (no --hook-dir), and the endpoint refuses all.
+    token: Option<Secret>,
     supervisor: SupervisorHandle,
     live: LiveSettings,
 }
 
 impl AppPrestop {
-    pub fn new(cfg: &RunConfig, supervisor: SupervisorHandle) -> Self {
+    pub fn new(cfg: &RunConfig, token: Option<Secret>, supervisor: SupervisorHandle) -> Self {
         Self {
-            token: cfg
-                .drain_token
-                .as_deref()
-                .filter(|t| !t.is_empty())
-                .map(Arc::from),
+            token,
             supervisor,
             live: LiveSettings::new(cfg),
         }
     }
 }
 
-pub fn health_router(readiness: Readiness, metrics: Metrics, prestop: AppPrestop) -> Router {
+/// The pod-facing port: probes only. Nothing on it changes the agent's state.
+pub fn health_router(readiness: Readiness, metrics: Metrics) -> Router {
     Router::new()
         .route("/healthz/ready", get(ready))
         .route("/healthz/live", get(|| async { "live\n" }))
-        .route(pod::APP_PRESTOP_PATH, get(app_prestop))
-        .with_state(HealthState {
-            readiness,
-            metrics,
-            prestop,
-        })
+        .with_state(HealthState { readiness, metrics })
 }
 
-/// The app containers' preStop hook (the kubelet's `httpGet`, hence on the
-/// pod-facing port, and hence the token): start the drain if it has not
-/// started, and answer once the app may stop — inbound traffic quiet, or at
-/// once for a fixed drain — bounded by the drain deadline.
-async fn app_prestop(State(s): State<HealthState>, headers: HeaderMap) -> Response {
+/// The app containers' preStop hook (`remora-prestop`, exec'd by the kubelet
+/// inside the pod, presenting the hook token from the hook volume): start
+/// the drain if it has not started, and answer once the app may stop —
+/// inbound traffic quiet, or at once for a fixed drain — bounded by the
+/// drain deadline. A drain started this way that no SIGTERM follows is
+/// undone by the supervisor.
+async fn app_prestop(State(s): State<AdminState>, headers: HeaderMap) -> Response {
     let p = &s.prestop;
     let Some(token) = &p.token else {
-        return (StatusCode::NOT_FOUND, "no drain token configured\n").into_response();
+        return (StatusCode::NOT_FOUND, "no app hook configured\n").into_response();
     };
-    let presented = headers
-        .get(pod::DRAIN_TOKEN_HEADER)
-        .map(|v| v.as_bytes())
-        .unwrap_or_default();
-    if !same_secret(presented, token.as_bytes()) {
-        return (StatusCode::FORBIDDEN, "missing or wrong drain token\n").into_response();
+    if !token.authorizes(bearer(&headers)) {
+        return unauthorized("the hook token");
     }
     let mut quiet = p.supervisor.inbound_quiet.clone();
-    if !*quiet.borrow() && p.supervisor.control.send(Control::Drain).await.is_err() {
+    if !*quiet.borrow()
+        && p.supervisor
+            .control
+            .send(Control::Drain(DrainOrigin::AppHook))
+            .await
+            .is_err()
+    {
         return (StatusCode::SERVICE_UNAVAILABLE, "the agent is stopping\n").into_response();
     }
     let bound = p.live.current().drain_deadline;
@@ -109,9 +105,17 @@ async fn app_prestop(State(s): State<HealthState>, headers: HeaderMap) -> Respon
     }
 }
 
-/// Equality that takes as long whatever the first differing byte.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    headers.get(header::AUTHORIZATION).map(|v| v.as_bytes())
+}
+
+fn unauthorized(what: &str) -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        format!("this action needs {what} as a bearer token\n"),
+    )
+        .into_response()
 }
 
 async fn ready(State(s): State<HealthState>) -> Response {
@@ -136,28 +140,59 @@ struct AdminState {
     cfg: Arc<RunConfig>,
     live: LiveSettings,
     log: LogLevelHandle,
+    admin_token: Secret,
+    prestop: AppPrestop,
 }
 
+/// The loopback port. Reads are open; what changes the agent (stop, drain,
+/// log level) needs the admin token from the run dir, which an app that can
+/// only make the sidecar's loopback requests (an SSRF) cannot know. The app
+/// hook has its own token, which starts a drain and nothing else.
 pub fn admin_router(
     registry: Arc<Registry>,
     supervisor: SupervisorHandle,
     cfg: Arc<RunConfig>,
     log: LogLevelHandle,
+    admin_token: Secret,
+    prestop: AppPrestop,
 ) -> Router {
     let live = LiveSettings::new(&cfg);
-    Router::new()
-        .route("/metrics", get(metrics))
+    let state = AdminState {
+        registry,
+        supervisor,
+        cfg,
+        live,
+        log,
+        admin_token,
+        prestop,
+    };
+    let guarded = Router::new()
         .route("/quitquitquit", post(quit))
         .route("/drain", post(drain))
-        .route("/debug/config", get(debug_config))
         .route("/logging", post(logging))
-        .with_state(AdminState {
-            registry,
-            supervisor,
-            cfg,
-            live,
-            log,
-        })
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_admin_token,
+        ));
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/debug/config", get(debug_config))
+        .route(pod::APP_PRESTOP_PATH, post(app_prestop))
+        .merge(guarded)
+        .with_state(state)
+}
+
+async fn require_admin_token(
+    State(s): State<AdminState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if s.admin_token.authorizes(bearer(req.headers())) {
+        next.run(req).await
+    } else {
+        tracing::warn!(path = %req.uri().path(), "admin request without the admin token refused");
+        unauthorized("the admin token (the run dir's admin-token file)")
+    }
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {
@@ -185,7 +220,13 @@ async fn quit(State(s): State<AdminState>) -> Response {
 /// Start a drain (or join the one under way) and answer when it has finished.
 async fn drain(State(s): State<AdminState>) -> Response {
     let mut rx = s.supervisor.drained.clone();
-    if rx.borrow().is_none() && s.supervisor.control.send(Control::Drain).await.is_err() {
+    if rx.borrow().is_none()
+        && s.supervisor
+            .control
+            .send(Control::Drain(DrainOrigin::Admin))
+            .await
+            .is_err()
+    {
         return (StatusCode::SERVICE_UNAVAILABLE, "the agent is stopping\n").into_response();
     }
     match rx.wait_for(Option::is_some).await {
@@ -239,10 +280,10 @@ async fn logging(
 /// The bounds of the agent's two ports. The health port faces the pod
 /// network, so anyone there can open connections to it: they are capped
 /// (the oldest idle or slow one makes room for a new one, so probes get
-/// through a flood) and short-lived; its requests are kubelet probes and
-/// the app containers' preStop hooks (one each, held during the drain), so
-/// a few dozen in flight is plenty. The admin port is loopback only, with
-/// the same bounds.
+/// through a flood) and short-lived; its requests are kubelet probes, so a
+/// few dozen in flight is plenty. The admin port is loopback only, with the
+/// same bounds; the app containers' preStop hooks (one each, held during the
+/// drain) are among its requests.
 pub fn limits() -> remora_serve::Limits {
     remora_serve::Limits {
         max_connections: 128,

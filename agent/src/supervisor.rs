@@ -40,13 +40,72 @@ const ADMIN_PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 pub enum Control {
     /// SIGTERM or SIGINT: the first drains then stops; a second aborts.
     Signal,
-    /// Drain now (preStop `remora-agent drain`); Envoy keeps running afterwards,
-    /// until a signal or `/quitquitquit`.
-    Drain,
+    /// Drain now; Envoy keeps running afterwards, until a signal or
+    /// `/quitquitquit`.
+    Drain(DrainOrigin),
     /// Stop Envoy now and exit 0 (`/quitquitquit`, for Jobs).
     Quit,
     /// The bootstrap's inputs changed: start a new epoch.
     HotRestart { reason: String },
+}
+
+/// Who asked for a drain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainOrigin {
+    /// `POST /drain` with the admin token: the sidecar's own preStop
+    /// (`remora-agent drain`), so the pod is terminating.
+    Admin,
+    /// The app containers' preStop helper. Its token is readable in every
+    /// app container, so such a drain is undone when no SIGTERM follows
+    /// within the grace period (see [`hook_undo_after`]).
+    AppHook,
+}
+
+/// How long after an app hook's drain started it is undone if no SIGTERM
+/// (nor an admin drain) came: the grace period the drain deadline was derived
+/// from. A pod that really terminates has been killed by then; so an agent
+/// still running then was drained by a hook outside a termination.
+pub fn hook_undo_after(deadline: Duration) -> Duration {
+    remora_contract::pod::grace_of_deadline(deadline).max(Duration::from_millis(100))
+}
+
+/// When a drain that only an app hook asked for is undone.
+#[derive(Debug, Default)]
+struct HookUndo {
+    at: Option<Instant>,
+}
+
+impl HookUndo {
+    /// A drain starts: an app hook's alone is undone after [`hook_undo_after`].
+    fn drain_started(&mut self, origin: DrainOrigin, deadline: Duration) {
+        self.at =
+            (origin == DrainOrigin::AppHook).then(|| Instant::now() + hook_undo_after(deadline));
+    }
+
+    /// A drain was asked for while one was under way or done.
+    fn drain_asked(&mut self, origin: DrainOrigin) {
+        if origin == DrainOrigin::Admin {
+            // The sidecar's own preStop: the pod is terminating.
+            self.at = None;
+        }
+    }
+
+    /// SIGTERM: the pod is terminating; nothing is undone.
+    fn terminating(&mut self) {
+        self.at = None;
+    }
+
+    /// Resolves when the drain is to be undone (never, when none is).
+    async fn due(&self) {
+        match self.at {
+            Some(t) => tokio::time::sleep_until(t).await,
+            None => pending().await,
+        }
+    }
+
+    fn done(&mut self) {
+        self.at = None;
+    }
 }
 
 /// Why the agent exits; [`ExitReason::code`] is its process status.
@@ -227,6 +286,8 @@ pub struct Supervisor {
     envoy_guard: Arc<ReadinessGuard>,
     readiness: Readiness,
     draining_guard: Option<ReadinessGuard>,
+    /// Release `draining_guard` once the new epoch of an undone drain is up.
+    release_draining_on_takeover: bool,
     budget: RestartBudget,
     current: Option<EnvoyProcess>,
     parents: Vec<EnvoyProcess>,
@@ -275,6 +336,7 @@ enum Event {
     CandidateUp,
     CandidateExited(ExitStatus),
     CandidateTimedOut,
+    UndoHookDrain,
 }
 
 impl Supervisor {
@@ -302,6 +364,7 @@ impl Supervisor {
             envoy_guard,
             readiness,
             draining_guard: None,
+            release_draining_on_takeover: false,
             current: None,
             parents: Vec::new(),
             candidate: None,
@@ -664,8 +727,30 @@ impl Supervisor {
         futures::future::join_all(all.iter().map(|p| p.stop(grace))).await;
     }
 
+    /// Undo a drain that turned out not to be a termination: the drain's
+    /// watchers are reset, and a new epoch takes the listeners over (Envoy
+    /// cannot undo `drain_listeners`); readiness comes back once it has, or
+    /// at once when no new epoch could be started.
+    async fn undo_drain(&mut self) {
+        self.inbound_quiet_tx.send_replace(false);
+        self.drained_tx.send_replace(None);
+        self.publish_state(|s| s.draining = false);
+        self.hot_restart("undo a drain no SIGTERM followed").await;
+        if self.candidate.is_some() {
+            if let Some(g) = &self.draining_guard {
+                g.pending("a drain is being undone: Envoy's listeners are coming back");
+            }
+            self.release_draining_on_takeover = true;
+        } else {
+            self.draining_guard = None;
+        }
+    }
+
     fn start_drain(&mut self) -> DrainFuture {
         let settings = self.live.current();
+        // Dropped before registering again: a guard's drop clears its name.
+        self.draining_guard = None;
+        self.release_draining_on_takeover = false;
         self.draining_guard = Some(self.readiness.register("draining", "the proxy is draining"));
         self.publish_state(|s| s.draining = true);
         let admin = self.admin.clone();
@@ -711,6 +796,7 @@ impl Supervisor {
         let mut signals = 0u32;
         let mut restart_at: Option<Instant> = None;
         let mut rx_open = true;
+        let mut hook_undo = HookUndo::default();
 
         loop {
             let cur = self.current.clone();
@@ -735,10 +821,16 @@ impl Supervisor {
                     None => { rx_open = false; continue; }
                 },
                 r = async { match drain.as_mut() { Some(f) => f.as_mut().await, None => pending().await } } => Event::DrainDone(r),
+                _ = hook_undo.due() => Event::UndoHookDrain,
             };
 
             match event {
                 Event::CandidateUp | Event::CandidateExited(_) | Event::CandidateTimedOut => {
+                    if self.release_draining_on_takeover {
+                        // The undone drain's listeners are back (or could not be).
+                        self.release_draining_on_takeover = false;
+                        self.draining_guard = None;
+                    }
                     match event {
                         Event::CandidateUp => self.promote_candidate(true),
                         Event::CandidateExited(status) => {
@@ -859,6 +951,7 @@ impl Supervisor {
                         return ExitReason::Aborted;
                     }
                     stop_after_drain = true;
+                    hook_undo.terminating();
                     if let Some(report) = drained.clone() {
                         // preStop already drained: stop now.
                         let grace = drain_started
@@ -876,11 +969,27 @@ impl Supervisor {
                         drain = Some(self.start_drain());
                     }
                 }
-                Event::Control(Control::Drain) => {
+                Event::Control(Control::Drain(origin)) => {
                     if drain.is_none() && drained.is_none() {
-                        drain_started = Some((Instant::now(), self.live.current().drain_deadline));
+                        let deadline = self.live.current().drain_deadline;
+                        drain_started = Some((Instant::now(), deadline));
                         drain = Some(self.start_drain());
+                        hook_undo.drain_started(origin, deadline);
+                    } else {
+                        hook_undo.drain_asked(origin);
                     }
+                }
+                Event::UndoHookDrain => {
+                    hook_undo.done();
+                    tracing::warn!(
+                        "the drain the app hook started was followed by no SIGTERM within the \
+                         grace period: the pod is not terminating; undoing it (ready again, \
+                         Envoy's listeners back through a hot restart)"
+                    );
+                    drain = None;
+                    drained = None;
+                    drain_started = None;
+                    self.undo_drain().await;
                 }
                 Event::DrainDone(report) => {
                     drain = None;
@@ -1087,6 +1196,44 @@ mod tests {
             None,
         );
         assert!(gone.is_err(), "the stand-in for Envoy is gone");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_app_hook_drain_alone_is_undone_after_the_grace_period() {
+        let deadline = Duration::from_secs(25);
+        // The grace period the injector derived a 25 s deadline from.
+        assert_eq!(hook_undo_after(deadline), Duration::from_secs(30));
+        async fn due(u: &HookUndo, within: Duration) -> bool {
+            tokio::time::timeout(within, u.due()).await.is_ok()
+        }
+
+        let mut u = HookUndo::default();
+        assert!(
+            !due(&u, Duration::from_secs(3600)).await,
+            "no drain, nothing due"
+        );
+        u.drain_started(DrainOrigin::AppHook, deadline);
+        assert!(!due(&u, Duration::from_secs(29)).await);
+        assert!(due(&u, Duration::from_secs(2)).await, "due at 30 s");
+        u.done();
+        assert!(!due(&u, Duration::from_secs(3600)).await);
+
+        // SIGTERM in time: the pod terminates, nothing is undone.
+        u.drain_started(DrainOrigin::AppHook, deadline);
+        tokio::time::advance(Duration::from_secs(20)).await;
+        u.terminating();
+        assert!(!due(&u, Duration::from_secs(3600)).await);
+
+        // The sidecar's own preStop joins the hook's drain: terminating too.
+        u.drain_started(DrainOrigin::AppHook, deadline);
+        u.drain_asked(DrainOrigin::AppHook);
+        u.drain_asked(DrainOrigin::Admin);
+        assert!(!due(&u, Duration::from_secs(3600)).await);
+
+        // A drain the sidecar's own preStop started is never undone.
+        u.drain_started(DrainOrigin::Admin, deadline);
+        u.drain_asked(DrainOrigin::AppHook);
+        assert!(!due(&u, Duration::from_secs(3600)).await);
     }
 
     #[test]

@@ -127,13 +127,67 @@ fn restart_budget_exhausted_exits_non_zero() {
 fn quitquitquit_exits_zero_and_stops_envoy() {
     let mut agent = Agent::builder().start();
     let envoy = agent.envoy_pid().expect("pid");
-    let r = http("POST", agent.ports.admin, "/quitquitquit").expect("quit");
-    assert_eq!(r.status, 200);
+    let r = agent.admin_post("/quitquitquit");
+    assert_eq!(r.status, 200, "{}", r.body);
     let status = agent.wait_exit(Duration::from_secs(10));
     assert_eq!(status.code(), Some(0), "{}", agent.log());
     wait_until_blocking(Duration::from_secs(5), "Envoy gone", || {
         (!process_alive(envoy)).then_some(())
     });
+}
+
+/// An app with an SSRF can make the sidecar's loopback POSTs, but cannot
+/// read the sidecar's run dir: without the admin token nothing that stops,
+/// drains or reconfigures the agent is done.
+#[test]
+fn admin_actions_without_the_admin_token_are_refused_and_envoy_keeps_running() {
+    let mut agent = Agent::builder().hook().start();
+    let envoy = agent.envoy_pid().expect("pid");
+    let token = agent.admin_token();
+    let meta = std::fs::metadata(agent.dir.path().join("run/admin-token")).expect("token file");
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+        0o600
+    );
+    // The hook token opens the hook, nothing else.
+    let hook_token = agent.hook_token();
+    for path in ["/quitquitquit", "/drain", "/logging?level=trace"] {
+        for auth in [
+            None,
+            Some("Bearer wrong".to_string()),
+            Some(token.clone()),
+            Some(format!("Bearer {hook_token}")),
+            Some(format!("Bearer {token}x")),
+        ] {
+            let headers: Vec<(&str, &str)> =
+                auth.iter().map(|a| ("authorization", a.as_str())).collect();
+            let r = Conn::open(agent.ports.admin)
+                .and_then(|mut c| c.request_with("POST", path, &headers))
+                .expect("answered");
+            assert_eq!(r.status, 401, "{path} with {auth:?}: {}", r.body);
+        }
+    }
+    assert!(agent.is_running());
+    assert!(process_alive(envoy));
+    assert_eq!(agent.envoy_pid(), Some(envoy), "the same Envoy");
+    assert_eq!(
+        get(agent.ports.health, "/healthz/ready")
+            .expect("ready")
+            .status,
+        200
+    );
+    assert_eq!(get(agent.ports.inbound, "/").expect("inbound").status, 200);
+    assert!(!agent.log().contains(&token), "the token is never logged");
+    // Reads stay open; with the token the actions work.
+    assert_eq!(
+        get(agent.ports.admin, "/metrics").expect("metrics").status,
+        200
+    );
+    let r = agent.admin_post("/logging?level=info");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = agent.admin_post("/quitquitquit");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
 }
 
 #[test]
@@ -277,37 +331,70 @@ fn adaptive_drain_lasts_while_traffic_arrives_then_one_quiet_period() {
     println!("adaptive drain: {sent} requests over {lag:?} of lag, agent exited after {took:?}");
 }
 
+/// The old attack: a request to the pod's health port for the app hook's
+/// drain, from off the pod, with the hook's credential in both the old
+/// header and as a bearer token (here even the real token, read from the
+/// hook volume). The health port has no such endpoint any more: nothing
+/// drains, readiness stays green.
 #[test]
-fn app_prestop_needs_the_token_and_answers_when_inbound_is_quiet() {
+fn app_prestop_from_off_the_pod_is_refused_and_readiness_stays_green() {
     let path = remora_contract::pod::APP_PRESTOP_PATH;
-    let header = remora_contract::pod::DRAIN_TOKEN_HEADER;
-    let mut agent = Agent::builder()
-        .args(["--quiet-period", "500ms", "--drain-token", "s3cret-token"])
-        .start();
-    for presented in [None, Some("wrong")] {
-        let headers: Vec<(&str, &str)> = presented.map(|t| (header, t)).into_iter().collect();
-        let r = Conn::open(agent.ports.health)
-            .and_then(|mut c| c.request_with("GET", path, &headers))
-            .expect("answered");
-        assert_eq!(r.status, 403, "{presented:?}");
+    let agent = Agent::builder().hook().start();
+    let token = agent.hook_token();
+    let bearer = format!("Bearer {token}");
+    for source in [[127, 0, 0, 2], [127, 0, 0, 1]] {
+        for method in ["GET", "POST"] {
+            for headers in [
+                vec![],
+                vec![("x-remora-drain-token", token.as_str())],
+                vec![("authorization", bearer.as_str())],
+            ] {
+                let r = Conn::open_from(source, agent.ports.health)
+                    .and_then(|mut c| c.request_with(method, path, &headers))
+                    .expect("answered");
+                assert_eq!(r.status, 404, "{source:?} {method} {headers:?}: {}", r.body);
+            }
+        }
     }
-    assert_eq!(
-        get(agent.ports.health, "/healthz/ready")
-            .expect("ready")
-            .status,
-        200
-    );
-    assert!(
-        !agent.log().contains("s3cret-token"),
-        "the token is never logged"
-    );
-
-    let start = Instant::now();
-    let r = Conn::open(agent.ports.health)
-        .and_then(|mut c| c.request_with("GET", path, &[(header, "s3cret-token")]))
-        .expect("answered");
-    let took = start.elapsed();
+    // On the (loopback) admin port it needs the hook token.
+    for auth in ["", "Bearer wrong", &bearer[..bearer.len() - 1]] {
+        let r = Conn::open(agent.ports.admin)
+            .and_then(|mut c| c.request_with("POST", path, &[("authorization", auth)]))
+            .expect("answered");
+        assert_eq!(r.status, 401, "{auth:?}: {}", r.body);
+    }
+    let r = get(agent.ports.health, "/healthz/ready").expect("ready");
     assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(agent.debug()["envoy"]["draining"], false);
+    assert!(
+        !agent.metrics().contains("remora_agent_drains_total{"),
+        "no drain ran"
+    );
+    assert!(!agent.log().contains(&token), "the token is never logged");
+}
+
+/// The app containers' preStop as the kubelet runs it: an exec of the helper
+/// the agent copied into the hook volume, with nothing from the sidecar's
+/// environment. It drains and returns once inbound traffic is quiet.
+#[test]
+fn app_hook_helper_drains_and_returns_when_inbound_is_quiet() {
+    let mut agent = Agent::builder()
+        .hook()
+        .args(["--quiet-period", "500ms"])
+        .start();
+    let helper = agent.hook_dir().join(remora_contract::pod::HOOK_HELPER);
+    let start = Instant::now();
+    let out = std::process::Command::new(&helper)
+        .env_clear()
+        .current_dir("/")
+        .output()
+        .expect("the helper runs");
+    let took = start.elapsed();
+    assert!(out.status.success(), "{out:?}\n{}", agent.log());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("the app may stop"),
+        "{out:?}"
+    );
     assert!(
         took >= Duration::from_millis(500),
         "answered before quiet: {took:?}"
@@ -319,6 +406,67 @@ fn app_prestop_needs_the_token_and_answers_when_inbound_is_quiet() {
     assert_eq!(agent.wait_exit(Duration::from_secs(5)).code(), Some(0));
     assert!(
         agent.log().contains("\"outcome\":\"quiet\""),
+        "{}",
+        agent.log()
+    );
+}
+
+/// A drain the app hook started that no SIGTERM follows (the pod is not
+/// terminating) is undone after the grace period the deadline comes from
+/// (2 s for a 1 s deadline): ready again, and Envoy's inbound listeners,
+/// drained and closed meanwhile, are back through a new epoch.
+#[test]
+fn app_hook_drain_without_sigterm_is_undone_ready_and_listeners_back() {
+    let mut agent = Agent::builder()
+        .hook()
+        .args([
+            "--drain-mode",
+            "fixed",
+            "--termination-drain-duration",
+            "200ms",
+            "--drain-duration",
+            "1s",
+            "--drain-deadline",
+            "1s",
+        ])
+        .start();
+    let helper = agent.hook_dir().join(remora_contract::pod::HOOK_HELPER);
+    let out = std::process::Command::new(&helper)
+        .env_clear()
+        .output()
+        .expect("the helper runs");
+    assert!(out.status.success(), "{out:?}\n{}", agent.log());
+    let drained_at = Instant::now();
+    agent.wait_unready();
+    let r = get(agent.ports.inbound, "/").expect("inbound while draining");
+    assert_eq!(r.header("connection"), Some("close"), "draining: {r:?}");
+
+    let back = wait_until_blocking(Duration::from_secs(20), "ready again", || {
+        let r = get(agent.ports.health, "/healthz/ready").ok()?;
+        (r.status == 200).then(Instant::now)
+    });
+    let after = back.duration_since(drained_at);
+    assert!(
+        after >= Duration::from_millis(1800),
+        "undone before the grace period: {after:?}"
+    );
+    assert!(agent.log().contains("undoing it"), "{}", agent.log());
+    let debug = agent.debug();
+    assert_eq!(debug["envoy"]["draining"], false, "{debug}");
+    assert_eq!(debug["envoy"]["epoch"], 1, "a new epoch: {debug}");
+    // The listeners serve again, without telling clients to leave.
+    let mut conn = Conn::open(agent.ports.inbound).expect("inbound listener back");
+    for _ in 0..3 {
+        let r = conn.get("/").expect("request");
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.header("connection"), None, "not draining: {r:?}");
+    }
+    println!("hook drain undone {after:?} after it started");
+    // And a real termination still drains and stops.
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(
+        agent.wait_exit(Duration::from_secs(10)).code(),
+        Some(0),
         "{}",
         agent.log()
     );
@@ -406,6 +554,8 @@ fn drain_helper_blocks_until_drained_then_sigterm_stops() {
     let out = std::process::Command::new(agent_bin())
         .args(["drain", "--admin-url"])
         .arg(format!("http://127.0.0.1:{}", agent.ports.admin))
+        .arg("--run-dir")
+        .arg(agent.dir.path().join("run"))
         .output()
         .expect("drain runs");
     let took = start.elapsed();
@@ -642,9 +792,11 @@ fn metrics_record_drains() {
     let out = std::process::Command::new(agent_bin())
         .args(["drain", "--admin-url"])
         .arg(format!("http://127.0.0.1:{}", agent.ports.admin))
+        .arg("--run-dir")
+        .arg(agent.dir.path().join("run"))
         .output()
         .expect("drain");
-    assert!(out.status.success());
+    assert!(out.status.success(), "{out:?}");
     let m = agent.metrics();
     assert!(
         m.contains("remora_agent_drains_total{outcome=\"Elapsed\"} 1"),
@@ -671,7 +823,9 @@ fn kubelet_write_annotations(dir: &std::path::Path, lines: &[(&str, &str)]) {
 
 #[test]
 fn stop_annotation_stops_envoy_and_exits_zero() {
-    let mut agent = Agent::builder().start();
+    let mut agent = Agent::builder()
+        .args(["--pod-restart-policy", "Never"])
+        .start();
     let dir = agent.dir.path().to_path_buf();
     let lifecycle = (
         "remora.dev/lifecycle",
@@ -705,6 +859,7 @@ fn stop_annotation_stops_envoy_and_exits_zero() {
 fn stop_annotation_present_at_start_exits_zero_and_leaves_no_envoy() {
     // A sidecar (re)started after the request: the apps are done already.
     let mut agent = Agent::builder()
+        .args(["--pod-restart-policy", "OnFailure"])
         .annotations("remora.dev/stop=\"anything\"\n")
         .spawn();
     let status = agent.wait_exit(Duration::from_secs(10));
@@ -720,6 +875,38 @@ fn stop_annotation_present_at_start_exits_zero_and_leaves_no_envoy() {
         });
         (!alive).then_some(())
     });
+}
+
+/// `remora.dev/stop` on a pod that cannot complete (restartPolicy Always, or
+/// not said): a stopped sidecar would only be restarted, in a loop, leaving
+/// the pod without a proxy meanwhile. It is ignored, said once.
+#[test]
+fn stop_annotation_is_ignored_when_the_pod_cannot_complete() {
+    for policy in [Some("Always"), None] {
+        let mut b = Agent::builder().annotations("remora.dev/stop=\"{}\"\n");
+        if let Some(p) = policy {
+            b = b.args(["--pod-restart-policy", p]);
+        }
+        let mut agent = b.start();
+        let envoy = agent.envoy_pid().expect("pid");
+        wait_until_blocking(Duration::from_secs(5), "the ignore logged", || {
+            agent.log().contains("stop request ignored").then_some(())
+        });
+        assert!(agent.is_running(), "{policy:?}: {}", agent.log());
+        assert!(process_alive(envoy));
+        assert_eq!(
+            get(agent.ports.health, "/healthz/ready")
+                .expect("ready")
+                .status,
+            200
+        );
+        assert_eq!(
+            agent.log().matches("stop request ignored").count(),
+            1,
+            "{}",
+            agent.log()
+        );
+    }
 }
 
 /// A client sending one request after another through a port, each on a new

@@ -215,12 +215,30 @@ fn unreadable_override_is_named() {
 #[test]
 fn drain_helper_without_agent_fails_clearly() {
     let port = free_port();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("http://127.0.0.1:{port}");
+    // No admin token (no agent ever ran here): named, nothing sent.
     let o = run(&[
         "drain",
         "--timeout",
         "1s",
         "--admin-url",
-        &format!("http://127.0.0.1:{port}"),
+        &url,
+        "--run-dir",
+        &path_str(dir.path()),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("admin-token"), "{}", stderr(&o));
+    assert_no_panic(&o);
+    std::fs::write(dir.path().join("admin-token"), "0123abcd").expect("token");
+    let o = run(&[
+        "drain",
+        "--timeout",
+        "1s",
+        "--admin-url",
+        &url,
+        "--run-dir",
+        &path_str(dir.path()),
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains(&port.to_string()), "{}", stderr(&o));

@@ -14,10 +14,12 @@ pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: &str = "REMORA_EXIT_ON_ZERO_ACTIVE_CO
 pub const MINIMUM_DRAIN_DURATION: &str = "REMORA_MINIMUM_DRAIN_DURATION";
 pub const DRAIN_MODE: &str = "REMORA_DRAIN_MODE";
 pub const QUIET_PERIOD: &str = "REMORA_QUIET_PERIOD";
-/// The secret the app containers' preStop hook presents to the agent's
-/// [`crate::pod::APP_PRESTOP_PATH`]: without it anyone on the pod network
-/// could make the pod drain.
-pub const DRAIN_TOKEN: &str = "REMORA_DRAIN_TOKEN";
+/// Where the agent puts the app containers' preStop helper and its
+/// endpoint file ([`crate::pod::HOOK_DIR`]); unset: no app hook.
+pub const HOOK_DIR: &str = "REMORA_HOOK_DIR";
+/// The pod's `restartPolicy`: `remora.dev/stop` is obeyed only when the pod
+/// can complete (Never, OnFailure).
+pub const POD_RESTART_POLICY: &str = "REMORA_POD_RESTART_POLICY";
 pub const DRAIN_DEADLINE: &str = "REMORA_DRAIN_DEADLINE";
 pub const RUN_DIR: &str = "REMORA_RUN_DIR";
 pub const ANNOTATIONS_FILE: &str = "REMORA_ANNOTATIONS_FILE";

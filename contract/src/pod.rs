@@ -22,12 +22,32 @@ pub const STATS_PORT: u16 = 15090;
 pub const STATS_PORT_NAME: &str = "remora-stats";
 pub const READY_PATH: &str = "/healthz/ready";
 pub const LIVE_PATH: &str = "/healthz/live";
-/// On the health port: the app containers' preStop hook (`httpGet`). Starts
-/// the drain if it has not started and answers once inbound traffic has gone
-/// quiet, so the kubelet sends the app SIGTERM only when the load balancer
-/// has stopped sending. Needs [`DRAIN_TOKEN_HEADER`].
+/// On the agent's admin port (loopback): the app containers' preStop hook,
+/// run by [`HOOK_HELPER`]. Starts the drain if it has not started and
+/// answers once inbound traffic has gone quiet, so the kubelet sends the app
+/// SIGTERM only when the load balancer has stopped sending. Needs the hook
+/// token of [`HOOK_ENDPOINT_FILE`] as a bearer token.
 pub const APP_PRESTOP_PATH: &str = "/drain/app-prestop";
-pub const DRAIN_TOKEN_HEADER: &str = "x-remora-drain-token";
+
+/// The hook volume: an emptyDir the sidecar fills at start with
+/// [`HOOK_HELPER`] and [`HOOK_ENDPOINT_FILE`], mounted read-only into the app
+/// containers whose preStop execs the helper. Nothing secret is in the pod
+/// spec: the token exists only in this volume, inside the pod.
+pub const HOOK_DIR: &str = "/var/run/remora-hook";
+pub const HOOK_VOLUME: &str = "remora-hook";
+/// The static helper the app containers' preStop execs (std only, so it runs
+/// in any app image), file name in [`HOOK_DIR`] and in the agent's image.
+pub const HOOK_HELPER: &str = "remora-prestop";
+/// [`HOOK_DIR`]/[`HOOK_HELPER`]: the app containers' preStop command.
+pub const HOOK_HELPER_PATH: &str = "/var/run/remora-hook/remora-prestop";
+/// The file in [`HOOK_DIR`] telling the helper where the agent listens and
+/// which token to present: `addr=127.0.0.1:PORT` and `token=HEX` lines.
+pub const HOOK_ENDPOINT_FILE: &str = "endpoint";
+/// The file in the run dir (mode 0600, the sidecar's user only) holding the
+/// token the agent's admin actions (`/quitquitquit`, `/drain`, `/logging`)
+/// require, so an app with an SSRF that can POST to loopback cannot stop the
+/// sidecar; `remora-agent drain` (the sidecar's own preStop) reads it.
+pub const ADMIN_TOKEN_FILE: &str = "admin-token";
 
 /// Every port the sidecar binds in the pod's network namespace, and what for.
 pub const SIDECAR_PORTS: [(u16, &str); 5] = [
@@ -71,6 +91,25 @@ pub fn drain_deadline(grace_seconds: i64) -> Duration {
     grace.saturating_sub(margin)
 }
 
+/// The shortest grace period whose [`drain_deadline`] is `deadline` (its
+/// inverse, where one exists; never less than `deadline`): once that long
+/// has passed since a pod's deletion, the kubelet has killed its containers.
+pub fn grace_of_deadline(deadline: Duration) -> Duration {
+    let (one, five) = (Duration::from_secs(1), Duration::from_secs(5));
+    if deadline.is_zero() {
+        return Duration::ZERO;
+    }
+    // Up to 6 s of grace the margin is 1 s; from 30 s it is 5 s; between,
+    // a sixth (so the deadline is five sixths of the grace).
+    if deadline <= five {
+        deadline.saturating_add(one)
+    } else if deadline >= Duration::from_secs(25) {
+        deadline.saturating_add(five)
+    } else {
+        (deadline * 6).div_f64(5.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,6 +130,33 @@ mod tests {
         assert_eq!(
             format!("{PODINFO_DIR}/{ANNOTATIONS_FILE_NAME}"),
             ANNOTATIONS_FILE
+        );
+        assert_eq!(format!("{HOOK_DIR}/{HOOK_HELPER}"), HOOK_HELPER_PATH);
+    }
+
+    #[test]
+    fn grace_of_deadline_inverts_drain_deadline() {
+        for grace in (0u64..=120).chain([3600, 86_400]) {
+            let g = Duration::from_secs(grace);
+            let grace = i64::try_from(grace).expect("small");
+            let d = drain_deadline(grace);
+            let back = grace_of_deadline(d);
+            assert!(back >= d, "{grace}");
+            if grace >= 2 {
+                // Within a rounding step of the real grace period, never short of it by more.
+                assert!(
+                    back + Duration::from_millis(1) >= g && back <= g + Duration::from_millis(1),
+                    "grace {grace}s: deadline {d:?}, back {back:?}"
+                );
+            }
+        }
+        assert_eq!(
+            grace_of_deadline(Duration::from_secs(1)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            grace_of_deadline(crate::duration::MAX),
+            crate::duration::MAX + Duration::from_secs(5)
         );
     }
 }

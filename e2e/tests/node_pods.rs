@@ -711,3 +711,61 @@ async fn sidecar_crash() -> anyhow::Result<()> {
     ));
     Ok(())
 }
+
+/// Issue 27, item 4, on the real node: what used to drain a pod for good
+/// from off the pod. The pod spec carries no drain credential any more (the
+/// app hook is an exec of the helper in the hook volume), and the pod's
+/// health port, reached from the host as any peer on the pod network would,
+/// has no drain endpoint: the sidecar stays ready.
+#[tokio::test]
+async fn drain_attempts_from_off_the_pod_change_nothing() -> anyhow::Result<()> {
+    let Some(node) = Node::for_test("drain_attempts_from_off_the_pod").await? else {
+        return Ok(());
+    };
+    let client = node.client()?;
+    node.remora(&client).await?;
+    let ns = TestNamespace::injected(node, &client, "pods-drain-guard").await?;
+    let name = "guarded";
+    let (running, _) = deploy(&client, &ns, name, 1, "Native").await?;
+    let pod = running.first().context("no pod")?.clone();
+    let spec = serde_json::to_string(&pod)?;
+    for secret in ["x-remora-drain-token", "REMORA_DRAIN_TOKEN", "httpHeaders"] {
+        ensure!(
+            !spec.contains(secret),
+            "the pod spec holds {secret}: {spec}"
+        );
+    }
+    let app = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == APP_CONTAINER))
+        .context("no app container")?;
+    let hook = app
+        .lifecycle
+        .as_ref()
+        .and_then(|l| l.pre_stop.as_ref())
+        .and_then(|h| h.exec.as_ref())
+        .and_then(|e| e.command.clone())
+        .unwrap_or_default();
+    ensure!(
+        hook == [remora_contract::pod::HOOK_HELPER_PATH],
+        "app preStop: {hook:?}"
+    );
+
+    let health = SocketAddr::new(pod_ip(&pod)?, HEALTH_PORT);
+    let path = remora_contract::pod::APP_PRESTOP_PATH;
+    let r = pods::http_get(health, path, Duration::from_secs(5)).await?;
+    ensure!(
+        r.status() == 404,
+        "GET {path} from the host: {}",
+        r.status()
+    );
+    // Readiness fails at once when a drain starts: it is still 200.
+    let r = pods::http_get(health, "/healthz/ready", Duration::from_secs(5)).await?;
+    ensure!(r.status() == 200, "ready after the attempt: {}", r.status());
+    let now = ns.api::<Pod>().get(pod_name(&pod)).await?;
+    ensure!(is_ready(&now), "the pod is not Ready");
+    report("  drain attempt from the host: 404, the sidecar stays ready");
+    ns.delete().await?;
+    Ok(())
+}

@@ -23,8 +23,9 @@ use remora_contract::lifecycle::{
     LifecycleAnnotation, ShutdownAnnotation, SidecarStatus, StartupAnnotation,
 };
 use remora_contract::pod::{
-    HEALTH_PORT, INBOUND_PORT, PODINFO_DIR, PODINFO_VOLUME, PROXY_CONTAINER, PROXY_UID, READY_PATH,
-    RUN_DIR, RUN_VOLUME, SIDECAR_PORTS, sidecar_port_use,
+    HEALTH_PORT, HOOK_DIR, HOOK_HELPER_PATH, HOOK_VOLUME, INBOUND_PORT, PODINFO_DIR,
+    PODINFO_VOLUME, PROXY_CONTAINER, PROXY_UID, READY_PATH, RUN_DIR, RUN_VOLUME, SIDECAR_PORTS,
+    sidecar_port_use,
 };
 use remora_contract::traffic::{
     InboundSpec, MAX_LISTENERS, OutboundSpec, OutboundTlsSpec, check_spiffe_id,
@@ -234,7 +235,7 @@ pub fn mutate(
         ));
     }
     let workload_ca = workload_ca_wiring(cfg, &annotations)?;
-    let mut our_volumes = vec![RUN_VOLUME, PODINFO_VOLUME];
+    let mut our_volumes = vec![RUN_VOLUME, PODINFO_VOLUME, HOOK_VOLUME];
     if workload_ca.is_some() {
         our_volumes.extend([workload_ca::TOKEN_VOLUME, workload_ca::TRUST_BUNDLE_VOLUME]);
     }
@@ -339,15 +340,18 @@ pub fn mutate(
     if let Some(ca) = workload_ca {
         wire_workload_ca(&mut container, ca);
     }
-    // Hashed before the token goes in: the token differs on every injection,
-    // the sidecar it belongs to does not.
-    let config_hash = config_hash(&container, &lifecycle);
-    let token = drain_token();
+    // Only a pod that can complete may have its sidecar stopped by
+    // remora.dev/stop; the API server refuses any other value later.
+    let restart_policy = match restart {
+        "Never" | "OnFailure" => restart,
+        _ => "Always",
+    };
     container
         .env
         .get_or_insert_with(Vec::new)
-        .push(env(env_name::DRAIN_TOKEN, token.clone()));
-    let app_hooks = app_prestop_hooks(containers, &token, &mut warnings);
+        .push(env(env_name::POD_RESTART_POLICY, restart_policy.into()));
+    let config_hash = config_hash(&container, &lifecycle);
+    let app_hooks = app_prestop_hooks(containers, &mut warnings);
     let only_in = |m: SidecarMode| {
         if mode == m {
             vec![PROXY_CONTAINER.to_string()]
@@ -387,7 +391,7 @@ pub fn mutate(
             Value::String(lifecycle_json),
         ));
     }
-    let mut volumes = vec![run_volume(), podinfo_volume()];
+    let mut volumes = vec![run_volume(), podinfo_volume(), hook_volume()];
     if workload_ca.is_some() {
         volumes.extend([token_volume(), trust_bundle_volume()]);
     }
@@ -417,42 +421,47 @@ pub fn mutate(
     })
 }
 
-/// A fresh secret for the app containers' preStop hook (see
-/// [`remora_contract::pod::APP_PRESTOP_PATH`]): 128 random bits, hex.
-fn drain_token() -> String {
-    let bytes: [u8; 16] = rand::random();
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The preStop hook of every app container: an `httpGet` on the sidecar's
-/// health port that returns once inbound traffic has gone quiet (adaptive
-/// drain), so the kubelet sends the app SIGTERM only when the load balancer
-/// has stopped sending to the pod. A container with its own preStop keeps it
-/// (warned): its SIGTERM does not wait for the drain.
-fn app_prestop_hooks(
-    containers: &[Value],
-    token: &str,
-    warnings: &mut Vec<String>,
-) -> Vec<PatchOperation> {
-    let hook = json!({
-        "httpGet": {
-            "path": remora_contract::pod::APP_PRESTOP_PATH,
-            "port": HEALTH_PORT,
-            "scheme": "HTTP",
-            "httpHeaders": [{"name": remora_contract::pod::DRAIN_TOKEN_HEADER, "value": token}],
-        }
+/// The preStop hook of every app container: an `exec` of the helper the
+/// sidecar puts in the hook volume (mounted read-only here), which asks the
+/// agent over the pod's loopback and returns once inbound traffic has gone
+/// quiet (adaptive drain), so the kubelet sends the app SIGTERM only when the
+/// load balancer has stopped sending to the pod. Its credential is in that
+/// volume, never in the spec: reading a pod must not be enough to drain it.
+/// A container with its own preStop keeps it (warned): its SIGTERM does not
+/// wait for the drain.
+fn app_prestop_hooks(containers: &[Value], warnings: &mut Vec<String>) -> Vec<PatchOperation> {
+    let hook = to_json(&exec(&[HOOK_HELPER_PATH]));
+    let mount = to_json(&VolumeMount {
+        name: HOOK_VOLUME.into(),
+        mount_path: HOOK_DIR.into(),
+        read_only: Some(true),
+        ..Default::default()
     });
     let mut ops = Vec::new();
     for (i, c) in containers.iter().enumerate() {
         let i = i.to_string();
+        let name = c["name"].as_str().unwrap_or("?");
         let lifecycle = &c["lifecycle"];
+        let mounts = &c["volumeMounts"];
         if !lifecycle["preStop"].is_null() {
             warnings.push(format!(
-                "remora: container {} has its own preStop hook: its SIGTERM does not wait for \
-                 the sidecar's drain",
-                c["name"].as_str().unwrap_or("?")
+                "remora: container {name} has its own preStop hook: its SIGTERM does not wait \
+                 for the sidecar's drain"
             ));
-        } else if lifecycle.is_object() {
+            continue;
+        }
+        let taken =
+            mounts.as_array().into_iter().flatten().any(|m| {
+                m["mountPath"].as_str().map(|p| p.trim_end_matches('/')) == Some(HOOK_DIR)
+            });
+        if taken || !(mounts.is_null() || mounts.is_array()) {
+            warnings.push(format!(
+                "remora: container {name} already mounts something at {HOOK_DIR}: no preStop \
+                 hook, its SIGTERM does not wait for the sidecar's drain"
+            ));
+            continue;
+        }
+        if lifecycle.is_object() {
             ops.push(add(
                 &["spec", "containers", &i, "lifecycle", "preStop"],
                 hook.clone(),
@@ -461,6 +470,17 @@ fn app_prestop_hooks(
             ops.push(add(
                 &["spec", "containers", &i, "lifecycle"],
                 json!({ "preStop": hook }),
+            ));
+        }
+        if mounts.is_null() {
+            ops.push(add(
+                &["spec", "containers", &i, "volumeMounts"],
+                json!([mount]),
+            ));
+        } else {
+            ops.push(add(
+                &["spec", "containers", &i, "volumeMounts", "-"],
+                mount.clone(),
             ));
         }
     }
@@ -983,6 +1003,7 @@ pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Durat
             env_name::ANNOTATIONS_FILE,
             remora_contract::pod::ANNOTATIONS_FILE.into(),
         ),
+        env(env_name::HOOK_DIR, HOOK_DIR.into()),
     ];
     let mut c = Container {
         name: PROXY_CONTAINER.into(),
@@ -1041,6 +1062,11 @@ pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Durat
                 read_only: Some(true),
                 ..Default::default()
             },
+            VolumeMount {
+                name: HOOK_VOLUME.into(),
+                mount_path: HOOK_DIR.into(),
+                ..Default::default()
+            },
         ]),
         termination_message_policy: Some("FallbackToLogsOnError".into()),
         ..Default::default()
@@ -1073,6 +1099,17 @@ pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Durat
         }
     }
     c
+}
+
+/// The app hook's volume: the helper binary and the file with its token,
+/// written by the sidecar at start. On disk (the helper is not small), not
+/// counted against the pod's memory.
+fn hook_volume() -> Volume {
+    Volume {
+        name: HOOK_VOLUME.into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Default::default()
+    }
 }
 
 fn run_volume() -> Volume {

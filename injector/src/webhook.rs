@@ -308,6 +308,8 @@ enum Keep {
     Containers,
     Container,
     Lifecycle,
+    Mounts,
+    Mount,
     Volumes,
     Volume,
 }
@@ -330,6 +332,8 @@ impl Keep {
             (Container, "name" | "ports") => Some(All),
             (Container, "lifecycle") => Some(Lifecycle),
             (Lifecycle, "preStop") => Some(All),
+            (Container, "volumeMounts") => Some(Mounts),
+            (Mount, "mountPath") => Some(All),
             (Volume, "name") => Some(All),
             _ => None,
         }
@@ -341,6 +345,7 @@ impl Keep {
         match self {
             Keep::All => Some(Keep::All),
             Keep::Containers => Some(Keep::Container),
+            Keep::Mounts => Some(Keep::Mount),
             Keep::Volumes => Some(Keep::Volume),
             _ => None,
         }

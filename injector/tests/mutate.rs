@@ -177,7 +177,8 @@ fn pod_without_annotations_volumes_or_init_containers() {
         let (out, outcome, _) = apply(&bare, &target("shop", &ns, true), &cfg(mode));
         assert_eq!(outcome, Outcome::Injected(mode));
         assert!(out["metadata"]["annotations"][STATUS_ANNOTATION].is_string());
-        assert_eq!(out["spec"]["volumes"].as_array().map(Vec::len), Some(2));
+        // The run dir, the downward API and the app hook's volume.
+        assert_eq!(out["spec"]["volumes"].as_array().map(Vec::len), Some(3));
     }
 }
 
@@ -680,25 +681,38 @@ fn traffic_annotations_are_capped_at_max_listeners() {
     assert!(mutate(&p, &t, &c).is_ok());
 }
 
-/// The token in the sidecar's environment.
-fn drain_token(sidecar: &Value) -> Option<String> {
-    sidecar["env"]
-        .as_array()?
-        .iter()
-        .find(|e| e["name"] == remora_contract::env::DRAIN_TOKEN)
-        .and_then(|e| e["value"].as_str())
-        .map(str::to_string)
+/// Every string in a JSON value, with its path.
+fn strings<'v>(v: &'v Value, path: String, out: &mut Vec<(String, &'v str)>) {
+    match v {
+        Value::String(s) => out.push((path, s)),
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .for_each(|(i, x)| strings(x, format!("{path}/{i}"), out)),
+        Value::Object(o) => o
+            .iter()
+            .for_each(|(k, x)| strings(x, format!("{path}/{k}"), out)),
+        _ => {}
+    }
 }
 
 #[test]
-fn app_containers_wait_for_the_drain_in_their_prestop_with_the_sidecars_token() {
+fn app_containers_exec_the_hook_helper_and_the_spec_holds_no_drain_secret() {
     let ns = enabled();
     let mut p = pod();
+    p["spec"]["restartPolicy"] = json!("OnFailure");
     p["spec"]["containers"] = json!([
-        {"name": "app", "image": "a", "lifecycle": {"postStart": {"exec": {"command": ["x"]}}}},
+        {"name": "app", "image": "a", "lifecycle": {"postStart": {"exec": {"command": ["x"]}}},
+         "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
         {"name": "worker", "image": "w"},
         {"name": "own", "image": "o", "lifecycle": {"preStop": {"sleep": {"seconds": 5}}}},
+        {"name": "clash", "image": "c",
+         "volumeMounts": [{"name": "mine", "mountPath": "/var/run/remora-hook/"}]},
     ]);
+    p["spec"]["volumes"] =
+        json!([{"name": "data", "emptyDir": {}}, {"name": "mine", "emptyDir": {}}]);
+    let hook_dir = remora_contract::pod::HOOK_DIR;
+    let hook_volume = remora_contract::pod::HOOK_VOLUME;
     for (mode, native) in [(SidecarMode::Legacy, false), (SidecarMode::Native, true)] {
         let (out, _, warnings) = apply(&p, &target("shop", &ns, native), &cfg(mode));
         let sidecar = if native {
@@ -706,8 +720,6 @@ fn app_containers_wait_for_the_drain_in_their_prestop_with_the_sidecars_token() 
         } else {
             &out["spec"]["containers"][0]
         };
-        let token = drain_token(sidecar).expect("the sidecar has a token");
-        assert_eq!(token.len(), 32);
         let app = |name: &str| {
             out["spec"]["containers"]
                 .as_array()
@@ -716,19 +728,25 @@ fn app_containers_wait_for_the_drain_in_their_prestop_with_the_sidecars_token() 
                 .unwrap_or_default()
         };
         for name in ["app", "worker"] {
-            let hook = &app(name)["lifecycle"]["preStop"]["httpGet"];
+            let c = app(name);
             assert_eq!(
-                hook["path"],
-                remora_contract::pod::APP_PRESTOP_PATH,
+                c["lifecycle"]["preStop"],
+                json!({"exec": {"command": [remora_contract::pod::HOOK_HELPER_PATH]}}),
                 "{name}"
             );
-            assert_eq!(hook["port"], 15021, "{name}");
-            assert_eq!(
-                hook["httpHeaders"],
-                json!([{"name": remora_contract::pod::DRAIN_TOKEN_HEADER, "value": token}]),
-                "{name}"
+            let mounts = c["volumeMounts"].as_array().cloned().unwrap_or_default();
+            assert!(
+                mounts.contains(
+                    &json!({"name": hook_volume, "mountPath": hook_dir, "readOnly": true})
+                ),
+                "{name}: {mounts:?}"
             );
         }
+        assert_eq!(
+            app("app")["volumeMounts"][0]["name"],
+            "data",
+            "the app's mounts stay"
+        );
         assert!(
             !app("app")["lifecycle"]["postStart"].is_null(),
             "the app's own hooks stay"
@@ -738,22 +756,88 @@ fn app_containers_wait_for_the_drain_in_their_prestop_with_the_sidecars_token() 
             json!({"sleep": {"seconds": 5}}),
             "an app's own preStop is kept"
         );
-        assert!(
-            warnings
-                .iter()
-                .any(|w| w.contains("own") && w.contains("preStop")),
-            "{warnings:?}"
+        assert!(app("own")["volumeMounts"].is_null(), "no hook, no mount");
+        assert!(app("clash")["lifecycle"].is_null(), "{}", app("clash"));
+        for (who, what) in [("own", "preStop"), ("clash", hook_dir)] {
+            assert!(
+                warnings.iter().any(|w| w.contains(who) && w.contains(what)),
+                "{who}: {warnings:?}"
+            );
+        }
+        // The sidecar fills the volume (read-write) and is told where it is.
+        let env = |name: &str| {
+            sidecar["env"]
+                .as_array()
+                .and_then(|e| e.iter().find(|v| v["name"] == name))
+                .map(|v| v["value"].clone())
+        };
+        assert_eq!(env(remora_contract::env::HOOK_DIR), Some(json!(hook_dir)));
+        assert_eq!(
+            env(remora_contract::env::POD_RESTART_POLICY),
+            Some(json!("OnFailure"))
         );
+        assert!(
+            sidecar["volumeMounts"]
+                .as_array()
+                .is_some_and(|m| m.contains(&json!({"name": hook_volume, "mountPath": hook_dir}))),
+            "{sidecar}"
+        );
+        assert!(
+            out["spec"]["volumes"]
+                .as_array()
+                .is_some_and(|v| v.contains(&json!({"name": hook_volume, "emptyDir": {}}))),
+            "{}",
+            out["spec"]["volumes"]
+        );
+        // Nothing that could drain the pod is readable from the spec: no
+        // token header, no token variable, no HTTP hook, no long random value.
+        let mut all = Vec::new();
+        strings(&out, String::new(), &mut all);
+        for (path, value) in &all {
+            let lower = value.to_ascii_lowercase();
+            assert!(
+                !lower.contains("drain-token") && !lower.contains("drain_token"),
+                "{path}: {value}"
+            );
+            let hex_run = value
+                .split(|c: char| !c.is_ascii_hexdigit())
+                .map(str::len)
+                .max()
+                .unwrap_or(0);
+            assert!(hex_run < 32, "a secret-like value at {path}: {value}");
+        }
+        for c in out["spec"]["containers"].as_array().into_iter().flatten() {
+            assert!(c["lifecycle"]["preStop"]["httpGet"].is_null(), "{c}");
+        }
     }
-    // A fresh token per injection; the recorded hash does not depend on it.
+    // Injecting twice gives the same pod: nothing random is in it.
     let once = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Native)).0;
     let twice = apply(&p, &target("shop", &ns, true), &cfg(SidecarMode::Native)).0;
-    assert_ne!(
-        drain_token(&once["spec"]["initContainers"][0]),
-        drain_token(&twice["spec"]["initContainers"][0])
-    );
-    assert_eq!(
-        once["metadata"]["annotations"][STATUS_ANNOTATION],
-        twice["metadata"]["annotations"][STATUS_ANNOTATION]
-    );
+    assert_eq!(once, twice);
+}
+
+#[test]
+fn the_sidecar_learns_whether_the_pod_can_complete() {
+    let ns = enabled();
+    for (policy, want) in [
+        (None, "Always"),
+        (Some("Always"), "Always"),
+        (Some("Never"), "Never"),
+        (Some("OnFailure"), "OnFailure"),
+        (Some("Sometimes"), "Always"),
+    ] {
+        let mut p = pod();
+        if let Some(policy) = policy {
+            p["spec"]["restartPolicy"] = json!(policy);
+        }
+        let (out, _, _) = apply(&p, &target("shop", &ns, false), &cfg(SidecarMode::Legacy));
+        let got = out["spec"]["containers"][0]["env"]
+            .as_array()
+            .and_then(|e| {
+                e.iter()
+                    .find(|v| v["name"] == remora_contract::env::POD_RESTART_POLICY)
+            })
+            .map(|v| v["value"].clone());
+        assert_eq!(got, Some(json!(want)), "{policy:?}");
+    }
 }

@@ -298,8 +298,7 @@ fn the_patch_from_the_partly_read_pod_fits_the_whole_pod() {
     let resp = response(&v);
     let patch = patch_of(resp);
 
-    // The same operations, at the same paths, as on the whole pod (the
-    // values differ only by the drain token, fresh on every injection).
+    // The same patch as on the whole pod (nothing in it is random).
     let view = view();
     let (labels, annotations) = remora_injector::mutate::pod_meta(&full);
     let cfg = resolve(
@@ -324,6 +323,7 @@ fn the_patch_from_the_partly_read_pod_fits_the_whole_pod() {
             .collect()
     };
     assert_eq!(paths(&patch), paths(&direct.patch));
+    assert_eq!(patch, direct.patch);
     let warnings: Vec<&str> = resp["warnings"]
         .as_array()
         .into_iter()
@@ -355,19 +355,31 @@ fn the_patch_from_the_partly_read_pod_fits_the_whole_pod() {
         app["lifecycle"]["postStart"],
         full["spec"]["containers"][0]["lifecycle"]["postStart"]
     );
-    assert!(app["lifecycle"]["preStop"]["httpGet"].is_object(), "{app}");
+    assert!(app["lifecycle"]["preStop"]["exec"].is_object(), "{app}");
     assert_eq!(
         out["spec"]["containers"][1]["lifecycle"],
         full["spec"]["containers"][1]["lifecycle"]
     );
-    assert!(out["spec"]["containers"][2]["lifecycle"]["preStop"].is_object());
+    let plain = &out["spec"]["containers"][2];
+    assert!(plain["lifecycle"]["preStop"].is_object());
+    // Its own mounts stay; the hook's comes after them.
+    let mounts: Vec<&str> = plain["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    assert_eq!(mounts, ["data", "remora-hook"], "{plain}");
     let volumes: Vec<&str> = out["spec"]["volumes"]
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|v| v["name"].as_str())
         .collect();
-    assert_eq!(volumes, ["data", "cfg", "remora-run", "remora-podinfo"]);
+    assert_eq!(
+        volumes,
+        ["data", "cfg", "remora-run", "remora-podinfo", "remora-hook"]
+    );
     assert_eq!(
         out["metadata"]["annotations"]["example.com/big"],
         full["metadata"]["annotations"]["example.com/big"]

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 pub use remora_test_support::bins::envoy_bin;
-pub use remora_test_support::ports::free_port;
+pub use remora_test_support::ports::{connect_from, free_port};
 pub use remora_test_support::wait::wait_until_blocking;
 
 pub fn agent_bin() -> &'static str {
@@ -90,7 +90,15 @@ pub struct Conn {
 
 impl Conn {
     pub fn open(port: u16) -> std::io::Result<Self> {
-        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        Self::from_stream(TcpStream::connect(("127.0.0.1", port))?)
+    }
+
+    /// A connection to 127.0.0.1:`port` from `source` (another client).
+    pub fn open_from(source: [u8; 4], port: u16) -> std::io::Result<Self> {
+        Self::from_stream(connect_from(source.into(), addr(port))?)
+    }
+
+    fn from_stream(stream: TcpStream) -> std::io::Result<Self> {
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         Ok(Self {
             stream,
@@ -218,6 +226,17 @@ pub fn get(port: u16, path: &str) -> std::io::Result<HttpResponse> {
     http("GET", port, path)
 }
 
+/// One request with `Authorization: Bearer <token>`, on a fresh connection.
+pub fn http_bearer(
+    method: &str,
+    port: u16,
+    path: &str,
+    token: &str,
+) -> std::io::Result<HttpResponse> {
+    let auth = format!("Bearer {token}");
+    Conn::open(port)?.request_with(method, path, &[("authorization", &auth)])
+}
+
 /// The ports one agent uses.
 #[derive(Debug, Clone, Copy)]
 pub struct Ports {
@@ -256,6 +275,7 @@ pub struct AgentBuilder {
     envs: Vec<(String, String)>,
     app_delay: Duration,
     annotations: Option<String>,
+    hook: bool,
 }
 
 impl AgentBuilder {
@@ -265,7 +285,13 @@ impl AgentBuilder {
             envs: Vec::new(),
             app_delay: Duration::ZERO,
             annotations: None,
+            hook: false,
         }
+    }
+    /// Give the agent a hook dir (`<dir>/hook`), as the injector does.
+    pub fn hook(mut self) -> Self {
+        self.hook = true;
+        self
     }
     /// The annotations file as it is before the agent starts (raw text).
     pub fn annotations(mut self, text: &str) -> Self {
@@ -299,6 +325,12 @@ impl AgentBuilder {
         if let Some(text) = &self.annotations {
             std::fs::write(dir.path().join("annotations"), text).expect("annotations");
         }
+        let mut hook_args = Vec::new();
+        if self.hook {
+            let hook = dir.path().join("hook");
+            std::fs::create_dir(&hook).expect("hook dir");
+            hook_args.push(format!("--hook-dir={}", hook.display()));
+        }
         let mut cmd = Command::new(agent_bin());
         cmd.arg("run")
             .arg("--envoy-bin")
@@ -318,6 +350,7 @@ impl AgentBuilder {
                 "--outbound={}:127.0.0.1:{}",
                 ports.outbound, app.port
             ))
+            .args(&hook_args)
             .args(&self.args)
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
@@ -399,6 +432,32 @@ impl Agent {
         self.debug()["envoy"]["pid"]
             .as_i64()
             .and_then(|p| i32::try_from(p).ok())
+    }
+
+    /// The admin token the agent wrote into its run dir.
+    pub fn admin_token(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("run").join("admin-token"))
+            .expect("the agent wrote its admin token")
+    }
+
+    /// The hook dir (with `.hook()`), where the helper and its endpoint are.
+    pub fn hook_dir(&self) -> PathBuf {
+        self.dir.path().join("hook")
+    }
+
+    /// The token in the hook's endpoint file.
+    pub fn hook_token(&self) -> String {
+        let text = std::fs::read_to_string(self.hook_dir().join("endpoint"))
+            .expect("the agent wrote the hook endpoint");
+        text.lines()
+            .find_map(|l| l.strip_prefix("token="))
+            .expect("a token line")
+            .to_string()
+    }
+
+    /// POST to the admin port with the admin token.
+    pub fn admin_post(&self, path: &str) -> HttpResponse {
+        http_bearer("POST", self.ports.admin, path, &self.admin_token()).expect("admin answers")
     }
 
     pub fn metrics(&self) -> String {

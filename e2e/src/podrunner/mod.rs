@@ -328,6 +328,8 @@ impl Pod {
         };
         let dir = opts.base_dir.join(&spec.name);
         std::fs::create_dir_all(dir.join("run")).map_err(io("pod dir"))?;
+        // The hook volume the sidecar fills and the app hooks exec from.
+        std::fs::create_dir_all(dir.join("hook")).map_err(io("pod dir"))?;
         let mut ports = BTreeMap::new();
         for p in spec
             .ports()
@@ -569,6 +571,10 @@ impl Pod {
                 format!("http://127.0.0.1:{}", p(15020)),
             ),
             ("REMORA_CONCURRENCY".into(), "1".into()),
+            (
+                "REMORA_HOOK_DIR".into(),
+                self.dir.join("hook").display().to_string(),
+            ),
         ];
         let inbound: Vec<String> = self
             .opts
@@ -852,6 +858,12 @@ impl Pod {
         deadline: Option<Instant>,
     ) -> std::io::Result<ExitStatus> {
         let mut argv: Vec<String> = hook.iter().map(|a| self.remap(&expand(a, env))).collect();
+        if let Some(rest) = argv
+            .first()
+            .and_then(|a| a.strip_prefix(remora_contract::pod::HOOK_DIR))
+        {
+            argv[0] = format!("{}{rest}", self.dir.join("hook").display());
+        }
         if argv.first().map(String::as_str) == Some("remora-agent") {
             argv[0] = self.opts.agent_bin.display().to_string();
             if argv.get(1).map(String::as_str) == Some("wait")
