@@ -105,6 +105,7 @@ struct LeaderContext {
     controller_metrics: crate::controller::Metrics,
     stop_completed_jobs: bool,
     jobs_metrics: crate::jobs::Metrics,
+    pod_watch_metrics: crate::live_pod::Metrics,
     /// Who publishes the Events.
     identity: String,
     /// The replica's SidecarLifecycle watch (the webhook's).
@@ -137,7 +138,8 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
     };
     // One pod watch for all the leader's work, while it leads; a task
     // started again subscribes again.
-    let pods = crate::live_pod::live_pods(client.clone(), token.clone());
+    let pods =
+        crate::live_pod::live_pods(client.clone(), ctx.pod_watch_metrics.clone(), token.clone());
     let mut tasks = JoinSet::new();
     if let Some(settings) = ctx.controller.clone() {
         let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());
@@ -366,6 +368,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     let webhook_metrics = crate::webhook::Metrics::register(&mut registry);
     let controller_metrics = crate::controller::Metrics::register(&mut registry);
     let jobs_metrics = crate::jobs::Metrics::register(&mut registry);
+    let pod_watch_metrics = crate::live_pod::Metrics::register(&mut registry);
     let leader_metrics = leader::Metrics::register(&mut registry);
     if args.self_signed {
         ca_metrics.register(&mut registry);
@@ -399,6 +402,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         controller_metrics,
         stop_completed_jobs: args.stop_completed_jobs,
         jobs_metrics,
+        pod_watch_metrics,
         identity: leader_cfg.identity.clone(),
         lifecycles: view.lifecycle_watch(),
         trust_bundle,

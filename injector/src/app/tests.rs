@@ -146,6 +146,7 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
         controller_metrics: crate::controller::Metrics::register(&mut registry),
         stop_completed_jobs: true,
         jobs_metrics: crate::jobs::Metrics::register(&mut registry),
+        pod_watch_metrics: crate::live_pod::Metrics::default(),
         identity: "test".into(),
         lifecycles: view.lifecycle_watch(),
         trust_bundle: None,
