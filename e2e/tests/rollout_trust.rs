@@ -223,9 +223,13 @@ async fn forged_owners_and_status_roll_nothing() -> anyhow::Result<()> {
             &claiming("forged-status", "web", "web-1", &web_rs_uid, "forged"),
         )
         .await?;
-    let note = refusal(&admin, &ns, "forged-status")
-        .await
-        .with_context(log)?;
+    // Whichever comes first: the refusal, or (the attack working) a rollout.
+    let note = tokio::select! {
+        note = refusal(&admin, &ns, "forged-status") => note.with_context(log)?,
+        rolled = wait_until("web rolled", DEADLINE, || async {
+            rolled_for(&admin, &ns, "web").await
+        }) => anyhow::bail!("a forged remora.dev/status rolled web to {rolled:?}"),
+    };
     assert!(
         note.contains("not out of date") && note.contains("web-1-genuine"),
         "{note}"
