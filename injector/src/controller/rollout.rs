@@ -6,8 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::ReplicaSet;
-use k8s_openapi::api::core::v1::ObjectReference;
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, Patch, PatchParams};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{
+    ApiResource, DynamicObject, GroupVersionKind, ListParams, ObjectMeta, Patch, PatchParams,
+};
 use kube::{Api, Client};
 use remora_contract::annotations::INJECT_LABEL;
 use serde_json::json;
@@ -234,14 +237,17 @@ fn tpl_opted_out(w: &Workload) -> bool {
 }
 
 /// Whether the workload's template is out of date: what it would get
-/// injected now (`want`) differs from what its pods record. Every pod of
-/// the workload the controller knows (its owner chain checked against the
-/// API server) must say so: injected with a recorded restart hash, none of
-/// them `want`. A pod's `remora.dev/status` is its creator's to write, so
-/// one pod saying the template is outdated proves nothing while another of
-/// the same workload, injected from that template by the webhook, runs with
-/// what the template gets now; and where the workload has no pod of its
-/// own, rolling it restarts nothing. `Ok(Err(why))`: not out of date.
+/// injected now (`want`) differs from what its pods record. A pod's
+/// `remora.dev/status` is its creator's to write, so a pod saying so is
+/// believed only against the workload's other pods (owner chain checked
+/// against the API server): one that runs with what the template gets now
+/// (or cannot be judged) outvotes every pod created after it, by the
+/// creation times the API server set. A pod forged to look outdated next
+/// to the workload's current pods therefore rolls nothing, while pods left
+/// outdated by a settings change still roll their workload when newer pods
+/// (a scale-up, a replacement) were injected with the new settings. Where
+/// the workload has no pod of its own, rolling it restarts nothing.
+/// `Ok(Err(why))`: not out of date.
 async fn template_outdated(
     ctx: &Ctx,
     owners: &mut BTreeMap<PodOwner, Owner>,
@@ -276,29 +282,90 @@ async fn template_outdated(
             its_pods.push(pod);
         }
     }
+    // Creation times (the watch keeps none) only when the pods disagree.
+    let mut created: BTreeMap<String, (String, Timestamp)> = BTreeMap::new();
+    let (old, rest): (Vec<_>, Vec<_>) = its_pods.iter().partition(|p| outdated(p, want));
+    if !old.is_empty() && !rest.is_empty() {
+        let selector = w.obj.data["spec"]["selector"]["matchLabels"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| Some(format!("{k}={}", v.as_str()?)))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .unwrap_or_default();
+        let permit = ctx.budget.acquire().await;
+        let list = Api::<Pod>::namespaced(ctx.client.clone(), ns)
+            .list_metadata(&ListParams::default().labels(&selector))
+            .await?;
+        drop(permit);
+        for m in list.items {
+            if let (Some(n), Some(u), Some(t)) = (
+                m.metadata.name,
+                m.metadata.uid,
+                m.metadata.creation_timestamp,
+            ) {
+                created.insert(n, (u, t.0));
+            }
+        }
+    }
+    let dated: Vec<(Arc<PodInfo>, Option<Timestamp>)> = its_pods
+        .into_iter()
+        .map(|p| {
+            let t = created
+                .get(p.name())
+                .filter(|(u, _)| p.uid() == Some(u.as_str()))
+                .map(|(_, t)| *t);
+            (p, t)
+        })
+        .collect();
     Ok(outdated_by_its_pods(
         &format!("{} {ns}/{name}", w.kind),
-        &its_pods,
+        &dated,
         want,
     ))
 }
 
-/// The verdict of [`template_outdated`] on the workload's own pods.
-fn outdated_by_its_pods(workload: &str, pods: &[Arc<PodInfo>], want: &str) -> Result<(), String> {
-    for pod in pods {
-        let current = match pod.restart_hash() {
-            Some(h) if h != want => continue,
-            Some(_) => "runs with the settings its template gets now",
-            None if pod.sources().is_some() => "has no recorded restart hash",
-            None => "was not injected",
-        };
-        return Err(format!(
-            "its pod template is not out of date: pod {}/{} of {workload} {current}",
-            pod.namespace(),
-            pod.name(),
-        ));
+/// The pod records a restart hash, not `want`.
+fn outdated(pod: &PodInfo, want: &str) -> bool {
+    pod.restart_hash().is_some_and(|h| h != want)
+}
+
+/// The verdict of [`template_outdated`] on the workload's own pods, each
+/// with its creation time when known.
+fn outdated_by_its_pods(
+    workload: &str,
+    pods: &[(Arc<PodInfo>, Option<Timestamp>)],
+    want: &str,
+) -> Result<(), String> {
+    // The oldest pod that does not say the template is outdated; one of
+    // unknown age counts as the oldest.
+    let Some((first, first_at)) = pods
+        .iter()
+        .filter(|(p, _)| !outdated(p, want))
+        .min_by_key(|(_, t)| *t)
+    else {
+        return Ok(());
+    };
+    if let Some(first_at) = first_at
+        && pods
+            .iter()
+            .any(|(p, t)| outdated(p, want) && t.is_some_and(|t| t < *first_at))
+    {
+        return Ok(());
     }
-    Ok(())
+    let says = match first.restart_hash() {
+        Some(_) => "runs with the settings its template gets now",
+        None if first.sources().is_some() => "has no recorded restart hash",
+        None => "was not injected",
+    };
+    Err(format!(
+        "its pod template is not out of date: pod {}/{} of {workload} {says}, and no pod of it \
+         that records other settings is older",
+        first.namespace(),
+        first.name(),
+    ))
 }
 
 /// Roll the workloads of outdated pods, one per limiter slot. Returns when
@@ -489,29 +556,61 @@ mod tests {
         pod(name, Some(&status))
     }
 
+    fn at(secs: i64) -> Option<Timestamp> {
+        Timestamp::from_second(secs).ok()
+    }
+
     #[test]
     fn one_pod_claiming_outdated_settings_does_not_outvote_its_workloads_pods() {
         let w = "Deployment shop/web";
+        let want = "sha256:new";
         let forged = injected("forged", Some("sha256:old"));
         // Every pod of the workload outdated: its template is.
-        let old = [injected("web-a", Some("sha256:old")), Arc::clone(&forged)];
-        assert_eq!(outdated_by_its_pods(w, &old, "sha256:new"), Ok(()));
-        // One of them injected from the template with what it gets now: not.
-        for (other, says) in [
+        let old = [
+            (injected("web-a", Some("sha256:old")), at(0)),
+            (Arc::clone(&forged), at(100)),
+        ];
+        assert_eq!(outdated_by_its_pods(w, &old, want), Ok(()));
+        // A pod of it injected from the template with what it gets now,
+        // older than the one claiming otherwise (or as old, or of unknown
+        // age): not.
+        for (other, other_at, says) in [
             (
-                injected("web-b", Some("sha256:new")),
+                injected("web-b", Some(want)),
+                at(50),
                 "runs with the settings",
             ),
-            (injected("web-b", None), "no recorded restart hash"),
-            (pod("web-b", None), "was not injected"),
+            (
+                injected("web-b", Some(want)),
+                at(100),
+                "runs with the settings",
+            ),
+            (
+                injected("web-b", Some(want)),
+                None,
+                "runs with the settings",
+            ),
+            (injected("web-b", None), at(50), "no recorded restart hash"),
+            (pod("web-b", None), at(50), "was not injected"),
         ] {
-            let why = outdated_by_its_pods(w, &[Arc::clone(&forged), other], "sha256:new")
-                .expect_err("a pod of the workload says otherwise");
+            let why = outdated_by_its_pods(
+                w,
+                &[(Arc::clone(&forged), at(100)), (other, other_at)],
+                want,
+            )
+            .expect_err("a pod of the workload says otherwise");
             assert!(
                 why.contains("not out of date") && why.contains("shop/web-b") && why.contains(says),
                 "{why}"
             );
         }
+        // Pods left outdated by a settings change, and newer ones (a
+        // scale-up) injected with the new settings: the template is.
+        let scaled = [
+            (injected("web-a", Some("sha256:old")), at(0)),
+            (injected("web-c", Some(want)), at(200)),
+        ];
+        assert_eq!(outdated_by_its_pods(w, &scaled, want), Ok(()));
     }
 
     #[tokio::test(start_paused = true)]
