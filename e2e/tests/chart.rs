@@ -114,8 +114,15 @@ async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
     );
     assert!(skipped.is_empty(), "{skipped:?}");
 
-    // The admission policy is on by default, and can be turned off.
-    let off = e2e::chart::render("remora", &ns, &["admissionPolicy.enabled=false"])?;
+    // The admission policy is on by default, and can be turned off, saying so.
+    let off = e2e::chart::render(
+        "remora",
+        &ns,
+        &[
+            "admissionPolicy.enabled=false",
+            "admissionPolicy.acknowledgeDisabled=true",
+        ],
+    )?;
     assert!(
         !off.iter().any(|o| o["kind"]
             .as_str()
@@ -251,6 +258,150 @@ fn rules(role: &Value) -> Vec<[String; 4]> {
 
 fn rule(group: &str, resource: &str, names: &str, verbs: &str) -> [String; 4] {
     [group, resource, names, verbs].map(str::to_owned)
+}
+
+/// The rendered Deployment's env value `name`.
+fn env_value<'a>(objects: &'a [Value], name: &str) -> anyhow::Result<Option<&'a str>> {
+    let dep = find(objects, "Deployment")?;
+    Ok(dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .context("env")?
+        .iter()
+        .find(|e| e["name"] == name)
+        .and_then(|e| e["value"].as_str()))
+}
+
+/// The rights on workloads come with rollouts.automatic only (off by
+/// default), in RBAC and in the admission policy, and the injector is told.
+#[test]
+fn workload_rights_only_with_automatic_rollouts() -> anyhow::Result<()> {
+    let off = e2e::chart::render("remora", "remora-system", &[])?;
+    let on = e2e::chart::render("remora", "remora-system", &["rollouts.automatic=true"])?;
+    let before = rules(find(&off, "ClusterRole")?);
+    let after = rules(find(&on, "ClusterRole")?);
+    assert!(
+        before.iter().all(|r| r[0] != "apps"),
+        "no right on workloads by default: {before:?}"
+    );
+    let added: Vec<_> = after.iter().filter(|r| !before.contains(r)).collect();
+    assert_eq!(
+        added,
+        [
+            &rule("apps", "replicasets", "", "get"),
+            &rule(
+                "apps",
+                "deployments,statefulsets,daemonsets",
+                "",
+                "get,patch"
+            ),
+        ]
+    );
+    assert!(before.iter().all(|r| after.contains(r)), "{after:?}");
+    assert_eq!(
+        rules(find(&off, "Role")?),
+        rules(find(&on, "Role")?),
+        "the namespaced Role does not change"
+    );
+    assert_eq!(env_value(&off, "REMORA_AUTOMATIC_ROLLOUTS")?, Some("false"));
+    assert_eq!(env_value(&on, "REMORA_AUTOMATIC_ROLLOUTS")?, Some("true"));
+
+    // The policy lets a workload update through only with it on.
+    let writes = |objects: &[Value]| -> anyhow::Result<String> {
+        let vap = find(objects, "ValidatingAdmissionPolicy")?;
+        let v = vap["spec"]["validations"]
+            .as_array()
+            .context("validations")?
+            .iter()
+            .find(|v| {
+                v["messageExpression"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("it writes only what Remora owns"))
+            })
+            .context("no validation of which writes")?;
+        Ok(v["expression"].as_str().context("expression")?.to_owned())
+    };
+    assert!(!writes(&off)?.contains("isWorkload"), "{}", writes(&off)?);
+    assert!(
+        writes(&on)?.contains("variables.isWorkload"),
+        "{}",
+        writes(&on)?
+    );
+    Ok(())
+}
+
+/// `admissionPolicy.enabled=false` alone refuses to render, naming the
+/// value that acknowledges it; the policy refuses every write in the
+/// excluded namespaces (never the release namespace, whose Lease and
+/// Secrets it keeps) and pods, workloads and ConfigMaps in the release
+/// namespace.
+#[test]
+fn the_policy_cannot_be_silently_off_and_guards_excluded_namespaces() -> anyhow::Result<()> {
+    let err = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &["admissionPolicy.enabled=false"],
+    )
+    .expect_err("installing without the policy, unacknowledged");
+    let text = err.to_string();
+    assert!(
+        text.contains("admissionPolicy.acknowledgeDisabled=true") && text.contains("unguarded"),
+        "{text}"
+    );
+    let acknowledged = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &[
+            "admissionPolicy.enabled=false",
+            "admissionPolicy.acknowledgeDisabled=true",
+        ],
+    )?;
+    assert!(e2e::chart::find(&acknowledged, "ValidatingAdmissionPolicy", None).is_none());
+
+    let objects = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &["webhook.excludeNamespaces={kube-system,remora-system,tenant-x}"],
+    )?;
+    let vap = find(&objects, "ValidatingAdmissionPolicy")?;
+    let validations = vap["spec"]["validations"]
+        .as_array()
+        .context("validations")?;
+    let by_message = |text: &str| -> anyhow::Result<&str> {
+        validations
+            .iter()
+            .find(|v| {
+                v["messageExpression"]
+                    .as_str()
+                    .is_some_and(|m| m.contains(text))
+            })
+            .and_then(|v| v["expression"].as_str())
+            .with_context(|| format!("no validation saying {text:?}"))
+    };
+    assert_eq!(
+        by_message("excluded from injection")?,
+        r#"!(variables.reqNamespace in ["kube-system","tenant-x"])"#
+    );
+    let own = by_message("in its own namespace")?;
+    assert!(
+        own.contains("variables.reqNamespace != 'remora-system'")
+            && own.contains("['/pods']")
+            && own.contains("variables.isWorkload"),
+        "{own}"
+    );
+    // With the workload CA, its ConfigMaps too.
+    let ca = e2e::chart::render("remora", "remora-system", &["workloadCA.enabled=true"])?;
+    let vap = find(&ca, "ValidatingAdmissionPolicy")?;
+    assert!(
+        vap["spec"]["validations"]
+            .as_array()
+            .context("validations")?
+            .iter()
+            .any(|v| v["expression"]
+                .as_str()
+                .is_some_and(|e| e.contains("['/pods', '/configmaps']"))),
+        "{vap:#}"
+    );
+    Ok(())
 }
 
 /// With workloadCA.enabled the injector serves the CA on 15012 (its
@@ -506,6 +657,69 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     })
     .await
     .with_context(log)?;
+    // rolloutPolicy Automatic without rollouts.automatic (the default): no
+    // right on workloads, so the controller does not try; the status says
+    // why nothing is rolled, and nothing was refused.
+    let work = cp.create_namespace(&client, "chart-rbac-work").await?;
+    let slc_work: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &work, &ApiResource::from_gvk(&gvk));
+    let spec = serde_json::json!({"rolloutPolicy": "Automatic",
+        "selector": {"matchLabels": {"app": "web"}}});
+    slc_work
+        .create(&Default::default(), &e2e::webhook::lifecycle("web", spec)?)
+        .await?;
+    let old = serde_json::json!({"sources": ["chart"], "restartHash": "old"}).to_string();
+    // Owned by a DaemonSet: a controller that tried to roll would read it,
+    // and RBAC would refuse. (Its controller leaves a pod without a node
+    // alone, and the garbage collector a pod whose owner exists.)
+    let ds: k8s_openapi::api::apps::v1::DaemonSet = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"matchLabels": {"app": "web"}},
+            "template": {"metadata": {"labels": {"app": "web"}},
+                "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}},
+    }))?;
+    let ds = Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(client.clone(), &work)
+        .create(&Default::default(), &ds)
+        .await?;
+    let mut outdated =
+        e2e::webhook::pod("web-1", &[("app", "web")], &[("remora.dev/status", &old)]);
+    outdated.metadata.owner_references = Some(vec![
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "apps/v1".into(),
+            kind: "DaemonSet".into(),
+            name: "web".into(),
+            uid: ds.metadata.uid.context("no uid")?,
+            controller: Some(true),
+            ..Default::default()
+        },
+    ]);
+    Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), &work)
+        .create(&Default::default(), &outdated)
+        .await?;
+    let message = wait_until(
+        "RestartRequired: AutomaticRolloutsDisabled",
+        DEADLINE,
+        || async {
+            let o = slc_work.get("web").await?;
+            let c = o.data["status"]["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == "RestartRequired").cloned());
+            Ok::<_, kube::Error>(
+                c.filter(|c| c["status"] == "True" && c["reason"] == "AutomaticRolloutsDisabled"),
+            )
+        },
+    )
+    .await
+    .with_context(log)?;
+    assert!(
+        message["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("rollouts.automatic")),
+        "{message}"
+    );
+    // That it tried nothing (RBAC would have refused the DaemonSet's read)
+    // is checked with the rest of its log below, seconds later.
+
     // The controller runs only on the leader: it created its Lease, and
     // renewing it (an update) is allowed too.
     let leases = Api::<Lease>::namespaced(client.clone(), &ns);
@@ -621,6 +835,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     for (api, n) in cluster_scoped {
         api.delete(&n, &Default::default()).await?;
     }
+    cp.delete_namespace(&client, &work).await?;
     cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }

@@ -124,7 +124,11 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
 {
     let cp = ControlPlane::shared().await?;
     anyhow::ensure!(cp.has_controller_manager(), "needs kube-controller-manager");
-    let s = Setup::with("ctl", "Fail", |o| o.controller = true).await?;
+    let s = Setup::with("ctl", "Fail", |o| {
+        o.controller = true;
+        o.args.push("--automatic-rollouts".into());
+    })
+    .await?;
     let log = || s.injector.log_tail();
     let client = s.client.clone();
     let ns = s.enabled.clone();

@@ -173,7 +173,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     // webhook configuration, policy) are this test's own.
     let release = ns.clone();
     let name = format!("{release}-remora-injector");
-    let objects = e2e::chart::render(&release, &ns, &[])?;
+    let objects = e2e::chart::render(&release, &ns, &["rollouts.automatic=true"])?;
     let mut cluster_scoped =
         e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
     workloads(&admin, &work).await?;
@@ -594,6 +594,203 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     mwcs.delete(&other_name, &DeleteParams::default()).await?;
     cp.delete_namespace(&admin, &work).await?;
     cp.delete_namespace(&admin, &ns).await?;
+    Ok(())
+}
+
+/// The message of the policy's refusal in an excluded namespace.
+fn excluded(ns: &str) -> String {
+    format!(
+        "the Remora injector may not write in namespace {ns}: it is excluded from injection (webhook.excludeNamespaces)"
+    )
+}
+
+/// With the chart's defaults (rollouts.automatic off) the injector's
+/// identity cannot touch a workload: RBAC grants nothing on them, and the
+/// policy refuses a rollout even once RBAC grants everything. In the
+/// namespaces never sent to the webhook (and, for pods, workloads and
+/// ConfigMaps, its own) the policy refuses what RBAC grants cluster-wide:
+/// the trust bundle's create, a pod's remora.dev annotations.
+#[tokio::test]
+async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespaces()
+-> anyhow::Result<()> {
+    use remora_contract::workload_ca::TRUST_BUNDLE_CONFIGMAP;
+
+    let cp = ControlPlane::shared().await?;
+    let admin = cp.client()?;
+    let ns = cp.create_namespace(&admin, "lp-off").await?;
+    let work = cp.create_namespace(&admin, "lp-off-work").await?;
+    let fenced = cp.create_namespace(&admin, "lp-off-excluded").await?;
+    let release = ns.clone();
+    let name = format!("{release}-remora-injector");
+    let exclude =
+        format!("webhook.excludeNamespaces={{kube-system,kube-public,kube-node-lease,{fenced}}}");
+    let objects = e2e::chart::render(&release, &ns, &["workloadCA.enabled=true", &exclude])?;
+    let mut cluster_scoped =
+        e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
+    workloads(&admin, &work).await?;
+    workloads(&admin, &fenced).await?;
+    let token = service_account_token(&admin, &ns, &name).await?;
+    let injector = cp.client_with_token(&token)?;
+    let own_mwc = Api::<MutatingWebhookConfiguration>::all(injector.clone());
+    let retime = json_patch(json!(
+        [{"op": "replace", "path": "/webhooks/0/timeoutSeconds", "value": 29}]))?;
+    let dry_run = PatchParams::default().dry_run();
+    e2e::chart::wait_until_policy_refuses(&name, || own_mwc.patch(&name, &dry_run, &retime))
+        .await?;
+
+    // --- No rollouts: RBAC refuses every step of one. ---
+    for (kind, wl) in [
+        ("Deployment", "web"),
+        ("StatefulSet", "db"),
+        ("DaemonSet", "agent"),
+    ] {
+        refused_by_rbac(
+            &format!("rolling {kind} {wl}"),
+            roll(&injector, &work, kind, wl, "h1").await,
+        )?;
+        refused_by_rbac(
+            &format!("reading {kind} {wl}"),
+            workload_api(&injector, &work, kind).get(wl).await,
+        )?;
+    }
+    refused_by_rbac(
+        "reading a ReplicaSet",
+        Api::<ReplicaSet>::namespaced(injector.clone(), &work)
+            .list(&ListParams::default())
+            .await,
+    )?;
+
+    // --- What RBAC grants cluster-wide, the policy refuses where Remora
+    // injects nothing. The same writes pass in a workload namespace. ---
+    let retune = Patch::Merge(json!({"metadata": {"annotations": {LIFECYCLE: "{\"x\":1}"}}}));
+    Api::<Pod>::namespaced(injector.clone(), &work)
+        .patch_metadata("app", &PatchParams::default(), &retune)
+        .await
+        .context("retuning a pod in a workload namespace")?;
+    let bundle = |value: &str| {
+        Patch::Apply(json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": TRUST_BUNDLE_CONFIGMAP},
+            "data": {"root-cert.pem": value}}))
+    };
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+    Api::<ConfigMap>::namespaced(injector.clone(), &work)
+        .patch(TRUST_BUNDLE_CONFIGMAP, &apply, &bundle("a"))
+        .await
+        .context("the trust bundle in a workload namespace")?;
+    for excluded_ns in [fenced.as_str(), "kube-system"] {
+        refused(
+            &name,
+            &format!("the trust bundle in {excluded_ns}"),
+            &excluded(excluded_ns),
+            Api::<ConfigMap>::namespaced(injector.clone(), excluded_ns)
+                .patch(TRUST_BUNDLE_CONFIGMAP, &apply, &bundle("evil"))
+                .await,
+        )?;
+    }
+    refused(
+        &name,
+        "a pod's remora.dev annotation in an excluded namespace",
+        &excluded(&fenced),
+        Api::<Pod>::namespaced(injector.clone(), &fenced)
+            .patch_metadata("app", &PatchParams::default(), &retune)
+            .await,
+    )?;
+    let in_own = |target: &str| {
+        format!(
+            "the Remora injector may not write {target} in its own namespace {ns}: it injects no pod there"
+        )
+    };
+    Api::<Pod>::namespaced(admin.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "app"}, "spec": pod_spec()}))?,
+        )
+        .await?;
+    refused(
+        &name,
+        "a pod's remora.dev annotation in the release namespace",
+        &in_own("/pods"),
+        Api::<Pod>::namespaced(injector.clone(), &ns)
+            .patch_metadata("app", &PatchParams::default(), &retune)
+            .await,
+    )?;
+    refused(
+        &name,
+        "the trust bundle in the release namespace",
+        &in_own("/configmaps"),
+        Api::<ConfigMap>::namespaced(injector.clone(), &ns)
+            .patch(TRUST_BUNDLE_CONFIGMAP, &apply, &bundle("evil"))
+            .await,
+    )?;
+    // Its own Lease in the release namespace still passes.
+    let lease: Lease = serde_json::from_value(json!({"metadata": {"name": name}}))?;
+    Api::<Lease>::namespaced(injector.clone(), &ns)
+        .create(&PostParams::default(), &lease)
+        .await
+        .context("its Lease in the release namespace")?;
+
+    // --- Bound to cluster-admin too, it still cannot roll a workload:
+    // without rollouts.automatic the policy lets no workload write through. ---
+    let crb_name = format!("{release}-too-much");
+    let crb: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": crb_name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+            "name": "cluster-admin"},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}))?;
+    Api::<ClusterRoleBinding>::all(admin.clone())
+        .create(&PostParams::default(), &crb)
+        .await?;
+    cluster_scoped.push((
+        Api::all_with(
+            admin.clone(),
+            &ApiResource::erase::<ClusterRoleBinding>(&()),
+        ),
+        crb_name,
+    ));
+    let deploy = workload_api(&injector, &work, "Deployment");
+    // RBAC's turn is over once it lets the injector read the Deployment.
+    e2e::controlplane::wait_until(
+        "the cluster-admin binding in effect",
+        std::time::Duration::from_secs(60),
+        || async {
+            match deploy.get("web").await {
+                Ok(_) => Ok(Some(())),
+                Err(kube::Error::Api(s)) if s.code == 403 => Ok(None),
+                Err(e) => Err(e),
+            }
+        },
+    )
+    .await?;
+    refused(
+        &name,
+        "rolling a Deployment, as cluster-admin",
+        &not_at_all("UPDATE", "apps/deployments", &format!("{work}/web")),
+        roll(&injector, &work, "Deployment", "web", "h1").await,
+    )?;
+    refused(
+        &name,
+        "a Deployment in an excluded namespace, as cluster-admin",
+        &not_at_all("UPDATE", "apps/deployments", &format!("{fenced}/web")),
+        roll(&injector, &fenced, "Deployment", "web", "h1").await,
+    )?;
+    let d = Api::<Deployment>::namespaced(admin.clone(), &work)
+        .get("web")
+        .await?;
+    assert_eq!(
+        d.spec
+            .and_then(|s| s.template.metadata)
+            .and_then(|m| m.annotations)
+            .and_then(|a| a.get(ROLLOUT_ANNOTATION).cloned()),
+        None
+    );
+
+    for (api, n) in cluster_scoped {
+        api.delete(&n, &DeleteParams::default()).await?;
+    }
+    for n in [&work, &fenced, &ns] {
+        cp.delete_namespace(&admin, n).await?;
+    }
     Ok(())
 }
 

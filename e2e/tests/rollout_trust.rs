@@ -1,7 +1,8 @@
 //! Rollouts trust only what the API server says (issue 13): a user who may
 //! only create pods writes a pod's labels, its `remora.dev/status` and its
 //! ownerReferences, and must not thereby make the SidecarLifecycle
-//! controller roll someone else's workload.
+//! controller roll someone else's workload, nor (issue 27) a workload its
+//! resource governs whose template is not out of date.
 //!
 //! The control plane runs without kube-controller-manager: its ReplicaSet
 //! controller would release the forged pods and its garbage collector
@@ -127,7 +128,11 @@ async fn rolled_for(client: &Client, ns: &str, name: &str) -> kube::Result<Optio
 #[tokio::test]
 async fn forged_owners_and_status_roll_nothing() -> anyhow::Result<()> {
     let cp = ControlPlane::shared_with(Options::without_controller_manager()).await?;
-    let s = Setup::with("trust", "Fail", |o| o.controller = true).await?;
+    let s = Setup::with("trust", "Fail", |o| {
+        o.controller = true;
+        o.args.push("--automatic-rollouts".into());
+    })
+    .await?;
     let log = || s.injector.log_tail();
     let admin = s.client.clone();
     let ns = s.enabled.clone();
@@ -193,17 +198,61 @@ async fn forged_owners_and_status_roll_nothing() -> anyhow::Result<()> {
     assert_eq!(rolled_for(&admin, &ns, "victim").await?, None);
     assert_eq!(rolled_for(&admin, &ns, "web").await?, None);
 
-    // The same shape with the true owner chain does roll, so the refusals
-    // above come from the checks, not from a controller that rolls nothing.
-    Api::<Pod>::namespaced(admin.clone(), &ns)
-        .create(&pp, &claiming("real", "web", "web-1", &web_rs_uid, "old"))
+    // 3. The true owner chain, but the web Deployment's template is not out
+    //    of date: its own pod (made as its ReplicaSet would make it,
+    //    injected by the webhook from the template) runs with what the
+    //    template gets now. A pod claiming otherwise rolls nothing.
+    let pods = Api::<Pod>::namespaced(admin.clone(), &ns);
+    let mut genuine = pod("web-1-genuine", &[("app", "web")], &[]);
+    genuine.metadata.owner_references = claiming("x", "web", "web-1", &web_rs_uid, "x")
+        .metadata
+        .owner_references;
+    pods.create(&pp, &genuine).await?;
+    let injected = pods.get("web-1-genuine").await?;
+    let status = injected
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("remora.dev/status"))
+        .context("the webhook injected the ReplicaSet's pod")?;
+    let current: serde_json::Value = serde_json::from_str(status)?;
+    let current = current["restartHash"].as_str().context("restartHash")?;
+    mallory_pods
+        .create(
+            &pp,
+            &claiming("forged-status", "web", "web-1", &web_rs_uid, "forged"),
+        )
         .await?;
+    // Whichever comes first: the refusal, or (the attack working) a rollout.
+    let note = tokio::select! {
+        note = refusal(&admin, &ns, "forged-status") => note.with_context(log)?,
+        rolled = wait_until("web rolled", DEADLINE, || async {
+            rolled_for(&admin, &ns, "web").await
+        }) => anyhow::bail!("a forged remora.dev/status rolled web to {rolled:?}"),
+    };
+    assert!(
+        note.contains("not out of date") && note.contains("web-1-genuine"),
+        "{note}"
+    );
+    assert_eq!(rolled_for(&admin, &ns, "web").await?, None);
+
+    // A restart-only change does make the template out of date: the
+    // ReplicaSet's own pod is then outdated too, and web rolls, so the
+    // refusals above come from the checks, not from a controller that
+    // rolls nothing.
+    slc.patch(
+        "web",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"spec": {"proxy": {"concurrency": 4}}})),
+    )
+    .await?;
     let want = wait_until("web rolled", DEADLINE, || async {
         rolled_for(&admin, &ns, "web").await
     })
     .await
     .with_context(log)?;
-    assert_ne!(want, "old");
+    assert_ne!(want, current);
+    assert_ne!(want, "forged");
     assert_eq!(rolled_for(&admin, &ns, "victim").await?, None);
     s.cleanup().await?;
     Ok(())

@@ -395,6 +395,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             chart: chart.clone(),
             operator_namespace: args.operator_namespace.clone(),
             rollout_interval: args.rollout_interval,
+            automatic_rollouts: args.automatic_rollouts,
             identity: leader_cfg.identity.clone(),
             qps: args.kube_api_qps,
             burst: args.kube_api_burst,

@@ -164,6 +164,12 @@ pub struct ServeArgs {
     #[arg(long, env = "REMORA_STOP_COMPLETED_JOBS", default_value_t = true, action = clap::ArgAction::Set,
           num_args = 0..=1, default_missing_value = "true")]
     pub stop_completed_jobs: bool,
+    /// Roll the workloads of SidecarLifecycles with rolloutPolicy Automatic
+    /// (needs get and patch on Deployments, StatefulSets and DaemonSets).
+    /// Off: they report RestartRequired with reason AutomaticRolloutsDisabled.
+    #[arg(long, env = "REMORA_AUTOMATIC_ROLLOUTS", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub automatic_rollouts: bool,
     /// Minimum time between two automatic rollouts (rolloutPolicy Automatic), cluster-wide.
     #[arg(long, env = "REMORA_ROLLOUT_INTERVAL", value_parser = remora_contract::duration::parse, default_value = "30s")]
     pub rollout_interval: Duration,

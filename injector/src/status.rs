@@ -528,10 +528,23 @@ pub fn restart_report(governed: &[Governed]) -> RestartReport {
     report
 }
 
+/// Who restarts a resource's outdated pods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restarts {
+    /// rolloutPolicy Manual: the workloads' owners.
+    Manual,
+    /// rolloutPolicy Automatic: the controller rolls the workloads.
+    Automatic,
+    /// rolloutPolicy Automatic in an installation that does not roll
+    /// workloads (`--automatic-rollouts=false`, the chart's
+    /// `rollouts.automatic`): the owners, and the status says why.
+    AutomaticDisabled,
+}
+
 /// The `RestartRequired` condition for `report`.
 pub fn restart_condition(
     report: &RestartReport,
-    automatic: bool,
+    restarts: Restarts,
     generation: Option<i64>,
     now: &Time,
 ) -> Condition {
@@ -548,16 +561,21 @@ pub fn restart_condition(
             now,
         );
     }
-    let (reason, how) = if automatic {
-        (
+    let (reason, how) = match restarts {
+        Restarts::Automatic => (
             "RollingOut",
             "rolloutPolicy Automatic: their workloads are being rolled",
-        )
-    } else {
-        (
+        ),
+        Restarts::Manual => (
             "ManualRestartNeeded",
             "rolloutPolicy Manual: restart their workloads (kubectl rollout restart)",
-        )
+        ),
+        Restarts::AutomaticDisabled => (
+            "AutomaticRolloutsDisabled",
+            "rolloutPolicy Automatic, but this installation does not roll workloads \
+             (chart value rollouts.automatic=false): restart them (kubectl rollout restart), \
+             or have the cluster admin set rollouts.automatic=true",
+        ),
     };
     cond(
         condition::RESTART_REQUIRED,
@@ -902,7 +920,7 @@ mod tests {
         ));
         assert_eq!((r.governed, r.outdated.len()), (2, 0));
         assert_eq!(
-            restart_condition(&r, false, Some(1), &now()).status,
+            restart_condition(&r, Restarts::Manual, Some(1), &now()).status,
             "False"
         );
 
@@ -924,11 +942,17 @@ mod tests {
             "the pod without a recorded hash is not judged"
         );
         assert_ne!(Some(r.outdated[0].1.as_str()), current.restart_hash());
-        let c = restart_condition(&r, true, Some(2), &now());
+        let c = restart_condition(&r, Restarts::Automatic, Some(2), &now());
         assert_eq!(
             (c.status.as_str(), c.reason.as_str()),
             ("True", "RollingOut")
         );
+        let c = restart_condition(&r, Restarts::AutomaticDisabled, Some(2), &now());
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "AutomaticRolloutsDisabled")
+        );
+        assert!(c.message.contains("rollouts.automatic"), "{}", c.message);
 
         // Drain settings are retuned live: no restart.
         let mut live = entry("shop", "web", 1, Some(("app", "web")));

@@ -401,6 +401,8 @@ pub fn local_image_values() -> Vec<String> {
 pub fn node_chart_values() -> Vec<String> {
     let mut values = local_image_values();
     values.push("workloadCA.enabled=true".to_owned());
+    // node_workloads rolls a Deployment under rolloutPolicy Automatic.
+    values.push("rollouts.automatic=true".to_owned());
     values
 }
 

@@ -139,6 +139,7 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
             chart: crate::sidecar_config::ChartDefaults::default(),
             operator_namespace: "remora-system".into(),
             rollout_interval: Duration::from_secs(30),
+            automatic_rollouts: true,
             identity: "test".into(),
             qps: crate::controller::DEFAULT_QPS,
             burst: crate::controller::DEFAULT_BURST,

@@ -77,6 +77,9 @@ pub struct Settings {
     pub operator_namespace: String,
     /// Minimum time between two automatic rollouts, cluster-wide.
     pub rollout_interval: Duration,
+    /// Whether rolloutPolicy Automatic rolls workloads (`--automatic-rollouts`;
+    /// the chart grants the rights on workloads only then).
+    pub automatic_rollouts: bool,
     /// Who publishes the Events (the pod name).
     pub identity: String,
     /// Requests per second to the API server, and bursts (`--kube-api-qps`,

@@ -20,7 +20,7 @@ use super::rollout::roll;
 use super::{FIELD_MANAGER, RESYNC};
 use crate::sidecar_config::LifecycleEntry;
 use crate::status::{
-    compute, governed, keep_transition_times, reached, restart_condition, restart_report,
+    Restarts, compute, governed, keep_transition_times, reached, restart_condition, restart_report,
 };
 
 pub(super) fn error_policy(_: Arc<SidecarLifecycle>, err: &ControllerError, _: Arc<Ctx>) -> Action {
@@ -64,8 +64,14 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
     let governed = governed(&entry, &scope, &s.chart, &s.operator_namespace);
     drop(scope);
     let report = restart_report(&governed);
-    let automatic = slc.spec.rollout_policy == RolloutPolicy::Automatic;
-    let mut restart = [restart_condition(&report, automatic, generation, &now)];
+    // Without the chart's rights on workloads, never try: the status says
+    // why nothing is rolled instead of the reconcile failing on a 403.
+    let restarts = match slc.spec.rollout_policy {
+        RolloutPolicy::Manual => Restarts::Manual,
+        RolloutPolicy::Automatic if s.automatic_rollouts => Restarts::Automatic,
+        RolloutPolicy::Automatic => Restarts::AutomaticDisabled,
+    };
+    let mut restart = [restart_condition(&report, restarts, generation, &now)];
     keep_transition_times(&mut restart, previous);
     status.conditions.extend(restart);
 
@@ -113,7 +119,7 @@ async fn reconcile_inner(slc: &SidecarLifecycle, ctx: &Ctx) -> Result<Action, Co
     }
 
     let mut next = RESYNC;
-    if automatic
+    if restarts == Restarts::Automatic
         && !report.outdated.is_empty()
         && let Some(wait) = roll(ctx, &me, &entry, &ctx.all_lifecycles(), &report).await?
     {
