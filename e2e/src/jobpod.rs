@@ -444,7 +444,13 @@ async fn drive(
         ("REMORA_HEALTH_ADDRESS".into(), "127.0.0.1".into()),
         ("REMORA_STATS_PORT".into(), port()?.to_string()),
         ("REMORA_CONCURRENCY".into(), "1".into()),
+        // The hook volume the sidecar fills (a Job's apps get no preStop).
+        (
+            "REMORA_HOOK_DIR".into(),
+            dir.join("hook").display().to_string(),
+        ),
     ]);
+    std::fs::create_dir_all(dir.join("hook")).map_err(io("the hook dir"))?;
     // `remora-agent run`: the image's binary is the agent built here.
     let args: Vec<String> = sidecar
         .command
