@@ -89,6 +89,27 @@ impl Options {
             start_timeout: Duration::from_secs(60),
         }
     }
+
+    /// A replica named `identity` (`POD_NAME`) whose leader election runs
+    /// at test speed: a 3 s lease, so a takeover comes within seconds.
+    pub fn fast_leader(operator_namespace: &str, identity: &str) -> Self {
+        let mut o = Self::new(operator_namespace);
+        o.env = vec![("POD_NAME".to_owned(), identity.to_owned())];
+        o.args = [
+            "--lease-duration",
+            "3s",
+            "--renew-deadline",
+            "2s",
+            "--retry-period",
+            "500ms",
+            "--shutdown-grace",
+            "5s",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        o
+    }
 }
 
 /// A running `remora-injector serve`. Stopped (SIGTERM, then SIGKILL) when

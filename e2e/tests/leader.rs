@@ -19,25 +19,6 @@ use serde_json::json;
 const LEASE: &str = "remora-injector";
 const DEADLINE: Duration = Duration::from_secs(30);
 
-fn options(namespace: &str, identity: &str) -> Options {
-    let mut o = Options::new(namespace);
-    o.env = vec![("POD_NAME".to_owned(), identity.to_owned())];
-    o.args = [
-        "--lease-duration",
-        "3s",
-        "--renew-deadline",
-        "2s",
-        "--retry-period",
-        "500ms",
-        "--shutdown-grace",
-        "5s",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    o
-}
-
 /// `(status, body)` of a request to the injector, over its own TLS; `None`
 /// when it cannot be reached.
 async fn call(
@@ -125,8 +106,8 @@ async fn two_injectors(
     let ns = cp.create_namespace(client, prefix).await?;
     let api: Api<Lease> = Api::namespaced(client.clone(), &ns);
     let (a, b) = tokio::try_join!(
-        Injector::start(cp.kubeconfig(), options(&ns, "a")),
-        Injector::start(cp.kubeconfig(), options(&ns, "b")),
+        Injector::start(cp.kubeconfig(), Options::fast_leader(&ns, "a")),
+        Injector::start(cp.kubeconfig(), Options::fast_leader(&ns, "b")),
     )?;
     let holder = wait_until(
         "one leader, by the Lease and both gauges",
@@ -314,7 +295,7 @@ async fn sigterm_finishes_in_flight_admissions_and_a_second_signal_aborts() -> a
     let client = cp.client()?;
     e2e::chart::install_crds(&client).await?;
     let ns = cp.create_namespace(&client, "leader-drain").await?;
-    let mut o = options(&ns, "drain");
+    let mut o = Options::fast_leader(&ns, "drain");
     if let Some(i) = o.args.iter().position(|a| a == "--shutdown-grace") {
         o.args[i + 1] = "60s".to_owned();
     }

@@ -28,25 +28,6 @@ const MAX_GROWTH_KIB: u64 = 10 << 10;
 const PAD: usize = 200 << 10;
 const LABELS: usize = 100;
 
-fn options(namespace: &str, identity: &str) -> Options {
-    let mut o = Options::new(namespace);
-    o.env = vec![("POD_NAME".to_owned(), identity.to_owned())];
-    o.args = [
-        "--lease-duration",
-        "3s",
-        "--renew-deadline",
-        "2s",
-        "--retry-period",
-        "500ms",
-        "--shutdown-grace",
-        "5s",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    o
-}
-
 /// Pod `i`: Pending for good, carrying the labels (each value as long as
 /// the API allows) and, when `pad`, the pad; distinct from every other pod.
 fn bloated(i: usize, pad: bool) -> anyhow::Result<Pod> {
@@ -131,7 +112,8 @@ async fn bloated_pending_pods_do_not_grow_the_leader() -> anyhow::Result<()> {
     // A first bloated pod: once the leader's watch has read it, the watch
     // has listed and runs; the baseline is taken then.
     api.create(&pp, &bloated(0, true)?).await?;
-    let mut first = Injector::start(cp.kubeconfig(), options(&operator_ns, "first")).await?;
+    let mut first =
+        Injector::start(cp.kubeconfig(), Options::fast_leader(&operator_ns, "first")).await?;
     read_by_watch(&first, 1).await?;
     let (base, _) = memory_kib(first.pid())?;
     let create = |range: std::ops::RangeInclusive<usize>, pad: bool| {
@@ -156,7 +138,11 @@ async fn bloated_pending_pods_do_not_grow_the_leader() -> anyhow::Result<()> {
 
     // A new leader lists them all at once (in pages of `LIST_PAGE` pods).
     first.stop(Duration::from_secs(10));
-    let second = Injector::start(cp.kubeconfig(), options(&operator_ns, "second")).await?;
+    let second = Injector::start(
+        cp.kubeconfig(),
+        Options::fast_leader(&operator_ns, "second"),
+    )
+    .await?;
     read_by_watch(&second, 2 * pods as u64 + 1).await?;
     let (listed, listed_peak) = memory_kib(second.pid())?;
 

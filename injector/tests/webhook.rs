@@ -400,12 +400,17 @@ struct Server {
 }
 
 async fn start_server() -> anyhow::Result<Server> {
+    start_server_reading(1 << 20).await
+}
+
+/// A webhook server over TLS that reads bodies of up to `max_body_bytes`.
+async fn start_server_reading(max_body_bytes: usize) -> anyhow::Result<Server> {
     let dir = tempfile::tempdir()?;
     let serving = self_signed(&["localhost"]);
     let (cert, key) = serving.write_pem(dir.path(), "tls.crt", "tls.key")?;
     let cert = ReloadingCert::load(cert, key)?;
     let tls = Arc::new(cert.server_config()?);
-    let state = Arc::new(AppState::new(injector(), 1 << 20));
+    let state = Arc::new(AppState::new(injector(), max_body_bytes));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -563,25 +568,7 @@ async fn self_managed_ca_serves_the_service_name() -> anyhow::Result<()> {
 /// A webhook server that reads bodies of up to 4 MiB (the chart's limit),
 /// with the default review budget and the server's real limits.
 async fn start_attackable_server() -> anyhow::Result<Server> {
-    let dir = tempfile::tempdir()?;
-    let serving = self_signed(&["localhost"]);
-    let (cert, key) = serving.write_pem(dir.path(), "tls.crt", "tls.key")?;
-    let cert = ReloadingCert::load(cert, key)?;
-    let tls = Arc::new(cert.server_config()?);
-    let state = Arc::new(AppState::new(injector(), 4 << 20));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_tls(listener, tls, router(state), async move {
-        let _ = rx.await;
-    }));
-    Ok(Server {
-        addr,
-        ca: serving.chain,
-        dir,
-        cert,
-        stop: Some(tx),
-    })
+    start_server_reading(4 << 20).await
 }
 
 fn client_ip(last: u8) -> std::net::IpAddr {
