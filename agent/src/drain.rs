@@ -258,6 +258,10 @@ async fn wait_for_quiet<T: DrainTarget>(
         };
         if inbound_quiet_at.is_none() && now.duration_since(inbound_since) >= quiet {
             inbound_quiet_at = Some(now);
+            // The app's hook returns now and the app gets its SIGTERM: the
+            // outbound calls of its shutdown start from here, so they get a
+            // quiet period of their own before Envoy may stop.
+            any_since = now;
             inbound_quiet.send_replace(true);
             tracing::info!(
                 after = ?now.duration_since(started),
@@ -537,15 +541,16 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn adaptive_ends_one_quiet_period_after_the_load_balancer_stops_sending() {
+    async fn adaptive_releases_the_app_one_quiet_period_after_the_load_balancer_stops_sending() {
         // The load balancer lags 2 s behind the endpoints: requests keep coming until then.
         let mut envoy = FakeEnvoy::new(vec![]);
         envoy.inbound_at = arrivals(ms(0), ms(2000), ms(100));
         let (r, released) = drain_timed(&envoy, adaptive()).await;
         assert_eq!(r.outcome, DrainOutcome::Quiet);
-        let took = Duration::from_secs_f64(r.duration_seconds);
-        assert!(near(took, ms(1900 + 3000)), "{took:?}");
         assert!(near(released, ms(1900 + 3000)), "{released:?}");
+        // Then a quiet period for the calls of the app's own shutdown.
+        let took = Duration::from_secs_f64(r.duration_seconds);
+        assert!(near(took, ms(1900 + 3000 + 3000)), "{took:?}");
         assert!(envoy.drained.load(Ordering::SeqCst));
     }
 
@@ -578,12 +583,27 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn adaptive_with_no_traffic_ends_after_one_quiet_period() {
+    async fn adaptive_with_no_traffic_releases_the_app_after_one_quiet_period() {
         let envoy = FakeEnvoy::new(vec![Duration::from_secs(3600)]);
-        let (r, _) = drain_timed(&envoy, adaptive()).await;
+        let (r, released) = drain_timed(&envoy, adaptive()).await;
         // An idle keep-alive connection does not hold the drain: it was told to close.
         assert_eq!(r.outcome, DrainOutcome::Quiet);
-        assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(3000));
+        assert_eq!(released, ms(3000));
+        assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(6000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_keeps_envoy_for_outbound_calls_the_app_starts_after_its_release() {
+        // The app calls out only once it has its SIGTERM: from 1 s after
+        // its release, for 2 s.
+        let mut envoy = FakeEnvoy::new(vec![]);
+        envoy.inbound_at = arrivals(ms(0), ms(1000), ms(100));
+        envoy.outbound_at = arrivals(ms(4900), ms(6900), ms(100));
+        let (r, released) = drain_timed(&envoy, adaptive()).await;
+        assert_eq!(r.outcome, DrainOutcome::Quiet);
+        assert!(near(released, ms(900 + 3000)), "{released:?}");
+        let took = Duration::from_secs_f64(r.duration_seconds);
+        assert!(near(took, ms(6800 + 3000)), "{took:?}");
     }
 
     #[tokio::test(start_paused = true)]
