@@ -192,7 +192,11 @@ gcc -static -s -O2 -Wall -Wextra -Werror -o "$BIN/pause" "$ROOT/images/pause/pau
 if [[ " ${WANT[*]} " == *" agent "* ]]; then
   rustc --edition 2024 -O -C target-feature=+crt-static -C strip=symbols \
     --target x86_64-unknown-linux-gnu -o "$BIN/remora-prestop" "$ROOT/agent/src/bin/remora-prestop.rs"
-  ldd "$BIN/remora-prestop" >/dev/null 2>&1 && die "remora-prestop is not static"
+  # A dynamic executable names its loader (ldd says "statically linked"
+  # and exits 0 for a static-pie, so it cannot tell).
+  if readelf -l "$BIN/remora-prestop" | grep -q 'program interpreter'; then
+    die "remora-prestop is not static"
+  fi
 fi
 
 # $1 image, $2 Dockerfile, $3 context dir, rest: buildah bud arguments.
