@@ -18,6 +18,7 @@
 //! is then stopped by signal in the reserve).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -139,6 +140,7 @@ pub async fn run<T: DrainTarget>(
     poll: Duration,
     started: Instant,
     inbound_quiet: &watch::Sender<bool>,
+    app_waits: &AtomicBool,
 ) -> DrainReport {
     let wait_until = started
         + settings
@@ -183,7 +185,7 @@ pub async fn run<T: DrainTarget>(
             poll,
             (started, wait_until),
             baseline,
-            inbound_quiet,
+            (inbound_quiet, app_waits),
         )
         .await;
         inbound_quiet_at = quiet_at;
@@ -226,7 +228,7 @@ async fn wait_for_quiet<T: DrainTarget>(
     poll: Duration,
     (started, wait_until): (Instant, Instant),
     baseline: Option<Traffic>,
-    inbound_quiet: &watch::Sender<bool>,
+    (inbound_quiet, app_waits): (&watch::Sender<bool>, &AtomicBool),
 ) -> (DrainOutcome, Option<Instant>) {
     let mut last = baseline;
     let (mut inbound_since, mut any_since) = (started, started);
@@ -258,10 +260,12 @@ async fn wait_for_quiet<T: DrainTarget>(
         };
         if inbound_quiet_at.is_none() && now.duration_since(inbound_since) >= quiet {
             inbound_quiet_at = Some(now);
-            // The app's hook returns now and the app gets its SIGTERM: the
+            // An app hook waiting returns now and its app gets SIGTERM: the
             // outbound calls of its shutdown start from here, so they get a
             // quiet period of their own before Envoy may stop.
-            any_since = now;
+            if app_waits.load(Ordering::Acquire) {
+                any_since = now;
+            }
             inbound_quiet.send_replace(true);
             tracing::info!(
                 after = ?now.duration_since(started),
@@ -345,7 +349,6 @@ async fn wait_for_zero<T: DrainTarget>(
 mod tests {
     use super::*;
     use std::sync::Mutex;
-    use std::sync::atomic::{AtomicBool, Ordering};
 
     use remora_contract::DrainMode;
 
@@ -453,7 +456,10 @@ mod tests {
 
     async fn drain(envoy: &FakeEnvoy, s: DrainSettings) -> (DrainReport, watch::Receiver<bool>) {
         let (tx, rx) = watch::channel(false);
-        (run(envoy, s, POLL, envoy.start, &tx).await, rx)
+        (
+            run(envoy, s, POLL, envoy.start, &tx, &AtomicBool::new(false)).await,
+            rx,
+        )
     }
 
     const POLL: Duration = Duration::from_millis(50);
@@ -525,11 +531,13 @@ mod tests {
         assert_eq!(start.elapsed(), Duration::from_secs(24));
     }
 
-    /// The drain, and when (since the start) the app was released.
+    /// The drain with an app hook waiting, and when (since the start) the
+    /// app was released.
     async fn drain_timed(envoy: &FakeEnvoy, s: DrainSettings) -> (DrainReport, Duration) {
+        let app_waits = AtomicBool::new(true);
         let (tx, mut rx) = watch::channel(false);
         let start = envoy.start;
-        let (r, released) = tokio::join!(run(envoy, s, POLL, start, &tx), async {
+        let (r, released) = tokio::join!(run(envoy, s, POLL, start, &tx, &app_waits), async {
             let _ = rx.wait_for(|q| *q).await;
             start.elapsed()
         });
@@ -590,6 +598,14 @@ mod tests {
         assert_eq!(r.outcome, DrainOutcome::Quiet);
         assert_eq!(released, ms(3000));
         assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(6000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_with_no_app_hook_waiting_ends_after_one_quiet_period() {
+        let envoy = FakeEnvoy::new(vec![]);
+        let (r, _) = drain(&envoy, adaptive()).await;
+        assert_eq!(r.outcome, DrainOutcome::Quiet);
+        assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(3000));
     }
 
     #[tokio::test(start_paused = true)]
@@ -698,11 +714,14 @@ mod tests {
                 let wait = s.drain_deadline - stop_reserve(s.drain_deadline);
                 let start = Instant::now();
                 let (tx, _rx) = watch::channel(false);
-                let r = tokio::time::timeout(s.drain_deadline, run(&admin, s, POLL, start, &tx))
-                    .await
-                    .unwrap_or_else(|_| {
-                        panic!("{name}, {:?}: still draining at the deadline", admin.delay)
-                    });
+                let r = tokio::time::timeout(
+                    s.drain_deadline,
+                    run(&admin, s, POLL, start, &tx, &AtomicBool::new(false)),
+                )
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("{name}, {:?}: still draining at the deadline", admin.delay)
+                });
                 assert_eq!(start.elapsed(), wait, "{name}, {:?}", admin.delay);
                 assert!(
                     matches!(r.outcome, DrainOutcome::DeadlineExceeded { .. }),
@@ -718,7 +737,15 @@ mod tests {
     async fn a_hung_admin_leaves_a_fixed_drain_its_duration() {
         let start = Instant::now();
         let (tx, _rx) = watch::channel(false);
-        let r = run(&HungAdmin::never(), settings(false), POLL, start, &tx).await;
+        let r = run(
+            &HungAdmin::never(),
+            settings(false),
+            POLL,
+            start,
+            &tx,
+            &AtomicBool::new(false),
+        )
+        .await;
         assert_eq!(r.outcome, DrainOutcome::Elapsed);
         assert_eq!(start.elapsed(), Duration::from_secs(5));
         assert_eq!(r.active_at_start, None);

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::process::ExitStatus;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use futures::future::pending;
@@ -302,6 +303,8 @@ pub struct Supervisor {
     rx: mpsc::Receiver<Control>,
     drained_tx: watch::Sender<Option<DrainReport>>,
     inbound_quiet_tx: watch::Sender<bool>,
+    /// An app hook waits for the release (see [`drain::run`]).
+    app_waits: Arc<AtomicBool>,
     state_tx: watch::Sender<EnvoyState>,
 }
 
@@ -375,6 +378,7 @@ impl Supervisor {
             rx,
             drained_tx,
             inbound_quiet_tx,
+            app_waits: Arc::default(),
             state_tx,
         };
         let handle = SupervisorHandle {
@@ -733,6 +737,7 @@ impl Supervisor {
     /// at once when no new epoch could be started.
     async fn undo_drain(&mut self) {
         self.inbound_quiet_tx.send_replace(false);
+        self.app_waits.store(false, Ordering::Release);
         self.drained_tx.send_replace(None);
         self.publish_state(|s| s.draining = false);
         self.hot_restart("undo a drain no SIGTERM followed").await;
@@ -757,7 +762,10 @@ impl Supervisor {
         let poll = self.cfg.drain_poll_interval;
         let started = Instant::now();
         let inbound_quiet = self.inbound_quiet_tx.clone();
-        Box::pin(async move { drain::run(&admin, settings, poll, started, &inbound_quiet).await })
+        let app_waits = Arc::clone(&self.app_waits);
+        Box::pin(async move {
+            drain::run(&admin, settings, poll, started, &inbound_quiet, &app_waits).await
+        })
     }
 
     fn record_drain(&self, report: &DrainReport) {
@@ -970,6 +978,9 @@ impl Supervisor {
                     }
                 }
                 Event::Control(Control::Drain(origin)) => {
+                    if origin == DrainOrigin::AppHook {
+                        self.app_waits.store(true, Ordering::Release);
+                    }
                     if drain.is_none() && drained.is_none() {
                         let deadline = self.live.current().drain_deadline;
                         drain_started = Some((Instant::now(), deadline));
