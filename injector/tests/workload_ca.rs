@@ -195,8 +195,14 @@ fn the_ca_is_wired_when_enabled() {
     );
     assert_eq!(m[ca::TOKEN_VOLUME]["readOnly"], true);
     assert_eq!(m[ca::TRUST_BUNDLE_VOLUME]["readOnly"], true);
-    // Only the sidecar sees the token.
-    assert!(out["spec"]["containers"][1]["volumeMounts"].is_null());
+    // Only the sidecar sees the token and the bundle (the app mounts the hook volume alone).
+    let app_mounts: Vec<&str> = out["spec"]["containers"][1]["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    assert_eq!(app_mounts, ["remora-hook"]);
 
     let s = status(&out);
     assert!(s.volumes.iter().any(|n| n == ca::TOKEN_VOLUME), "{s:?}");
@@ -238,7 +244,7 @@ fn no_ca_when_disabled_or_opted_out() {
         assert!(!mounts(out).contains_key(ca::TOKEN_VOLUME), "{what}");
         assert_eq!(
             status(out).volumes,
-            ["remora-run", "remora-podinfo"],
+            ["remora-run", "remora-podinfo", "remora-hook"],
             "{what}"
         );
     }
