@@ -67,18 +67,24 @@ pub fn summarize(samples: &[Sample]) -> Summary {
     }
 }
 
-/// Send `rate` requests a second to `url` until `stop` is set.
-pub async fn run(url: String, rate: u32, stop: Arc<AtomicBool>) -> Vec<Sample> {
-    run_with(Client::builder(TokioExecutor::new()), url, rate, stop).await
-}
-
-/// [`run`] with no client retries of any kind: hyper's pool otherwise resends
-/// a request that was queued on a connection the server closed before the
-/// request was written, which hides exactly the losses a drain can cause.
-pub async fn run_no_retry(url: String, rate: u32, stop: Arc<AtomicBool>) -> Vec<Sample> {
+/// Every client of this module: no retries of any kind. hyper's pool
+/// otherwise resends a request that was queued on a connection the server
+/// closed before the request was written, which hides exactly the losses a
+/// drain can cause.
+fn no_retry() -> hyper_util::client::legacy::Builder {
     let mut builder = Client::builder(TokioExecutor::new());
     builder.retry_canceled_requests(false);
-    run_with(builder, url, rate, stop).await
+    builder
+}
+
+/// Send `rate` requests a second to `url` until `stop` is set.
+pub async fn run(url: String, rate: u32, stop: Arc<AtomicBool>) -> Vec<Sample> {
+    run_with(no_retry(), url, rate, stop).await
+}
+
+/// [`run`]; kept for its callers (every client here is without retries).
+pub async fn run_no_retry(url: String, rate: u32, stop: Arc<AtomicBool>) -> Vec<Sample> {
+    run(url, rate, stop).await
 }
 
 async fn run_with(
@@ -190,7 +196,7 @@ where
     C: Connect + Clone + Send + Sync + 'static,
 {
     // The pool only evicts idle connections when it has a timer.
-    Client::builder(TokioExecutor::new())
+    no_retry()
         .pool_timer(hyper_util::rt::TokioTimer::new())
         .pool_idle_timeout(idle)
         .build(connector)
@@ -199,9 +205,7 @@ where
 /// A client that opens a new connection (a new TLS handshake) for every
 /// request: what shows the certificate a server presents right now.
 pub fn fresh_tls_client(connector: TlsConnector) -> Client<TlsConnector, Empty<Bytes>> {
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(0)
-        .build(connector)
+    no_retry().pool_max_idle_per_host(0).build(connector)
 }
 
 async fn balanced<C, F>(
