@@ -24,7 +24,7 @@ fi
 
 bash scripts/build-k8s.sh --node
 cargo build --locked --release -p remora-agent --bin remora-agent \
-  -p remora-injector --bin remora-injector -p e2e --bin test-app --bin node-demo
+  -p remora-operator --bin remora-operator -p e2e --bin test-app --bin node-demo
 
 was_up=0
 bash scripts/cluster.sh status 2>/dev/null | grep -q '^kubelet: running' && was_up=1

@@ -14,7 +14,7 @@
 # where the binary comes from differ.
 #
 # Images (all :dev, under localhost/remora/): pause, remora-agent,
-# remora-injector, test-app, and envoy:v1.40.0-local (also the agent's base;
+# remora-operator, test-app, and envoy:v1.40.0-local (also the agent's base;
 # imported for the plain-Envoy sidecar of the lifecycle bench); and the base
 # image base. Asked for by name only, not in the default set (CI does not
 # build Istio): istio-proxy, Istio's real pilot-agent on the same Envoy
@@ -175,14 +175,14 @@ cargo_args=()
 for img in "${WANT[@]}"; do
   case "$img" in
     agent) cargo_args+=(-p remora-agent --bin remora-agent) ;;
-    injector) cargo_args+=(-p remora-injector --bin remora-injector) ;;
+    injector) cargo_args+=(-p remora-operator --bin remora-operator) ;;
     test-app) cargo_args+=(-p e2e --bin test-app) ;;
   esac
 done
 if ((${#cargo_args[@]})); then
   log "cargo build --release ${cargo_args[*]}"
   (cd "$ROOT" && cargo build --locked --release --quiet "${cargo_args[@]}")
-  for b in remora-agent remora-injector test-app; do
+  for b in remora-agent remora-operator test-app; do
     if [[ -x "$ROOT/target/release/$b" ]]; then install -m 0755 "$ROOT/target/release/$b" "$BIN/$b"; fi
   done
 fi
@@ -220,7 +220,7 @@ archive() {
 # the binaries load.
 build_base() {
   local rootfs="$BUILDAH_DIR/ctx/base/rootfs" lib dyn=()
-  for lib in remora-agent remora-injector test-app; do
+  for lib in remora-agent remora-operator test-app; do
     if [[ -x "$BIN/$lib" ]]; then dyn+=("$BIN/$lib"); fi
   done
   mkdir -p "$rootfs/etc" "$rootfs/tmp"
@@ -273,9 +273,9 @@ for img in "${WANT[@]}"; do
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "ENVOY_IMAGE=$ENVOY_IMAGE"
       archive "$REPO/remora-agent:$TAG" agent ;;
     injector)
-      bud "$REPO/remora-injector:$TAG" "$ROOT/injector/Dockerfile" "$ROOT" \
+      bud "$REPO/remora-operator:$TAG" "$ROOT/operator/Dockerfile" "$ROOT" \
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "RUNTIME_IMAGE=$BASE_IMAGE"
-      archive "$REPO/remora-injector:$TAG" injector ;;
+      archive "$REPO/remora-operator:$TAG" injector ;;
     envoy)
       # Envoy alone: the agent's base, and the plain-Envoy sidecar the
       # lifecycle bench compares with.

@@ -73,7 +73,7 @@ phase "build tests"
 # The images' binaries (scripts/images.sh builds them too; here it overlaps
 # the Kubernetes build).
 cargo build --locked --release -p remora-agent --bin remora-agent \
-  -p remora-injector --bin remora-injector -p e2e --bin test-app
+  -p remora-operator --bin remora-operator -p e2e --bin test-app
 phase "build release binaries"
 
 if ! wait "$k8s_pid"; then

@@ -1,4 +1,4 @@
-//! The pod contract between `remora-injector` and `remora-agent`.
+//! The pod contract between `remora-operator` and `remora-agent`.
 //!
 //! Everything that crosses the process boundary lives here, once: the
 //! `remora.dev/*` annotation keys and their JSON shapes, the sidecar's

@@ -1,6 +1,6 @@
 //! The workload CA's side of the pod contract: where the injector puts the
 //! CA's address, the projected token and the trust bundle, and the names the
-//! agent reads them by. The CA (remora-injector) and the agent agree on these
+//! agent reads them by. The CA (remora-operator) and the agent agree on these
 //! and on nothing else.
 
 /// The CA's gRPC port on the injector's Service (Istio's `istiod:15012`).

@@ -131,7 +131,7 @@ pub fn find<'a>(objects: &'a [Value], kind: &str, name: Option<&str>) -> Option<
 }
 
 /// The generated CRD files of the chart (`charts/remora/crds/`, written by
-/// `remora-injector crds` and held to it by a drift test in `crds/`).
+/// `remora-operator crds` and held to it by a drift test in `crds/`).
 pub fn crds() -> Result<Vec<CustomResourceDefinition>, Error> {
     let dir = chart_dir().join("crds");
     let mut out = Vec::new();

@@ -1,4 +1,4 @@
-//! Runs `remora-injector serve` as a real process against a control plane,
+//! Runs `remora-operator serve` as a real process against a control plane,
 //! listening on 127.0.0.1 with a certificate made for that address, so that
 //! the API server can call it through a webhook's `clientConfig.url`
 //! (a Service would need kube-proxy and a pod network, which the local
@@ -22,11 +22,11 @@ pub const ENV_INJECTOR_BIN: &str = "REMORA_INJECTOR_BIN";
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(
-        "remora-injector not found at {0}: build it (`cargo build -p remora-injector`, which \
+        "remora-operator not found at {0}: build it (`cargo build -p remora-operator`, which \
          `cargo test --workspace` does) or set {ENV_INJECTOR_BIN}"
     )]
     MissingBinary(PathBuf),
-    #[error("locating remora-injector: {0}")]
+    #[error("locating remora-operator: {0}")]
     Locate(#[source] BinError),
     #[error("{context}: {source}")]
     Io {
@@ -34,9 +34,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    #[error("remora-injector exited during startup ({status}); its log ends with:\n{log}")]
+    #[error("remora-operator exited during startup ({status}); its log ends with:\n{log}")]
     Exited { status: String, log: String },
-    #[error("remora-injector not listening on {addr} after {timeout:?}; its log ends with:\n{log}")]
+    #[error("remora-operator not listening on {addr} after {timeout:?}; its log ends with:\n{log}")]
     NotListening {
         addr: SocketAddr,
         timeout: Duration,
@@ -50,9 +50,9 @@ fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
 }
 
 /// The injector binary: `$REMORA_INJECTOR_BIN`, else next to the test
-/// binary (`target/<profile>/remora-injector`).
+/// binary (`target/<profile>/remora-operator`).
 pub fn injector_bin() -> Result<PathBuf, Error> {
-    workspace_bin("remora-injector", ENV_INJECTOR_BIN).map_err(|e| match e {
+    workspace_bin("remora-operator", ENV_INJECTOR_BIN).map_err(|e| match e {
         BinError::NotBuilt(p) => Error::MissingBinary(p),
         e => Error::Locate(e),
     })
@@ -112,7 +112,7 @@ impl Options {
     }
 }
 
-/// A running `remora-injector serve`. Stopped (SIGTERM, then SIGKILL) when
+/// A running `remora-operator serve`. Stopped (SIGTERM, then SIGKILL) when
 /// dropped; a watchdog `sh` holding a pipe from this process kills it if the
 /// test process dies without dropping it (panic=abort, SIGKILL).
 #[derive(Debug)]
@@ -131,7 +131,7 @@ impl Injector {
     pub async fn start(kubeconfig: &Path, options: Options) -> Result<Self, Error> {
         let bin = injector_bin()?;
         let dir = tempfile::Builder::new()
-            .prefix("remora-injector-")
+            .prefix("remora-operator-")
             .tempdir()
             .map_err(io("creating a temp dir"))?;
         let (ca_pem, serving) = loopback_certs();
@@ -154,7 +154,7 @@ impl Injector {
             .arg("--default-mode")
             .arg(&options.default_mode)
             .arg("--log-level")
-            .arg("info,remora_injector=debug")
+            .arg("info,remora_operator=debug")
             .arg(format!("--controller={}", options.controller))
             .args(&options.args)
             .env("KUBECONFIG", kubeconfig)
@@ -184,7 +184,7 @@ impl Injector {
             if let Some(status) = self
                 .child
                 .try_wait()
-                .map_err(io("polling remora-injector"))?
+                .map_err(io("polling remora-operator"))?
             {
                 return Err(Error::Exited {
                     status: status.to_string(),
@@ -255,7 +255,7 @@ impl Injector {
             if let Some(status) = self
                 .child
                 .try_wait()
-                .map_err(io("polling remora-injector"))?
+                .map_err(io("polling remora-operator"))?
             {
                 return Ok(Some(status));
             }
@@ -325,7 +325,7 @@ pub fn loopback_certs() -> (String, Leaf) {
     let leaf = ca
         .issue()
         .names(&["127.0.0.1", "localhost"])
-        .common_name("remora-injector-e2e")
+        .common_name("remora-operator-e2e")
         .server_auth()
         .sign();
     (ca.pem, leaf)

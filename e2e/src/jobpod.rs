@@ -561,7 +561,7 @@ async fn drive(
     })
 }
 
-/// A namespace labelled for injection, `remora-injector serve` running
+/// A namespace labelled for injection, `remora-operator serve` running
 /// against it with `injector_args` ([`crate::webhook::Setup`]), and a fake
 /// node to bind pods to.
 pub struct JobsEnv {

@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::PostParams;
-use remora_injector::ca::{NEXT_CA_KEY, PREVIOUS_CA_KEY, bundle_has_root};
+use remora_operator::ca::{NEXT_CA_KEY, PREVIOUS_CA_KEY, bundle_has_root};
 use remora_test_support::webhook_client::connect;
 
 const SECRET: &str = "rotation-tls";
@@ -392,7 +392,7 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
     let tok = token(&admin, &work, "app", TOKEN_AUDIENCE, None).await?;
     let ca = CaClient::connect_addr(
         std::net::SocketAddr::from(([127, 0, 0, 1], ca_port)),
-        &format!("remora-injector.{op}.svc"),
+        &format!("remora-operator.{op}.svc"),
         &bundle,
     )?;
     let id = remora_contract::workload_ca::spiffe_id("cluster.local", &work, "app");
@@ -413,7 +413,7 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
 
     // A rotation asked for: staged at once; recorded once the namespace's
     // bundle carries the staged root; switched `settle` after the record.
-    use remora_injector::workload_ca::roots::{DISTRIBUTED, DISTRIBUTED_AT, ROTATE, fingerprint};
+    use remora_operator::workload_ca::roots::{DISTRIBUTED, DISTRIBUTED_AT, ROTATE, fingerprint};
     let secrets = Api::<Secret>::namespaced(admin.clone(), &op);
     let name = remora_contract::workload_ca::SIGNING_SECRET;
     secrets

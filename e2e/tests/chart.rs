@@ -201,14 +201,14 @@ async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<(
     let mwc = find(&objects, "MutatingWebhookConfiguration")?;
     assert_eq!(
         mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
-        format!("{ns}/remora-injector")
+        format!("{ns}/remora-operator")
     );
     assert_eq!(mwc["webhooks"][0]["failurePolicy"], "Ignore");
     let cert = find(&objects, "Certificate")?;
-    assert_eq!(cert["spec"]["secretName"], "remora-injector-tls");
+    assert_eq!(cert["spec"]["secretName"], "remora-operator-tls");
     let dep = find(&objects, "Deployment")?;
     let vol = &dep["spec"]["template"]["spec"]["volumes"][0];
-    assert_eq!(vol["secret"]["secretName"], "remora-injector-tls");
+    assert_eq!(vol["secret"]["secretName"], "remora-operator-tls");
     // No self-managed Secret, so no RBAC on Secrets.
     let role = find(&objects, "Role")?;
     assert!(!role.to_string().contains("secrets"), "{role:#}");
@@ -440,7 +440,7 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
         ("REMORA_WORKLOAD_CERT_MAX_TTL", "48h"),
         ("REMORA_WORKLOAD_CA_ROOT_VALIDITY", "365d"),
         ("REMORA_WORKLOAD_CA_SETTLE", "2m"),
-        ("REMORA_SERVICE_NAME", "remora-injector"),
+        ("REMORA_SERVICE_NAME", "remora-operator"),
     ] {
         assert_eq!(env.get(k).copied(), Some(v), "{k}");
     }
@@ -496,7 +496,7 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
         added("Role")?,
         [
             rule("", "secrets", "remora-workload-ca", "get,update"),
-            rule("", "services", "remora-injector", "get"),
+            rule("", "services", "remora-operator", "get"),
         ]
     );
     // The admission policy lets those writes through, by name.
@@ -537,7 +537,7 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
     Ok(())
 }
 
-/// The chart's RBAC is enough for `remora-injector serve` in selfManaged
+/// The chart's RBAC is enough for `remora-operator serve` in selfManaged
 /// mode: the injector runs as the chart's ServiceAccount (a real token from
 /// TokenRequest), lists and watches what it needs, creates its TLS Secret,
 /// patches its CA into the chart's webhook configuration and writes
@@ -559,7 +559,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     let release = ns.clone();
     let objects = e2e::chart::render(&release, &ns, &["webhook.failurePolicy=Ignore"])?;
     e2e::chart::install_crds(&client).await?;
-    let name = format!("{release}-remora-injector");
+    let name = format!("{release}-remora-operator");
     // With the admission policy: every write the injector makes must pass it.
     let cluster_scoped = e2e::chart::apply(
         &client,
@@ -650,7 +650,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
                 .iter()
                 .any(|e| {
                     e.reason.as_deref() == Some("Accepted")
-                        && e.reporting_controller.as_deref() == Some("remora-injector")
+                        && e.reporting_controller.as_deref() == Some("remora-operator")
                 })
                 .then_some(()),
         )

@@ -15,8 +15,8 @@ use proptest::prelude::*;
 use remora_agent::config::{Cli, Command};
 use remora_agent::lifecycle::DrainSettings;
 use remora_contract::{annotations as keys, downward, duration};
-use remora_injector::mutate::{Outcome, Selection, Target, mutate};
-use remora_injector::sidecar_config::{ChartDefaults, EffectiveConfig, resolve};
+use remora_inject::patch::{Outcome, Selection, Target, mutate};
+use remora_inject::resolve::{ChartDefaults, EffectiveConfig, resolve};
 use remora_test_support::maps::string_map as ann;
 use serde_json::{Value, json};
 

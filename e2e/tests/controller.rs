@@ -199,7 +199,7 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
         .collect();
     assert_eq!(
         managers,
-        [(Some("remora-injector".to_owned()), Some("Apply".to_owned()))]
+        [(Some("remora-operator".to_owned()), Some("Apply".to_owned()))]
     );
     event(&client, &ns, "web-old", "Accepted").await?;
 
@@ -452,11 +452,11 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     assert_eq!(code.as_u16(), 200);
     let metrics = String::from_utf8_lossy(&body);
     for m in [
-        "remora_injector_controller_reconciles_total{result=\"ok\"}",
-        "remora_injector_controller_rollouts_total 1",
-        "remora_injector_controller_pods_retuned_total",
-        "remora_injector_controller_reconcile_duration_seconds_count",
-        "remora_injector_leader 1",
+        "remora_operator_controller_reconciles_total{result=\"ok\"}",
+        "remora_operator_controller_rollouts_total 1",
+        "remora_operator_controller_pods_retuned_total",
+        "remora_operator_controller_reconcile_duration_seconds_count",
+        "remora_operator_leader 1",
     ] {
         assert!(metrics.contains(m), "{m} missing from:\n{metrics}");
     }

@@ -334,7 +334,7 @@ fn images_match_the_chart_and_the_injector() -> Result<()> {
     );
     assert_eq!(
         injector.strings("Entrypoint"),
-        ["/usr/local/bin/remora-injector"]
+        ["/usr/local/bin/remora-operator"]
     );
     assert_eq!(c["args"], serde_json::json!(["serve"]));
 

@@ -1,6 +1,6 @@
 //! Jobs finish without app changes, on the real API server and controller
 //! manager: a `batch/v1` Job's pod is injected in Legacy mode by the real
-//! `remora-injector serve`; the pod runs as real processes (the agent with
+//! `remora-operator serve`; the pod runs as real processes (the agent with
 //! real Envoy, the app as `sh`) under `e2e::jobpod`, which plays the
 //! kubelet; the injector's controller asks the sidecar to stop through the
 //! `remora.dev/stop` annotation once the app has exited, the agent exits 0,
@@ -209,7 +209,7 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
     let metrics = String::from_utf8_lossy(&body);
     let stopped: u64 = metrics
         .lines()
-        .find_map(|l| l.strip_prefix("remora_injector_jobs_sidecars_stopped_total "))
+        .find_map(|l| l.strip_prefix("remora_operator_jobs_sidecars_stopped_total "))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0);
     anyhow::ensure!(stopped >= 1, "{metrics}");

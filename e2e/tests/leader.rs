@@ -1,4 +1,4 @@
-//! Two `remora-injector serve` processes on one real API server: both serve
+//! Two `remora-operator serve` processes on one real API server: both serve
 //! the webhook, exactly one holds the leader Lease (and runs the
 //! controller), and the other takes over when the leader stops, gracefully
 //! (SIGTERM: the Lease is released, so at the standby's next try) or not
@@ -16,7 +16,7 @@ use kube::{Api, Client};
 use nix::sys::signal::Signal;
 use serde_json::json;
 
-const LEASE: &str = "remora-injector";
+const LEASE: &str = "remora-operator";
 const DEADLINE: Duration = Duration::from_secs(30);
 
 /// `(status, body)` of a request to the injector, over its own TLS; `None`
@@ -45,9 +45,9 @@ async fn gauge(inj: &Injector, name: &str) -> Option<i64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// The injector's `remora_injector_leader` gauge.
+/// The injector's `remora_operator_leader` gauge.
 async fn leader_gauge(inj: &Injector) -> Option<i64> {
-    gauge(inj, "remora_injector_leader ").await
+    gauge(inj, "remora_operator_leader ").await
 }
 
 /// An AdmissionReview of a pod in a namespace the injector does not select:
@@ -272,7 +272,7 @@ async fn half_sent_request(
 async fn in_flight(inj: &Injector) -> anyhow::Result<()> {
     wait_until("an admission in flight", DEADLINE, || async {
         Ok::<_, kube::Error>(
-            (gauge(inj, "remora_injector_admissions_in_flight ").await == Some(1)).then_some(()),
+            (gauge(inj, "remora_operator_admissions_in_flight ").await == Some(1)).then_some(()),
         )
     })
     .await?;

@@ -2,7 +2,7 @@
 //! leader's memory by what the pods carry (issue 27, item 1). On the real
 //! API server (no kubelet: the pods stay Pending), in a namespace outside
 //! the mesh: pods with 100 labels each, then as many with a 200 KiB
-//! `remora.dev/pad` annotation too. The real `remora-injector serve` leads
+//! `remora.dev/pad` annotation too. The real `remora-operator serve` leads
 //! (its pod watch runs for the Jobs controller); its RSS is read from /proc
 //! before and after each, and from a second injector that takes over and
 //! lists them all. Each 1,000 pods may cost at most 10 MiB: the allocator
@@ -85,7 +85,7 @@ async fn counter(inj: &Injector, name: &str) -> Option<u64> {
 /// Waits until `inj`'s pod watch has read `n` pods over its label bounds:
 /// every bloated pod, once.
 async fn read_by_watch(inj: &Injector, n: u64) -> anyhow::Result<()> {
-    const TRIMMED: &str = "remora_injector_pod_watch_trimmed_total{what=\"labels\"} ";
+    const TRIMMED: &str = "remora_operator_pod_watch_trimmed_total{what=\"labels\"} ";
     wait_until(
         &format!("the leader's pod watch to read {n} bloated pods"),
         DEADLINE,

@@ -24,7 +24,7 @@ use kube::api::{
 use kube::runtime::events::{Event as RecorderEvent, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use remora_contract::annotations::{LIFECYCLE, STOP};
-use remora_injector::controller::{FIELD_MANAGER, ROLLOUT_ANNOTATION};
+use remora_operator::controller::{FIELD_MANAGER, ROLLOUT_ANNOTATION};
 use serde_json::{Value, json};
 
 /// The policy's messages (charts/remora/templates/admissionpolicy.yaml).
@@ -33,7 +33,7 @@ const WORKLOAD_RULE: &str =
     "may change a workload only in the remora.dev/restarted-for annotation of its pod template";
 const WEBHOOK_RULE: &str =
     "may change its MutatingWebhookConfiguration only in the webhooks' clientConfig.caBundle";
-const EVENT_RULE: &str = "Events must name remora-injector as their reporting controller";
+const EVENT_RULE: &str = "Events must name remora-operator as their reporting controller";
 
 /// The first rule's message: a write of a kind (or verb) it never makes.
 fn not_at_all(op: &str, target: &str, object: &str) -> String {
@@ -74,7 +74,7 @@ fn workload_api(client: &Client, ns: &str, kind: &str) -> Api<DynamicObject> {
     Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
 }
 
-/// The rollout's write (injector/src/controller/rollout.rs).
+/// The rollout's write (operator/src/controller/rollout.rs).
 async fn roll(client: &Client, ns: &str, kind: &str, name: &str, hash: &str) -> kube::Result<()> {
     let patch = Patch::Apply(json!({
         "apiVersion": "apps/v1",
@@ -172,7 +172,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     // The namespace as release name: the cluster-scoped objects (roles,
     // webhook configuration, policy) are this test's own.
     let release = ns.clone();
-    let name = format!("{release}-remora-injector");
+    let name = format!("{release}-remora-operator");
     let objects = e2e::chart::render(&release, &ns, &["rollouts.automatic=true"])?;
     let mut cluster_scoped =
         e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
@@ -284,7 +284,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     // Keeping its CA in its own webhook configuration (ca.rs).
     let ca = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
     let current = own_mwc.get(&name).await?;
-    let ops = remora_injector::ca::ca_bundle_patch(&current, ca);
+    let ops = remora_operator::ca::ca_bundle_patch(&current, ca);
     assert_eq!(ops.len(), 2, "both webhooks lack the CA");
     own_mwc
         .patch(
@@ -621,7 +621,7 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
     let work = cp.create_namespace(&admin, "lp-off-work").await?;
     let fenced = cp.create_namespace(&admin, "lp-off-excluded").await?;
     let release = ns.clone();
-    let name = format!("{release}-remora-injector");
+    let name = format!("{release}-remora-operator");
     let exclude =
         format!("webhook.excludeNamespaces={{kube-system,kube-public,kube-node-lease,{fenced}}}");
     let objects = e2e::chart::render(&release, &ns, &["workloadCA.enabled=true", &exclude])?;
@@ -809,7 +809,7 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     let ns = cp.create_namespace(&admin, "lp-ca").await?;
     let work = cp.create_namespace(&admin, "lp-ca-work").await?;
     let release = ns.clone();
-    let name = format!("{release}-remora-injector");
+    let name = format!("{release}-remora-operator");
     let objects = e2e::chart::render(&release, &ns, &["workloadCA.enabled=true"])?;
     let cluster_scoped =
         e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
@@ -838,7 +838,7 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     // The trust bundle in a workload namespace, as the leader writes it:
     // server-side apply, which creates it and then patches it.
     let cms = Api::<ConfigMap>::namespaced(injector.clone(), &work);
-    let apply = PatchParams::apply("remora-injector").force();
+    let apply = PatchParams::apply("remora-operator").force();
     for value in ["a", "b"] {
         let bundle = json!({
             "apiVersion": "v1", "kind": "ConfigMap",

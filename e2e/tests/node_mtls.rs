@@ -532,7 +532,7 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     service_account(&ns, "bob").await?;
     let bundle = ca::wait_trust_bundle(&client, &n, DEADLINE).await?;
     let injectors = Api::<Pod>::namespaced(client.clone(), &remora.namespace)
-        .list(&ListParams::default().labels("app.kubernetes.io/name=remora-injector"))
+        .list(&ListParams::default().labels("app.kubernetes.io/name=remora-operator"))
         .await?;
     let injector = injectors
         .items

@@ -344,7 +344,7 @@ async fn check_job(
             .filter_map(|m| m.manager.clone())
             .collect();
         ensure!(
-            owners == ["remora-injector"],
+            owners == ["remora-operator"],
             "{STOP} is owned by {owners:?}, want the injector's field manager only"
         );
         let asked: Timestamp = req

@@ -1,5 +1,5 @@
 //! The injector behind the real kube-apiserver: the CRD and its CEL rules,
-//! and `remora-injector serve` called as a mutating webhook.
+//! and `remora-operator serve` called as a mutating webhook.
 //! (`e2e::webhook` sets the webhook up.)
 
 use std::collections::BTreeMap;

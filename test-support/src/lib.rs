@@ -5,7 +5,7 @@
 //! and an HTTP/2-over-TLS connection from a chosen source address.
 //!
 //! Only ever a dev-dependency (or a dependency of the unpublished e2e
-//! crate): it sits below `remora-agent` and `remora-injector` and must not
+//! crate): it sits below `remora-agent` and `remora-operator` and must not
 //! depend on them. Helpers panic with a clear message where a test could do
 //! nothing but fail; those a harness recovers from return errors.
 

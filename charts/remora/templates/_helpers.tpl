@@ -35,7 +35,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "remora.selectorLabels" -}}
-app.kubernetes.io/name: remora-injector
+app.kubernetes.io/name: remora-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 

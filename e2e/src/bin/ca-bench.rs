@@ -68,7 +68,7 @@ struct Report {
     notes: &'static str,
 }
 
-/// RSS (MiB) of every `remora-injector` process on this host, by pid.
+/// RSS (MiB) of every `remora-operator` process on this host, by pid.
 fn injector_rss() -> BTreeMap<u32, f64> {
     let mut out = BTreeMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -79,7 +79,7 @@ fn injector_rss() -> BTreeMap<u32, f64> {
             continue;
         };
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-        if comm.trim() != "remora-injecto" && comm.trim() != "remora-injector" {
+        if comm.trim() != "remora-injecto" && comm.trim() != "remora-operator" {
             continue;
         }
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();

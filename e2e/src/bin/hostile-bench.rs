@@ -1,5 +1,5 @@
 //! `hostile-bench`: what hostile clients cost remora-agent and
-//! remora-injector, as processes. Slow-loris connections (each starts a
+//! remora-operator, as processes. Slow-loris connections (each starts a
 //! request head, adds a byte a second, never finishes, and comes back when
 //! closed) against the agent's health port and the injector's webhook port;
 //! concurrent maximum-size AdmissionReviews against the injector. Meanwhile
@@ -39,7 +39,7 @@ const ATTACKER: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::new(
 
 #[derive(Parser, Debug)]
 #[command(
-    about = "RSS and probe latency of remora-agent and remora-injector under hostile clients"
+    about = "RSS and probe latency of remora-agent and remora-operator under hostile clients"
 )]
 struct Args {
     /// Slow-loris connections held open at once.

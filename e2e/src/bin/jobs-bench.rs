@@ -8,7 +8,7 @@
 //! up at the deadline. Table on stdout, JSON in `--out`.
 //!
 //! ```sh
-//! cargo build -p remora-agent -p remora-injector
+//! cargo build -p remora-agent -p remora-operator
 //! cargo run -p e2e --bin jobs-bench -- --runs 10
 //! ```
 

@@ -6,7 +6,7 @@
 //! and client-side balancing, is the emulator's, not a real one.
 //!
 //! `cargo run -p e2e --release --bin lifecycle-bench-emulated -- --cycles 50`
-//! (needs `cargo build --release -p remora-agent -p remora-injector` first).
+//! (needs `cargo build --release -p remora-agent -p remora-operator` first).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -119,7 +119,7 @@ spec:
     )
 }
 
-/// The pod spec for a mode: Remora modes go through `remora-injector inject`.
+/// The pod spec for a mode: Remora modes go through `remora-operator inject`.
 fn pod_yaml(mode: &str) -> anyhow::Result<String> {
     let mut ann = String::from(
         "        remora.dev/termination-drain-duration: 1s\n        remora.dev/drain-duration: 3s\n",
@@ -145,7 +145,7 @@ fn pod_yaml(mode: &str) -> anyhow::Result<String> {
     } else {
         "Legacy"
     };
-    let mut child = std::process::Command::new(sibling_bin("remora-injector")?)
+    let mut child = std::process::Command::new(sibling_bin("remora-operator")?)
         .args(["inject", "-f", "-", "--mode", inj_mode])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -159,7 +159,7 @@ fn pod_yaml(mode: &str) -> anyhow::Result<String> {
     let out = child.wait_with_output()?;
     anyhow::ensure!(
         out.status.success(),
-        "remora-injector inject failed: {}",
+        "remora-operator inject failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8(out.stdout)?)

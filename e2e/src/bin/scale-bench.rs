@@ -3,7 +3,7 @@
 //! (the load creates the workloads' pods itself) and without a kubelet (the
 //! harness's fake kubelets report nodes Ready and pods Running).
 //!
-//! Two injector replicas (this build's `remora-injector`) with leader
+//! Two injector replicas (this build's `remora-operator`) with leader
 //! election, each under its own ServiceAccount; every pod created through
 //! their webhook; then the steps of `e2e::scale_run`. Prints the issue's
 //! goals with target, value and pass/fail; writes `bench/results/scale.json`.

@@ -52,7 +52,7 @@ pub const INJECT_LABEL: (&str, &str) = ("remora.dev/inject", "enabled");
 pub const RELEASE: &str = "remora";
 pub const RELEASE_NAMESPACE: &str = "remora-system";
 /// Images `scripts/images.sh` builds and imports into the node's containerd.
-pub const INJECTOR_IMAGE: &str = "localhost/remora/remora-injector";
+pub const INJECTOR_IMAGE: &str = "localhost/remora/remora-operator";
 pub const PROXY_IMAGE: &str = "localhost/remora/remora-agent";
 pub const TEST_APP_IMAGE: &str = "localhost/remora/test-app";
 pub const PAUSE_IMAGE: &str = "localhost/remora/pause:dev";
@@ -752,7 +752,7 @@ impl Remora {
     /// The release's injector pods, terminating ones included.
     pub async fn injector_pods(&self, client: &Client) -> Result<Vec<Pod>, Error> {
         let selector = format!(
-            "app.kubernetes.io/name=remora-injector,app.kubernetes.io/instance={}",
+            "app.kubernetes.io/name=remora-operator,app.kubernetes.io/instance={}",
             self.release
         );
         Ok(Api::<Pod>::namespaced(client.clone(), &self.namespace)
@@ -768,7 +768,7 @@ impl Remora {
     /// replaces, not a reason to stop it.
     pub async fn stuck(&self, client: &Client) -> Result<Option<String>, Error> {
         let selector = format!(
-            "app.kubernetes.io/name=remora-injector,app.kubernetes.io/instance={}",
+            "app.kubernetes.io/name=remora-operator,app.kubernetes.io/instance={}",
             self.release
         );
         let revision = |rs: &ReplicaSet| -> u64 {

@@ -1,5 +1,5 @@
 //! The parts of a pod spec the runner acts on, read from the JSON/YAML that
-//! `remora-injector inject` writes (a Pod, or a workload's pod template).
+//! `remora-operator inject` writes (a Pod, or a workload's pod template).
 
 use std::time::Duration;
 

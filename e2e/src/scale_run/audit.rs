@@ -221,7 +221,7 @@ pub fn service_account_user(ns: &str, name: &str) -> String {
 mod tests {
     use super::*;
 
-    const A: &str = "system:serviceaccount:remora-system:remora-injector-a";
+    const A: &str = "system:serviceaccount:remora-system:remora-operator-a";
 
     fn line(
         id: &str,
@@ -240,7 +240,7 @@ mod tests {
             "kind": "Event", "apiVersion": "audit.k8s.io/v1", "level": "Metadata",
             "auditID": id, "stage": stage, "requestURI": "/api/v1/x", "verb": verb,
             "user": {"username": A, "groups": ["system:serviceaccounts"]},
-            "userAgent": "remora-injector/0.1.0 (remora-injector-a)",
+            "userAgent": "remora-operator/0.1.0 (remora-operator-a)",
             "objectRef": r, "responseStatus": {"metadata": {}, "code": 200},
             "requestReceivedTimestamp": at, "stageTimestamp": at,
         })

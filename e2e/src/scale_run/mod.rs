@@ -41,11 +41,11 @@ use expect::{Expected, LifecycleFacts, PodFacts};
 use pod_watch::{PodKey, PodWatch};
 
 /// The leader Lease (the chart's Role grants only this name).
-pub const LEASE: &str = "remora-injector";
-/// The chart release whose RBAC the replicas get (names `remora-injector`).
+pub const LEASE: &str = "remora-operator";
+/// The chart release whose RBAC the replicas get (names `remora-operator`).
 const RELEASE: &str = "remora";
 /// The replicas' ServiceAccounts, also their Lease identities (POD_NAME).
-pub const REPLICAS: [&str; 2] = ["remora-injector-a", "remora-injector-b"];
+pub const REPLICAS: [&str; 2] = ["remora-operator-a", "remora-operator-b"];
 /// The injector's default `--lease-duration`.
 pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(15);
 

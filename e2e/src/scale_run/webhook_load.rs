@@ -61,7 +61,7 @@ pub struct ServerSide {
 }
 
 /// The histogram's series in the Prometheus text format.
-const HISTOGRAM: &str = "remora_injector_admission_duration_seconds_bucket";
+const HISTOGRAM: &str = "remora_operator_admission_duration_seconds_bucket";
 
 /// Cumulative counts by upper bound (seconds; `+Inf` last).
 type Buckets = Vec<(f64, u64)>;
@@ -277,7 +277,7 @@ mod tests {
     fn the_injectors_own_quantiles_come_from_the_histograms_difference() {
         let text = |counts: [u64; 4]| {
             format!(
-                "# TYPE x histogram\n{HISTOGRAM}{{le=\"0.0001\"}} {}\n{HISTOGRAM}{{le=\"0.0002\"}} {}\n{HISTOGRAM}{{le=\"0.0004\"}} {}\n{HISTOGRAM}{{le=\"+Inf\"}} {}\nremora_injector_admission_duration_seconds_count 9\n",
+                "# TYPE x histogram\n{HISTOGRAM}{{le=\"0.0001\"}} {}\n{HISTOGRAM}{{le=\"0.0002\"}} {}\n{HISTOGRAM}{{le=\"0.0004\"}} {}\n{HISTOGRAM}{{le=\"+Inf\"}} {}\nremora_operator_admission_duration_seconds_count 9\n",
                 counts[0], counts[1], counts[2], counts[3]
             )
         };

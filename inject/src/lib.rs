@@ -1,0 +1,10 @@
+//! remora-inject: what the operator adds to a pod, as pure functions.
+//!
+//! - [`resolve`]: a pod's effective sidecar configuration from its layers
+//!   (chart < cluster < namespace < workload < pod).
+//! - [`patch`]: whether a pod is injected and the JSON patch that does it.
+//! - [`offline`]: the same injection over manifests (GitOps).
+
+pub mod offline;
+pub mod patch;
+pub mod resolve;

@@ -1,0 +1,634 @@
+//! The effective sidecar configuration of one pod, resolved from its layers,
+//! weakest first: chart defaults < cluster default < namespace-wide <
+//! workload (selector; the oldest matching resource wins) < pod annotations.
+//! Everything here is pure: the layers come from an in-memory store.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use remora_contract::{Overlay, annotations, defaults, duration, value};
+use remora_crds::{
+    DrainMode, LabelSet, LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode,
+};
+use serde::Serialize;
+
+/// The defaults the chart (or the command line) gives; the weakest layer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChartDefaults {
+    pub image: String,
+    pub image_pull_policy: String,
+    pub mode: SidecarMode,
+    pub resources: ResourceRequirements,
+    /// What every injected sidecar is told about the workload CA; `None`
+    /// when the CA is not enabled.
+    pub workload_ca: Option<WorkloadCaWiring>,
+}
+
+/// How a sidecar reaches the operator's workload CA (serve `--workload-ca`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadCaWiring {
+    /// `host:port` the sidecar dials.
+    pub address: String,
+    /// The name the CA's certificate is checked against when `address`
+    /// does not carry it (the Service's ClusterIP).
+    pub server_name: Option<String>,
+    pub trust_domain: String,
+    /// The lifetime the sidecar requests.
+    pub cert_ttl: Duration,
+}
+
+impl Default for ChartDefaults {
+    fn default() -> Self {
+        Self {
+            image: "ghcr.io/remora/remora-agent:latest".into(),
+            image_pull_policy: "IfNotPresent".into(),
+            mode: SidecarMode::Auto,
+            resources: default_resources(),
+            workload_ca: None,
+        }
+    }
+}
+
+/// requests cpu 100m / memory 128Mi, limit memory 1Gi: Envoy with a small
+/// config fits, and no CPU limit avoids throttling the data path.
+pub fn default_resources() -> ResourceRequirements {
+    let q = |s: &str| Quantity(s.to_string());
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_string(), q("100m")),
+            ("memory".to_string(), q("128Mi")),
+        ])),
+        limits: Some(BTreeMap::from([("memory".to_string(), q("1Gi"))])),
+        ..Default::default()
+    }
+}
+
+/// Every setting of the sidecar, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EffectiveConfig {
+    pub image: String,
+    pub image_pull_policy: String,
+    pub mode: SidecarMode,
+    pub hold_application_until_proxy_starts: bool,
+    pub startup_timeout: Duration,
+    pub drain_duration: Duration,
+    pub termination_drain_duration: Duration,
+    pub exit_on_zero_active_connections: bool,
+    pub minimum_drain_duration: Duration,
+    pub drain_mode: DrainMode,
+    pub quiet_period: Duration,
+    pub concurrency: i32,
+    pub log_level: LogLevel,
+    pub resources: ResourceRequirements,
+    /// The workload CA the sidecar is given; `None` when the chart does not
+    /// enable it or the pod opts out (`remora.dev/workload-ca: "false"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workload_ca: Option<WorkloadCaWiring>,
+    /// Which layers contributed, weakest first (for the status annotation).
+    pub sources: Vec<String>,
+    /// Problems met while resolving (bad annotation values); they become warnings.
+    #[serde(skip)]
+    pub problems: Vec<String>,
+}
+
+impl EffectiveConfig {
+    /// A digest of the settings a running sidecar cannot take live: they are
+    /// baked into the pod spec at admission (image, mode, the startup hold,
+    /// concurrency, log level, resources). The injector records it in
+    /// `remora.dev/status`; the controller compares it with what the pod
+    /// should get now to report `RestartRequired` and roll workloads. The
+    /// requested mode is hashed (not the one `Auto` resolved to), so a node
+    /// upgrade alone never asks for a restart.
+    pub fn restart_hash(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut fields = serde_json::json!({
+            "image": self.image,
+            "imagePullPolicy": self.image_pull_policy,
+            "mode": self.mode.as_str(),
+            "hold": self.hold_application_until_proxy_starts,
+            "startupTimeout": self.startup_timeout.as_millis() as u64,
+            "concurrency": self.concurrency,
+            "logLevel": self.log_level,
+            "resources": self.resources,
+        });
+        // Only when wired: pods injected without the CA keep their hash.
+        if let (Some(ca), Some(o)) = (&self.workload_ca, fields.as_object_mut()) {
+            o.insert(
+                "workloadCa".into(),
+                serde_json::json!({
+                    "address": ca.address,
+                    "trustDomain": ca.trust_domain,
+                    "certTtl": ca.cert_ttl.as_millis() as u64,
+                }),
+            );
+        }
+        let digest = Sha256::digest(fields.to_string().as_bytes());
+        let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        format!("sha256:{hex}")
+    }
+
+    pub fn from_defaults(d: &ChartDefaults) -> Self {
+        // The contract's own test parses every default.
+        let dur = |s: &str| duration::parse(s).unwrap_or_default();
+        Self {
+            image: d.image.clone(),
+            image_pull_policy: d.image_pull_policy.clone(),
+            mode: d.mode,
+            hold_application_until_proxy_starts: defaults::HOLD_APPLICATION_UNTIL_PROXY_STARTS,
+            startup_timeout: dur(defaults::STARTUP_TIMEOUT),
+            drain_duration: dur(defaults::DRAIN_DURATION),
+            termination_drain_duration: dur(defaults::TERMINATION_DRAIN_DURATION),
+            exit_on_zero_active_connections: defaults::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
+            minimum_drain_duration: dur(defaults::MINIMUM_DRAIN_DURATION),
+            drain_mode: defaults::DRAIN_MODE,
+            quiet_period: dur(defaults::QUIET_PERIOD),
+            concurrency: concurrency(defaults::CONCURRENCY),
+            log_level: defaults::LOG_LEVEL,
+            resources: d.resources.clone(),
+            workload_ca: d.workload_ca.clone(),
+            sources: vec!["defaults".into()],
+            problems: Vec::new(),
+        }
+    }
+
+    /// Overlay the fields a `SidecarLifecycle` sets. A duration the schema
+    /// should have refused is reported and skipped.
+    pub fn apply_spec(&mut self, spec: &SidecarLifecycleSpec, source: &str) {
+        let mut problems = Vec::new();
+        let mut set = |name: &str, v: &Option<remora_crds::DurationString>, slot: &mut Duration| {
+            if let Some(v) = v {
+                match v.parse() {
+                    Ok(d) => *slot = d,
+                    Err(e) => problems.push(format!("{source}: {name}: {e}")),
+                }
+            }
+        };
+        if let Some(m) = spec.mode {
+            self.mode = m;
+        }
+        if let Some(s) = &spec.startup {
+            if let Some(h) = s.hold_application_until_proxy_starts {
+                self.hold_application_until_proxy_starts = h;
+            }
+            set("startup.timeout", &s.timeout, &mut self.startup_timeout);
+        }
+        if let Some(s) = &spec.shutdown {
+            set(
+                "shutdown.drainDuration",
+                &s.drain_duration,
+                &mut self.drain_duration,
+            );
+            set(
+                "shutdown.terminationDrainDuration",
+                &s.termination_drain_duration,
+                &mut self.termination_drain_duration,
+            );
+            set(
+                "shutdown.minimumDrainDuration",
+                &s.minimum_drain_duration,
+                &mut self.minimum_drain_duration,
+            );
+            set(
+                "shutdown.quietPeriod",
+                &s.quiet_period,
+                &mut self.quiet_period,
+            );
+            if let Some(b) = s.exit_on_zero_active_connections {
+                self.exit_on_zero_active_connections = b;
+            }
+            if let Some(m) = s.drain_mode {
+                self.drain_mode = m;
+            }
+        }
+        if let Some(p) = &spec.proxy {
+            if let Some(c) = p.concurrency {
+                self.concurrency = c.clamp(0, concurrency(remora_contract::value::MAX_CONCURRENCY));
+            }
+            if let Some(l) = p.log_level {
+                self.log_level = l;
+            }
+            if let Some(r) = &p.resources {
+                self.resources = r.clone();
+            }
+        }
+        self.problems.extend(problems);
+        self.sources.push(source.to_string());
+    }
+
+    /// Overlay the pod's own `remora.dev/<kebab-case-field>` annotations, the
+    /// strongest layer, read by the contract's [`Overlay`] exactly as the
+    /// agent reads them. Bad values are reported and skipped.
+    pub fn apply_annotations(&mut self, ann: &BTreeMap<String, String>) {
+        let before = self.clone();
+        let (o, problems) = Overlay::from_annotations(ann);
+        self.mode = o.mode.unwrap_or(self.mode);
+        self.hold_application_until_proxy_starts = o
+            .hold_application_until_proxy_starts
+            .unwrap_or(self.hold_application_until_proxy_starts);
+        self.startup_timeout = o.startup_timeout.unwrap_or(self.startup_timeout);
+        self.drain_duration = o.drain_duration.unwrap_or(self.drain_duration);
+        self.termination_drain_duration = o
+            .termination_drain_duration
+            .unwrap_or(self.termination_drain_duration);
+        self.exit_on_zero_active_connections = o
+            .exit_on_zero_active_connections
+            .unwrap_or(self.exit_on_zero_active_connections);
+        self.minimum_drain_duration = o
+            .minimum_drain_duration
+            .unwrap_or(self.minimum_drain_duration);
+        self.drain_mode = o.drain_mode.unwrap_or(self.drain_mode);
+        self.quiet_period = o.quiet_period.unwrap_or(self.quiet_period);
+        self.concurrency = o.concurrency.map_or(self.concurrency, concurrency);
+        self.log_level = o.log_level.unwrap_or(self.log_level);
+        // Only a clear "false" opts out; any other bad value is refused at
+        // injection (mutate), not guessed at here.
+        if ann
+            .get(annotations::WORKLOAD_CA)
+            .is_some_and(|v| value::parse_bool(v) == Ok(false))
+        {
+            self.workload_ca = None;
+        }
+        self.problems
+            .extend(problems.iter().map(|p| format!("annotation {p}")));
+        let mut after = self.clone();
+        after.sources = before.sources.clone();
+        after.problems = before.problems.clone();
+        if after != before {
+            self.sources.push("pod-annotations".into());
+        }
+    }
+}
+
+/// A worker count the contract bounded (at most 256) as the CRD's integer.
+fn concurrency(c: u32) -> i32 {
+    i32::try_from(c).unwrap_or(i32::MAX)
+}
+
+/// A `SidecarLifecycle` as the resolver sees it: where it lives, how old it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LifecycleEntry {
+    pub namespace: String,
+    pub name: String,
+    /// RFC 3339 creation time; `None` counts as newest.
+    pub created: Option<String>,
+    pub spec: SidecarLifecycleSpec,
+}
+
+impl LifecycleEntry {
+    pub fn from_resource(r: &SidecarLifecycle) -> Self {
+        Self {
+            namespace: r.metadata.namespace.clone().unwrap_or_default(),
+            name: r.metadata.name.clone().unwrap_or_default(),
+            created: r
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.to_string()),
+            spec: r.spec.clone(),
+        }
+    }
+
+    fn age_key(&self) -> (bool, Option<String>, &str) {
+        // Sorts oldest first; unknown creation times last; name breaks ties.
+        (self.created.is_none(), self.created.clone(), &self.name)
+    }
+
+    fn label(&self, layer: &str) -> String {
+        format!("{layer}:{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Resolve the effective config of a pod. `operator_namespace` holds the
+/// cluster default (a resource without selector there).
+pub fn resolve(
+    chart: &ChartDefaults,
+    entries: &[LifecycleEntry],
+    operator_namespace: &str,
+    pod_namespace: &str,
+    pod_labels: &(impl LabelSet + ?Sized),
+    pod_annotations: &BTreeMap<String, String>,
+) -> EffectiveConfig {
+    let mut cfg = EffectiveConfig::from_defaults(chart);
+    let oldest = |pred: &dyn Fn(&LifecycleEntry) -> bool| {
+        entries
+            .iter()
+            .filter(|e| pred(e))
+            .min_by(|a, b| a.age_key().cmp(&b.age_key()))
+    };
+    if let Some(e) = oldest(&|e| e.namespace == operator_namespace && e.spec.selector.is_none()) {
+        cfg.apply_spec(&e.spec, &e.label("cluster"));
+    }
+    if pod_namespace != operator_namespace
+        && let Some(e) = oldest(&|e| e.namespace == pod_namespace && e.spec.selector.is_none())
+    {
+        cfg.apply_spec(&e.spec, &e.label("namespace"));
+    }
+    if let Some(e) = oldest(&|e| {
+        e.namespace == pod_namespace
+            && e.spec
+                .selector
+                .as_ref()
+                .is_some_and(|s| s.matches(pod_labels))
+    }) {
+        cfg.apply_spec(&e.spec, &e.label("workload"));
+    }
+    cfg.apply_annotations(pod_annotations);
+    cfg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use remora_contract::annotations;
+    use remora_crds::{DurationString, ShutdownSpec, WorkloadSelector};
+    use remora_test_support::maps::string_map as labels;
+
+    fn entry(
+        ns: &str,
+        name: &str,
+        created: &str,
+        sel: Option<&[(&str, &str)]>,
+        drain: &str,
+    ) -> LifecycleEntry {
+        LifecycleEntry {
+            namespace: ns.into(),
+            name: name.into(),
+            created: Some(created.into()),
+            spec: SidecarLifecycleSpec {
+                selector: sel.map(|s| WorkloadSelector {
+                    match_labels: s
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                }),
+                shutdown: Some(ShutdownSpec {
+                    termination_drain_duration: Some(DurationString::new(drain)),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        }
+    }
+
+    /// One row per rule: which layers exist, and which value must win.
+    #[test]
+    fn precedence_table() {
+        let cluster = entry(
+            "remora-system",
+            "default",
+            "2026-01-01T00:00:00Z",
+            None,
+            "1s",
+        );
+        let other_ns_default = entry("other", "default", "2026-01-01T00:00:00Z", None, "9s");
+        let ns = entry("shop", "ns", "2026-01-02T00:00:00Z", None, "2s");
+        let ns_newer = entry("shop", "ns-newer", "2026-01-05T00:00:00Z", None, "8s");
+        let wl_old = entry(
+            "shop",
+            "web-old",
+            "2026-01-03T00:00:00Z",
+            Some(&[("app", "web")]),
+            "3s",
+        );
+        let wl_new = entry(
+            "shop",
+            "web-new",
+            "2026-01-04T00:00:00Z",
+            Some(&[("app", "web")]),
+            "4s",
+        );
+        let wl_other = entry(
+            "shop",
+            "db",
+            "2026-01-01T00:00:00Z",
+            Some(&[("app", "db")]),
+            "7s",
+        );
+        let ann = |v: &str| labels(&[(annotations::TERMINATION_DRAIN_DURATION, v)]);
+
+        struct Row {
+            what: &'static str,
+            entries: Vec<LifecycleEntry>,
+            ns: &'static str,
+            labels: BTreeMap<String, String>,
+            annotations: BTreeMap<String, String>,
+            want: u64,
+        }
+        let web = labels(&[("app", "web")]);
+        let rows = vec![
+            Row {
+                what: "chart defaults only",
+                entries: vec![],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 5,
+            },
+            Row {
+                what: "other namespace's default is ignored",
+                entries: vec![other_ns_default.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 5,
+            },
+            Row {
+                what: "cluster default beats chart",
+                entries: vec![cluster.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 1,
+            },
+            Row {
+                what: "namespace beats cluster",
+                entries: vec![cluster.clone(), ns.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 2,
+            },
+            Row {
+                what: "older namespace-wide wins",
+                entries: vec![ns_newer.clone(), ns.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 2,
+            },
+            Row {
+                what: "workload beats namespace",
+                entries: vec![cluster.clone(), ns.clone(), wl_old.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 3,
+            },
+            Row {
+                what: "older workload wins on overlap",
+                entries: vec![wl_new.clone(), wl_old.clone(), ns.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 3,
+            },
+            Row {
+                what: "non-matching selector is ignored",
+                entries: vec![ns.clone(), wl_other.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 2,
+            },
+            Row {
+                what: "pod annotation beats everything",
+                entries: vec![cluster.clone(), ns.clone(), wl_old.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: ann("6s"),
+                want: 6,
+            },
+            Row {
+                what: "bad annotation is skipped",
+                entries: vec![cluster.clone(), ns.clone(), wl_old.clone()],
+                ns: "shop",
+                labels: web.clone(),
+                annotations: ann("soon"),
+                want: 3,
+            },
+            Row {
+                what: "pod in the operator namespace gets the default once",
+                entries: vec![cluster.clone()],
+                ns: "remora-system",
+                labels: web.clone(),
+                annotations: BTreeMap::new(),
+                want: 1,
+            },
+        ];
+        for row in rows {
+            let cfg = resolve(
+                &ChartDefaults::default(),
+                &row.entries,
+                "remora-system",
+                row.ns,
+                &row.labels,
+                &row.annotations,
+            );
+            assert_eq!(
+                cfg.termination_drain_duration,
+                Duration::from_secs(row.want),
+                "{}: {:?}",
+                row.what,
+                cfg.sources
+            );
+        }
+    }
+
+    #[test]
+    fn layers_merge_field_by_field() {
+        let mut cluster = entry(
+            "remora-system",
+            "default",
+            "2026-01-01T00:00:00Z",
+            None,
+            "1s",
+        );
+        if let Some(s) = cluster.spec.shutdown.as_mut() {
+            s.exit_on_zero_active_connections = Some(true);
+        }
+        let ns = entry("shop", "ns", "2026-01-02T00:00:00Z", None, "2s");
+        let cfg = resolve(
+            &ChartDefaults::default(),
+            &[cluster, ns],
+            "remora-system",
+            "shop",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        assert!(
+            cfg.exit_on_zero_active_connections,
+            "inherited from the cluster default"
+        );
+        assert_eq!(cfg.termination_drain_duration, Duration::from_secs(2));
+        assert_eq!(cfg.drain_duration, Duration::from_secs(45), "chart default");
+        assert_eq!(
+            cfg.sources,
+            [
+                "defaults",
+                "cluster:remora-system/default",
+                "namespace:shop/ns"
+            ]
+        );
+    }
+
+    #[test]
+    fn annotations_cover_every_field() {
+        let ann = labels(&[
+            (annotations::MODE, "native"),
+            (annotations::HOLD_APPLICATION_UNTIL_PROXY_STARTS, "false"),
+            (annotations::STARTUP_TIMEOUT, "2m"),
+            (annotations::DRAIN_DURATION, "10s"),
+            (annotations::MINIMUM_DRAIN_DURATION, "250ms"),
+            (annotations::EXIT_ON_ZERO_ACTIVE_CONNECTIONS, "true"),
+            (annotations::CONCURRENCY, "4"),
+            (annotations::LOG_LEVEL, "debug"),
+        ]);
+        let cfg = resolve(
+            &ChartDefaults::default(),
+            &[],
+            "remora-system",
+            "shop",
+            &BTreeMap::new(),
+            &ann,
+        );
+        assert_eq!(cfg.mode, SidecarMode::Native);
+        assert!(!cfg.hold_application_until_proxy_starts);
+        assert_eq!(cfg.startup_timeout, Duration::from_secs(120));
+        assert_eq!(cfg.drain_duration, Duration::from_secs(10));
+        assert_eq!(cfg.minimum_drain_duration, Duration::from_millis(250));
+        assert!(cfg.exit_on_zero_active_connections);
+        assert_eq!(cfg.concurrency, 4);
+        assert_eq!(cfg.log_level, LogLevel::Debug);
+        assert!(cfg.problems.is_empty(), "{:?}", cfg.problems);
+        assert_eq!(
+            cfg.sources.last().map(String::as_str),
+            Some("pod-annotations")
+        );
+    }
+
+    #[test]
+    fn the_pod_opts_out_of_the_workload_ca() {
+        let chart = ChartDefaults {
+            workload_ca: Some(WorkloadCaWiring {
+                address: "ca:15012".into(),
+                server_name: None,
+                trust_domain: "cluster.local".into(),
+                cert_ttl: Duration::from_secs(3600),
+            }),
+            ..ChartDefaults::default()
+        };
+        let cfg = |v: Option<&str>| {
+            let ann = v
+                .map(|v| labels(&[(annotations::WORKLOAD_CA, v)]))
+                .unwrap_or_default();
+            resolve(&chart, &[], "remora-system", "shop", &BTreeMap::new(), &ann)
+        };
+        assert!(cfg(None).workload_ca.is_some());
+        assert!(cfg(Some("true")).workload_ca.is_some());
+        // Refused by mutate, not guessed at here.
+        assert!(cfg(Some("nope")).workload_ca.is_some());
+        let out = cfg(Some("false"));
+        assert_eq!(out.workload_ca, None);
+        assert_eq!(out.sources, ["defaults", "pod-annotations"]);
+        assert_ne!(cfg(None).restart_hash(), out.restart_hash());
+        assert_eq!(
+            out.restart_hash(),
+            EffectiveConfig::from_defaults(&ChartDefaults::default()).restart_hash(),
+            "a pod without the CA hashes as before the CA existed"
+        );
+    }
+}

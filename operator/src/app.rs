@@ -1,0 +1,716 @@
+//! `remora-operator serve`: the webhook on every replica, the controller
+//! only on the leader, and one shutdown model for both.
+//!
+//! Shutdown: one [`CancellationToken`] is cancelled by the first SIGTERM or
+//! SIGINT and handed to every long-lived task. Then the elector stops the
+//! leader-only work and releases the Lease (a standby takes over at its next
+//! try), the webhook server stops accepting and lets in-flight requests
+//! finish for up to `--shutdown-grace`, and the reflectors, certificate
+//! reloader and caBundle keeper stop. A second signal aborts at once.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::Client;
+use prometheus_client::registry::Registry;
+use remora_crds::SidecarLifecycle;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::flags::ServeArgs;
+use crate::leader::{self, LeaderError};
+use crate::server::{AppState, METRICS_PREFIX, ReviewBudget, ServerError, router, webhook_server};
+use crate::tls::{ReloadingCert, TlsError};
+use crate::watch::SharedWatch;
+use crate::webhook::Injector;
+use remora_serve::readiness::Readiness;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("connecting to the Kubernetes API: {0}")]
+    Connect(#[source] kube::Error),
+    #[error("self-managed certificate: {0}")]
+    Ca(#[from] crate::ca::CaError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Cluster(#[from] crate::cluster::ClusterError),
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("installing the signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Leader(#[from] LeaderError),
+    #[error("webhook server: {0}")]
+    Server(#[from] ServerError),
+    #[error("aborted by a second signal")]
+    Aborted,
+    #[error("workload CA: {0}")]
+    WorkloadCa(String),
+}
+
+/// Serve until SIGTERM/SIGINT; `Err(AppError::Aborted)` on a second signal.
+pub async fn serve(args: ServeArgs) -> Result<(), AppError> {
+    let shutdown = CancellationToken::new();
+    let abort = CancellationToken::new();
+    watch_signals(shutdown.clone(), abort.clone(), args.shutdown_grace)?;
+    tokio::select! {
+        biased;
+        () = abort.cancelled() => Err(AppError::Aborted),
+        r = run(args, shutdown) => r,
+    }
+}
+
+/// First signal: cancel `shutdown`; second: cancel `abort`.
+fn watch_signals(
+    shutdown: CancellationToken,
+    abort: CancellationToken,
+    grace: Duration,
+) -> Result<(), AppError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(AppError::Signals)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(AppError::Signals)?;
+    tokio::spawn(async move {
+        let mut next = async || {
+            tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            }
+        };
+        let first = next().await;
+        tracing::info!(
+            signal = first,
+            ?grace,
+            "shutting down; a second signal aborts"
+        );
+        shutdown.cancel();
+        let second = next().await;
+        tracing::warn!(signal = second, "second signal; aborting");
+        abort.cancel();
+    });
+    Ok(())
+}
+
+/// What the leader-only work needs.
+struct LeaderContext {
+    /// The API server, for the leader's own client (see [`lead_apart`]).
+    kube: kube::Config,
+    /// `None`: the controller is off.
+    controller: Option<crate::controller::Settings>,
+    controller_metrics: crate::controller::Metrics,
+    stop_completed_jobs: bool,
+    jobs_metrics: crate::jobs::Metrics,
+    pod_watch_metrics: crate::live_pod::Metrics,
+    /// Who publishes the Events.
+    identity: String,
+    /// The replica's SidecarLifecycle watch (the webhook's).
+    lifecycles: SharedWatch<SidecarLifecycle>,
+    /// With the workload CA: the replica's roots, and its namespace view
+    /// (which namespaces get the trust bundle).
+    trust_bundle: Option<(
+        crate::workload_ca::AuthorityRx,
+        crate::cluster::KubeView,
+        crate::workload_ca::bundle::SigningSecret,
+    )>,
+    /// How often the trust bundle's namespaces are checked.
+    trust_bundle_period: Duration,
+}
+
+/// Everything only the leader runs: the one place to add leader-only tasks.
+/// Each gets `token`, cancelled when leadership ends or shutdown begins, and
+/// must return soon after (the elector aborts it after --shutdown-grace).
+async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
+    if ctx.controller.is_none() && !ctx.stop_completed_jobs && ctx.trust_bundle.is_none() {
+        // Nothing to do is no reason to give up leadership, nor to watch.
+        return token.cancelled().await;
+    }
+    let client = match Client::try_from(ctx.kube.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the leader's API client; leading idle");
+            return token.cancelled().await;
+        }
+    };
+    // One pod watch for all the leader's work, while it leads; a task
+    // started again subscribes again.
+    let pods =
+        crate::live_pod::live_pods(client.clone(), ctx.pod_watch_metrics.clone(), token.clone());
+    let mut tasks = JoinSet::new();
+    if let Some(settings) = ctx.controller.clone() {
+        let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());
+        tasks.spawn(supervise("controller", token.clone(), move |token| {
+            crate::controller::run(
+                client.clone(),
+                settings.clone(),
+                ctx.controller_metrics.clone(),
+                ctx.lifecycles.clone(),
+                pods.clone(),
+                token,
+            )
+        }));
+    }
+    if ctx.stop_completed_jobs {
+        let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());
+        tasks.spawn(supervise("jobs", token.clone(), move |token| {
+            let (client, identity, metrics, pods) = (
+                client.clone(),
+                ctx.identity.clone(),
+                ctx.jobs_metrics.clone(),
+                pods.clone(),
+            );
+            async move {
+                if let Err(e) = crate::jobs::run(client, identity, metrics, pods, token).await {
+                    tracing::error!(error = %e, "the Jobs controller failed");
+                }
+            }
+        }));
+    }
+    if let Some((authority, view, signing)) = ctx.trust_bundle.clone() {
+        let (pods, client, period) = (pods.clone(), client.clone(), ctx.trust_bundle_period);
+        tasks.spawn(supervise("trust-bundle", token.clone(), move |token| {
+            let (authority, view, pods) = (authority.clone(), view.clone(), pods.clone());
+            let targets = move || injected_namespaces(&view, &pods);
+            let signing = signing.clone();
+            crate::workload_ca::bundle::run(
+                client.clone(),
+                authority,
+                targets,
+                period,
+                signing,
+                token,
+            )
+        }));
+    }
+    while tasks.join_next().await.is_some() {}
+    // Nothing (left) to do is no reason to give up leadership.
+    token.cancelled().await;
+}
+
+/// Namespaces with the injection label, and those holding a pod the
+/// webhook injected (a pod may opt in by its own label).
+fn injected_namespaces(
+    view: &crate::cluster::KubeView,
+    pods: &SharedWatch<crate::live_pod::LivePod>,
+) -> std::collections::BTreeSet<String> {
+    let mut out: std::collections::BTreeSet<String> = view
+        .namespaces_labelled(remora_contract::annotations::INJECT_LABEL, "enabled")
+        .into_iter()
+        .collect();
+    for p in pods.store().state() {
+        if p.injected().is_some()
+            && let Some(ns) = &p.metadata.namespace
+            && !out.contains(ns)
+        {
+            out.insert(ns.clone());
+        }
+    }
+    out
+}
+
+/// The leader thread's nice value (0 is the webhook's): under contention
+/// it gets about a tenth of the CPU the webhook's threads get.
+const LEADER_NICE: i32 = 10;
+/// The name of the leader's thread (and of its blocking pool's).
+const LEADER_THREAD: &str = "remora-leader";
+
+/// Run [`lead`] on a runtime of its own, on one thread ([`apart`]): the CPU
+/// of the leader's work (a cluster default's reconcile reads every pod;
+/// every pod event is parsed) then never holds the workers that answer the
+/// webhook and the probes. Its API client is its own too (built in
+/// [`lead`]), so that its connections and their TLS run on that thread.
+/// Dropping this future (the elector aborts the leader's work when it steps
+/// down) stops all of that work.
+async fn lead_apart(ctx: Arc<LeaderContext>, token: CancellationToken) {
+    match apart(lead(Arc::clone(&ctx), token.clone())) {
+        Ok(work) => work.await,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the leader's thread; leading on the shared runtime");
+            return lead(ctx, token).await;
+        }
+    }
+    // The work ended early (its runtime failed to start): lead idle.
+    token.cancelled().await;
+}
+
+/// Run `work` on a thread of its own ([`LEADER_THREAD`], at [`LEADER_NICE`])
+/// with a runtime of its own. The returned future ends when `work` does;
+/// dropping it drops that runtime, and with it every task `work` started.
+fn apart(
+    work: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<impl std::future::Future<Output = ()>> {
+    let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
+    // Its sender is dropped with the returned future: stop at once.
+    let (abort, aborted) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name(LEADER_THREAD.into())
+        .spawn(move || {
+            // Below the webhook's threads when the cores are contended: a
+            // pod's creation waits on its review, a retune can wait a
+            // moment. Threads this one starts (the runtime's blocking
+            // pool) inherit it.
+            let me = Some(rustix::thread::gettid());
+            let nice = rustix::process::getpriority_process(me).unwrap_or_default();
+            if nice < LEADER_NICE
+                && let Err(e) = rustix::process::setpriority_process(me, LEADER_NICE)
+            {
+                tracing::warn!(error = %e, "cannot lower the leader thread's priority");
+            }
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .thread_name(LEADER_THREAD)
+                .build()
+            {
+                Ok(rt) => rt.block_on(async {
+                    tokio::select! {
+                        () = work => {}
+                        _ = aborted => {}
+                    }
+                }),
+                Err(e) => tracing::error!(error = %e, "cannot start the leader's runtime"),
+            }
+            let _ = done_tx.send(());
+        })?;
+    Ok(async move {
+        let _abort = abort;
+        let _ = done.await;
+    })
+}
+
+/// Run `task` until `token` is cancelled, starting it again (after a
+/// doubling delay, 1 s up to 60 s) when it ends or panics before that: a
+/// leader whose work died would otherwise hold the Lease doing nothing.
+async fn supervise<F, Fut>(name: &'static str, token: CancellationToken, task: F)
+where
+    F: Fn(CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut delay = Duration::from_secs(1);
+    loop {
+        let ended = tokio::spawn(task(token.clone())).await;
+        if token.is_cancelled() {
+            return;
+        }
+        match ended {
+            Err(e) => tracing::error!(task = name, error = %e, retry_in = ?delay,
+                "a leader-only task panicked; starting it again"),
+            Ok(()) => tracing::warn!(task = name, retry_in = ?delay,
+                "a leader-only task ended early; starting it again"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = token.cancelled() => return,
+        }
+        delay = (delay * 2).min(Duration::from_secs(60));
+    }
+}
+
+/// Serve until `shutdown` is cancelled, then drain (see the module doc).
+pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), AppError> {
+    let leader_cfg = args.leader_config();
+    if args.leader_elect {
+        // Bad timings fail the start, not the first election.
+        leader_cfg.validate()?;
+    }
+    // Registered below with the others; the rotation starts before.
+    let ca_metrics = crate::ca::Metrics::default();
+    let started = tokio::select! {
+        biased;
+        () = shutdown.cancelled() => {
+            tracing::info!("shut down before serving");
+            return Ok(());
+        }
+        r = start(&args, &shutdown, ca_metrics.clone()) => r?,
+    };
+    let Started {
+        kube_config,
+        client,
+        tls,
+        listener,
+        view,
+    } = started;
+    let mut workload_ca = args
+        .workload_ca
+        .wiring(&args.service_name, &args.operator_namespace);
+    if let Some(ca) = &mut workload_ca
+        && args
+            .workload_ca
+            .address
+            .as_deref()
+            .unwrap_or_default()
+            .is_empty()
+    {
+        dial_by_cluster_ip(&client, &args, ca).await;
+    }
+    let chart = remora_inject::resolve::ChartDefaults {
+        workload_ca,
+        ..args.proxy.chart(args.default_mode)
+    };
+    // Not ready (out of the Service) until the first listing is in, even
+    // when the sync timeout let the server start without it.
+    let readiness = Readiness::new();
+    let synced = readiness.register("cluster-view", "listing SidecarLifecycles and namespaces");
+    {
+        let view = view.clone();
+        tokio::spawn(shutdown.clone().run_until_cancelled_owned(async move {
+            view.wait_synced().await;
+            synced.ready();
+        }));
+    }
+    // One registry; each component registers its own metrics in it.
+    let mut registry = Registry::with_prefix(METRICS_PREFIX);
+    let webhook_metrics = crate::webhook::Metrics::register(&mut registry);
+    let controller_metrics = crate::controller::Metrics::register(&mut registry);
+    let jobs_metrics = crate::jobs::Metrics::register(&mut registry);
+    let pod_watch_metrics = crate::live_pod::Metrics::register(&mut registry);
+    let leader_metrics = leader::Metrics::register(&mut registry);
+    if args.self_signed {
+        ca_metrics.register(&mut registry);
+    }
+    let trust_bundle = match &args.workload_ca.enabled {
+        true => Some(
+            start_workload_ca(
+                &args,
+                &client,
+                &kube_config,
+                &view,
+                &mut registry,
+                &readiness,
+                &shutdown,
+            )
+            .await?,
+        ),
+        false => None,
+    };
+    let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
+    let ctx = Arc::new(LeaderContext {
+        kube: kube_config,
+        controller: args.controller.then(|| crate::controller::Settings {
+            chart: chart.clone(),
+            operator_namespace: args.operator_namespace.clone(),
+            rollout_interval: args.rollout_interval,
+            automatic_rollouts: args.automatic_rollouts,
+            identity: leader_cfg.identity.clone(),
+            qps: args.kube_api_qps,
+            burst: args.kube_api_burst,
+        }),
+        controller_metrics,
+        stop_completed_jobs: args.stop_completed_jobs,
+        jobs_metrics,
+        pod_watch_metrics,
+        identity: leader_cfg.identity.clone(),
+        lifecycles: view.lifecycle_watch(),
+        trust_bundle,
+        trust_bundle_period: Duration::from_secs(5),
+    });
+    let state = Arc::new(AppState {
+        injector: Injector {
+            chart,
+            operator_namespace: args.operator_namespace.clone(),
+            view: Arc::new(crate::webhook::LookingUpView::new(
+                view,
+                client.clone(),
+                crate::webhook::NAMESPACE_LOOKUP_TIMEOUT,
+            )),
+        },
+        metrics: webhook_metrics,
+        registry,
+        max_body_bytes: args.max_request_bytes,
+        readiness: readiness.clone(),
+        budget: ReviewBudget::new(args.review_memory_budget),
+    });
+    tracing::info!(listen = %args.listen, "remora-operator serving");
+
+    let server = {
+        let shutdown = shutdown.clone();
+        async move {
+            let r = match server {
+                Ok(server) => server
+                    .serve(listener, router(state), shutdown.clone().cancelled_owned())
+                    .await
+                    .map_err(ServerError::from),
+                Err(e) => Err(e),
+            };
+            // A server that failed takes the rest down the same way.
+            shutdown.cancel();
+            r
+        }
+    };
+    let controller = async {
+        if args.leader_elect {
+            tracing::info!(identity = %leader_cfg.identity, lease = %format!("{}/{}", leader_cfg.namespace, leader_cfg.lease_name),
+                "campaigning for leadership");
+            leader::run_elected(
+                client,
+                leader_cfg,
+                Some(leader_metrics),
+                shutdown.clone(),
+                move |token| lead_apart(Arc::clone(&ctx), token),
+            )
+            .await
+        } else {
+            lead_apart(ctx, shutdown.child_token()).await;
+            Ok(())
+        }
+    };
+    let (served, elected) = tokio::join!(server, controller);
+    let drained = served?;
+    elected?;
+    tracing::info!(
+        forced_connections = drained.forced,
+        "remora-operator stopped"
+    );
+    Ok(())
+}
+
+/// Start this replica's workload CA: the signing-root keeper and the gRPC
+/// server, both until `shutdown`. Not ready until it has a root. Returns
+/// what the leader needs to distribute the trust bundle.
+async fn start_workload_ca(
+    args: &ServeArgs,
+    client: &Client,
+    kube_config: &kube::Config,
+    view: &crate::cluster::KubeView,
+    registry: &mut Registry,
+    readiness: &Readiness,
+    shutdown: &CancellationToken,
+) -> Result<
+    (
+        crate::workload_ca::AuthorityRx,
+        crate::cluster::KubeView,
+        crate::workload_ca::bundle::SigningSecret,
+    ),
+    AppError,
+> {
+    use crate::workload_ca::{self as ca, authn, keeper, service};
+    let ca_args = &args.workload_ca;
+    let metrics = ca::Metrics::register(registry);
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let keeper = keeper::Keeper {
+        secrets: kube::Api::namespaced(client.clone(), &args.operator_namespace),
+        name: ca_args.secret.clone(),
+        policy: ca::policy(ca_args),
+        names: ca::serving_names(&args.service_name, &args.operator_namespace),
+        period: ca::keeper_period(ca_args),
+        metrics: metrics.clone(),
+    };
+    tokio::spawn(keeper.run(tx, shutdown.clone()));
+    let ready = readiness.register("workload-ca", "reading or making the signing root");
+    tokio::spawn(
+        shutdown
+            .clone()
+            .run_until_cancelled_owned(ca::follow_readiness(rx.clone(), ready)),
+    );
+    let listener = remora_serve::bind(ca_args.listen).map_err(|source| AppError::Bind {
+        addr: ca_args.listen,
+        source,
+    })?;
+    // TokenReviews on a client (and connections) of their own, behind the
+    // gate's rate limits, so that a flood of them cannot queue ahead of the
+    // Lease renewals and watches on the main client.
+    let review_client = Client::try_from(kube_config.clone()).map_err(AppError::Connect)?;
+    let audience = remora_contract::workload_ca::TOKEN_AUDIENCE;
+    let svc = service::CaService {
+        auth: authn::TokenReviewer::new(review_client, audience),
+        gate: authn::Gate::new(audience, authn::GateLimits::default()),
+        authority: rx.clone(),
+        trust_domain: ca_args.trust_domain.clone(),
+        lifetimes: service::Lifetimes {
+            default: ca_args.cert_ttl,
+            max: ca_args.cert_max_ttl,
+        },
+        metrics,
+        events: Some(service::RefusalEvents::new(
+            kube::runtime::events::Recorder::new(
+                client.clone(),
+                kube::runtime::events::Reporter {
+                    controller: crate::controller::FIELD_MANAGER.into(),
+                    instance: Some(args.leader_config().identity),
+                },
+            ),
+        )),
+    };
+    let limits = ca::serve::Limits {
+        max_in_flight: usize::try_from(ca_args.max_in_flight).unwrap_or(usize::MAX),
+        ..ca::serve::Limits::default()
+    };
+    let token = shutdown.clone();
+    tokio::spawn(async move {
+        if let Err(e) = ca::serve::serve(listener, svc, limits, token.clone()).await {
+            tracing::error!(error = %e, "workload CA: the server failed; shutting down");
+            token.cancel();
+        }
+    });
+    tracing::info!(listen = %ca_args.listen, trust_domain = %ca_args.trust_domain, "workload CA serving");
+    let signing = ca::bundle::SigningSecret {
+        namespace: args.operator_namespace.clone(),
+        name: ca_args.secret.clone(),
+    };
+    Ok((rx, view.clone(), signing))
+}
+
+/// Sidecars dial the CA at its Service's ClusterIP and check its
+/// certificate under the Service's DNS name: a cluster without DNS for
+/// Services (or a pod with its own resolver) still reaches it. Without the
+/// Service (or the right to read it) they dial the DNS name.
+async fn dial_by_cluster_ip(
+    client: &Client,
+    args: &ServeArgs,
+    ca: &mut remora_inject::resolve::WorkloadCaWiring,
+) {
+    let services: kube::Api<k8s_openapi::api::core::v1::Service> =
+        kube::Api::namespaced(client.clone(), &args.operator_namespace);
+    match services.get_opt(&args.service_name).await {
+        Ok(Some(svc)) => {
+            let ip = svc
+                .spec
+                .and_then(|s| s.cluster_ip)
+                .and_then(|ip| ip.parse::<std::net::IpAddr>().ok());
+            if let Some(ip) = ip {
+                let name = format!("{}.{}.svc", args.service_name, args.operator_namespace);
+                ca.address =
+                    std::net::SocketAddr::new(ip, remora_contract::workload_ca::PORT).to_string();
+                ca.server_name = Some(name);
+            }
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, service = %args.service_name, "workload CA: cannot read the Service; sidecars dial its DNS name");
+        }
+    }
+    tracing::info!(address = %ca.address, server_name = ?ca.server_name, "workload CA: the address sidecars dial");
+}
+
+/// The API server's config, from the in-cluster config or KUBECONFIG,
+/// naming the injector in `User-Agent` so that the API server's audit log
+/// and flow control tell its requests apart (kube-rs sends none of its own).
+async fn kube_config(args: &ServeArgs) -> Result<kube::Config, AppError> {
+    let mut config = kube::Config::infer()
+        .await
+        .map_err(|e| AppError::Connect(kube::Error::InferConfig(e)))?;
+    let agent = match &args.leader_identity {
+        Some(pod) => format!("remora-operator/{} ({pod})", env!("CARGO_PKG_VERSION")),
+        None => format!("remora-operator/{}", env!("CARGO_PKG_VERSION")),
+    };
+    // A pod name that is not a valid header value is sent without it.
+    let agent = http::HeaderValue::from_str(&agent).unwrap_or_else(|_| {
+        http::HeaderValue::from_static(concat!("remora-operator/", env!("CARGO_PKG_VERSION")))
+    });
+    config.headers.push((http::header::USER_AGENT, agent));
+    Ok(config)
+}
+
+struct Started {
+    kube_config: kube::Config,
+    client: Client,
+    tls: Arc<rustls::ServerConfig>,
+    listener: tokio::net::TcpListener,
+    view: crate::cluster::KubeView,
+}
+
+/// Everything before serving: certificates, the cluster view, the listener.
+/// The background tasks it starts stop with `shutdown`.
+async fn start(
+    args: &ServeArgs,
+    shutdown: &CancellationToken,
+    ca_metrics: crate::ca::Metrics,
+) -> Result<Started, AppError> {
+    let kube_config = kube_config(args).await?;
+    let client = Client::try_from(kube_config.clone()).map_err(AppError::Connect)?;
+    let (cert_path, key_path) = if args.self_signed {
+        let validity = crate::ca::Validity {
+            ca: args.ca_validity,
+            serving: args.serving_cert_validity,
+        };
+        validity.validate().map_err(crate::ca::CaError::Validity)?;
+        args.check().map_err(crate::ca::CaError::Validity)?;
+        let pickup = args
+            .tls_secret_resync
+            .saturating_add(args.cert_reload_interval);
+        let bundle = crate::ca::ensure_secret(
+            &client,
+            &args.operator_namespace,
+            &args.tls_secret,
+            &args.service_name,
+            validity,
+        )
+        .await?;
+        let (bundle_tx, bundle_rx) = tokio::sync::watch::channel(bundle.ca_pem.clone());
+        let secrets = kube::Api::namespaced(client.clone(), &args.operator_namespace);
+        tokio::spawn(
+            shutdown
+                .clone()
+                .run_until_cancelled_owned(crate::ca::keep_ca_bundle(
+                    client.clone(),
+                    args.webhook_config.clone(),
+                    secrets.clone(),
+                    args.tls_secret.clone(),
+                    args.tls_secret_resync,
+                    bundle_rx,
+                )),
+        );
+        let rotator = crate::ca::Rotator {
+            store: crate::ca::KubeStore {
+                secrets,
+                secret: args.tls_secret.clone(),
+                webhook_configs: kube::Api::all(client.clone()),
+                webhook_config: args.webhook_config.clone(),
+                recorder: Some(kube::runtime::events::Recorder::new(
+                    client.clone(),
+                    kube::runtime::events::Reporter {
+                        controller: crate::jobs::FIELD_MANAGER.into(),
+                        instance: Some(args.leader_config().identity),
+                    },
+                )),
+            },
+            secret: args.tls_secret.clone(),
+            namespace: args.operator_namespace.clone(),
+            names: crate::ca::service_names(&args.service_name, &args.operator_namespace),
+            // Every replica has loaded a new certificate within `pickup`;
+            // a third of the serving lifetime is more (checked above).
+            policy: crate::ca::Policy {
+                validity,
+                overlap: validity.serving / 3,
+                settle: pickup,
+            },
+            dir: args.self_signed_dir.clone(),
+            period: args.tls_secret_resync,
+            clock: crate::ca::Clock::System,
+            metrics: ca_metrics,
+        };
+        tokio::spawn(
+            shutdown
+                .clone()
+                .run_until_cancelled_owned(rotator.run(bundle.clone(), bundle_tx)),
+        );
+        crate::ca::write_files(&args.self_signed_dir, &bundle)?
+    } else {
+        (args.tls_cert.clone(), args.tls_key.clone())
+    };
+    let cert = ReloadingCert::load(cert_path, key_path)?;
+    tokio::spawn(
+        shutdown
+            .clone()
+            .run_until_cancelled_owned(Arc::clone(&cert).reload_every(args.cert_reload_interval)),
+    );
+    let tls = Arc::new(cert.server_config()?);
+    let view = crate::cluster::start(client.clone(), args.sync_timeout, shutdown.clone()).await?;
+    let listener = remora_serve::bind(args.listen).map_err(|source| AppError::Bind {
+        addr: args.listen,
+        source,
+    })?;
+    Ok(Started {
+        kube_config,
+        client,
+        tls,
+        listener,
+        view,
+    })
+}
+
+#[cfg(test)]
+mod tests;

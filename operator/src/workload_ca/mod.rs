@@ -1,0 +1,193 @@
+//! The workload CA: Istio's CA protocol
+//! (`istio.v1.auth.IstioCertificateService/CreateCertificate`) served by
+//! every replica over TLS, so that sidecars get workload certificates with
+//! no Istio in the cluster.
+//!
+//! - [`authn`]: who is calling (TokenReview of the pod's projected token);
+//! - [`signer`]: the CSR must ask for exactly `spiffe://<td>/ns/<ns>/sa/<sa>`;
+//! - [`roots`] and [`keeper`]: the self-managed signing roots in a Secret,
+//!   rotated with an overlap;
+//! - [`bundle`]: the trust bundle as a ConfigMap in every injected
+//!   namespace (the leader's work);
+//! - [`serve`]: the bounded TLS gRPC server.
+
+pub mod authn;
+pub mod bundle;
+pub mod keeper;
+pub mod roots;
+pub mod serve;
+pub mod service;
+pub mod signer;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+
+use crate::flags::WorkloadCaArgs;
+pub use keeper::Authority;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StepLabel {
+    step: &'static str,
+}
+
+/// The CA's metrics (`remora_operator_workload_ca_*`).
+#[derive(Clone)]
+pub struct Metrics {
+    issued: Counter,
+    refused: Family<ReasonLabel, Counter>,
+    connections_refused: Family<ReasonLabel, Counter>,
+    seconds: Histogram,
+    rotations: Family<StepLabel, Counter>,
+    root_expiry: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            issued: Counter::default(),
+            refused: Family::default(),
+            connections_refused: Family::default(),
+            // 0.5 ms doubling to 4 s.
+            seconds: Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+                0.0005, 2.0, 14,
+            )),
+            rotations: Family::default(),
+            root_expiry: Gauge::default(),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        let r = registry.sub_registry_with_prefix("workload_ca");
+        r.register("issued", "Workload certificates issued", m.issued.clone());
+        r.register(
+            "refused",
+            "Certificate requests refused, by reason",
+            m.refused.clone(),
+        );
+        r.register(
+            "connections_refused",
+            "Connections closed unserved, by reason (per_source, handshake, no_place)",
+            m.connections_refused.clone(),
+        );
+        r.register(
+            "request_seconds",
+            "Time to answer a certificate request (authentication and signing)",
+            m.seconds.clone(),
+        );
+        r.register(
+            "root_steps",
+            "Signing-root steps this replica wrote (create, stage, switch, retire)",
+            m.rotations.clone(),
+        );
+        r.register(
+            "root_expiry_seconds",
+            "Unix time at which the signing root this replica uses ends",
+            m.root_expiry.clone(),
+        );
+        m
+    }
+
+    pub fn issued(&self) {
+        self.issued.inc();
+    }
+    pub fn issued_total(&self) -> u64 {
+        self.issued.get()
+    }
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+    pub fn refused_total(&self, reason: &'static str) -> u64 {
+        self.refused.get_or_create(&ReasonLabel { reason }).get()
+    }
+    pub fn connection_refused(&self, reason: &'static str) {
+        self.connections_refused
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+    pub fn connections_refused_total(&self, reason: &'static str) -> u64 {
+        self.connections_refused
+            .get_or_create(&ReasonLabel { reason })
+            .get()
+    }
+    pub fn observe(&self, d: Duration) {
+        self.seconds.observe(d.as_secs_f64());
+    }
+    pub fn rotation(&self, step: roots::Step) {
+        self.rotations
+            .get_or_create(&StepLabel {
+                step: step.as_str(),
+            })
+            .inc();
+    }
+    pub fn root_expiry(&self, at: SystemTime) {
+        let s = at
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        self.root_expiry.set(i64::try_from(s).unwrap_or(i64::MAX));
+    }
+}
+
+/// The names the CA's serving certificate carries: the Service's.
+pub fn serving_names(service: &str, namespace: &str) -> Vec<String> {
+    crate::ca::service_names(service, namespace)
+}
+
+/// The rotation timings the flags give.
+pub fn policy(args: &WorkloadCaArgs) -> roots::Policy {
+    roots::Policy {
+        validity: args.root_validity,
+        settle: args.settle,
+        overlap: args.cert_max_ttl.saturating_add(args.settle),
+    }
+}
+
+/// How often each replica reads the signing Secret: often enough that a
+/// step is taken well within `settle`.
+pub fn keeper_period(args: &WorkloadCaArgs) -> Duration {
+    (args.settle / 6).clamp(Duration::from_secs(1), Duration::from_secs(30))
+}
+
+/// What the replica's CA publishes for the rest of the process.
+pub type AuthorityRx = watch::Receiver<Option<Arc<Authority>>>;
+
+/// Keep `guard` ready while the replica has an authority and pending while
+/// it has none (none yet, or its last reading of the signing Secret is too
+/// old), until the sender goes.
+pub async fn follow_readiness(
+    mut authority: AuthorityRx,
+    guard: remora_serve::readiness::ReadinessGuard,
+) {
+    // Before the first authority the guard keeps the reason it was made with.
+    let mut had = false;
+    loop {
+        match authority.borrow_and_update().is_some() {
+            true => {
+                had = true;
+                guard.ready();
+            }
+            false if had => {
+                guard.pending("the signing Secret was not read within the settle time: not signing")
+            }
+            false => {}
+        }
+        if authority.changed().await.is_err() {
+            return;
+        }
+    }
+}
