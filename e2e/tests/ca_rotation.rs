@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::PostParams;
-use remora_operator::ca::{NEXT_CA_KEY, PREVIOUS_CA_KEY, bundle_has_root};
+use remora_operator::pki::webhook_cert::{NEXT_CA_KEY, PREVIOUS_CA_KEY, bundle_has_root};
 use remora_test_support::webhook_client::connect;
 
 const SECRET: &str = "rotation-tls";
@@ -413,7 +413,9 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
 
     // A rotation asked for: staged at once; recorded once the namespace's
     // bundle carries the staged root; switched `settle` after the record.
-    use remora_operator::workload_ca::roots::{DISTRIBUTED, DISTRIBUTED_AT, ROTATE, fingerprint};
+    use remora_operator::pki::workload_ca::roots::{
+        DISTRIBUTED, DISTRIBUTED_AT, ROTATE, fingerprint,
+    };
     let secrets = Api::<Secret>::namespaced(admin.clone(), &op);
     let name = remora_contract::workload_ca::SIGNING_SECRET;
     secrets

@@ -24,7 +24,7 @@ use kube::api::{
 use kube::runtime::events::{Event as RecorderEvent, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use remora_contract::annotations::{LIFECYCLE, STOP};
-use remora_operator::controller::{FIELD_MANAGER, ROLLOUT_ANNOTATION};
+use remora_operator::controllers::lifecycle::{FIELD_MANAGER, ROLLOUT_ANNOTATION};
 use serde_json::{Value, json};
 
 /// The policy's messages (charts/remora/templates/admissionpolicy.yaml).
@@ -284,7 +284,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     // Keeping its CA in its own webhook configuration (ca.rs).
     let ca = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
     let current = own_mwc.get(&name).await?;
-    let ops = remora_operator::ca::ca_bundle_patch(&current, ca);
+    let ops = remora_operator::pki::webhook_cert::ca_bundle_patch(&current, ca);
     assert_eq!(ops.len(), 2, "both webhooks lack the CA");
     own_mwc
         .patch(

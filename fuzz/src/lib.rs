@@ -20,7 +20,7 @@ use remora_agent::sds::store::SecretName;
 use remora_contract::{downward, duration, overlay::Overlay, value};
 use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
 use remora_inject::resolve::{ChartDefaults, LifecycleEntry};
-use remora_operator::webhook::{Injector, StaticView, encode_review};
+use remora_operator::webhook::handler::{Injector, StaticView, encode_review};
 
 /// A fuzz target: untrusted bytes in, a panic on any bug.
 pub type Target = fn(&[u8]);

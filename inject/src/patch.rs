@@ -148,7 +148,6 @@ pub fn pod_meta(pod: &Value) -> (BTreeMap<String, String>, BTreeMap<String, Stri
     )
 }
 
-
 fn names(list: &Value) -> Vec<&str> {
     list.as_array()
         .map(|a| a.iter().filter_map(|c| c["name"].as_str()).collect())

@@ -21,12 +21,12 @@ use clap::Parser;
 use remora_crds::{
     DurationString, ShutdownSpec, SidecarLifecycleSpec, SidecarMode, WorkloadSelector,
 };
-use remora_inject::patch::{Selection, Target, mutate};
 use remora_inject::offline::{OfflineOptions, inject_stream};
-use remora_operator::server::{AppState, router, serve_tls};
+use remora_inject::patch::{Selection, Target, mutate};
 use remora_inject::resolve::{ChartDefaults, EffectiveConfig, LifecycleEntry};
-use remora_operator::tls::ReloadingCert;
-use remora_operator::webhook::{Injector, StaticView, encode_review};
+use remora_operator::webhook::handler::{Injector, StaticView, encode_review};
+use remora_operator::webhook::server::{AppState, router, serve_tls};
+use remora_operator::webhook::tls::ReloadingCert;
 use remora_test_support::pki::self_signed;
 use remora_test_support::webhook_client;
 use serde_json::{Value, json};

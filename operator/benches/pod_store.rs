@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use remora_operator::live_pod::{LivePod, Slim};
-use remora_operator::status::PodInfo;
+use remora_operator::cluster::live_pod::{LivePod, Slim};
+use remora_operator::controllers::lifecycle::status::PodInfo;
 use serde_json::json;
 
 #[global_allocator]

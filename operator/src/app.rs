@@ -18,12 +18,14 @@ use remora_crds::SidecarLifecycle;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::cluster::watch::SharedWatch;
 use crate::flags::ServeArgs;
 use crate::leader::{self, LeaderError};
-use crate::server::{AppState, METRICS_PREFIX, ReviewBudget, ServerError, router, webhook_server};
-use crate::tls::{ReloadingCert, TlsError};
-use crate::watch::SharedWatch;
-use crate::webhook::Injector;
+use crate::webhook::handler::Injector;
+use crate::webhook::server::{
+    AppState, METRICS_PREFIX, ReviewBudget, ServerError, router, webhook_server,
+};
+use crate::webhook::tls::{ReloadingCert, TlsError};
 use remora_serve::readiness::Readiness;
 
 #[derive(Debug, thiserror::Error)]
@@ -31,11 +33,11 @@ pub enum AppError {
     #[error("connecting to the Kubernetes API: {0}")]
     Connect(#[source] kube::Error),
     #[error("self-managed certificate: {0}")]
-    Ca(#[from] crate::ca::CaError),
+    Ca(#[from] crate::pki::webhook_cert::CaError),
     #[error(transparent)]
     Tls(#[from] TlsError),
     #[error(transparent)]
-    Cluster(#[from] crate::cluster::ClusterError),
+    Cluster(#[from] crate::cluster::view::ClusterError),
     #[error("binding {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -101,11 +103,11 @@ struct LeaderContext {
     /// The API server, for the leader's own client (see [`lead_apart`]).
     kube: kube::Config,
     /// `None`: the controller is off.
-    controller: Option<crate::controller::Settings>,
-    controller_metrics: crate::controller::Metrics,
+    controller: Option<crate::controllers::lifecycle::Settings>,
+    controller_metrics: crate::controllers::lifecycle::Metrics,
     stop_completed_jobs: bool,
-    jobs_metrics: crate::jobs::Metrics,
-    pod_watch_metrics: crate::live_pod::Metrics,
+    jobs_metrics: crate::controllers::jobs::Metrics,
+    pod_watch_metrics: crate::cluster::live_pod::Metrics,
     /// Who publishes the Events.
     identity: String,
     /// The replica's SidecarLifecycle watch (the webhook's).
@@ -113,9 +115,9 @@ struct LeaderContext {
     /// With the workload CA: the replica's roots, and its namespace view
     /// (which namespaces get the trust bundle).
     trust_bundle: Option<(
-        crate::workload_ca::AuthorityRx,
-        crate::cluster::KubeView,
-        crate::workload_ca::bundle::SigningSecret,
+        crate::pki::workload_ca::AuthorityRx,
+        crate::cluster::view::KubeView,
+        crate::controllers::trust_bundle::SigningSecret,
     )>,
     /// How often the trust bundle's namespaces are checked.
     trust_bundle_period: Duration,
@@ -138,13 +140,16 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
     };
     // One pod watch for all the leader's work, while it leads; a task
     // started again subscribes again.
-    let pods =
-        crate::live_pod::live_pods(client.clone(), ctx.pod_watch_metrics.clone(), token.clone());
+    let pods = crate::cluster::live_pod::live_pods(
+        client.clone(),
+        ctx.pod_watch_metrics.clone(),
+        token.clone(),
+    );
     let mut tasks = JoinSet::new();
     if let Some(settings) = ctx.controller.clone() {
         let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());
         tasks.spawn(supervise("controller", token.clone(), move |token| {
-            crate::controller::run(
+            crate::controllers::lifecycle::run(
                 client.clone(),
                 settings.clone(),
                 ctx.controller_metrics.clone(),
@@ -164,7 +169,9 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
                 pods.clone(),
             );
             async move {
-                if let Err(e) = crate::jobs::run(client, identity, metrics, pods, token).await {
+                if let Err(e) =
+                    crate::controllers::jobs::run(client, identity, metrics, pods, token).await
+                {
                     tracing::error!(error = %e, "the Jobs controller failed");
                 }
             }
@@ -176,7 +183,7 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
             let (authority, view, pods) = (authority.clone(), view.clone(), pods.clone());
             let targets = move || injected_namespaces(&view, &pods);
             let signing = signing.clone();
-            crate::workload_ca::bundle::run(
+            crate::controllers::trust_bundle::run(
                 client.clone(),
                 authority,
                 targets,
@@ -194,8 +201,8 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
 /// Namespaces with the injection label, and those holding a pod the
 /// webhook injected (a pod may opt in by its own label).
 fn injected_namespaces(
-    view: &crate::cluster::KubeView,
-    pods: &SharedWatch<crate::live_pod::LivePod>,
+    view: &crate::cluster::view::KubeView,
+    pods: &SharedWatch<crate::cluster::live_pod::LivePod>,
 ) -> std::collections::BTreeSet<String> {
     let mut out: std::collections::BTreeSet<String> = view
         .namespaces_labelled(remora_contract::annotations::INJECT_LABEL, "enabled")
@@ -317,7 +324,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         leader_cfg.validate()?;
     }
     // Registered below with the others; the rotation starts before.
-    let ca_metrics = crate::ca::Metrics::default();
+    let ca_metrics = crate::pki::webhook_cert::Metrics::default();
     let started = tokio::select! {
         biased;
         () = shutdown.cancelled() => {
@@ -363,10 +370,10 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     }
     // One registry; each component registers its own metrics in it.
     let mut registry = Registry::with_prefix(METRICS_PREFIX);
-    let webhook_metrics = crate::webhook::Metrics::register(&mut registry);
-    let controller_metrics = crate::controller::Metrics::register(&mut registry);
-    let jobs_metrics = crate::jobs::Metrics::register(&mut registry);
-    let pod_watch_metrics = crate::live_pod::Metrics::register(&mut registry);
+    let webhook_metrics = crate::webhook::handler::Metrics::register(&mut registry);
+    let controller_metrics = crate::controllers::lifecycle::Metrics::register(&mut registry);
+    let jobs_metrics = crate::controllers::jobs::Metrics::register(&mut registry);
+    let pod_watch_metrics = crate::cluster::live_pod::Metrics::register(&mut registry);
     let leader_metrics = leader::Metrics::register(&mut registry);
     if args.self_signed {
         ca_metrics.register(&mut registry);
@@ -389,15 +396,17 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
     let ctx = Arc::new(LeaderContext {
         kube: kube_config,
-        controller: args.controller.then(|| crate::controller::Settings {
-            chart: chart.clone(),
-            operator_namespace: args.operator_namespace.clone(),
-            rollout_interval: args.rollout_interval,
-            automatic_rollouts: args.automatic_rollouts,
-            identity: leader_cfg.identity.clone(),
-            qps: args.kube_api_qps,
-            burst: args.kube_api_burst,
-        }),
+        controller: args
+            .controller
+            .then(|| crate::controllers::lifecycle::Settings {
+                chart: chart.clone(),
+                operator_namespace: args.operator_namespace.clone(),
+                rollout_interval: args.rollout_interval,
+                automatic_rollouts: args.automatic_rollouts,
+                identity: leader_cfg.identity.clone(),
+                qps: args.kube_api_qps,
+                burst: args.kube_api_burst,
+            }),
         controller_metrics,
         stop_completed_jobs: args.stop_completed_jobs,
         jobs_metrics,
@@ -411,10 +420,10 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         injector: Injector {
             chart,
             operator_namespace: args.operator_namespace.clone(),
-            view: Arc::new(crate::webhook::LookingUpView::new(
+            view: Arc::new(crate::webhook::handler::LookingUpView::new(
                 view,
                 client.clone(),
-                crate::webhook::NAMESPACE_LOOKUP_TIMEOUT,
+                crate::webhook::handler::NAMESPACE_LOOKUP_TIMEOUT,
             )),
         },
         metrics: webhook_metrics,
@@ -474,28 +483,28 @@ async fn start_workload_ca(
     args: &ServeArgs,
     client: &Client,
     kube_config: &kube::Config,
-    view: &crate::cluster::KubeView,
+    view: &crate::cluster::view::KubeView,
     registry: &mut Registry,
     readiness: &Readiness,
     shutdown: &CancellationToken,
 ) -> Result<
     (
-        crate::workload_ca::AuthorityRx,
-        crate::cluster::KubeView,
-        crate::workload_ca::bundle::SigningSecret,
+        crate::pki::workload_ca::AuthorityRx,
+        crate::cluster::view::KubeView,
+        crate::controllers::trust_bundle::SigningSecret,
     ),
     AppError,
 > {
-    use crate::workload_ca::{self as ca, authn, keeper, service};
+    use crate::pki::workload_ca::{self as ca, authn, keeper, service};
     let ca_args = &args.workload_ca;
     let metrics = ca::Metrics::register(registry);
     let (tx, rx) = tokio::sync::watch::channel(None);
     let keeper = keeper::Keeper {
         secrets: kube::Api::namespaced(client.clone(), &args.operator_namespace),
         name: ca_args.secret.clone(),
-        policy: ca::policy(ca_args),
+        policy: ca_args.root_policy(),
         names: ca::serving_names(&args.service_name, &args.operator_namespace),
-        period: ca::keeper_period(ca_args),
+        period: ca_args.keeper_period(),
         metrics: metrics.clone(),
     };
     tokio::spawn(keeper.run(tx, shutdown.clone()));
@@ -528,7 +537,7 @@ async fn start_workload_ca(
             kube::runtime::events::Recorder::new(
                 client.clone(),
                 kube::runtime::events::Reporter {
-                    controller: crate::controller::FIELD_MANAGER.into(),
+                    controller: crate::controllers::lifecycle::FIELD_MANAGER.into(),
                     instance: Some(args.leader_config().identity),
                 },
             ),
@@ -546,7 +555,7 @@ async fn start_workload_ca(
         }
     });
     tracing::info!(listen = %ca_args.listen, trust_domain = %ca_args.trust_domain, "workload CA serving");
-    let signing = ca::bundle::SigningSecret {
+    let signing = crate::controllers::trust_bundle::SigningSecret {
         namespace: args.operator_namespace.clone(),
         name: ca_args.secret.clone(),
     };
@@ -609,7 +618,7 @@ struct Started {
     client: Client,
     tls: Arc<rustls::ServerConfig>,
     listener: tokio::net::TcpListener,
-    view: crate::cluster::KubeView,
+    view: crate::cluster::view::KubeView,
 }
 
 /// Everything before serving: certificates, the cluster view, the listener.
@@ -617,21 +626,24 @@ struct Started {
 async fn start(
     args: &ServeArgs,
     shutdown: &CancellationToken,
-    ca_metrics: crate::ca::Metrics,
+    ca_metrics: crate::pki::webhook_cert::Metrics,
 ) -> Result<Started, AppError> {
     let kube_config = kube_config(args).await?;
     let client = Client::try_from(kube_config.clone()).map_err(AppError::Connect)?;
     let (cert_path, key_path) = if args.self_signed {
-        let validity = crate::ca::Validity {
+        let validity = crate::pki::webhook_cert::Validity {
             ca: args.ca_validity,
             serving: args.serving_cert_validity,
         };
-        validity.validate().map_err(crate::ca::CaError::Validity)?;
-        args.check().map_err(crate::ca::CaError::Validity)?;
+        validity
+            .validate()
+            .map_err(crate::pki::webhook_cert::CaError::Validity)?;
+        args.check()
+            .map_err(crate::pki::webhook_cert::CaError::Validity)?;
         let pickup = args
             .tls_secret_resync
             .saturating_add(args.cert_reload_interval);
-        let bundle = crate::ca::ensure_secret(
+        let bundle = crate::pki::webhook_cert::ensure_secret(
             &client,
             &args.operator_namespace,
             &args.tls_secret,
@@ -641,20 +653,18 @@ async fn start(
         .await?;
         let (bundle_tx, bundle_rx) = tokio::sync::watch::channel(bundle.ca_pem.clone());
         let secrets = kube::Api::namespaced(client.clone(), &args.operator_namespace);
-        tokio::spawn(
-            shutdown
-                .clone()
-                .run_until_cancelled_owned(crate::ca::keep_ca_bundle(
-                    client.clone(),
-                    args.webhook_config.clone(),
-                    secrets.clone(),
-                    args.tls_secret.clone(),
-                    args.tls_secret_resync,
-                    bundle_rx,
-                )),
-        );
-        let rotator = crate::ca::Rotator {
-            store: crate::ca::KubeStore {
+        tokio::spawn(shutdown.clone().run_until_cancelled_owned(
+            crate::pki::webhook_cert::keep_ca_bundle(
+                client.clone(),
+                args.webhook_config.clone(),
+                secrets.clone(),
+                args.tls_secret.clone(),
+                args.tls_secret_resync,
+                bundle_rx,
+            ),
+        ));
+        let rotator = crate::pki::webhook_cert::Rotator {
+            store: crate::pki::webhook_cert::KubeStore {
                 secrets,
                 secret: args.tls_secret.clone(),
                 webhook_configs: kube::Api::all(client.clone()),
@@ -662,24 +672,27 @@ async fn start(
                 recorder: Some(kube::runtime::events::Recorder::new(
                     client.clone(),
                     kube::runtime::events::Reporter {
-                        controller: crate::jobs::FIELD_MANAGER.into(),
+                        controller: crate::controllers::jobs::FIELD_MANAGER.into(),
                         instance: Some(args.leader_config().identity),
                     },
                 )),
             },
             secret: args.tls_secret.clone(),
             namespace: args.operator_namespace.clone(),
-            names: crate::ca::service_names(&args.service_name, &args.operator_namespace),
+            names: crate::pki::webhook_cert::service_names(
+                &args.service_name,
+                &args.operator_namespace,
+            ),
             // Every replica has loaded a new certificate within `pickup`;
             // a third of the serving lifetime is more (checked above).
-            policy: crate::ca::Policy {
+            policy: crate::pki::webhook_cert::Policy {
                 validity,
                 overlap: validity.serving / 3,
                 settle: pickup,
             },
             dir: args.self_signed_dir.clone(),
             period: args.tls_secret_resync,
-            clock: crate::ca::Clock::System,
+            clock: crate::pki::webhook_cert::Clock::System,
             metrics: ca_metrics,
         };
         tokio::spawn(
@@ -687,7 +700,7 @@ async fn start(
                 .clone()
                 .run_until_cancelled_owned(rotator.run(bundle.clone(), bundle_tx)),
         );
-        crate::ca::write_files(&args.self_signed_dir, &bundle)?
+        crate::pki::webhook_cert::write_files(&args.self_signed_dir, &bundle)?
     } else {
         (args.tls_cert.clone(), args.tls_key.clone())
     };
@@ -698,7 +711,8 @@ async fn start(
             .run_until_cancelled_owned(Arc::clone(&cert).reload_every(args.cert_reload_interval)),
     );
     let tls = Arc::new(cert.server_config()?);
-    let view = crate::cluster::start(client.clone(), args.sync_timeout, shutdown.clone()).await?;
+    let view =
+        crate::cluster::view::start(client.clone(), args.sync_timeout, shutdown.clone()).await?;
     let listener = remora_serve::bind(args.listen).map_err(|source| AppError::Bind {
         addr: args.listen,
         source,

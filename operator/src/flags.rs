@@ -9,6 +9,7 @@ use std::time::Duration;
 use remora_crds::SidecarMode;
 
 use crate::leader::{self, LeaderConfig};
+use crate::pki::workload_ca::roots;
 use remora_inject::resolve::{ChartDefaults, WorkloadCaWiring};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -40,7 +41,7 @@ impl ProxyArgs {
     }
 }
 
-/// `<n>s`, `<n>m`, `<n>h` or `<n>d`, up to [`crate::ca::MAX_VALIDITY`]:
+/// `<n>s`, `<n>m`, `<n>h` or `<n>d`, up to [`crate::pki::webhook_cert::MAX_VALIDITY`]:
 /// certificate lifetimes are longer than the contract's durations allow.
 pub fn parse_validity(text: &str) -> Result<Duration, String> {
     let t = text.trim();
@@ -57,11 +58,11 @@ pub fn parse_validity(text: &str) -> Result<Duration, String> {
     };
     let secs = n
         .checked_mul(per)
-        .filter(|s| *s > 0 && *s <= crate::ca::MAX_VALIDITY.as_secs())
+        .filter(|s| *s > 0 && *s <= crate::pki::webhook_cert::MAX_VALIDITY.as_secs())
         .ok_or_else(|| {
             format!(
                 "{t:?}: must be more than 0 and at most {}d",
-                crate::ca::MAX_VALIDITY.as_secs() / 86_400
+                crate::pki::webhook_cert::MAX_VALIDITY.as_secs() / 86_400
             )
         })?;
     Ok(Duration::from_secs(secs))
@@ -69,10 +70,10 @@ pub fn parse_validity(text: &str) -> Result<Duration, String> {
 
 fn parse_serving_validity(text: &str) -> Result<Duration, String> {
     let d = parse_validity(text)?;
-    if d < crate::ca::MIN_SERVING_VALIDITY {
+    if d < crate::pki::webhook_cert::MIN_SERVING_VALIDITY {
         return Err(format!(
             "{text:?}: must be at least {}s",
-            crate::ca::MIN_SERVING_VALIDITY.as_secs()
+            crate::pki::webhook_cert::MIN_SERVING_VALIDITY.as_secs()
         ));
     }
     Ok(d)
@@ -112,7 +113,7 @@ pub struct ServeArgs {
     /// Memory the reviews in progress may hold together (each counts four
     /// times the body bytes received so far; one client address may hold a
     /// quarter); a review that finds none within 2 s gets a 503.
-    #[arg(long, env = "REMORA_REVIEW_MEMORY_BUDGET", default_value_t = crate::server::DEFAULT_REVIEW_MEMORY_BUDGET)]
+    #[arg(long, env = "REMORA_REVIEW_MEMORY_BUDGET", default_value_t = crate::webhook::server::DEFAULT_REVIEW_MEMORY_BUDGET)]
     pub review_memory_budget: usize,
     /// Mode when no SidecarLifecycle or annotation says.
     #[arg(long, env = "REMORA_DEFAULT_MODE", default_value = "Auto")]
@@ -175,11 +176,11 @@ pub struct ServeArgs {
     pub rollout_interval: Duration,
     /// Requests per second the leader's controllers may make to the API
     /// server (status, pod patches, Events, rollouts; not watches).
-    #[arg(long, env = "REMORA_KUBE_API_QPS", default_value_t = crate::controller::DEFAULT_QPS,
+    #[arg(long, env = "REMORA_KUBE_API_QPS", default_value_t = crate::controllers::lifecycle::DEFAULT_QPS,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub kube_api_qps: u32,
     /// Requests the controllers may make at once above --kube-api-qps.
-    #[arg(long, env = "REMORA_KUBE_API_BURST", default_value_t = crate::controller::DEFAULT_BURST,
+    #[arg(long, env = "REMORA_KUBE_API_BURST", default_value_t = crate::controllers::lifecycle::DEFAULT_BURST,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub kube_api_burst: u32,
     /// Run the controller only while holding the leader Lease; false: this
@@ -279,6 +280,21 @@ impl WorkloadCaArgs {
             // and the CA grants at most its own maximum anyway.
             cert_ttl: self.cert_ttl.min(remora_contract::duration::MAX),
         })
+    }
+
+    /// The root rotation timings.
+    pub fn root_policy(&self) -> roots::Policy {
+        roots::Policy {
+            validity: self.root_validity,
+            settle: self.settle,
+            overlap: self.cert_max_ttl.saturating_add(self.settle),
+        }
+    }
+
+    /// How often each replica reads the signing Secret: often enough that a
+    /// step is taken well within the settle time.
+    pub fn keeper_period(&self) -> Duration {
+        (self.settle / 6).clamp(Duration::from_secs(1), Duration::from_secs(30))
     }
 
     /// The address injected sidecars dial.
@@ -430,6 +446,10 @@ mod tests {
         .expect("on");
         assert_eq!(w.address, "ca.example:443");
         assert_eq!(w.trust_domain, "mesh.example");
-        assert_eq!(w.cert_ttl, remora_contract::duration::MAX, "bounded by what the agent reads");
+        assert_eq!(
+            w.cert_ttl,
+            remora_contract::duration::MAX,
+            "bounded by what the agent reads"
+        );
     }
 }

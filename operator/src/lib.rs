@@ -1,19 +1,13 @@
-//! remora-operator: the mutating webhook that injects Remora's sidecar, its
-//! effective-config resolution, and offline (GitOps) injection.
+//! remora-operator: the cluster side of Remora. On every replica, the
+//! mutating webhook that injects the sidecar and, when enabled, the workload
+//! CA; on the elected leader, the SidecarLifecycle and Jobs controllers, the
+//! trust-bundle distributor and the webhook certificate's rotation.
 
 pub mod alloc;
 pub mod app;
-pub mod ca;
 pub mod cluster;
-pub mod controller;
+pub mod controllers;
 pub mod flags;
-pub mod interned;
-pub mod jobs;
 pub mod leader;
-pub mod live_pod;
-pub mod server;
-pub mod status;
-pub mod tls;
-pub mod watch;
+pub mod pki;
 pub mod webhook;
-pub mod workload_ca;

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use remora_crds::SidecarMode;
-use remora_operator::flags::{ProxyArgs, ServeArgs};
 use remora_inject::offline::{OfflineOptions, inject_stream, parse_lifecycle};
+use remora_operator::flags::{ProxyArgs, ServeArgs};
 
 // The webhook allocates and frees many small JSON values per request.
 #[global_allocator]

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::get;
-use remora_operator::server::{Drained, serve_tls_draining};
-use remora_operator::tls::ReloadingCert;
+use remora_operator::webhook::server::{Drained, serve_tls_draining};
+use remora_operator::webhook::tls::ReloadingCert;
 use remora_test_support::pki::self_signed;
 use remora_test_support::webhook_client::connect;
 use tokio_util::sync::CancellationToken;
@@ -16,7 +16,7 @@ struct Running {
     addr: std::net::SocketAddr,
     ca: String,
     stop: CancellationToken,
-    done: tokio::task::JoinHandle<Result<Drained, remora_operator::server::ServerError>>,
+    done: tokio::task::JoinHandle<Result<Drained, remora_operator::webhook::server::ServerError>>,
     _dir: tempfile::TempDir,
 }
 

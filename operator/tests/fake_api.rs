@@ -14,7 +14,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use remora_operator::ca;
+use remora_operator::pki::webhook_cert as ca;
 use serde_json::{Value, json};
 
 const SECRET_PATH: &str = "/api/v1/namespaces/remora-system/secrets/remora-operator-tls";
@@ -190,8 +190,8 @@ async fn start_lister(nodes: &[&str], apiserver_minor: &str) -> anyhow::Result<k
     ))?)
 }
 
-async fn wait_native(view: &remora_operator::cluster::KubeView, want: bool) {
-    use remora_operator::webhook::ClusterView;
+async fn wait_native(view: &remora_operator::cluster::view::KubeView, want: bool) {
+    use remora_operator::webhook::handler::ClusterView;
     let deadline = Instant::now() + Duration::from_secs(10);
     while view.native_sidecars() != want {
         assert!(
@@ -204,10 +204,10 @@ async fn wait_native(view: &remora_operator::cluster::KubeView, want: bool) {
 
 #[tokio::test]
 async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> {
-    use remora_operator::webhook::ClusterView;
+    use remora_operator::webhook::handler::ClusterView;
     // New API server, but one old kubelet: Auto must mean Legacy.
     let client = start_lister(&["v1.31.2", "v1.28.9"], "31").await?;
-    let view = remora_operator::cluster::start(
+    let view = remora_operator::cluster::view::start(
         client,
         Duration::from_secs(10),
         tokio_util::sync::CancellationToken::new(),
@@ -231,7 +231,7 @@ async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> 
 
     // Old API server, every kubelet new: the nodes win, Auto means Native.
     let client = start_lister(&["v1.30.0", "v1.29.1-eks-1"], "28").await?;
-    let view = remora_operator::cluster::start(
+    let view = remora_operator::cluster::view::start(
         client,
         Duration::from_secs(10),
         tokio_util::sync::CancellationToken::new(),

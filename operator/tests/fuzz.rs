@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use remora_crds::SidecarMode;
 use remora_inject::patch::{Outcome, Selection, SkipReason, Target, mutate};
 use remora_inject::resolve::{ChartDefaults, EffectiveConfig};
-use remora_operator::webhook::{Injector, StaticView};
+use remora_operator::webhook::handler::{Injector, StaticView};
 use serde_json::{Value, json};
 
 fn any_json() -> impl Strategy<Value = Value> {

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures::future::BoxFuture;
 use remora_inject::resolve::{ChartDefaults, LifecycleEntry};
-use remora_operator::webhook::{
+use remora_operator::webhook::handler::{
     AdmissionOutcome, ClusterView, Injector, LookingUpView, Lookup, LookupError,
     NAMESPACE_LOOKUP_TIMEOUT, StaticView, bounded_lookup,
 };

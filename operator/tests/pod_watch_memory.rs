@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use remora_operator::live_pod::{
+use remora_operator::cluster::live_pod::{
     LivePod, MAX_CONTAINERS, MAX_LABEL_BYTES, MAX_LABELS, MAX_LIFECYCLE, MAX_SETTING, MAX_STATUS,
     Metrics, Slim,
 };

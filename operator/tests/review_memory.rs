@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use remora_inject::resolve::ChartDefaults;
-use remora_operator::webhook::{AdmissionOutcome, Injector, StaticView, encode_review};
+use remora_operator::webhook::handler::{AdmissionOutcome, Injector, StaticView, encode_review};
 use serde_json::json;
 
 const CHILD: &str = "REMORA_REVIEW_MEMORY_CHILD";

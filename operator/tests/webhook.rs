@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
-use remora_operator::server::{AppState, BUDGET_WAIT, router, serve_tls};
 use remora_inject::resolve::{ChartDefaults, LifecycleEntry};
-use remora_operator::tls::ReloadingCert;
-use remora_operator::webhook::{AdmissionOutcome, Injector, StaticView};
+use remora_operator::webhook::handler::{AdmissionOutcome, Injector, StaticView};
+use remora_operator::webhook::server::{AppState, BUDGET_WAIT, router, serve_tls};
+use remora_operator::webhook::tls::ReloadingCert;
 use remora_test_support::pki::self_signed;
 use remora_test_support::wait::wait_until;
 use remora_test_support::webhook_client;
@@ -223,7 +223,7 @@ fn plumbing_onto_envoy_admin_is_denied_with_the_reason() {
 
 #[test]
 fn warnings_are_capped_in_number_and_length() {
-    use remora_operator::webhook::{MAX_WARNING_BYTES, MAX_WARNINGS};
+    use remora_operator::webhook::handler::{MAX_WARNING_BYTES, MAX_WARNINGS};
     // Each app container with its own preStop hook is warned about, with its
     // (long) name in the warning.
     let containers: Vec<Value> = (0..40)
@@ -536,7 +536,7 @@ async fn serving_certificate_is_reloaded_without_restart() -> anyhow::Result<()>
 
 #[tokio::test]
 async fn self_managed_ca_serves_the_service_name() -> anyhow::Result<()> {
-    use remora_operator::ca;
+    use remora_operator::pki::webhook_cert as ca;
     let bundle = ca::generate(&ca::service_names("remora-operator", "remora-system"))?;
     let dir = tempfile::tempdir()?;
     let (cert, key) = ca::write_files(dir.path(), &bundle)?;

@@ -9,10 +9,10 @@ use std::time::Duration;
 use remora_contract::lifecycle::SidecarStatus;
 use remora_contract::workload_ca as ca;
 use remora_crds::SidecarMode;
+use remora_inject::offline::{OfflineOptions, inject_stream};
 use remora_inject::patch::{
     MutateError, Outcome, PlumbingError, STATUS_ANNOTATION, Selection, SkipReason, Target, mutate,
 };
-use remora_inject::offline::{OfflineOptions, inject_stream};
 use remora_inject::resolve::{ChartDefaults, WorkloadCaWiring, resolve};
 use serde_json::{Value, json};
 
@@ -519,10 +519,12 @@ mod attacks {
     use std::time::{Duration, SystemTime};
 
     use futures::StreamExt;
-    use remora_operator::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
-    use remora_operator::workload_ca::serve::{Limits, serve};
-    use remora_operator::workload_ca::service::{CaService, Lifetimes};
-    use remora_operator::workload_ca::{Authority, Metrics, roots};
+    use remora_operator::pki::workload_ca::authn::{
+        AuthError, Authenticate, Caller, Gate, GateLimits,
+    };
+    use remora_operator::pki::workload_ca::serve::{Limits, serve};
+    use remora_operator::pki::workload_ca::service::{CaService, Lifetimes};
+    use remora_operator::pki::workload_ca::{Authority, Metrics, roots};
     use remora_proto::istio::v1::auth::IstioCertificateRequest;
     use remora_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
     use remora_test_support::h2_client::{self, H2};

@@ -10,8 +10,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use super::*;
-use remora_inject::patch::STATUS_ANNOTATION;
 use remora_contract::pod::PROXY_CONTAINER;
+use remora_inject::patch::STATUS_ANNOTATION;
 
 #[tokio::test(start_paused = true)]
 async fn a_leader_task_that_dies_is_started_again_until_cancelled() {
@@ -132,22 +132,23 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
     let client = Client::try_from(config.clone())?;
     let shutdown = CancellationToken::new();
     let view =
-        crate::cluster::start(client.clone(), Duration::from_secs(10), shutdown.clone()).await?;
+        crate::cluster::view::start(client.clone(), Duration::from_secs(10), shutdown.clone())
+            .await?;
     let mut registry = Registry::default();
     let ctx = Arc::new(LeaderContext {
-        controller: Some(crate::controller::Settings {
+        controller: Some(crate::controllers::lifecycle::Settings {
             chart: remora_inject::resolve::ChartDefaults::default(),
             operator_namespace: "remora-system".into(),
             rollout_interval: Duration::from_secs(30),
             automatic_rollouts: true,
             identity: "test".into(),
-            qps: crate::controller::DEFAULT_QPS,
-            burst: crate::controller::DEFAULT_BURST,
+            qps: crate::controllers::lifecycle::DEFAULT_QPS,
+            burst: crate::controllers::lifecycle::DEFAULT_BURST,
         }),
-        controller_metrics: crate::controller::Metrics::register(&mut registry),
+        controller_metrics: crate::controllers::lifecycle::Metrics::register(&mut registry),
         stop_completed_jobs: true,
-        jobs_metrics: crate::jobs::Metrics::register(&mut registry),
-        pod_watch_metrics: crate::live_pod::Metrics::default(),
+        jobs_metrics: crate::controllers::jobs::Metrics::register(&mut registry),
+        pod_watch_metrics: crate::cluster::live_pod::Metrics::default(),
         identity: "test".into(),
         lifecycles: view.lifecycle_watch(),
         trust_bundle: None,

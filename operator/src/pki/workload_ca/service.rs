@@ -250,8 +250,8 @@ fn attach_trust_bundle<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload_ca::authn::GateLimits;
-    use crate::workload_ca::roots;
+    use crate::pki::workload_ca::authn::GateLimits;
+    use crate::pki::workload_ca::roots;
     use rcgen::{CertificateParams, KeyPair, SanType};
     use remora_test_support::jwt;
 

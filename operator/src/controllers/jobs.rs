@@ -28,8 +28,8 @@ use remora_contract::lifecycle::StopRequest;
 use remora_contract::pod::PROXY_CONTAINER;
 use tokio_util::sync::CancellationToken;
 
-use crate::live_pod::LivePod;
-use crate::watch::{Change, SharedWatch};
+use crate::cluster::live_pod::LivePod;
+use crate::cluster::watch::{Change, SharedWatch};
 
 /// The field manager and event reporter of the injector.
 pub const FIELD_MANAGER: &str = "remora-operator";
@@ -267,7 +267,7 @@ pub async fn run(
                 }
             }
         });
-    crate::controller::bounded_by(controller, &shutdown).await;
+    crate::controllers::lifecycle::bounded_by(controller, &shutdown).await;
     tracing::info!("sidecar-stop controller stopped");
     Ok(())
 }
@@ -275,12 +275,12 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use remora_inject::patch::STATUS_ANNOTATION;
     use k8s_openapi::api::core::v1::{
         Container, ContainerState, ContainerStateRunning, ContainerStateTerminated,
         ContainerStatus, PodSpec, PodStatus,
     };
     use kube::api::ObjectMeta;
+    use remora_inject::patch::STATUS_ANNOTATION;
 
     #[derive(Clone, Copy)]
     enum St {
@@ -338,7 +338,7 @@ mod tests {
     }
 
     fn pod(c: &Case) -> LivePod {
-        crate::live_pod::read(&full_pod(c))
+        crate::cluster::live_pod::read(&full_pod(c))
     }
 
     fn full_pod(c: &Case) -> Pod {

@@ -18,10 +18,10 @@ use super::events::{Decision, decisions};
 use super::retune::{POD_EVENTS, retune};
 use super::rollout::roll;
 use super::{FIELD_MANAGER, RESYNC};
-use remora_inject::resolve::LifecycleEntry;
-use crate::status::{
+use crate::controllers::lifecycle::status::{
     Restarts, compute, governed, keep_transition_times, reached, restart_condition, restart_report,
 };
+use remora_inject::resolve::LifecycleEntry;
 
 pub(super) fn error_policy(_: Arc<SidecarLifecycle>, err: &ControllerError, _: Arc<Ctx>) -> Action {
     tracing::warn!(error = %err, "reconcile failed; retrying");

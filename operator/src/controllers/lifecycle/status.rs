@@ -1,6 +1,6 @@
 //! The status of each `SidecarLifecycle`: which pods it applies to, whether
 //! an older resource wins over it, whether its pods run with it and whether
-//! they need a restart. All of it is pure; [`crate::controller`] feeds it
+//! they need a restart. All of it is pure; [`crate::controllers::lifecycle`] feeds it
 //! from its reflectors and acts on the result.
 
 use std::collections::{BTreeMap, HashMap};
@@ -13,7 +13,7 @@ use remora_crds::{SidecarLifecycleStatus, condition};
 
 use remora_contract::lifecycle::LifecycleAnnotation;
 
-use crate::live_pod::{Labels, LivePod};
+use crate::cluster::live_pod::{Labels, LivePod};
 use remora_inject::patch::lifecycle_annotation;
 use remora_inject::resolve::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 
@@ -118,7 +118,7 @@ pub struct PodOwner {
 }
 
 impl PodInfo {
-    /// The pod the watch stored ([`crate::live_pod::Slim::slim`]).
+    /// The pod the watch stored ([`crate::cluster::live_pod::Slim::slim`]).
     pub fn of(pod: Arc<LivePod>) -> Self {
         Self { pod }
     }

@@ -20,9 +20,9 @@ use super::context::{Ctx, pod_ref};
 use super::error::ControllerError;
 use super::events::Decision;
 use super::{FIELD_MANAGER, ROLLOUT_ANNOTATION};
+use crate::controllers::lifecycle::status::{PodInfo, PodOwner, RestartReport, governor};
 use remora_inject::patch::STATUS_ANNOTATION;
 use remora_inject::resolve::LifecycleEntry;
-use crate::status::{PodInfo, PodOwner, RestartReport, governor};
 
 /// At most one automatic rollout per interval, cluster-wide, so a change to
 /// a resource that governs many workloads never restarts them all at once;

@@ -15,8 +15,8 @@ use super::events::Decision;
 use super::metrics::Metrics;
 use super::pod_index::PodIndex;
 use super::rollout::RolloutLimiter;
+use crate::controllers::lifecycle::status::{PodInfo, Scope};
 use remora_inject::resolve::LifecycleEntry;
-use crate::status::{PodInfo, Scope};
 
 pub(super) struct Ctx {
     pub(super) client: Client,

@@ -43,8 +43,8 @@ use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use tokio_util::sync::CancellationToken;
 
-use crate::interned::Interned;
-use crate::watch::SharedWatch;
+use crate::cluster::interned::Interned;
+use crate::cluster::watch::SharedWatch;
 
 /// Pods still running or about to. Finished pods are neither counted,
 /// retuned nor stopped; one that finishes leaves the watch as a deletion.
@@ -963,7 +963,7 @@ mod tests {
             }
         );
         // The Jobs controller never looks further into it.
-        assert!(!crate::jobs::may_complete(&live));
+        assert!(!crate::controllers::jobs::may_complete(&live));
     }
 
     #[test]
@@ -1075,7 +1075,7 @@ mod tests {
         assert_eq!(p.labels().get("app"), Some("web"));
         assert_eq!((p.lifecycle(), p.injected()), (None, None));
         assert_eq!((&p.spec, &p.status), (&None, &None));
-        assert!(!crate::jobs::may_complete(&p));
+        assert!(!crate::controllers::jobs::may_complete(&p));
     }
 
     #[test]
@@ -1205,8 +1205,8 @@ mod tests {
         );
         assert!(p.containers().is_empty());
         assert_eq!(
-            crate::jobs::decide(&p),
-            crate::jobs::Decision::Leave(crate::jobs::Skip::NotLegacy),
+            crate::controllers::jobs::decide(&p),
+            crate::controllers::jobs::Decision::Leave(crate::controllers::jobs::Skip::NotLegacy),
             "the Jobs controller leaves it alone"
         );
     }

@@ -15,8 +15,8 @@ use serde_json::json;
 use super::context::{Ctx, pod_ref};
 use super::error::ControllerError;
 use super::events::Decision;
+use crate::controllers::lifecycle::status::{Governed, PodInfo, refreshed_lifecycle};
 use remora_inject::resolve::LifecycleEntry;
-use crate::status::{Governed, PodInfo, refreshed_lifecycle};
 
 /// Patches one reconcile keeps in flight: as many as the budget lets out,
 /// so that a reconcile alone (a cluster default's, reaching thousands of

@@ -23,7 +23,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::ca::CaPair;
+use crate::pki::webhook_cert::CaPair;
 
 pub const ROOT_CERT: &str = "root-cert.pem";
 pub const ROOT_KEY: &str = "root-key.pem";
@@ -114,14 +114,14 @@ pub fn plan(roots: Option<&Roots>, p: &Policy, now: SystemTime) -> Option<Step> 
     let Some(r) = roots else {
         return Some(Step::Create);
     };
-    let Some((start, end)) = crate::ca::validity_of(&r.current.cert_pem) else {
+    let Some((start, end)) = crate::pki::webhook_cert::validity_of(&r.current.cert_pem) else {
         return Some(Step::Create);
     };
     if end <= now {
         return Some(Step::Create);
     }
     if let Some(next) = &r.next {
-        if crate::ca::validity_of(&next.cert_pem).is_none() {
+        if crate::pki::webhook_cert::validity_of(&next.cert_pem).is_none() {
             // A broken staged root is made again.
             return Some(Step::Stage);
         }
@@ -140,7 +140,7 @@ pub fn plan(roots: Option<&Roots>, p: &Policy, now: SystemTime) -> Option<Step> 
         return due.is_some_and(|d| d <= now).then_some(Step::Switch);
     }
     if let Some(prev) = &r.previous {
-        let expired = crate::ca::validity_of(prev).is_none_or(|(_, e)| e <= now);
+        let expired = crate::pki::webhook_cert::validity_of(prev).is_none_or(|(_, e)| e <= now);
         // Switched at an unknown time: the old root stays until it ends, as
         // leaves it signed may still be in use.
         let over = r

@@ -30,7 +30,7 @@ use remora_serve::readiness::Readiness;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::webhook::{AdmissionOutcome, Injector, Metrics, encode_review, unreadable};
+use crate::webhook::handler::{AdmissionOutcome, Injector, Metrics, encode_review, unreadable};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -611,7 +611,7 @@ pub async fn serve_tls_draining(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::webhook::StaticView;
+    use crate::webhook::handler::StaticView;
     use tower::ServiceExt;
 
     fn state(max_body_bytes: usize, budget: usize) -> AppState {

@@ -27,8 +27,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::AuthorityRx;
-use crate::watch::{Change, SharedWatch};
+use crate::cluster::watch::{Change, SharedWatch};
+use crate::pki::workload_ca::AuthorityRx;
 
 /// How often every namespace's ConfigMap is written again regardless.
 pub const REASSERT: Duration = Duration::from_secs(600);
@@ -137,13 +137,13 @@ async fn record_distributed(
     let Some(s) = secrets.get_opt(name).await? else {
         return Ok(false);
     };
-    let Some(r) = super::roots::from_secret(&s) else {
+    let Some(r) = crate::pki::workload_ca::roots::from_secret(&s) else {
         return Ok(false);
     };
     let staged = r
         .next
         .as_ref()
-        .and_then(|n| super::roots::fingerprint(&n.cert_pem));
+        .and_then(|n| crate::pki::workload_ca::roots::fingerprint(&n.cert_pem));
     if staged.as_deref() != Some(fp) {
         return Ok(false);
     }
@@ -153,7 +153,7 @@ async fn record_distributed(
     let now = std::time::SystemTime::now()
         .duration_since(std::time::SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let recorded = super::roots::Roots {
+    let recorded = crate::pki::workload_ca::roots::Roots {
         distributed: Some((fp.to_string(), now)),
         ..r
     };
@@ -161,7 +161,7 @@ async fn record_distributed(
         .replace(
             name,
             &PostParams::default(),
-            &super::roots::to_secret(&recorded, s.metadata),
+            &crate::pki::workload_ca::roots::to_secret(&recorded, s.metadata),
         )
         .await?;
     Ok(true)
@@ -182,7 +182,7 @@ pub async fn run(
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &signing.namespace);
     // The staged root recorded last.
     let mut recorded: Option<String> = None;
-    let params = PatchParams::apply(crate::controller::FIELD_MANAGER).force();
+    let params = PatchParams::apply(crate::controllers::lifecycle::FIELD_MANAGER).force();
     let seen: Seen = Arc::default();
     let wake = Arc::new(Notify::new());
     // The watch ends with this task, however it ends.

@@ -12,10 +12,10 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use remora_contract::annotations;
 use remora_crds::SidecarLifecycle;
 
-use crate::live_pod::LivePod;
+use crate::cluster::live_pod::LivePod;
+use crate::cluster::watch::Change;
+use crate::controllers::lifecycle::status::{PodInfo, governor, reaches};
 use remora_inject::resolve::LifecycleEntry;
-use crate::status::{PodInfo, governor, reaches};
-use crate::watch::Change;
 
 /// A pod change concerns every resource that reaches it.
 pub(super) fn by_pod(

@@ -8,9 +8,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 
 use super::unconfirmed::Unconfirmed;
-use crate::live_pod::LivePod;
-use crate::status::PodInfo;
-use crate::watch::{Change, SharedWatch};
+use crate::cluster::live_pod::LivePod;
+use crate::cluster::watch::{Change, SharedWatch};
+use crate::controllers::lifecycle::status::PodInfo;
 
 type Namespaces = HashMap<String, HashMap<String, Arc<PodInfo>>>;
 

@@ -1,7 +1,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::*;
-use crate::ca::service_names;
+use crate::pki::webhook_cert::service_names;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
@@ -25,7 +25,7 @@ fn t0() -> SystemTime {
 }
 
 fn fresh(at: SystemTime) -> anyhow::Result<Stored> {
-    Ok(Stored::new(crate::ca::generate_with(
+    Ok(Stored::new(crate::pki::webhook_cert::generate_with(
         &names(),
         policy().validity,
         at,
@@ -99,7 +99,10 @@ fn a_ca_rotation_is_staged_published_switched_then_retired() -> anyhow::Result<(
     assert_eq!(switched.current.ca_pem, b_root);
     assert_eq!(switched.previous.as_deref(), Some(a_root.as_str()));
     assert_eq!(switched.next, None);
-    assert_eq!(crate::ca::unusable(&switched.current, t), None);
+    assert_eq!(
+        crate::pki::webhook_cert::unusable(&switched.current, t),
+        None
+    );
     assert!(trusted_by(&switched.current.cert_pem, b_root.as_bytes()));
     assert!(!trusted_by(&switched.current.cert_pem, a_root.as_bytes()));
     // The caBundle text does not change at the switch (oldest first).
@@ -213,13 +216,16 @@ fn broken_parts_are_retired_or_regenerated() -> anyhow::Result<()> {
         anyhow::bail!("not regenerated");
     };
     let repaired = apply(&mismatched, &a, &names(), &p, t)?;
-    assert_eq!(crate::ca::unusable(&repaired.current, t), None);
+    assert_eq!(
+        crate::pki::webhook_cert::unusable(&repaired.current, t),
+        None
+    );
     assert_eq!(
         repaired.previous.as_deref(),
         Some(s.current.ca_pem.as_str())
     );
     assert_eq!(
-        crate::ca::unusable(
+        crate::pki::webhook_cert::unusable(
             &apply(
                 &s,
                 &Action::Regenerate(String::new()),
@@ -301,7 +307,7 @@ impl Store for MemStore {
 }
 
 fn served(dir: &std::path::Path) -> String {
-    std::fs::read_to_string(dir.join(crate::ca::CERT_KEY)).unwrap_or_default()
+    std::fs::read_to_string(dir.join(crate::pki::webhook_cert::CERT_KEY)).unwrap_or_default()
 }
 
 struct Replicas {
@@ -419,7 +425,10 @@ async fn two_replicas_rotate_the_ca_and_never_serve_an_untrusted_certificate() -
             stored.current.ca_pem.as_bytes()
         ));
     }
-    assert_eq!(crate::ca::unusable(&stored.current, now), None);
+    assert_eq!(
+        crate::pki::webhook_cert::unusable(&stored.current, now),
+        None
+    );
     let expiry = r.metrics[0].serving_cert_expiry.get();
     assert!(expiry > 0, "expiry metric unset");
     Ok(())
@@ -440,14 +449,17 @@ async fn a_corrupted_secret_is_repaired_and_both_replicas_follow() -> anyhow::Re
     // replicas serve the repaired pair.
     r.store.with(|m| {
         if let Some(d) = m.secret.as_mut().and_then(|s| s.data.as_mut()) {
-            d.insert(crate::ca::KEY_KEY.into(), ByteString(b"garbage".to_vec()));
+            d.insert(
+                crate::pki::webhook_cert::KEY_KEY.into(),
+                ByteString(b"garbage".to_vec()),
+            );
         }
     });
     let st = remora_test_support::wait::wait_until(S(10), "the Secret repaired and served", || {
         let check = || {
             let s = r.store.with(|m| m.secret.clone())?;
             let st = stored_from_secret(&s).ok()?;
-            let ok = crate::ca::unusable(&st.current, r.clock.now()).is_none()
+            let ok = crate::pki::webhook_cert::unusable(&st.current, r.clock.now()).is_none()
                 && r.dirs
                     .iter()
                     .all(|d| served(d.path()) == st.current.cert_pem);

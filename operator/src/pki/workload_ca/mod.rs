@@ -12,7 +12,7 @@
 //! - [`serve`]: the bounded TLS gRPC server.
 
 pub mod authn;
-pub mod bundle;
+
 pub mod keeper;
 pub mod roots;
 pub mod serve;
@@ -30,7 +30,6 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
-use crate::flags::WorkloadCaArgs;
 pub use keeper::Authority;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -145,22 +144,7 @@ impl Metrics {
 
 /// The names the CA's serving certificate carries: the Service's.
 pub fn serving_names(service: &str, namespace: &str) -> Vec<String> {
-    crate::ca::service_names(service, namespace)
-}
-
-/// The rotation timings the flags give.
-pub fn policy(args: &WorkloadCaArgs) -> roots::Policy {
-    roots::Policy {
-        validity: args.root_validity,
-        settle: args.settle,
-        overlap: args.cert_max_ttl.saturating_add(args.settle),
-    }
-}
-
-/// How often each replica reads the signing Secret: often enough that a
-/// step is taken well within `settle`.
-pub fn keeper_period(args: &WorkloadCaArgs) -> Duration {
-    (args.settle / 6).clamp(Duration::from_secs(1), Duration::from_secs(30))
+    crate::pki::webhook_cert::service_names(service, namespace)
 }
 
 /// What the replica's CA publishes for the rest of the process.

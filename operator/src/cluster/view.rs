@@ -18,9 +18,9 @@ use kube::{Api, Client};
 use remora_crds::SidecarLifecycle;
 use tokio_util::sync::CancellationToken;
 
+use crate::cluster::watch::{SharedWatch, drive};
+use crate::webhook::handler::ClusterView;
 use remora_inject::resolve::LifecycleEntry;
-use crate::watch::{SharedWatch, drive};
-use crate::webhook::ClusterView;
 
 /// Native sidecars (restartable init containers) are on by default from here.
 pub const NATIVE_SIDECAR_MINOR: u32 = 29;

@@ -23,7 +23,9 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use remora_inject::patch::{INJECT_LABEL, MutateError, Outcome, Selection, Target, mutate, pod_meta};
+use remora_inject::patch::{
+    INJECT_LABEL, MutateError, Outcome, Selection, Target, mutate, pod_meta,
+};
 use remora_inject::resolve::{ChartDefaults, LifecycleEntry, resolve};
 
 /// What the handler reads about the cluster; kept in memory (reflectors in

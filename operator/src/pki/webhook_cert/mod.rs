@@ -245,7 +245,7 @@ pub fn ca_bundle_patch(mwc: &MutatingWebhookConfiguration, ca_pem: &str) -> Vec<
         .collect()
 }
 
-/// Where the bootstrap writes the serving pair for [`crate::tls::ReloadingCert`].
+/// Where the bootstrap writes the serving pair for [`crate::webhook::tls::ReloadingCert`].
 pub fn write_files(dir: &Path, b: &Bundle) -> Result<(PathBuf, PathBuf), CaError> {
     let write = |name: &str, text: &str| {
         let path = dir.join(name);
@@ -496,7 +496,7 @@ mod tests {
         assert_eq!(from_secret(&s)?, b);
         let dir = tempfile::tempdir()?;
         let (cert, key) = write_files(dir.path(), &b)?;
-        crate::tls::load_certified_key(&cert, &key)?;
+        crate::webhook::tls::load_certified_key(&cert, &key)?;
         let mut empty = s.clone();
         empty.data = None;
         assert!(from_secret(&empty).is_err());

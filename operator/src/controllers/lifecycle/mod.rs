@@ -8,7 +8,7 @@
 //!   settings) changes, it patches the pods' `remora.dev/lifecycle`
 //!   annotation, which the agent reads through the downward API. Each pod
 //!   is patched by the reconcile of the one resource that governs it
-//!   ([`crate::status::governed`]), never by every resource that reaches
+//!   ([`crate::controllers::lifecycle::status::governed`]), never by every resource that reaches
 //!   it; an edit of a cluster default triggers its siblings, which patch
 //!   their own pods;
 //! - when a setting only a restart applies changes, reports
@@ -19,8 +19,8 @@
 //!   pods it touched, and counts reconciles, errors and durations.
 //!
 //! It opens no watch of its own: it follows the replica's SidecarLifecycle
-//! watch (the webhook's, [`crate::cluster`]) and the leader's pod watch
-//! ([`crate::live_pod::live_pods`]), which the Jobs controller shares.
+//! watch (the webhook's, [`crate::cluster::view`]) and the leader's pod watch
+//! ([`crate::cluster::live_pod::live_pods`]), which the Jobs controller shares.
 //!
 //! Reconciles are idempotent: they compare what is with what should be and
 //! write only the difference, so a replayed or concurrent reconcile changes
@@ -35,6 +35,7 @@ mod pod_index;
 mod reconcile;
 mod retune;
 mod rollout;
+pub mod status;
 mod triggers;
 mod unconfirmed;
 
@@ -54,12 +55,12 @@ pub use events::{Decision, decisions};
 pub use metrics::Metrics;
 pub use rollout::RolloutLimiter;
 
-use crate::live_pod::LivePod;
-use remora_inject::resolve::ChartDefaults;
-use crate::watch::{Change, SharedWatch};
+use crate::cluster::live_pod::LivePod;
+use crate::cluster::watch::{Change, SharedWatch};
 use context::Ctx;
 use pod_index::PodIndex;
 use reconcile::{error_policy, reconcile, sweep};
+use remora_inject::resolve::ChartDefaults;
 use triggers::{changes, generation, pod_key, pod_settings};
 
 /// The field manager of every server-side apply the controller makes.

@@ -1,0 +1,5 @@
+//! The operator's certificate authorities: the webhook's serving
+//! certificate and the workload CA that signs every sidecar's identity.
+
+pub mod webhook_cert;
+pub mod workload_ca;
