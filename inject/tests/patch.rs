@@ -7,10 +7,10 @@ use remora_contract::lifecycle::LifecycleAnnotation;
 use remora_contract::traffic::MAX_LISTENERS;
 use remora_crds::SidecarMode;
 use remora_inject::patch::{
-    MutateError, Outcome, PlumbingError, STATUS_ANNOTATION, Selection, SkipReason, Target,
-    drain_deadline, mutate,
+    MutateError, Outcome, STATUS_ANNOTATION, Selection, SkipReason, Target, drain_deadline, mutate,
 };
 use remora_inject::resolve::{ChartDefaults, EffectiveConfig};
+use remora_inject::traffic::PlumbingError;
 use serde_json::{Value, json};
 use std::time::Duration;
 

@@ -11,9 +11,10 @@ use remora_contract::workload_ca as ca;
 use remora_crds::SidecarMode;
 use remora_inject::offline::{OfflineOptions, inject_stream};
 use remora_inject::patch::{
-    MutateError, Outcome, PlumbingError, STATUS_ANNOTATION, Selection, SkipReason, Target, mutate,
+    MutateError, Outcome, STATUS_ANNOTATION, Selection, SkipReason, Target, mutate,
 };
 use remora_inject::resolve::{ChartDefaults, WorkloadCaWiring, resolve};
+use remora_inject::traffic::PlumbingError;
 use serde_json::{Value, json};
 
 fn wiring() -> WorkloadCaWiring {

@@ -1,0 +1,396 @@
+//! The sidecar's traffic, from the pod's annotations: its static listeners
+//! (`remora.dev/inbound`, `remora.dev/outbound`), their mTLS
+//! (`remora.dev/inbound-tls`, `remora.dev/outbound-tls`) and whether it gets
+//! the workload CA (`remora.dev/workload-ca`). What would turn the sidecar
+//! against itself is refused with a [`PlumbingError`].
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Container, ContainerPort};
+use remora_contract::pod::{HEALTH_PORT, INBOUND_PORT, sidecar_port_use};
+use remora_contract::traffic::{
+    InboundSpec, MAX_LISTENERS, OutboundSpec, OutboundTlsSpec, check_spiffe_id,
+};
+use remora_contract::{annotations as keys, env as env_name};
+use serde_json::Value;
+
+use crate::container::env;
+use crate::resolve::{EffectiveConfig, WorkloadCaWiring};
+
+/// A pod whose traffic annotations would turn the sidecar against itself
+/// (publish Envoy's admin API, loop through the sidecar, bind a port twice)
+/// or ask for more listeners than a sidecar is for: refused, never injected
+/// as asked and never silently injected without them.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PlumbingError {
+    #[error("{key} entry {entry:?}: listener port {port} is the sidecar's own ({use_})")]
+    ReservedListener {
+        key: &'static str,
+        entry: String,
+        port: u16,
+        use_: &'static str,
+    },
+    #[error("{key} entry {entry:?}: target port {port} is the sidecar's own ({use_})")]
+    ReservedTarget {
+        key: &'static str,
+        entry: String,
+        port: u16,
+        use_: &'static str,
+    },
+    #[error("{key} entry {entry:?}: listener port {port} is already taken by {first:?}")]
+    Duplicate {
+        key: &'static str,
+        entry: String,
+        port: u16,
+        first: String,
+    },
+    #[error("{key} lists {count} entries; at most {max} are accepted")]
+    TooMany {
+        key: &'static str,
+        count: usize,
+        max: usize,
+    },
+    #[error("{key}: {reason}")]
+    BadValue { key: &'static str, reason: String },
+    #[error(
+        "{key} entry {entry:?}: port {port} is not a listener of {}",
+        keys::OUTBOUND
+    )]
+    NotOutbound {
+        key: &'static str,
+        entry: String,
+        port: u16,
+    },
+    #[error("{key} entry {entry:?}: port {port} is already given by {first:?}")]
+    TlsTwice {
+        key: &'static str,
+        entry: String,
+        port: u16,
+        first: String,
+    },
+}
+
+/// Whether the sidecar gets the workload CA: the chart enables it and the
+/// pod does not say `remora.dev/workload-ca: "false"`. A value that is not a
+/// boolean is refused: guessing would hand out (or withhold) an identity.
+pub(crate) fn workload_ca_wiring<'c>(
+    cfg: &'c EffectiveConfig,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Option<&'c WorkloadCaWiring>, PlumbingError> {
+    let wanted = match annotations.get(keys::WORKLOAD_CA) {
+        Some(v) => {
+            remora_contract::value::parse_bool(v).map_err(|reason| PlumbingError::BadValue {
+                key: keys::WORKLOAD_CA,
+                reason,
+            })?
+        }
+        None => true,
+    };
+    Ok(cfg.workload_ca.as_ref().filter(|_| wanted))
+}
+
+/// Give the sidecar its listeners and their mTLS settings (as env), or
+/// refuse the pod. `ca_wired`: whether it gets the workload CA.
+pub(crate) fn plumb(
+    container: &mut Container,
+    annotations: &BTreeMap<String, String>,
+    app_containers: &[Value],
+    ca_wired: bool,
+    warnings: &mut Vec<String>,
+) -> Result<(), PlumbingError> {
+    let plumbed = plumb_traffic(container, annotations, app_containers, warnings)?;
+    plumb_tls(container, annotations, &plumbed, ca_wired, warnings)
+}
+
+/// One static listener the sidecar will get.
+struct Listener {
+    inbound: bool,
+    /// Where it comes from, for messages: the annotation, or the default.
+    key: &'static str,
+    entry: String,
+    port: u16,
+    /// The port it forwards to when that is on this pod.
+    local_target: Option<u16>,
+}
+
+/// Reads one entry: its listener port and, when on this pod, its target port.
+type ParseEntry = dyn Fn(&str) -> Result<(u16, Option<u16>), String>;
+
+/// The entries of one traffic annotation: at most [`MAX_LISTENERS`]; those
+/// the agent would refuse to parse are dropped with a warning, so a typo
+/// never gives a sidecar that cannot start.
+fn listeners(
+    key: &'static str,
+    raw: &str,
+    parse: &ParseEntry,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<Listener>, PlumbingError> {
+    let items: Vec<&str> = raw
+        .split(',')
+        .map(str::trim)
+        .filter(|i| !i.is_empty())
+        .collect();
+    if items.len() > MAX_LISTENERS {
+        return Err(PlumbingError::TooMany {
+            key,
+            count: items.len(),
+            max: MAX_LISTENERS,
+        });
+    }
+    let mut kept = Vec::new();
+    for item in items {
+        match parse(item) {
+            Ok((port, local_target)) => kept.push(Listener {
+                inbound: key == keys::INBOUND,
+                key,
+                entry: item.to_string(),
+                port,
+                local_target,
+            }),
+            Err(e) => warnings.push(format!("remora: ignored {key} entry {item:?}: {e}")),
+        }
+    }
+    Ok(kept)
+}
+
+/// Sidecar ports an outbound (loopback) listener may forward to.
+const OUTBOUND_MAY_TARGET: [u16; 2] = [HEALTH_PORT, remora_contract::pod::STATS_PORT];
+
+/// Refuse listeners on the sidecar's own ports or on a port taken twice,
+/// and forwarding (on this pod) to the sidecar's ports or its listeners.
+fn check_listeners(all: &[Listener]) -> Result<(), PlumbingError> {
+    let mut taken: BTreeMap<u16, &Listener> = BTreeMap::new();
+    for l in all {
+        // 15006 is the inbound listener's own: taken only by a duplicate.
+        if let Some(use_) = sidecar_port_use(l.port).filter(|_| l.port != INBOUND_PORT) {
+            return Err(PlumbingError::ReservedListener {
+                key: l.key,
+                entry: l.entry.clone(),
+                port: l.port,
+                use_,
+            });
+        }
+        if let Some(first) = taken.insert(l.port, l) {
+            return Err(PlumbingError::Duplicate {
+                key: l.key,
+                entry: l.entry.clone(),
+                port: l.port,
+                first: first.entry.clone(),
+            });
+        }
+    }
+    for l in all {
+        let Some(port) = l.local_target else { continue };
+        // An outbound listener is bound on loopback: one onto the health or
+        // stats port (served on every address anyway) exposes nothing, and
+        // lets an app wait, through Envoy, until its sidecar is ready.
+        if !l.inbound && OUTBOUND_MAY_TARGET.contains(&port) {
+            continue;
+        }
+        let use_ = sidecar_port_use(port).or_else(|| {
+            taken
+                .contains_key(&port)
+                .then_some("a static listener of this pod")
+        });
+        if let Some(use_) = use_ {
+            return Err(PlumbingError::ReservedTarget {
+                key: l.key,
+                entry: l.entry.clone(),
+                port,
+                use_,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Give the sidecar its static-mode listeners: inbound from the pod's
+/// `remora.dev/inbound` annotation or, by default, 15006 in front of the first
+/// TCP port of the first app container; outbound from `remora.dev/outbound`.
+fn plumb_traffic(
+    container: &mut Container,
+    annotations: &BTreeMap<String, String>,
+    app_containers: &[Value],
+    warnings: &mut Vec<String>,
+) -> Result<Plumbed, PlumbingError> {
+    let inbound_port = |item: &str| {
+        item.parse::<InboundSpec>()
+            .map(|s| (s.port.unwrap_or(INBOUND_PORT), Some(s.app_port)))
+    };
+    let inbound = match annotations.get(keys::INBOUND) {
+        Some(raw) => listeners(keys::INBOUND, raw, &inbound_port, warnings)?,
+        None => {
+            // Never the sidecar's own ports: an app port among them was
+            // warned about, and forwarding to it would loop or publish admin.
+            let app_port = app_containers
+                .first()
+                .and_then(|c| c["ports"].as_array())
+                .into_iter()
+                .flatten()
+                .filter(|p| p["protocol"].as_str().unwrap_or("TCP") == "TCP")
+                .filter_map(|p| p["containerPort"].as_u64())
+                .filter_map(|p| u16::try_from(p).ok())
+                .find(|p| *p != 0 && sidecar_port_use(*p).is_none());
+            app_port
+                .map(|p| Listener {
+                    inbound: true,
+                    key: "the default inbound listener",
+                    entry: format!("{INBOUND_PORT}:{p}"),
+                    port: INBOUND_PORT,
+                    local_target: Some(p),
+                })
+                .into_iter()
+                .collect()
+        }
+    };
+    let outbound_port = |item: &str| {
+        item.parse::<OutboundSpec>()
+            .map(|s| (s.port, s.targets_this_pod().then_some(s.upstream_port)))
+    };
+    let outbound = match annotations.get(keys::OUTBOUND) {
+        Some(raw) => listeners(keys::OUTBOUND, raw, &outbound_port, warnings)?,
+        None => Vec::new(),
+    };
+    let all: Vec<Listener> = inbound.into_iter().chain(outbound).collect();
+    check_listeners(&all)?;
+    let join = |inbound: bool| {
+        all.iter()
+            .filter(|l| l.inbound == inbound)
+            .map(|l| l.entry.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let (inbound, outbound) = (join(true), join(false));
+    let vars = container.env.get_or_insert_with(Vec::new);
+    if !inbound.is_empty() {
+        vars.push(env(env_name::INBOUND, inbound));
+    }
+    if !outbound.is_empty() {
+        vars.push(env(env_name::OUTBOUND, outbound));
+    }
+    let ports = container.ports.get_or_insert_with(Vec::new);
+    let inbound_ports = all.iter().filter(|l| l.inbound);
+    for (i, l) in inbound_ports.enumerate() {
+        ports.push(ContainerPort {
+            // Port names are at most 15 characters.
+            name: Some(if i == 0 {
+                remora_contract::pod::INBOUND_PORT_NAME.into()
+            } else {
+                format!("remora-in-{i}")
+            }),
+            container_port: i32::from(l.port),
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        });
+    }
+    Ok(Plumbed {
+        has_inbound: all.iter().any(|l| l.inbound),
+        outbound_ports: all.iter().filter(|l| !l.inbound).map(|l| l.port).collect(),
+    })
+}
+
+/// The static listeners the sidecar got, as the TLS annotations need them.
+struct Plumbed {
+    has_inbound: bool,
+    outbound_ports: Vec<u16>,
+}
+
+/// The static-mode mTLS annotations, checked against the listeners the
+/// sidecar got: `remora.dev/inbound-tls` (`true`, or the SPIFFE IDs allowed
+/// to call) and `remora.dev/outbound-tls` (`PORT=SPIFFE_ID,...`, each PORT an
+/// outbound listener, at most once). Anything else is refused: a pod that
+/// asked for mTLS must not start without it.
+fn plumb_tls(
+    container: &mut Container,
+    annotations: &BTreeMap<String, String>,
+    plumbed: &Plumbed,
+    ca_wired: bool,
+    warnings: &mut Vec<String>,
+) -> Result<(), PlumbingError> {
+    let items = |raw: &str| -> Vec<String> {
+        raw.split(',')
+            .map(str::trim)
+            .filter(|i| !i.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let mut asked = Vec::new();
+    let mut vars = Vec::new();
+    if let Some(raw) = annotations.get(keys::INBOUND_TLS) {
+        let sans = match remora_contract::value::parse_bool(raw) {
+            Ok(false) => None,
+            Ok(true) => Some(Vec::new()),
+            Err(_) => {
+                let ids = items(raw);
+                if ids.len() > MAX_LISTENERS {
+                    return Err(PlumbingError::TooMany {
+                        key: keys::INBOUND_TLS,
+                        count: ids.len(),
+                        max: MAX_LISTENERS,
+                    });
+                }
+                for id in &ids {
+                    check_spiffe_id(id).map_err(|e| PlumbingError::BadValue {
+                        key: keys::INBOUND_TLS,
+                        reason: format!("expected true, false or SPIFFE IDs: {e}"),
+                    })?;
+                }
+                Some(ids)
+            }
+        };
+        if let Some(sans) = sans {
+            asked.push(keys::INBOUND_TLS);
+            if !plumbed.has_inbound {
+                warnings.push(format!(
+                    "remora: {} is set but the sidecar has no inbound listener",
+                    keys::INBOUND_TLS
+                ));
+            }
+            vars.push(env(env_name::INBOUND_TLS, "true".into()));
+            if !sans.is_empty() {
+                vars.push(env(env_name::INBOUND_TLS_SAN, sans.join(",")));
+            }
+        }
+    }
+    if let Some(raw) = annotations.get(keys::OUTBOUND_TLS) {
+        let entries = items(raw);
+        let mut given: BTreeMap<u16, &str> = BTreeMap::new();
+        for entry in &entries {
+            let spec = entry
+                .parse::<OutboundTlsSpec>()
+                .map_err(|e| PlumbingError::BadValue {
+                    key: keys::OUTBOUND_TLS,
+                    reason: format!("entry {entry:?}: {e}"),
+                })?;
+            if !plumbed.outbound_ports.contains(&spec.port) {
+                return Err(PlumbingError::NotOutbound {
+                    key: keys::OUTBOUND_TLS,
+                    entry: entry.clone(),
+                    port: spec.port,
+                });
+            }
+            if let Some(first) = given.insert(spec.port, entry) {
+                return Err(PlumbingError::TlsTwice {
+                    key: keys::OUTBOUND_TLS,
+                    entry: entry.clone(),
+                    port: spec.port,
+                    first: first.to_string(),
+                });
+            }
+        }
+        if !entries.is_empty() {
+            asked.push(keys::OUTBOUND_TLS);
+            vars.push(env(env_name::OUTBOUND_TLS, entries.join(",")));
+        }
+    }
+    if !ca_wired && let Some(key) = asked.first() {
+        // Not refused: certificates may come from a mounted --cert-dir.
+        warnings.push(format!(
+            "remora: {key} without the workload CA (not enabled, or {} is \"false\"): the \
+             sidecar needs its certificates in its --cert-dir",
+            keys::WORKLOAD_CA
+        ));
+    }
+    container.env.get_or_insert_with(Vec::new).extend(vars);
+    Ok(())
+}
