@@ -14,7 +14,7 @@ use super::budget::Budget;
 use super::events::Decision;
 use super::metrics::Metrics;
 use super::pod_index::PodIndex;
-use super::rollout::RolloutLimiter;
+use super::rollout_limiter::RolloutLimiter;
 use crate::controllers::lifecycle::status::{PodInfo, Scope};
 use remora_inject::resolve::LifecycleEntry;
 

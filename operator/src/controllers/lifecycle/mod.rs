@@ -35,6 +35,7 @@ mod pod_index;
 mod reconcile;
 mod retune;
 mod rollout;
+mod rollout_limiter;
 pub mod status;
 mod triggers;
 mod unconfirmed;
@@ -53,7 +54,7 @@ pub use budget::{Budget, DEFAULT_BURST, DEFAULT_QPS};
 pub use error::ControllerError;
 pub use events::{Decision, decisions};
 pub use metrics::Metrics;
-pub use rollout::RolloutLimiter;
+pub use rollout_limiter::RolloutLimiter;
 
 use crate::cluster::live_pod::LivePod;
 use crate::cluster::watch::{Change, SharedWatch};

@@ -45,7 +45,7 @@ use tower::{Service, ServiceExt};
 use super::Metrics;
 use super::authn::Authenticate;
 use super::keeper::Authority;
-use super::service::CaService;
+use super::service::{CaService, Peer};
 
 /// A CSR is a few KiB; nothing legitimate comes near this.
 const MAX_MESSAGE_BYTES: usize = 64 * 1024;
@@ -106,10 +106,6 @@ pub enum ServeError {
     #[error("limits: {0}")]
     Limits(&'static str),
 }
-
-/// The source address of a request's connection, in its extensions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer(pub IpAddr);
 
 /// The certificate of the current [`Authority`], read at each handshake.
 #[derive(Debug)]

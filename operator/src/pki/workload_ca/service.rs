@@ -16,6 +16,12 @@ use super::authn::{AuthError, Authenticate, Caller, Gate, bearer};
 use super::keeper::Authority;
 use super::signer::SignError;
 
+/// The source address of a request's connection, in its extensions: the
+/// server ([`super::serve`]) puts it there for the per-source TokenReview
+/// budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer(pub IpAddr);
+
 /// Lifetimes granted.
 #[derive(Debug, Clone, Copy)]
 pub struct Lifetimes {
@@ -190,10 +196,7 @@ impl<A: Authenticate> IstioCertificateService for CaService<A> {
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
-        let source = request
-            .extensions()
-            .get::<super::serve::Peer>()
-            .map(|p| p.0);
+        let source = request.extensions().get::<Peer>().map(|p| p.0);
         let req = request.into_inner();
         let result = self.decide(authorization.as_deref(), source, &req).await;
         self.metrics.observe(started.elapsed());
