@@ -1,10 +1,9 @@
-//! The allocator's settings. The injector runs on mimalloc (see main.rs),
+//! The allocator's settings. The operator runs on mimalloc (see main.rs),
 //! whose v3 keeps freed memory resident for a second (`purge_delay`) before
-//! giving it back. Under a stream of 4 MiB reviews that is many bodies
-//! freed but still resident: 64 concurrent maximum-size reviews took the
-//! injector to 2.3x its idle RSS, of which about 8 MiB was freed memory
-//! waiting to be purged. Purging at once costs an madvise per freed span,
-//! small next to parsing a review.
+//! giving it back. Under a stream of large reviews (up to 4 MiB each) that
+//! is many bodies freed but still resident, counted against the pod's
+//! memory limit. Purging at once costs an madvise per freed span, small
+//! next to parsing a review.
 
 /// mimalloc's `mi_option_purge_delay` (`mimalloc.h`; libmimalloc-sys names
 /// no constant for it). The test below checks the index against mimalloc's

@@ -1,6 +1,6 @@
 //! Equal values held once: the pods of one workload carry the same labels,
-//! lifecycle and status, and a store of ten thousand pods held a copy of
-//! each per pod.
+//! lifecycle and status, which a store of many pods would otherwise hold
+//! once per pod.
 
 use std::borrow::Borrow;
 use std::collections::HashSet;

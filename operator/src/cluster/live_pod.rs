@@ -1,17 +1,16 @@
 //! The leader's one pod watch, and the pod as its readers read it.
 //!
 //! Not k8s-openapi's `Pod`: its structs hold every field of the API inline,
-//! set or not (2.4 KB a pod, 2.1 KB a container, 0.75 KB a container
-//! status), so a store of 10,000 injected pods cost about 100 MiB however
-//! much of each pod was trimmed. [`LivePod`] has the same shape, with only
-//! what the readers read, and what it leaves out of the API server's JSON is
-//! never allocated. Of the metadata it keeps only what kube needs (name,
+//! set or not (kilobytes a pod and a container), however much of each pod
+//! is trimmed. [`LivePod`] has the same shape, with only what the readers
+//! read, and what it leaves out of the API server's JSON is never
+//! allocated. Of the metadata it keeps only what kube needs (name,
 //! namespace, uid, owners) and Remora's per-pod annotations; labels, the
 //! lifecycle and what `remora.dev/status` records move into [`Kept`]. There
-//! they cost a few shared allocations, where the `BTreeMap`s and strings
-//! they replace cost 1.4 KB a pod (each map of a few entries allocates a
-//! node of eleven): the pods of a workload have equal labels, lifecycle
-//! and status, and the watch holds each once ([`Slim`]).
+//! they cost a few shared allocations rather than `BTreeMap`s and strings
+//! per pod (each map of a few entries allocates a node of eleven): the pods
+//! of a workload have equal labels, lifecycle and status, and the watch
+//! holds each once ([`Slim`]).
 //!
 //! Whoever may create a pod anywhere writes what this watch reads, so what
 //! it keeps of one pod is bounded whatever its owner writes: the leader's
@@ -51,11 +50,10 @@ use crate::cluster::watch::SharedWatch;
 pub const LIVE_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed";
 
 /// Pods per page of a (re)list. A page's body is held whole while it is
-/// parsed (about 2.5 times its size at the peak), and a pod may be as large
-/// as the API server stores (about 1.5 MiB). Measured with 1.2 MiB pods,
-/// a new leader peaked at 198 MiB with pages of 50, 114 MiB with 20 (the
-/// chart's limit is 256 Mi); kube's default 500 passes it with 200 KiB
-/// pods.
+/// parsed (a few times its size at the peak), and a pod may be as large as
+/// the API server stores (about 1.5 MiB): a page of such pods must leave a
+/// new leader within the chart's memory limit (256 Mi); kube's default of
+/// 500 a page would pass it with pods of a few hundred KiB.
 pub const LIST_PAGE: u32 = 20;
 
 /// Labels kept of one pod, and the bytes of their keys and values together.

@@ -40,8 +40,8 @@ pub const STOP_REASON: &str = "AppsCompleted";
 
 /// Only pods that can complete, and only while they run, are looked at.
 /// The leader's one pod watch holds every live pod (the SidecarLifecycle
-/// controller needs them all); this is the filter Jobs once asked the API
-/// server for (`spec.restartPolicy!=Always,status.phase=Running`).
+/// controller needs them all); this is the field selector
+/// `spec.restartPolicy!=Always,status.phase=Running`, applied in memory.
 pub fn may_complete(pod: &LivePod) -> bool {
     // The API server defaults restartPolicy to Always.
     matches!(pod.restart_policy(), Some(p) if p != "Always") && pod.phase() == Some("Running")

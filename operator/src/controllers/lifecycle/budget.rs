@@ -37,10 +37,10 @@ impl Budget {
         // The bucket counts whole milliseconds: `refill` tokens every
         // `interval` ms with refill/interval = qps/1000 exactly. It sleeps
         // from one refill to the next and counts the next interval from when
-        // it woke, so each wake-up's lateness is lost: at a token every 5 ms
-        // the timer's millisecond and a busy machine's delays made 200/s
-        // about 155/s. Refills at least `MIN_REFILL_INTERVAL_MS` apart make
-        // that loss a few percent.
+        // it woke, so each wake-up's lateness is lost: with a refill every
+        // few ms, the timer's millisecond and a busy machine's delays take a
+        // large share of the rate. Refills at least `MIN_REFILL_INTERVAL_MS`
+        // apart make that loss a few percent.
         let qps = qps.max(1);
         let g = gcd(qps, 1000);
         let (exact_refill, exact_ms) = (qps / g, 1000 / g);

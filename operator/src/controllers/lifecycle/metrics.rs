@@ -1,4 +1,4 @@
-//! The controller's metrics, registered in the injector's registry.
+//! The controller's metrics, registered in the operator's registry.
 
 use std::time::Duration;
 

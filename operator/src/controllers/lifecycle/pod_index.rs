@@ -1,8 +1,8 @@
 //! The leader's live pods as the controller reads them: by namespace, each
 //! read once from its metadata into a [`PodInfo`]. A reconcile looks only at
-//! the namespaces its resource can reach, where scanning every pod of the
-//! cluster and parsing its `remora.dev/status` for each of a thousand
-//! resources cost minutes of CPU at 10,000 pods.
+//! the namespaces its resource can reach: scanning every pod of the cluster,
+//! and parsing its `remora.dev/status`, for each of thousands of resources
+//! would take the leader minutes of CPU.
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock, Weak};

@@ -31,9 +31,9 @@ pub(super) const POD_EVENTS: usize = 10;
 /// Routine Events controller-wide (a resource's `PodsRetuned`, a pod's
 /// `LifecycleRetuned`): a burst, then a few a second. An edit of a cluster
 /// default retunes its pods through the reconciles of a thousand siblings,
-/// each with a handful of pods: an Event for each was half the writes of
-/// the edit, and kube's `Recorder` keeps every Event it wrote for six
-/// minutes (to count repeats), a few MiB of the leader's memory. Status
+/// each with a handful of pods: an Event for each would be half the writes
+/// of the edit, and kube's `Recorder` keeps every Event it wrote for six
+/// minutes (to count repeats), in the leader's memory. Status
 /// decisions (Accepted, Conflicted, RestartRequired...) are not routine:
 /// they are always written.
 const ROUTINE_EVENT_BURST: usize = 50;

@@ -35,8 +35,8 @@ pub(super) fn by_pod(
 /// concerns its governor alone: the governor decides that value (and puts
 /// it back if someone else changed it), and nothing another resource
 /// reports depends on it. Triggering every resource that reaches the pod
-/// had each of a cluster default's ten thousand retunes reconcile the
-/// default again, over every pod of the cluster.
+/// would have each of a cluster default's retunes reconcile the default
+/// again, over every pod of the cluster.
 pub(super) fn by_governor(
     lifecycles: Store<SidecarLifecycle>,
     operator_ns: String,

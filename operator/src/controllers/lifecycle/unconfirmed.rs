@@ -1,10 +1,9 @@
 //! Lifecycle values the controller has written (or is writing) to pods and
 //! the pod watch has not shown yet. A reconcile that runs before the watch
 //! catches up reads the old value from the index and would write the new
-//! one again: under a cluster default's edit, with the API server's watch
-//! lagging behind its writes, that was one patch in six (13,105 patches for
-//! 11,000 pods). The controllers' "expectations", as kube-controller-manager
-//! keeps them for the pods a ReplicaSet creates.
+//! one again, as it often does under a cluster default's edit, when the API
+//! server's watch lags behind its writes. The controllers' "expectations",
+//! as kube-controller-manager keeps them for the pods a ReplicaSet creates.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
