@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use prometheus_client::registry::Registry;
-use remora_agent::certs::ca::{CaSource, Identity, RenewPolicy};
+use remora_agent::certs::ca::CaSource;
+use remora_agent::certs::csr::Identity;
+use remora_agent::certs::renewal::RenewPolicy;
 use remora_agent::config::KeyType;
 use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
