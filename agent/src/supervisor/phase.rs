@@ -2,8 +2,9 @@
 //!
 //! [`Machine::next`] decides what an [`Event`] does in the current [`Phase`]:
 //! it starts no process, sends nothing and reads no clock (time comes in as
-//! `now`), so every transition is tested on its own; the supervisor's loop
-//! only waits for events and performs the [`Action`]s it returns.
+//! `now`; it only logs its decisions), so every transition is tested on its
+//! own; the supervisor's loop only waits for events and performs the
+//! [`Action`]s it returns.
 
 use std::future::pending;
 use std::process::ExitStatus;
@@ -228,16 +229,16 @@ impl Machine {
     /// place; the actions are for the loop to perform, in order.
     pub fn next(&mut self, event: Event, now: Instant) -> Vec<Action> {
         match event {
-            Event::CandidateUp { deferred } => [Some(Action::Promote { taken_over: true })]
-                .into_iter()
-                .chain([self.deferred(deferred)])
-                .flatten()
-                .collect(),
-            Event::CandidateFailed { error, deferred } => [Some(Action::DropCandidate { error })]
-                .into_iter()
-                .chain([self.deferred(deferred)])
-                .flatten()
-                .collect(),
+            Event::CandidateUp { deferred } => {
+                let mut actions = vec![Action::Promote { taken_over: true }];
+                actions.extend(self.deferred(deferred));
+                actions
+            }
+            Event::CandidateFailed { error, deferred } => {
+                let mut actions = vec![Action::DropCandidate { error }];
+                actions.extend(self.deferred(deferred));
+                actions
+            }
             Event::Exited {
                 status,
                 successor: true,
