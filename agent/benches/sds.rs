@@ -252,7 +252,7 @@ async fn bench() -> Result<()> {
         ("ecdsa-p256", remora_agent::config::KeyType::EcdsaP256),
         ("rsa-2048", remora_agent::config::KeyType::Rsa2048),
     ] {
-        let ident = remora_agent::certs::ca::Identity {
+        let ident = remora_agent::certs::csr::Identity {
             trust_domain: "cluster.local".into(),
             namespace: "ns".into(),
             service_account: "sa".into(),

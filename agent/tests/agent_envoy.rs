@@ -331,11 +331,11 @@ fn adaptive_drain_lasts_while_traffic_arrives_then_one_quiet_period() {
     println!("adaptive drain: {sent} requests over {lag:?} of lag, agent exited after {took:?}");
 }
 
-/// The old attack: a request to the pod's health port for the app hook's
-/// drain, from off the pod, with the hook's credential in both the old
-/// header and as a bearer token (here even the real token, read from the
-/// hook volume). The health port has no such endpoint any more: nothing
-/// drains, readiness stays green.
+/// A request to the pod's health port for the app hook's drain, from off
+/// the pod, with the hook's credential in an `x-remora-drain-token` header
+/// or as a bearer token (here even the real token, read from the hook
+/// volume). The health port serves no drain: nothing drains, readiness
+/// stays green.
 #[test]
 fn app_prestop_from_off_the_pod_is_refused_and_readiness_stays_green() {
     let path = remora_contract::pod::APP_PRESTOP_PATH;

@@ -41,8 +41,8 @@ fn bad_duration_exits_2_naming_the_flag() {
     assert!(stderr(&o).contains("--timeout"), "{}", stderr(&o));
 }
 
-/// The value the injector once derived from terminationGracePeriodSeconds
-/// 9223372036854775807: the agent took it and panicked at SIGTERM (exit 101).
+/// terminationGracePeriodSeconds 9223372036854775807 as a duration: far past
+/// any bound the agent accepts.
 const HUGE: &str = "2562047788015215h30m2s";
 
 #[test]

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use prometheus_client::registry::Registry;
-use remora_agent::certs::ca::{CaSource, Identity, RenewPolicy};
+use remora_agent::certs::ca::CaSource;
+use remora_agent::certs::csr::Identity;
+use remora_agent::certs::renewal::RenewPolicy;
 use remora_agent::config::KeyType;
 use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
@@ -264,7 +266,7 @@ async fn ca_bad_token_holds_readiness_with_the_reason() -> Result<()> {
     Ok(())
 }
 
-/// The trust-bundle attack (issue 27, item 5): whoever may write ConfigMaps
+/// The trust-bundle attack: whoever may write ConfigMaps
 /// in the namespace adds a root of their own to the bundle file
 /// (`--ca-root-cert`, a ConfigMap the kubelet swaps). Envoy's ROOTCA stays
 /// what the CA said over its verified connection, and a client whose
@@ -363,7 +365,7 @@ fn rig_mesh_pem(rig: &Rig) -> String {
 }
 
 /// A TLS session resumed from before a root's retirement is refused after
-/// it (issue 27, item 10). The TLS meant is the workload mTLS at the
+/// it. The TLS meant is the workload mTLS at the
 /// sidecar's Envoy, the only one where a peer's certificate is checked
 /// against the roots that retire (the CA's own server asks for no client
 /// certificate). A client whose certificate the retiring root signed

@@ -2,12 +2,20 @@
 //! validated [`CertBundle`] that the SDS server subscribes to.
 //!
 //! Sources: [`file::FileSource`] (mounted files, `--cert-dir`) and
-//! [`ca::CaSource`] (an Istio-compatible CA, `--ca-address`). A source only
+//! [`ca::CaSource`] (an Istio-compatible CA, `--ca-address`, in parts:
+//! [`csr`], [`ca_client`], [`renewal`], [`roots`], [`output`]). A source only
 //! ever publishes bundles that passed [`validate_bundle`]; a bad update is
 //! logged and counted while the last good bundle stays in service.
 
 pub mod ca;
+pub mod ca_client;
+pub mod csr;
 pub mod file;
+pub mod output;
+pub mod renewal;
+pub mod roots;
+#[cfg(test)]
+mod testing;
 
 use std::collections::hash_map::DefaultHasher;
 use std::fmt;
@@ -61,7 +69,9 @@ pub enum CertError {
         source: std::io::Error,
     },
     #[error(transparent)]
-    Ca(#[from] ca::CaError),
+    Ca(#[from] ca_client::CaError),
+    #[error(transparent)]
+    Csr(#[from] csr::CsrError),
     #[error("{0}")]
     Config(String),
 }
