@@ -292,14 +292,137 @@ impl LifecycleEntry {
         }
     }
 
-    fn age_key(&self) -> (bool, Option<String>, &str) {
-        // Sorts oldest first; unknown creation times last; name breaks ties.
-        (self.created.is_none(), self.created.clone(), &self.name)
+    /// Whether this resource takes part in the settings of a pod in
+    /// `pod_namespace` with `pod_labels`, at its own layer (an older
+    /// resource of the same layer may still win, see [`layers`]).
+    pub fn reaches(
+        &self,
+        operator_namespace: &str,
+        pod_namespace: &str,
+        pod_labels: &(impl LabelSet + ?Sized),
+    ) -> bool {
+        self.reaches_at(
+            Layer::of(self, operator_namespace),
+            pod_namespace,
+            pod_labels,
+        )
     }
 
-    fn label(&self, layer: &str) -> String {
-        format!("{layer}:{}/{}", self.namespace, self.name)
+    fn reaches_at(
+        &self,
+        layer: Layer,
+        pod_namespace: &str,
+        pod_labels: &(impl LabelSet + ?Sized),
+    ) -> bool {
+        match layer {
+            Layer::Cluster => true,
+            // Never the operator's namespace (that one is `Cluster`), so a
+            // pod there gets the cluster default once.
+            Layer::Namespace => self.namespace == pod_namespace,
+            Layer::Workload => {
+                self.namespace == pod_namespace
+                    && self
+                        .spec
+                        .selector
+                        .as_ref()
+                        .is_some_and(|s| s.matches(pod_labels))
+            }
+        }
     }
+
+    /// Of two resources of one layer that reach a pod, whether this one
+    /// wins: the oldest does; an unknown creation time counts as newest and
+    /// the name breaks ties.
+    pub fn wins_over(&self, other: &Self) -> bool {
+        self.age_key() < other.age_key()
+    }
+
+    fn age_key(&self) -> (bool, Option<&str>, &str) {
+        (self.created.is_none(), self.created.as_deref(), &self.name)
+    }
+
+    /// How the resource is named among a pod's sources
+    /// (`<layer>:<namespace>/<name>`).
+    pub fn source(&self, layer: Layer) -> String {
+        format!("{}:{}/{}", layer.as_str(), self.namespace, self.name)
+    }
+}
+
+/// Where a `SidecarLifecycle` sits in the precedence, weakest first. Its
+/// place follows from where it lives and whether it has a selector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Layer {
+    /// No selector, in the operator's namespace: every pod.
+    Cluster,
+    /// No selector, in another namespace: that namespace's pods.
+    Namespace,
+    /// A selector: the pods of its namespace it matches.
+    Workload,
+}
+
+impl Layer {
+    pub fn of(entry: &LifecycleEntry, operator_namespace: &str) -> Self {
+        match &entry.spec.selector {
+            Some(_) => Self::Workload,
+            None if entry.namespace == operator_namespace => Self::Cluster,
+            None => Self::Namespace,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cluster => "cluster",
+            Self::Namespace => "namespace",
+            Self::Workload => "workload",
+        }
+    }
+}
+
+/// The resource that wins each layer of one pod's settings.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Layers<'a>([Option<&'a LifecycleEntry>; 3]);
+
+impl<'a> Layers<'a> {
+    /// The resource that wins `layer`; `None` when none of it reaches the pod.
+    pub fn get(&self, layer: Layer) -> Option<&'a LifecycleEntry> {
+        self.0[layer as usize]
+    }
+
+    /// The winners, weakest layer first: the order they apply in.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = (Layer, &'a LifecycleEntry)> {
+        [Layer::Cluster, Layer::Namespace, Layer::Workload]
+            .into_iter()
+            .filter_map(|l| Some((l, self.get(l)?)))
+    }
+
+    /// The winner of the strongest layer that reaches the pod.
+    pub fn strongest(&self) -> Option<(Layer, &'a LifecycleEntry)> {
+        self.iter().next_back()
+    }
+}
+
+/// The `SidecarLifecycle` resources a pod's settings come from, one per
+/// layer: of those that reach the pod at a layer, the oldest. This is the one
+/// place precedence lives; [`resolve`] applies them and the controller's
+/// status reports them.
+pub fn layers<'a>(
+    entries: &'a [LifecycleEntry],
+    operator_namespace: &str,
+    pod_namespace: &str,
+    pod_labels: &(impl LabelSet + ?Sized),
+) -> Layers<'a> {
+    let mut won = Layers::default();
+    for e in entries {
+        let layer = Layer::of(e, operator_namespace);
+        if !e.reaches_at(layer, pod_namespace, pod_labels) {
+            continue;
+        }
+        let slot = &mut won.0[layer as usize];
+        if slot.is_none_or(|w| e.wins_over(w)) {
+            *slot = Some(e);
+        }
+    }
+    won
 }
 
 /// Resolve the effective config of a pod. `operator_namespace` holds the
@@ -313,28 +436,8 @@ pub fn resolve(
     pod_annotations: &BTreeMap<String, String>,
 ) -> EffectiveConfig {
     let mut cfg = EffectiveConfig::from_defaults(chart);
-    let oldest = |pred: &dyn Fn(&LifecycleEntry) -> bool| {
-        entries
-            .iter()
-            .filter(|e| pred(e))
-            .min_by(|a, b| a.age_key().cmp(&b.age_key()))
-    };
-    if let Some(e) = oldest(&|e| e.namespace == operator_namespace && e.spec.selector.is_none()) {
-        cfg.apply_spec(&e.spec, &e.label("cluster"));
-    }
-    if pod_namespace != operator_namespace
-        && let Some(e) = oldest(&|e| e.namespace == pod_namespace && e.spec.selector.is_none())
-    {
-        cfg.apply_spec(&e.spec, &e.label("namespace"));
-    }
-    if let Some(e) = oldest(&|e| {
-        e.namespace == pod_namespace
-            && e.spec
-                .selector
-                .as_ref()
-                .is_some_and(|s| s.matches(pod_labels))
-    }) {
-        cfg.apply_spec(&e.spec, &e.label("workload"));
+    for (layer, e) in layers(entries, operator_namespace, pod_namespace, pod_labels).iter() {
+        cfg.apply_spec(&e.spec, &e.source(layer));
     }
     cfg.apply_annotations(pod_annotations);
     cfg
