@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use remora_contract::{Overlay, annotations, defaults, duration, value};
+use remora_contract::{DrainFields, Overlay, annotations, defaults, duration, value};
 use remora_crds::{
     DrainMode, LabelSet, LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode,
 };
@@ -220,28 +220,27 @@ impl EffectiveConfig {
     }
 
     /// Overlay the pod's own `remora.dev/<kebab-case-field>` annotations, the
-    /// strongest layer, read by the contract's [`Overlay`] exactly as the
-    /// agent reads them. Bad values are reported and skipped.
+    /// strongest layer, read and (the drain settings) applied by the
+    /// contract's [`Overlay`] exactly as the agent does. Bad values are
+    /// reported and skipped.
     pub fn apply_annotations(&mut self, ann: &BTreeMap<String, String>) {
         let before = self.clone();
         let (o, problems) = Overlay::from_annotations(ann);
+        o.apply_drain(DrainFields {
+            drain_duration: &mut self.drain_duration,
+            termination_drain_duration: &mut self.termination_drain_duration,
+            exit_on_zero_active_connections: &mut self.exit_on_zero_active_connections,
+            minimum_drain_duration: &mut self.minimum_drain_duration,
+            drain_mode: &mut self.drain_mode,
+            quiet_period: &mut self.quiet_period,
+            drain_deadline: None,
+        });
+        // Baked into the pod spec at admission: the agent does not take these live.
         self.mode = o.mode.unwrap_or(self.mode);
         self.hold_application_until_proxy_starts = o
             .hold_application_until_proxy_starts
             .unwrap_or(self.hold_application_until_proxy_starts);
         self.startup_timeout = o.startup_timeout.unwrap_or(self.startup_timeout);
-        self.drain_duration = o.drain_duration.unwrap_or(self.drain_duration);
-        self.termination_drain_duration = o
-            .termination_drain_duration
-            .unwrap_or(self.termination_drain_duration);
-        self.exit_on_zero_active_connections = o
-            .exit_on_zero_active_connections
-            .unwrap_or(self.exit_on_zero_active_connections);
-        self.minimum_drain_duration = o
-            .minimum_drain_duration
-            .unwrap_or(self.minimum_drain_duration);
-        self.drain_mode = o.drain_mode.unwrap_or(self.drain_mode);
-        self.quiet_period = o.quiet_period.unwrap_or(self.quiet_period);
         self.concurrency = o.concurrency.map_or(self.concurrency, concurrency);
         self.log_level = o.log_level.unwrap_or(self.log_level);
         // Only a clear "false" opts out; any other bad value is refused at
