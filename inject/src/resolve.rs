@@ -631,6 +631,48 @@ mod tests {
     }
 
     #[test]
+    fn layers_name_one_winner_per_layer() {
+        let cluster = entry(
+            "remora-system",
+            "default",
+            "2026-01-01T00:00:00Z",
+            None,
+            "1s",
+        );
+        let ns = entry("shop", "ns", "2026-01-02T00:00:00Z", None, "2s");
+        let web = Some(&[("app", "web")][..]);
+        let wl_new = entry("shop", "web-new", "2026-01-04T00:00:00Z", web, "4s");
+        let wl_old = entry("shop", "web-old", "2026-01-03T00:00:00Z", web, "3s");
+        let all = [cluster, ns, wl_new, wl_old];
+        let name = |l: Layers<'_>, layer| l.get(layer).map(|e| e.name.clone());
+
+        let l = layers(&all, "remora-system", "shop", &labels(&[("app", "web")]));
+        assert_eq!(name(l, Layer::Cluster).as_deref(), Some("default"));
+        assert_eq!(name(l, Layer::Namespace).as_deref(), Some("ns"));
+        assert_eq!(
+            name(l, Layer::Workload).as_deref(),
+            Some("web-old"),
+            "the oldest"
+        );
+        assert_eq!(l.strongest().map(|(layer, _)| layer), Some(Layer::Workload));
+        let sources: Vec<String> = l.iter().map(|(layer, e)| e.source(layer)).collect();
+        assert_eq!(
+            sources,
+            [
+                "cluster:remora-system/default",
+                "namespace:shop/ns",
+                "workload:shop/web-old"
+            ]
+        );
+
+        let other = layers(&all, "remora-system", "other", &labels(&[("app", "web")]));
+        assert_eq!(
+            other.iter().map(|(layer, _)| layer).collect::<Vec<_>>(),
+            [Layer::Cluster]
+        );
+    }
+
+    #[test]
     fn layers_merge_field_by_field() {
         let mut cluster = entry(
             "remora-system",
