@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use remora_contract::downward::read_annotations_file;
-use remora_contract::{DrainMode, Overlay};
+use remora_contract::{DrainFields, DrainMode, Overlay};
 use serde::Serialize;
 
 use crate::config::RunConfig;
@@ -58,24 +58,20 @@ impl DrainSettings {
         self.drain_mode == DrainMode::Adaptive && !self.exit_on_zero_active_connections
     }
 
-    /// Apply the pod's annotations over these settings, through the
-    /// contract's [`Overlay`] (the injector reads them the same way). Each bad
-    /// value is reported and skipped; the others still apply.
+    /// Apply the pod's annotations over these settings with the contract's
+    /// [`Overlay::apply_drain`], as the injector does. Each bad value is
+    /// reported and skipped; the others still apply.
     pub fn with_annotations(mut self, ann: &BTreeMap<String, String>) -> (Self, Vec<String>) {
         let (o, problems) = Overlay::from_pod_annotations(ann);
-        self.drain_duration = o.drain_duration.unwrap_or(self.drain_duration);
-        self.termination_drain_duration = o
-            .termination_drain_duration
-            .unwrap_or(self.termination_drain_duration);
-        self.exit_on_zero_active_connections = o
-            .exit_on_zero_active_connections
-            .unwrap_or(self.exit_on_zero_active_connections);
-        self.minimum_drain_duration = o
-            .minimum_drain_duration
-            .unwrap_or(self.minimum_drain_duration);
-        self.drain_deadline = o.drain_deadline.unwrap_or(self.drain_deadline);
-        self.drain_mode = o.drain_mode.unwrap_or(self.drain_mode);
-        self.quiet_period = o.quiet_period.unwrap_or(self.quiet_period);
+        o.apply_drain(DrainFields {
+            drain_duration: &mut self.drain_duration,
+            termination_drain_duration: &mut self.termination_drain_duration,
+            exit_on_zero_active_connections: &mut self.exit_on_zero_active_connections,
+            minimum_drain_duration: &mut self.minimum_drain_duration,
+            drain_mode: &mut self.drain_mode,
+            quiet_period: &mut self.quiet_period,
+            drain_deadline: Some(&mut self.drain_deadline),
+        });
         (self, problems.iter().map(ToString::to_string).collect())
     }
 }

@@ -24,4 +24,4 @@ pub mod workload_ca;
 
 pub use duration::DurationError;
 pub use mode::{DrainMode, LogLevel, SidecarMode};
-pub use overlay::Overlay;
+pub use overlay::{DrainFields, Overlay};

@@ -1,7 +1,8 @@
 //! The per-field overlay of lifecycle settings, read from a pod's
 //! annotations. The injector's effective config and the agent's live drain
-//! settings both apply an [`Overlay`] built here, so a value means the same
-//! on both sides: what one refuses, the other refuses with the same words.
+//! settings both apply an [`Overlay`] built here, through
+//! [`Overlay::apply_drain`], so a value means the same on both sides: what
+//! one refuses, the other refuses with the same words.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -25,6 +26,22 @@ pub struct Overlay {
     pub drain_deadline: Option<Duration>,
     pub concurrency: Option<u32>,
     pub log_level: Option<LogLevel>,
+}
+
+/// The drain settings a running sidecar takes live, borrowed from whichever
+/// struct holds them (the injector's effective config, the agent's drain
+/// settings), so that both sides apply an overlay with one function.
+#[derive(Debug)]
+pub struct DrainFields<'a> {
+    pub drain_duration: &'a mut Duration,
+    pub termination_drain_duration: &'a mut Duration,
+    pub exit_on_zero_active_connections: &'a mut bool,
+    pub minimum_drain_duration: &'a mut Duration,
+    pub drain_mode: &'a mut DrainMode,
+    pub quiet_period: &'a mut Duration,
+    /// `None` for the injector: it derives the deadline from the pod's
+    /// grace period.
+    pub drain_deadline: Option<&'a mut Duration>,
 }
 
 /// A value that was refused, and where it was.
@@ -159,6 +176,30 @@ impl Overlay {
         (o, problems)
     }
 
+    /// Set each drain field this overlay carries; the others keep theirs.
+    pub fn apply_drain(&self, to: DrainFields<'_>) {
+        fn set<T: Copy>(slot: &mut T, v: Option<T>) {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        }
+        set(to.drain_duration, self.drain_duration);
+        set(
+            to.termination_drain_duration,
+            self.termination_drain_duration,
+        );
+        set(
+            to.exit_on_zero_active_connections,
+            self.exit_on_zero_active_connections,
+        );
+        set(to.minimum_drain_duration, self.minimum_drain_duration);
+        set(to.drain_mode, self.drain_mode);
+        set(to.quiet_period, self.quiet_period);
+        if let Some(slot) = to.drain_deadline {
+            set(slot, self.drain_deadline);
+        }
+    }
+
     /// `stronger` over `self`, field by field.
     pub fn then(self, stronger: Self) -> Self {
         Self {
@@ -261,6 +302,35 @@ mod tests {
         assert_eq!(o.termination_drain_duration, Some(Duration::from_secs(2)));
         assert_eq!(o.minimum_drain_duration, Some(Duration::from_secs(3)));
         assert_eq!(o.drain_deadline, Some(Duration::from_secs(50)));
+    }
+
+    #[test]
+    fn apply_drain_sets_what_the_overlay_carries() {
+        let s = Duration::from_secs;
+        let (mut drain, mut termination, mut exit, mut minimum) = (s(45), s(5), false, s(5));
+        let (mut mode, mut quiet, mut deadline) = (DrainMode::Adaptive, s(3), s(25));
+        let o = Overlay {
+            termination_drain_duration: Some(s(7)),
+            exit_on_zero_active_connections: Some(true),
+            drain_mode: Some(DrainMode::Fixed),
+            drain_deadline: Some(s(50)),
+            // Not a drain setting: untouched.
+            startup_timeout: Some(s(1)),
+            ..Overlay::default()
+        };
+        o.apply_drain(DrainFields {
+            drain_duration: &mut drain,
+            termination_drain_duration: &mut termination,
+            exit_on_zero_active_connections: &mut exit,
+            minimum_drain_duration: &mut minimum,
+            drain_mode: &mut mode,
+            quiet_period: &mut quiet,
+            drain_deadline: Some(&mut deadline),
+        });
+        assert_eq!(
+            (drain, termination, exit, minimum, mode, quiet, deadline),
+            (s(45), s(7), true, s(5), DrainMode::Fixed, s(3), s(50))
+        );
     }
 
     #[test]

@@ -14,6 +14,9 @@ use serde_json::Value;
 
 use crate::controlplane::wait_until;
 
+/// The field manager the harness installs the chart under, as a user's
+/// `kubectl apply --server-side` would.
+pub const FIELD_MANAGER: &str = "remora-e2e";
 /// The helm release `scripts/setup.sh` installs; keep the two in step.
 pub const HELM_VERSION: &str = "v3.22.0";
 /// Names another helm binary.
@@ -166,7 +169,7 @@ pub async fn install_crds(client: &Client) -> Result<Vec<String>, Error> {
         let name = crd.metadata.name.clone().unwrap_or_default();
         api.patch(
             &name,
-            &PatchParams::apply("remora-e2e").force(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
             &Patch::Apply(&crd),
         )
         .await?;
@@ -259,7 +262,7 @@ pub async fn apply(
             .map_err(|e| Error::Object(format!("{kind}/{name}: {e}")))?;
         api.patch(
             &name,
-            &PatchParams::apply("remora-e2e").force(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
             &Patch::Apply(&dynobj),
         )
         .await?;

@@ -17,6 +17,7 @@ use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::discovery::{Discovery, Scope};
 use kube::{Api, Client};
+use remora_operator::identity::FIELD_MANAGER;
 use serde_json::Value;
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -68,7 +69,7 @@ async fn dry_run_chart(
         let dynobj: DynamicObject = serde_json::from_value(obj.clone())?;
         api.patch(
             name,
-            &PatchParams::apply("remora-e2e").dry_run(),
+            &PatchParams::apply(e2e::chart::FIELD_MANAGER).dry_run(),
             &Patch::Apply(&dynobj),
         )
         .await
@@ -650,7 +651,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
                 .iter()
                 .any(|e| {
                     e.reason.as_deref() == Some("Accepted")
-                        && e.reporting_controller.as_deref() == Some("remora-operator")
+                        && e.reporting_controller.as_deref() == Some(FIELD_MANAGER)
                 })
                 .then_some(()),
         )

@@ -6,6 +6,11 @@
 //! annotations from a downward-API file (as the kubelet writes it). The drain
 //! settings the agent uses must be the ones the injector resolved, field by
 //! field, and a value one side refuses the other refuses too.
+//!
+//! Both sides parse and apply the overlay with the contract's
+//! `Overlay::apply_drain`; what can still drift is the path around it: the
+//! env the injector writes and the agent's flags parse, the
+//! `remora.dev/lifecycle` JSON, the downward-API file and the drain deadline.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -18,6 +18,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
+use remora_operator::identity::FIELD_MANAGER;
 use serde_json::{Value, json};
 
 const ROLLOUT_ANNOTATION: &str = "remora.dev/restarted-for";
@@ -199,7 +200,7 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
         .collect();
     assert_eq!(
         managers,
-        [(Some("remora-operator".to_owned()), Some("Apply".to_owned()))]
+        [(Some(FIELD_MANAGER.to_owned()), Some("Apply".to_owned()))]
     );
     event(&client, &ns, "web-old", "Accepted").await?;
 

@@ -24,7 +24,8 @@ use kube::api::{
 use kube::runtime::events::{Event as RecorderEvent, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use remora_contract::annotations::{LIFECYCLE, STOP};
-use remora_operator::controllers::lifecycle::{FIELD_MANAGER, ROLLOUT_ANNOTATION};
+use remora_operator::controllers::lifecycle::ROLLOUT_ANNOTATION;
+use remora_operator::identity::FIELD_MANAGER;
 use serde_json::{Value, json};
 
 /// The policy's messages (charts/remora/templates/admissionpolicy.yaml).
@@ -838,7 +839,7 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     // The trust bundle in a workload namespace, as the leader writes it:
     // server-side apply, which creates it and then patches it.
     let cms = Api::<ConfigMap>::namespaced(injector.clone(), &work);
-    let apply = PatchParams::apply("remora-operator").force();
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
     for value in ["a", "b"] {
         let bundle = json!({
             "apiVersion": "v1", "kind": "ConfigMap",

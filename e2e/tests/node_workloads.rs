@@ -26,6 +26,7 @@ use kube::{Api, Client};
 use remora_contract::annotations::{INBOUND, LIFECYCLE, MODE, RESTARTED_FOR, STOP};
 use remora_contract::lifecycle::{LifecycleAnnotation, StopRequest};
 use remora_contract::pod::{INBOUND_PORT, PROXY_CONTAINER};
+use remora_operator::identity::FIELD_MANAGER;
 use serde_json::{Value, json};
 
 const APP_PORT: u16 = 8080;
@@ -344,8 +345,8 @@ async fn check_job(
             .filter_map(|m| m.manager.clone())
             .collect();
         ensure!(
-            owners == ["remora-operator"],
-            "{STOP} is owned by {owners:?}, want the injector's field manager only"
+            owners == [FIELD_MANAGER],
+            "{STOP} is owned by {owners:?}, want the operator's field manager only"
         );
         let asked: Timestamp = req
             .at

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use remora_contract::{Overlay, annotations, defaults, duration, value};
+use remora_contract::{DrainFields, Overlay, annotations, defaults, duration, value};
 use remora_crds::{
     DrainMode, LabelSet, LogLevel, SidecarLifecycle, SidecarLifecycleSpec, SidecarMode,
 };
@@ -220,28 +220,27 @@ impl EffectiveConfig {
     }
 
     /// Overlay the pod's own `remora.dev/<kebab-case-field>` annotations, the
-    /// strongest layer, read by the contract's [`Overlay`] exactly as the
-    /// agent reads them. Bad values are reported and skipped.
+    /// strongest layer, read and (the drain settings) applied by the
+    /// contract's [`Overlay`] exactly as the agent does. Bad values are
+    /// reported and skipped.
     pub fn apply_annotations(&mut self, ann: &BTreeMap<String, String>) {
         let before = self.clone();
         let (o, problems) = Overlay::from_annotations(ann);
+        o.apply_drain(DrainFields {
+            drain_duration: &mut self.drain_duration,
+            termination_drain_duration: &mut self.termination_drain_duration,
+            exit_on_zero_active_connections: &mut self.exit_on_zero_active_connections,
+            minimum_drain_duration: &mut self.minimum_drain_duration,
+            drain_mode: &mut self.drain_mode,
+            quiet_period: &mut self.quiet_period,
+            drain_deadline: None,
+        });
+        // Baked into the pod spec at admission: the agent does not take these live.
         self.mode = o.mode.unwrap_or(self.mode);
         self.hold_application_until_proxy_starts = o
             .hold_application_until_proxy_starts
             .unwrap_or(self.hold_application_until_proxy_starts);
         self.startup_timeout = o.startup_timeout.unwrap_or(self.startup_timeout);
-        self.drain_duration = o.drain_duration.unwrap_or(self.drain_duration);
-        self.termination_drain_duration = o
-            .termination_drain_duration
-            .unwrap_or(self.termination_drain_duration);
-        self.exit_on_zero_active_connections = o
-            .exit_on_zero_active_connections
-            .unwrap_or(self.exit_on_zero_active_connections);
-        self.minimum_drain_duration = o
-            .minimum_drain_duration
-            .unwrap_or(self.minimum_drain_duration);
-        self.drain_mode = o.drain_mode.unwrap_or(self.drain_mode);
-        self.quiet_period = o.quiet_period.unwrap_or(self.quiet_period);
         self.concurrency = o.concurrency.map_or(self.concurrency, concurrency);
         self.log_level = o.log_level.unwrap_or(self.log_level);
         // Only a clear "false" opts out; any other bad value is refused at
@@ -292,14 +291,137 @@ impl LifecycleEntry {
         }
     }
 
-    fn age_key(&self) -> (bool, Option<String>, &str) {
-        // Sorts oldest first; unknown creation times last; name breaks ties.
-        (self.created.is_none(), self.created.clone(), &self.name)
+    /// Whether this resource takes part in the settings of a pod in
+    /// `pod_namespace` with `pod_labels`, at its own layer (an older
+    /// resource of the same layer may still win, see [`layers`]).
+    pub fn reaches(
+        &self,
+        operator_namespace: &str,
+        pod_namespace: &str,
+        pod_labels: &(impl LabelSet + ?Sized),
+    ) -> bool {
+        self.reaches_at(
+            Layer::of(self, operator_namespace),
+            pod_namespace,
+            pod_labels,
+        )
     }
 
-    fn label(&self, layer: &str) -> String {
-        format!("{layer}:{}/{}", self.namespace, self.name)
+    fn reaches_at(
+        &self,
+        layer: Layer,
+        pod_namespace: &str,
+        pod_labels: &(impl LabelSet + ?Sized),
+    ) -> bool {
+        match layer {
+            Layer::Cluster => true,
+            // Never the operator's namespace (that one is `Cluster`), so a
+            // pod there gets the cluster default once.
+            Layer::Namespace => self.namespace == pod_namespace,
+            Layer::Workload => {
+                self.namespace == pod_namespace
+                    && self
+                        .spec
+                        .selector
+                        .as_ref()
+                        .is_some_and(|s| s.matches(pod_labels))
+            }
+        }
     }
+
+    /// Of two resources of one layer that reach a pod, whether this one
+    /// wins: the oldest does; an unknown creation time counts as newest and
+    /// the name breaks ties.
+    pub fn wins_over(&self, other: &Self) -> bool {
+        self.age_key() < other.age_key()
+    }
+
+    fn age_key(&self) -> (bool, Option<&str>, &str) {
+        (self.created.is_none(), self.created.as_deref(), &self.name)
+    }
+
+    /// How the resource is named among a pod's sources
+    /// (`<layer>:<namespace>/<name>`).
+    pub fn source(&self, layer: Layer) -> String {
+        format!("{}:{}/{}", layer.as_str(), self.namespace, self.name)
+    }
+}
+
+/// Where a `SidecarLifecycle` sits in the precedence, weakest first. Its
+/// place follows from where it lives and whether it has a selector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Layer {
+    /// No selector, in the operator's namespace: every pod.
+    Cluster,
+    /// No selector, in another namespace: that namespace's pods.
+    Namespace,
+    /// A selector: the pods of its namespace it matches.
+    Workload,
+}
+
+impl Layer {
+    pub fn of(entry: &LifecycleEntry, operator_namespace: &str) -> Self {
+        match &entry.spec.selector {
+            Some(_) => Self::Workload,
+            None if entry.namespace == operator_namespace => Self::Cluster,
+            None => Self::Namespace,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cluster => "cluster",
+            Self::Namespace => "namespace",
+            Self::Workload => "workload",
+        }
+    }
+}
+
+/// The resource that wins each layer of one pod's settings.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Layers<'a>([Option<&'a LifecycleEntry>; 3]);
+
+impl<'a> Layers<'a> {
+    /// The resource that wins `layer`; `None` when none of it reaches the pod.
+    pub fn get(&self, layer: Layer) -> Option<&'a LifecycleEntry> {
+        self.0[layer as usize]
+    }
+
+    /// The winners, weakest layer first: the order they apply in.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = (Layer, &'a LifecycleEntry)> {
+        [Layer::Cluster, Layer::Namespace, Layer::Workload]
+            .into_iter()
+            .filter_map(|l| Some((l, self.get(l)?)))
+    }
+
+    /// The winner of the strongest layer that reaches the pod.
+    pub fn strongest(&self) -> Option<(Layer, &'a LifecycleEntry)> {
+        self.iter().next_back()
+    }
+}
+
+/// The `SidecarLifecycle` resources a pod's settings come from, one per
+/// layer: of those that reach the pod at a layer, the oldest. This is the one
+/// place precedence lives; [`resolve`] applies them and the controller's
+/// status reports them.
+pub fn layers<'a>(
+    entries: &'a [LifecycleEntry],
+    operator_namespace: &str,
+    pod_namespace: &str,
+    pod_labels: &(impl LabelSet + ?Sized),
+) -> Layers<'a> {
+    let mut won = Layers::default();
+    for e in entries {
+        let layer = Layer::of(e, operator_namespace);
+        if !e.reaches_at(layer, pod_namespace, pod_labels) {
+            continue;
+        }
+        let slot = &mut won.0[layer as usize];
+        if slot.is_none_or(|w| e.wins_over(w)) {
+            *slot = Some(e);
+        }
+    }
+    won
 }
 
 /// Resolve the effective config of a pod. `operator_namespace` holds the
@@ -313,28 +435,8 @@ pub fn resolve(
     pod_annotations: &BTreeMap<String, String>,
 ) -> EffectiveConfig {
     let mut cfg = EffectiveConfig::from_defaults(chart);
-    let oldest = |pred: &dyn Fn(&LifecycleEntry) -> bool| {
-        entries
-            .iter()
-            .filter(|e| pred(e))
-            .min_by(|a, b| a.age_key().cmp(&b.age_key()))
-    };
-    if let Some(e) = oldest(&|e| e.namespace == operator_namespace && e.spec.selector.is_none()) {
-        cfg.apply_spec(&e.spec, &e.label("cluster"));
-    }
-    if pod_namespace != operator_namespace
-        && let Some(e) = oldest(&|e| e.namespace == pod_namespace && e.spec.selector.is_none())
-    {
-        cfg.apply_spec(&e.spec, &e.label("namespace"));
-    }
-    if let Some(e) = oldest(&|e| {
-        e.namespace == pod_namespace
-            && e.spec
-                .selector
-                .as_ref()
-                .is_some_and(|s| s.matches(pod_labels))
-    }) {
-        cfg.apply_spec(&e.spec, &e.label("workload"));
+    for (layer, e) in layers(entries, operator_namespace, pod_namespace, pod_labels).iter() {
+        cfg.apply_spec(&e.spec, &e.source(layer));
     }
     cfg.apply_annotations(pod_annotations);
     cfg
@@ -526,6 +628,48 @@ mod tests {
                 cfg.sources
             );
         }
+    }
+
+    #[test]
+    fn layers_name_one_winner_per_layer() {
+        let cluster = entry(
+            "remora-system",
+            "default",
+            "2026-01-01T00:00:00Z",
+            None,
+            "1s",
+        );
+        let ns = entry("shop", "ns", "2026-01-02T00:00:00Z", None, "2s");
+        let web = Some(&[("app", "web")][..]);
+        let wl_new = entry("shop", "web-new", "2026-01-04T00:00:00Z", web, "4s");
+        let wl_old = entry("shop", "web-old", "2026-01-03T00:00:00Z", web, "3s");
+        let all = [cluster, ns, wl_new, wl_old];
+        let name = |l: Layers<'_>, layer| l.get(layer).map(|e| e.name.clone());
+
+        let l = layers(&all, "remora-system", "shop", &labels(&[("app", "web")]));
+        assert_eq!(name(l, Layer::Cluster).as_deref(), Some("default"));
+        assert_eq!(name(l, Layer::Namespace).as_deref(), Some("ns"));
+        assert_eq!(
+            name(l, Layer::Workload).as_deref(),
+            Some("web-old"),
+            "the oldest"
+        );
+        assert_eq!(l.strongest().map(|(layer, _)| layer), Some(Layer::Workload));
+        let sources: Vec<String> = l.iter().map(|(layer, e)| e.source(layer)).collect();
+        assert_eq!(
+            sources,
+            [
+                "cluster:remora-system/default",
+                "namespace:shop/ns",
+                "workload:shop/web-old"
+            ]
+        );
+
+        let other = layers(&all, "remora-system", "other", &labels(&[("app", "web")]));
+        assert_eq!(
+            other.iter().map(|(layer, _)| layer).collect::<Vec<_>>(),
+            [Layer::Cluster]
+        );
     }
 
     #[test]

@@ -537,7 +537,7 @@ async fn start_workload_ca(
             kube::runtime::events::Recorder::new(
                 client.clone(),
                 kube::runtime::events::Reporter {
-                    controller: crate::controllers::lifecycle::FIELD_MANAGER.into(),
+                    controller: crate::identity::FIELD_MANAGER.into(),
                     instance: Some(args.leader_config().identity),
                 },
             ),
@@ -672,7 +672,7 @@ async fn start(
                 recorder: Some(kube::runtime::events::Recorder::new(
                     client.clone(),
                     kube::runtime::events::Reporter {
-                        controller: crate::controllers::jobs::FIELD_MANAGER.into(),
+                        controller: crate::identity::FIELD_MANAGER.into(),
                         instance: Some(args.leader_config().identity),
                     },
                 )),

@@ -8,6 +8,7 @@ pub mod app;
 pub mod cluster;
 pub mod controllers;
 pub mod flags;
+pub mod identity;
 pub mod leader;
 pub mod pki;
 pub mod webhook;

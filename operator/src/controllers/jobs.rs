@@ -30,9 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cluster::live_pod::LivePod;
 use crate::cluster::watch::{Change, SharedWatch};
+use crate::identity::FIELD_MANAGER;
 
-/// The field manager and event reporter of the injector.
-pub const FIELD_MANAGER: &str = "remora-operator";
 /// Reason of the Event set on the pod, and of the stop request.
 pub const EVENT_REASON: &str = "SidecarStopRequested";
 /// What the stop request says it is for.

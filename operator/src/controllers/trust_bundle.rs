@@ -182,7 +182,7 @@ pub async fn run(
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &signing.namespace);
     // The staged root recorded last.
     let mut recorded: Option<String> = None;
-    let params = PatchParams::apply(crate::controllers::lifecycle::FIELD_MANAGER).force();
+    let params = PatchParams::apply(crate::identity::FIELD_MANAGER).force();
     let seen: Seen = Arc::default();
     let wake = Arc::new(Notify::new());
     // The watch ends with this task, however it ends.

@@ -58,14 +58,13 @@ pub use rollout_limiter::RolloutLimiter;
 
 use crate::cluster::live_pod::LivePod;
 use crate::cluster::watch::{Change, SharedWatch};
+use crate::identity::FIELD_MANAGER;
 use context::Ctx;
 use pod_index::PodIndex;
 use reconcile::{error_policy, reconcile, sweep};
 use remora_inject::resolve::ChartDefaults;
 use triggers::{changes, generation, pod_key, pod_settings};
 
-/// The field manager of every server-side apply the controller makes.
-pub const FIELD_MANAGER: &str = "remora-operator";
 /// Pod-template annotation that rolls a workload; its value is the restart
 /// hash the new pods get, so the same rollout is never asked for twice.
 pub const ROLLOUT_ANNOTATION: &str = "remora.dev/restarted-for";

@@ -12,15 +12,16 @@ use remora_crds::{RolloutPolicy, SidecarLifecycle};
 use serde_json::json;
 use tokio::time::Instant;
 
+use super::RESYNC;
 use super::context::Ctx;
 use super::error::ControllerError;
 use super::events::{Decision, decisions};
 use super::retune::{POD_EVENTS, retune};
 use super::rollout::roll;
-use super::{FIELD_MANAGER, RESYNC};
 use crate::controllers::lifecycle::status::{
     Restarts, compute, governed, keep_transition_times, reached, restart_condition, restart_report,
 };
+use crate::identity::FIELD_MANAGER;
 use remora_inject::resolve::LifecycleEntry;
 
 pub(super) fn error_policy(_: Arc<SidecarLifecycle>, err: &ControllerError, _: Arc<Ctx>) -> Action {

@@ -16,11 +16,12 @@ use remora_contract::annotations::INJECT_LABEL;
 use serde_json::json;
 use tokio::time::Instant;
 
+use super::ROLLOUT_ANNOTATION;
 use super::context::{Ctx, pod_ref};
 use super::error::ControllerError;
 use super::events::Decision;
-use super::{FIELD_MANAGER, ROLLOUT_ANNOTATION};
 use crate::controllers::lifecycle::status::{PodInfo, PodOwner, RestartReport, governor};
+use crate::identity::FIELD_MANAGER;
 use remora_inject::patch::STATUS_ANNOTATION;
 use remora_inject::resolve::LifecycleEntry;
 

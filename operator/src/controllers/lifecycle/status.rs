@@ -15,7 +15,9 @@ use remora_contract::lifecycle::LifecycleAnnotation;
 
 use crate::cluster::live_pod::{Labels, LivePod};
 use remora_inject::patch::lifecycle_annotation;
-use remora_inject::resolve::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
+use remora_inject::resolve::{
+    ChartDefaults, EffectiveConfig, Layer, Layers, LifecycleEntry, layers, resolve,
+};
 
 /// What one resource's status and pods are computed from: the resources
 /// of its own namespace, and its pods grouped by namespace, each group
@@ -48,7 +50,7 @@ impl Scope {
         operator_ns: &str,
         pods: impl FnOnce(Option<&str>) -> Vec<(String, Vec<Arc<PodInfo>>)>,
     ) -> Self {
-        let cluster_wide = layer(entry, operator_ns) == Layer::Cluster;
+        let cluster_wide = Layer::of(entry, operator_ns) == Layer::Cluster;
         let mut by_ns: HashMap<String, Vec<LifecycleEntry>> = HashMap::new();
         for e in entries {
             by_ns.entry(e.namespace.clone()).or_default().push(e);
@@ -57,7 +59,7 @@ impl Scope {
             .get(operator_ns)
             .into_iter()
             .flatten()
-            .filter(|e| e.spec.selector.is_none())
+            .filter(|e| Layer::of(e, operator_ns) == Layer::Cluster)
             .cloned()
             .collect();
         let reachable = |ns: &str| -> Vec<LifecycleEntry> {
@@ -101,9 +103,8 @@ pub struct Governed {
 }
 
 /// What the controller needs to know about a pod, all of it metadata: the
-/// pod as the leader's watch stored it, shared with the store, not copied
-/// (a copy of each pod's labels and annotations was a quarter of the
-/// leader's memory).
+/// pod as the leader's watch stored it, shared with the store, not copied:
+/// the leader holds every pod of the cluster once.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PodInfo {
     pod: Arc<LivePod>,
@@ -181,6 +182,11 @@ impl PodInfo {
             })
     }
 
+    /// The resources this pod's settings come from, one per layer.
+    pub fn layers<'a>(&self, all: &'a [LifecycleEntry], operator_ns: &str) -> Layers<'a> {
+        layers(all, operator_ns, self.namespace(), self.labels())
+    }
+
     /// The settings this pod should run with now.
     pub fn effective(
         &self,
@@ -197,49 +203,6 @@ impl PodInfo {
             self.annotations(),
         )
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Layer {
-    Cluster,
-    Namespace,
-    Workload,
-}
-
-fn layer(e: &LifecycleEntry, operator_ns: &str) -> Layer {
-    match &e.spec.selector {
-        Some(_) => Layer::Workload,
-        None if e.namespace == operator_ns => Layer::Cluster,
-        None => Layer::Namespace,
-    }
-}
-
-fn applies(e: &LifecycleEntry, l: Layer, pod: &PodInfo, operator_ns: &str) -> bool {
-    match l {
-        Layer::Cluster => true,
-        // The operator's namespace gets the cluster default once, as in `resolve`.
-        Layer::Namespace => pod.namespace() == e.namespace && pod.namespace() != operator_ns,
-        Layer::Workload => {
-            pod.namespace() == e.namespace
-                && e.spec
-                    .selector
-                    .as_ref()
-                    .is_some_and(|s| s.matches(pod.labels()))
-        }
-    }
-}
-
-fn label(e: &LifecycleEntry, l: Layer) -> String {
-    let layer = match l {
-        Layer::Cluster => "cluster",
-        Layer::Namespace => "namespace",
-        Layer::Workload => "workload",
-    };
-    format!("{layer}:{}/{}", e.namespace, e.name)
-}
-
-fn age_key(e: &LifecycleEntry) -> (bool, Option<String>, String) {
-    (e.created.is_none(), e.created.clone(), e.name.clone())
 }
 
 fn cond(
@@ -269,28 +232,19 @@ pub fn compute(
     previous: Option<&SidecarLifecycleStatus>,
     now: Time,
 ) -> SidecarLifecycleStatus {
-    let l = layer(entry, operator_ns);
-    let me = age_key(entry);
-    let mine = label(entry, l);
+    let l = Layer::of(entry, operator_ns);
+    let mine = entry.source(l);
     let (mut matched, mut applied) = (0i32, 0i32);
     let mut winners: BTreeMap<String, usize> = BTreeMap::new();
     for group in &scope.groups {
-        let rivals: Vec<&LifecycleEntry> = group
-            .entries
-            .iter()
-            .filter(|o| layer(o, operator_ns) == l)
-            .collect();
         for pod in group
             .pods
             .iter()
-            .filter(|p| applies(entry, l, p, operator_ns))
+            .filter(|p| entry.reaches(operator_ns, p.namespace(), p.labels()))
         {
-            let winner = rivals
-                .iter()
-                .filter(|o| applies(o, l, pod, operator_ns))
-                .min_by_key(|o| age_key(o));
+            let winner = pod.layers(&group.entries, operator_ns).get(l);
             match winner {
-                Some(w) if age_key(w) < me => *winners.entry(w.name.clone()).or_default() += 1,
+                Some(w) if w.wins_over(entry) => *winners.entry(w.name.clone()).or_default() += 1,
                 _ => {
                     matched = matched.saturating_add(1);
                     if pod
@@ -306,7 +260,7 @@ pub fn compute(
     // Two selector-less resources of one namespace always overlap.
     if l != Layer::Workload {
         for o in scope.own.iter().filter(|o| {
-            o.namespace == entry.namespace && layer(o, operator_ns) == l && age_key(o) < me
+            o.namespace == entry.namespace && Layer::of(o, operator_ns) == l && o.wins_over(entry)
         }) {
             winners.entry(o.name.clone()).or_default();
         }
@@ -433,7 +387,7 @@ pub fn refreshed_lifecycle(current: &str, cfg: &EffectiveConfig) -> Option<Strin
 /// Whether `entry` takes part in `pod`'s settings (at its own layer; an
 /// older resource of the same layer may still win).
 pub fn reaches(entry: &LifecycleEntry, pod: &PodInfo, operator_ns: &str) -> bool {
-    applies(entry, layer(entry, operator_ns), pod, operator_ns)
+    entry.reaches(operator_ns, pod.namespace(), pod.labels())
 }
 
 /// The resource that decides for `pod` whether it is restarted: the winner
@@ -443,13 +397,7 @@ pub fn governor<'a>(
     pod: &PodInfo,
     operator_ns: &str,
 ) -> Option<&'a LifecycleEntry> {
-    [Layer::Workload, Layer::Namespace, Layer::Cluster]
-        .into_iter()
-        .find_map(|l| {
-            all.iter()
-                .filter(|e| layer(e, operator_ns) == l && applies(e, l, pod, operator_ns))
-                .min_by_key(|e| age_key(e))
-        })
+    pod.layers(all, operator_ns).strongest().map(|(_, e)| e)
 }
 
 /// The injected pods `entry` governs (see [`governor`]), each with the
