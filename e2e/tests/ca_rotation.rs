@@ -245,8 +245,8 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
 /// staged root, and the switch comes `settle` after that record (item 10).
 #[tokio::test]
 async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> anyhow::Result<()> {
-    use e2e::operator::Options;
     use e2e::node::workload_ca::{CaClient, csr, token};
+    use e2e::operator::Options;
     use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
     use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
     use remora_contract::workload_ca::{TOKEN_AUDIENCE, TRUST_BUNDLE_CONFIGMAP, TRUST_BUNDLE_KEY};

@@ -42,8 +42,9 @@ fn root() -> PathBuf {
 fn docs(root: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(root).expect("reading the repository root") {
-        let p = e.expect("a root entry").path();
-        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        let e = e.expect("a root entry");
+        let p = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
         if p.is_file() && name.ends_with(".md") {
             out.push(p);
         } else if p.is_dir() && !SKIP_DIRS.contains(&name.as_str()) && !name.starts_with('.') {
@@ -69,7 +70,10 @@ fn tree(root: &Path) -> BTreeSet<String> {
             if SKIP_DIRS.contains(&name.as_str()) {
                 continue;
             }
-            let rel = p.strip_prefix(root).unwrap().to_string_lossy().replace('\\', "/");
+            let Ok(rel) = p.strip_prefix(root) else {
+                continue;
+            };
+            let rel = rel.to_string_lossy().replace('\\', "/");
             let is_dir = p.is_dir();
             out.insert(rel);
             if is_dir {
@@ -113,7 +117,10 @@ fn spans(text: &str) -> Vec<(usize, String)> {
             if let Some(end) = s.find(')') {
                 let target = &s[..end];
                 if !target.contains("://") && !target.starts_with('#') && !target.is_empty() {
-                    out.push((i + 1, target.split('#').next().unwrap().to_owned()));
+                    out.push((
+                        i + 1,
+                        target.split('#').next().unwrap_or_default().to_owned(),
+                    ));
                 }
                 s = &s[end..];
             }
@@ -159,15 +166,15 @@ fn clean(token: &str) -> Option<(String, Option<Vec<String>>)> {
                 .split("::")
                 .map(str::to_owned)
                 .collect();
-            let idents = segments.iter().all(|s| {
-                !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-            });
+            let idents = segments
+                .iter()
+                .all(|s| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
             (p, idents.then_some(segments))
         }
         None => (t, None),
     };
     // path:line, path#anchor.
-    let path = path.split('#').next().unwrap();
+    let path = path.split('#').next().unwrap_or_default();
     let path = match path.rsplit_once(':') {
         Some((p, line)) if line.chars().all(|c| c.is_ascii_digit() || c == '-') => p,
         _ => path,
@@ -209,7 +216,10 @@ fn judge(
         } else if path.contains('/') && has_source_ext(path) {
             // Relative to something: the end of some path.
             let suffix = format!("/{path}");
-            tree.iter().filter(|p| p.ends_with(&suffix)).cloned().collect()
+            tree.iter()
+                .filter(|p| p.ends_with(&suffix))
+                .cloned()
+                .collect()
         } else if item.is_some()
             && !path.contains('/')
             && (path.ends_with(".rs") || !path.contains('.'))
@@ -260,17 +270,19 @@ fn judge(
 
 /// Whether `text` defines an item `name` (a fn, module, type, const...).
 fn defines(text: &str, name: &str) -> bool {
-    ["fn", "mod", "struct", "enum", "const", "static", "type", "trait"]
-        .iter()
-        .any(|kind| {
-            let needle = format!("{kind} {name}");
-            text.match_indices(&needle).any(|(at, _)| {
-                let before = text[..at].chars().next_back();
-                let after = text[at + needle.len()..].chars().next();
-                !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
-                    && !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
-            })
+    [
+        "fn", "mod", "struct", "enum", "const", "static", "type", "trait",
+    ]
+    .iter()
+    .any(|kind| {
+        let needle = format!("{kind} {name}");
+        text.match_indices(&needle).any(|(at, _)| {
+            let before = text[..at].chars().next_back();
+            let after = text[at + needle.len()..].chars().next();
+            !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
+                && !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
         })
+    })
 }
 
 #[test]
@@ -279,7 +291,12 @@ fn every_path_the_docs_name_exists() {
     let tree = tree(&root);
     let top: BTreeSet<String> = tree.iter().filter(|p| !p.contains('/')).cloned().collect();
     let docs = docs(&root);
-    for want in ["README.md", "SECURITY.md", "operator/README.md", "e2e/README.md"] {
+    for want in [
+        "README.md",
+        "SECURITY.md",
+        "operator/README.md",
+        "e2e/README.md",
+    ] {
         assert!(
             docs.contains(&root.join(want)),
             "{want} is not among the docs checked: {docs:?}"
@@ -288,7 +305,11 @@ fn every_path_the_docs_name_exists() {
     let mut wrong = Vec::new();
     let mut checked = 0;
     for doc in &docs {
-        let rel = doc.strip_prefix(&root).unwrap().to_string_lossy().into_owned();
+        let rel = doc
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
         let doc_dir = rel.rsplit_once('/').map_or("", |(d, _)| d);
         let text = std::fs::read_to_string(doc).unwrap();
         for (line, span) in spans(&text) {
@@ -300,7 +321,10 @@ fn every_path_the_docs_name_exists() {
             }
         }
     }
-    assert!(checked > 100, "only {checked} tokens seen: is the parser broken?");
+    assert!(
+        checked > 100,
+        "only {checked} tokens seen: is the parser broken?"
+    );
     assert!(
         wrong.is_empty(),
         "the docs name {} path(s) or test(s) that do not exist:\n{}",
@@ -357,14 +381,30 @@ fn the_checker_reads_paths_and_tests_out_of_markdown() {
         judge("", "e2e/tests/docs.rs::every_path_the_docs_name_exists"),
         None
     );
-    assert_eq!(judge("", "docs.rs::the_checker_reads_paths_and_tests_out_of_markdown"), None);
+    assert_eq!(
+        judge(
+            "",
+            "docs.rs::the_checker_reads_paths_and_tests_out_of_markdown"
+        ),
+        None
+    );
     assert_eq!(judge("e2e", "tests/docs.rs"), None);
     assert!(judge("", "e2e/tests/nowhere.rs").is_some());
     assert!(judge("", "e2e/tests/docs.rs::no_such_test").is_some());
-    assert!(judge("", "injector/src/mutate.rs").is_some(), "a moved file");
-    assert!(judge("", "src/mutate.rs").is_some(), "a moved file, relative");
+    assert!(
+        judge("", "injector/src/mutate.rs").is_some(),
+        "a moved file"
+    );
+    assert!(
+        judge("", "src/mutate.rs").is_some(),
+        "a moved file, relative"
+    );
     assert_eq!(judge("", "remora_contract::workload_ca::PORT"), None);
-    assert_eq!(judge("", "node::workloads"), None, "a module in its own file");
+    assert_eq!(
+        judge("", "node::workloads"),
+        None,
+        "a module in its own file"
+    );
     assert!(judge("", "node::no_such_module").is_some());
     assert_eq!(judge("", "remora.dev/inject"), None);
 }
