@@ -74,7 +74,7 @@ fn workload_api(client: &Client, ns: &str, kind: &str) -> Api<DynamicObject> {
     Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
 }
 
-/// The rollout's write (operator/src/controller/rollout.rs).
+/// The rollout's write (operator/src/controllers/lifecycle/rollout.rs).
 async fn roll(client: &Client, ns: &str, kind: &str, name: &str, hash: &str) -> kube::Result<()> {
     let patch = Patch::Apply(json!({
         "apiVersion": "apps/v1",

@@ -6,7 +6,7 @@
 //! namespace-wide < workload selector, one winner per layer (the oldest,
 //! then the name), and the CRD's status (matchedPods, Accepted, Conflicted,
 //! Applied, RestartRequired). Written apart from the operator's code
-//! (operator/src/status.rs): the point is to check it, not to replay it.
+//! (operator/src/controllers/lifecycle/status.rs): the point is to check it, not to replay it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
