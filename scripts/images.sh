@@ -21,7 +21,7 @@
 # (images/istio-proxy; the binary from scripts/build-pilot-agent.sh), the
 # peer contender of the lifecycle benchmark.
 #
-# Usage: scripts/images.sh [--build-only] [pause|agent|injector|test-app|envoy|istio-proxy ...]
+# Usage: scripts/images.sh [--build-only] [pause|agent|operator|test-app|envoy|istio-proxy ...]
 #            build (default: all but istio-proxy) and import; --build-only:
 #            write the OCI archives, import nothing
 #        scripts/images.sh static NAME BINARY [ARGS...]
@@ -136,11 +136,11 @@ WANT=()
 for arg in "$@"; do
   case "$arg" in
     --build-only) BUILD_ONLY=1 ;;
-    pause | agent | injector | test-app | envoy | istio-proxy) WANT+=("$arg") ;;
-    *) echo "images: unknown argument $arg (usage: images.sh [--build-only] [pause|agent|injector|test-app|envoy|istio-proxy ...])" >&2; exit 2 ;;
+    pause | agent | operator | test-app | envoy | istio-proxy) WANT+=("$arg") ;;
+    *) echo "images: unknown argument $arg (usage: images.sh [--build-only] [pause|agent|operator|test-app|envoy|istio-proxy ...])" >&2; exit 2 ;;
   esac
 done
-((${#WANT[@]})) || WANT=(pause agent injector test-app envoy)
+((${#WANT[@]})) || WANT=(pause agent operator test-app envoy)
 
 command -v buildah >/dev/null || die "buildah not found: scripts/setup.sh installs it (apt)"
 command -v gcc >/dev/null || die "gcc not found (apt-get install gcc libc6-dev)"
@@ -175,7 +175,7 @@ cargo_args=()
 for img in "${WANT[@]}"; do
   case "$img" in
     agent) cargo_args+=(-p remora-agent --bin remora-agent) ;;
-    injector) cargo_args+=(-p remora-operator --bin remora-operator) ;;
+    operator) cargo_args+=(-p remora-operator --bin remora-operator) ;;
     test-app) cargo_args+=(-p e2e --bin test-app) ;;
   esac
 done
@@ -272,10 +272,10 @@ for img in "${WANT[@]}"; do
       bud "$REPO/remora-agent:$TAG" "$ROOT/agent/Dockerfile" "$ROOT" \
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "ENVOY_IMAGE=$ENVOY_IMAGE"
       archive "$REPO/remora-agent:$TAG" agent ;;
-    injector)
+    operator)
       bud "$REPO/remora-operator:$TAG" "$ROOT/operator/Dockerfile" "$ROOT" \
         --build-arg BINARY_FROM=prebuilt --build-context "bin=$BIN" --build-arg "RUNTIME_IMAGE=$BASE_IMAGE"
-      archive "$REPO/remora-operator:$TAG" injector ;;
+      archive "$REPO/remora-operator:$TAG" operator ;;
     envoy)
       # Envoy alone: the agent's base, and the plain-Envoy sidecar the
       # lifecycle bench compares with.

@@ -195,7 +195,7 @@ pub async fn install_crds(client: &Client) -> Result<Vec<String>, Error> {
     Ok(names)
 }
 
-/// The chart's objects that make up the injector's identity and its
+/// The chart's objects that make up the operator's identity and its
 /// admission wiring: its ServiceAccount and RBAC, its webhook
 /// configuration, the admission policy that holds it to Remora's fields.
 pub const IDENTITY_KINDS: [&str; 8] = [
@@ -217,7 +217,7 @@ pub type ClusterScoped = (Api<DynamicObject>, String);
 /// MutatingWebhookConfiguration is first narrowed to `namespace`, which the
 /// chart excludes, so the API server never calls it: tests that need the
 /// chart's webhook configuration as an object do not make pods elsewhere
-/// wait on an injector that is not there. Returns the cluster-scoped objects.
+/// wait on an operator that is not there. Returns the cluster-scoped objects.
 pub async fn apply(
     client: &Client,
     namespace: &str,

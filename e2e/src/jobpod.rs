@@ -214,7 +214,7 @@ impl Bridge {
 }
 
 /// The env of a container on this host: literal values, and the downward-API
-/// fields the injector uses.
+/// fields the operator uses.
 fn container_env(c: &Container, ns: &str, pod: &str) -> Vec<(String, String)> {
     c.env
         .iter()
@@ -562,13 +562,13 @@ async fn drive(
 }
 
 /// A namespace labelled for injection, `remora-operator serve` running
-/// against it with `injector_args` ([`crate::webhook::Setup`]), and a fake
+/// against it with `operator_args` ([`crate::webhook::Setup`]), and a fake
 /// node to bind pods to.
 pub struct JobsEnv {
     pub client: Client,
     pub namespace: String,
     pub kubelet: FakeKubelet,
-    /// The namespaces, the injector and its webhook configuration.
+    /// The namespaces, the operator and its webhook configuration.
     pub setup: crate::webhook::Setup,
 }
 
@@ -578,7 +578,7 @@ pub enum EnvError {
     ControlPlane(#[from] crate::controlplane::Error),
     #[error(transparent)]
     Kube(#[from] kube::Error),
-    #[error("setting up the injector as a webhook: {0}")]
+    #[error("setting up the operator as a webhook: {0}")]
     Setup(#[from] crate::webhook::SetupError),
 }
 
@@ -586,10 +586,10 @@ impl JobsEnv {
     pub async fn start(
         cp: &crate::controlplane::ControlPlane,
         prefix: &str,
-        injector_args: &[&str],
+        operator_args: &[&str],
     ) -> Result<Self, EnvError> {
         let client = cp.client()?;
-        // Before the injector starts, with a kubelet version: the injector's
+        // Before the operator starts, with a kubelet version: the operator's
         // `Auto`/`Native` decision reads the nodes' kubelet versions, and an
         // unversioned node would turn Native requests into Legacy.
         let kubelet = FakeKubelet::register(client.clone(), "jobs-node").await?;
@@ -605,7 +605,7 @@ impl JobsEnv {
                 }}})),
             )
             .await?;
-        let args: Vec<String> = injector_args.iter().map(|s| (*s).to_owned()).collect();
+        let args: Vec<String> = operator_args.iter().map(|s| (*s).to_owned()).collect();
         let setup = crate::webhook::Setup::with(prefix, "Fail", |o| o.args = args).await?;
         Ok(Self {
             client,

@@ -1,6 +1,6 @@
 //! End-to-end harness: a test app, a load generator, workload certificates,
 //! remora-agent and pilot-agent side by side on the host, the control plane,
-//! the injector as a process, the chart rendered by helm, and the real
+//! the operator as a process, the chart rendered by helm, and the real
 //! single-node cluster with Remora installed by helm.
 
 pub mod agentbench;
@@ -8,10 +8,10 @@ pub mod certs;
 pub mod chart;
 pub mod controlplane;
 pub mod hostile;
-pub mod injector;
 pub mod jobpod;
 pub mod load;
 pub mod node;
+pub mod operator;
 pub mod podrunner;
 pub mod scale;
 pub mod scale_run;

@@ -88,7 +88,7 @@ pub struct Load {
     pub pods_per_workload: usize,
     /// Names the load's objects and is the value of [`RUN_LABEL`].
     pub run: String,
-    /// Where the cluster default lives: the injector's own namespace.
+    /// Where the cluster default lives: the operator's own namespace.
     pub operator_namespace: String,
     /// Requests in flight at once: the API server and etcd share the cores
     /// with the client, so more only queues.
@@ -504,7 +504,7 @@ impl Populated {
 }
 
 /// The SidecarLifecycle API (untyped: the e2e crate does not depend on the
-/// injector's types).
+/// operator's types).
 pub fn lifecycle_resource() -> ApiResource {
     ApiResource::from_gvk(&GroupVersionKind::gvk(
         "remora.dev",

@@ -1,8 +1,8 @@
-//! The injector registered as the API server's mutating webhook, for tests
+//! The operator registered as the API server's mutating webhook, for tests
 //! on the shared control plane.
 //!
 //! The webhook configuration is the chart's own (`helm template`), with
-//! `clientConfig.service` swapped for `clientConfig.url` to the injector
+//! `clientConfig.service` swapped for `clientConfig.url` to the operator
 //! running as a local process (no Service network here) and, so that tests
 //! running in parallel on one API server do not see each other's webhooks,
 //! one more namespaceSelector term: the test's own namespaces.
@@ -19,7 +19,7 @@ use kube::{Api, Client};
 use serde_json::json;
 
 use crate::controlplane::{ControlPlane, wait_until};
-use crate::injector::{Injector, Options};
+use crate::operator::{Operator, Options};
 
 pub const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -28,7 +28,7 @@ pub enum SetupError {
     #[error(transparent)]
     ControlPlane(#[from] crate::controlplane::Error),
     #[error(transparent)]
-    Injector(#[from] crate::injector::Error),
+    Operator(#[from] crate::operator::Error),
     #[error(transparent)]
     Chart(#[from] crate::chart::Error),
     #[error(transparent)]
@@ -39,7 +39,7 @@ pub enum SetupError {
     TempDir(#[from] std::io::Error),
     #[error("the chart's MutatingWebhookConfiguration: {0}")]
     Webhooks(&'static str),
-    #[error("{source}; the injector's log ends with:\n{log}")]
+    #[error("{source}; the operator's log ends with:\n{log}")]
     NotEffective {
         source: crate::controlplane::Error,
         log: String,
@@ -111,11 +111,11 @@ pub async fn label_namespace(
     Ok(())
 }
 
-/// The chart's MutatingWebhookConfiguration, pointed at `injector` and
+/// The chart's MutatingWebhookConfiguration, pointed at `operator` and
 /// limited to `namespaces`.
 pub fn webhook_config(
     name: &str,
-    injector: &Injector,
+    operator: &Operator,
     namespaces: &[&str],
     failure_policy: &str,
 ) -> Result<MutatingWebhookConfiguration, SetupError> {
@@ -133,8 +133,8 @@ pub fn webhook_config(
     }
     for w in mwc.webhooks.iter_mut().flatten() {
         w.client_config.service = None;
-        w.client_config.url = Some(injector.url());
-        w.client_config.ca_bundle = Some(ByteString(injector.ca_pem().as_bytes().to_vec()));
+        w.client_config.url = Some(operator.url());
+        w.client_config.ca_bundle = Some(ByteString(operator.ca_pem().as_bytes().to_vec()));
         let sel = w.namespace_selector.get_or_insert_with(Default::default);
         sel.match_expressions
             .get_or_insert_with(Vec::new)
@@ -147,14 +147,14 @@ pub fn webhook_config(
     Ok(mwc)
 }
 
-/// Two injector replicas with a self-managed CA sharing the Secret
+/// Two operator replicas with a self-managed CA sharing the Secret
 /// `secret` in `ns`, behind one webhook configuration (failurePolicy Fail)
 /// whose first webhook calls `a` and second calls `b`: every pod creation
 /// in `ns` passes through both. `lifetimes` are the extra flags (certificate
 /// validities, resync and reload intervals).
 pub struct SelfManagedPair {
-    pub a: Injector,
-    pub b: Injector,
+    pub a: Operator,
+    pub b: Operator,
     pub mwc_name: String,
     _dirs: tempfile::TempDir,
 }
@@ -192,8 +192,8 @@ impl SelfManagedPair {
             .collect();
             o
         };
-        let a = Injector::start(cp.kubeconfig(), replica("a")).await?;
-        let b = Injector::start(cp.kubeconfig(), replica("b")).await?;
+        let a = Operator::start(cp.kubeconfig(), replica("a")).await?;
+        let b = Operator::start(cp.kubeconfig(), replica("b")).await?;
         let mut mwc = webhook_config(&mwc_name, &a, &[ns], "Fail")?;
         if let Some(second) = mwc.webhooks.as_mut().and_then(|w| w.get_mut(1)) {
             second.client_config.url = Some(b.url());
@@ -220,12 +220,12 @@ impl SelfManagedPair {
 }
 
 /// A test's world: namespaces (the first labelled `remora.dev/inject=enabled`,
-/// the second not), the injector, the chart's webhook configuration.
+/// the second not), the operator, the chart's webhook configuration.
 pub struct Setup {
     pub client: Client,
     pub enabled: String,
     pub plain: String,
-    pub injector: Injector,
+    pub operator: Operator,
     pub mwc: String,
 }
 
@@ -234,7 +234,7 @@ impl Setup {
         Self::with(prefix, failure_policy, |_| {}).await
     }
 
-    /// As [`Setup::new`], with the injector's options adjusted by `customize`
+    /// As [`Setup::new`], with the operator's options adjusted by `customize`
     /// (they start as `Options::new(<enabled namespace>)`).
     pub async fn with(
         prefix: &str,
@@ -250,15 +250,15 @@ impl Setup {
         let plain = cp
             .create_namespace(&client, &format!("{prefix}-off"))
             .await?;
-        // Before the injector starts: its first listing then has the label.
+        // Before the operator starts: its first listing then has the label.
         label_namespace(&client, &enabled, "remora.dev/inject", "enabled").await?;
         // Its operator namespace is the test's, so a cluster default
         // SidecarLifecycle of another test never reaches it.
         let mut options = Options::new(&enabled);
         customize(&mut options);
-        let injector = Injector::start(cp.kubeconfig(), options).await?;
+        let operator = Operator::start(cp.kubeconfig(), options).await?;
         let mwc = format!("remora-e2e-{enabled}");
-        let config = webhook_config(&mwc, &injector, &[&enabled, &plain], failure_policy)?;
+        let config = webhook_config(&mwc, &operator, &[&enabled, &plain], failure_policy)?;
         Api::<MutatingWebhookConfiguration>::all(client.clone())
             .create(&PostParams::default(), &config)
             .await?;
@@ -266,7 +266,7 @@ impl Setup {
             client,
             enabled,
             plain,
-            injector,
+            operator,
             mwc,
         };
         me.wait_effective().await?;
@@ -290,7 +290,7 @@ impl Setup {
         .await;
         res.map(|_| ()).map_err(|source| SetupError::NotEffective {
             source,
-            log: self.injector.log_tail(),
+            log: self.operator.log_tail(),
         })
     }
 

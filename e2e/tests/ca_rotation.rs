@@ -1,5 +1,5 @@
 //! The self-managed CA rotates while the API server keeps calling: two
-//! injector replicas share one Secret, the webhook configuration sends every
+//! operator replicas share one Secret, the webhook configuration sends every
 //! pod creation through both (failurePolicy Fail), and the CA lives 60 s
 //! (staged at 40 s, switched once the caBundle holds both roots, the old
 //! root retired 10 s later). No pod creation may be refused; both replicas
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, wait_until};
-use e2e::injector::Injector;
+use e2e::operator::Operator;
 use e2e::webhook::{SelfManagedPair, label_namespace, pod};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -46,7 +46,7 @@ fn bundles(m: &MutatingWebhookConfiguration) -> Vec<Vec<u8>> {
 
 /// Whether both replicas serve a certificate `root` signed (a handshake
 /// that trusts only `root`).
-async fn both_serve(replicas: &[&Injector], root: &str) -> bool {
+async fn both_serve(replicas: &[&Operator], root: &str) -> bool {
     for r in replicas {
         if connect(r.addr(), "127.0.0.1", root).await.is_err() {
             return false;
@@ -245,8 +245,8 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
 /// staged root, and the switch comes `settle` after that record (item 10).
 #[tokio::test]
 async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> anyhow::Result<()> {
-    use e2e::injector::Options;
     use e2e::node::workload_ca::{CaClient, csr, token};
+    use e2e::operator::Options;
     use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
     use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
     use remora_contract::workload_ca::{TOKEN_AUDIENCE, TRUST_BUNDLE_CONFIGMAP, TRUST_BUNDLE_KEY};
@@ -270,8 +270,8 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    let injector = Injector::start(cp.kubeconfig(), options).await?;
-    let logs = || injector.log_tail();
+    let operator = Operator::start(cp.kubeconfig(), options).await?;
+    let logs = || operator.log_tail();
 
     let cms = Api::<ConfigMap>::namespaced(admin.clone(), &work);
     // The bundle key, when it is in `data` alone.
@@ -404,7 +404,7 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
     assert_eq!(sent.as_deref(), Some(bundle.as_str()), "{}", logs());
     assert!(!bundle.contains(evil_root.trim()));
     assert!(
-        injector
+        operator
             .log_text()
             .contains("changed or deleted by someone else"),
         "{}",
@@ -465,7 +465,7 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
         switched_at.saturating_sub(recorded_at)
     );
 
-    drop(injector);
+    drop(operator);
     cp.delete_namespace(&admin, &work).await?;
     cp.delete_namespace(&admin, &op).await?;
     Ok(())

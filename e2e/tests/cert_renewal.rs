@@ -1,5 +1,5 @@
 //! The self-managed serving certificate is renewed from the stored CA while
-//! the API server keeps calling: two injector replicas share one Secret,
+//! the API server keeps calling: two operator replicas share one Secret,
 //! the webhook configuration sends every pod creation through both, and
 //! the serving certificate lives 30 s (renewed at 20 s), so the run sees
 //! two renewals. No pod creation may be refused.

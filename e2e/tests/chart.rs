@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use e2e::controlplane::{ControlPlane, wait_until};
-use e2e::injector::{Injector, Options};
+use e2e::operator::{Operator, Options};
 use e2e::webhook::every_ca_bundle_is;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -213,7 +213,7 @@ async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<(
     // No self-managed Secret, so no RBAC on Secrets.
     let role = find(&objects, "Role")?;
     assert!(!role.to_string().contains("secrets"), "{role:#}");
-    // Nor may the injector write a Secret or its webhook configuration
+    // Nor may the operator write a Secret or its webhook configuration
     // under the admission policy: cert-manager does both.
     let vap = find(&objects, "ValidatingAdmissionPolicy")?;
     let writes = vap["spec"]["validations"][0]["expression"]
@@ -273,7 +273,7 @@ fn env_value<'a>(objects: &'a [Value], name: &str) -> anyhow::Result<Option<&'a 
 }
 
 /// The rights on workloads come with rollouts.automatic only (off by
-/// default), in RBAC and in the admission policy, and the injector is told.
+/// default), in RBAC and in the admission policy, and the operator is told.
 #[test]
 fn workload_rights_only_with_automatic_rollouts() -> anyhow::Result<()> {
     let off = e2e::chart::render("remora", "remora-system", &[])?;
@@ -405,7 +405,7 @@ fn the_policy_cannot_be_silently_off_and_guards_excluded_namespaces() -> anyhow:
     Ok(())
 }
 
-/// With workloadCA.enabled the injector serves the CA on 15012 (its
+/// With workloadCA.enabled the operator serves the CA on 15012 (its
 /// Deployment, Service and NetworkPolicy say so) and gets exactly the rights
 /// the CA needs, in RBAC and in the admission policy; the API server accepts
 /// every object, in both certificate modes.
@@ -539,13 +539,13 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
 }
 
 /// The chart's RBAC is enough for `remora-operator serve` in selfManaged
-/// mode: the injector runs as the chart's ServiceAccount (a real token from
+/// mode: the operator runs as the chart's ServiceAccount (a real token from
 /// TokenRequest), lists and watches what it needs, creates its TLS Secret,
 /// patches its CA into the chart's webhook configuration and writes
 /// SidecarLifecycle status and Events, with no request refused by RBAC or by
 /// the chart's ValidatingAdmissionPolicy.
 #[tokio::test]
-async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
+async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     let cp = ControlPlane::shared().await?;
     let Some(pki) = cp.pki() else {
         // A real cluster's CA is not at hand as a file; the rest of the
@@ -561,7 +561,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     let objects = e2e::chart::render(&release, &ns, &["webhook.failurePolicy=Ignore"])?;
     e2e::chart::install_crds(&client).await?;
     let name = format!("{release}-remora-operator");
-    // With the admission policy: every write the injector makes must pass it.
+    // With the admission policy: every write the operator makes must pass it.
     let cluster_scoped = e2e::chart::apply(
         &client,
         &ns,
@@ -570,24 +570,24 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     )
     .await?;
     let token = e2e::controlplane::service_account_token(&client, &ns, &name).await?;
-    // Start the injector only once the policy judges it, so that its writes
+    // Start the operator only once the policy judges it, so that its writes
     // below are shown to pass the policy, not to precede it.
-    let as_injector = Api::<MutatingWebhookConfiguration>::all(cp.client_with_token(&token)?);
+    let as_operator = Api::<MutatingWebhookConfiguration>::all(cp.client_with_token(&token)?);
     let retime = Patch::Json::<()>(serde_json::from_value(serde_json::json!(
         [{"op": "replace", "path": "/webhooks/0/timeoutSeconds", "value": 29}]))?);
     let dry_run = PatchParams::default().dry_run();
-    e2e::chart::wait_until_policy_refuses(&name, || as_injector.patch(&name, &dry_run, &retime))
+    e2e::chart::wait_until_policy_refuses(&name, || as_operator.patch(&name, &dry_run, &retime))
         .await?;
     let dir = tempfile::tempdir()?;
-    let kubeconfig = dir.path().join("injector.kubeconfig");
+    let kubeconfig = dir.path().join("operator.kubeconfig");
     let kc = serde_json::json!({
         "apiVersion": "v1", "kind": "Config",
         "clusters": [{"name": "e2e", "cluster": {
             "server": cp.server_url(),
             "certificate-authority": pki.ca_cert}}],
-        "users": [{"name": "injector", "user": {"token": token}}],
-        "contexts": [{"name": "injector", "context": {"cluster": "e2e", "user": "injector"}}],
-        "current-context": "injector",
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "e2e", "user": "operator"}}],
+        "current-context": "operator",
     });
     std::fs::write(&kubeconfig, serde_json::to_vec(&kc)?)?;
 
@@ -610,8 +610,8 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         "--retry-period".into(),
         "500ms".into(),
     ];
-    let injector = Injector::start(&kubeconfig, options.clone()).await?;
-    let log = || injector.log_tail();
+    let operator = Operator::start(&kubeconfig, options.clone()).await?;
+    let log = || operator.log_tail();
 
     // Its Secret, its caBundle, a status written.
     let secret = Api::<Secret>::namespaced(client.clone(), &ns)
@@ -620,7 +620,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         .with_context(log)?;
     assert!(secret.data.is_some_and(|d| !d.is_empty()));
     let mwc_api = Api::<MutatingWebhookConfiguration>::all(client.clone());
-    wait_until("caBundle patched by the injector", DEADLINE, || async {
+    wait_until("caBundle patched by the operator", DEADLINE, || async {
         let mwc = mwc_api.get(&name).await?;
         let all = mwc.webhooks.unwrap_or_default().iter().all(|w| {
             w.client_config
@@ -741,15 +741,15 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     })
     .await
     .with_context(log)?;
-    let text = injector.log_tail();
+    let text = operator.log_tail();
     assert!(
         !text.to_lowercase().contains("forbidden"),
-        "the injector was refused something:\n{text}"
+        "the operator was refused something:\n{text}"
     );
 
-    // What `helm upgrade` would render now keeps the injector's caBundle
+    // What `helm upgrade` would render now keeps the operator's caBundle
     // (the template looks it up), so an upgrade never blanks it, which with
-    // failurePolicy Fail would refuse pods until the injector patched it again.
+    // failurePolicy Fail would refuse pods until the operator patched it again.
     let live = mwc_api.get(&name).await?;
     let ca = live
         .webhooks
@@ -765,7 +765,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     }
 
     // A GitOps apply of the chart as rendered without a cluster
-    // (`helm template | kubectl apply`) blanks the caBundle; the injector
+    // (`helm template | kubectl apply`) blanks the caBundle; the operator
     // watches its configuration and puts it back at once (it used to
     // look every 60 s).
     let blank = serde_json::from_value(serde_json::json!([
@@ -784,7 +784,7 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     .with_context(log)?;
 
     // Stopped (SIGTERM), it released the Lease with the same rights.
-    drop(injector);
+    drop(operator);
     let released = leases.get(&name).await?;
     assert_eq!(
         released.spec.and_then(|s| s.holder_identity),
@@ -804,8 +804,8 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
             &Patch::Merge(&broken),
         )
         .await?;
-    let injector = Injector::start(&kubeconfig, options).await?;
-    let log = || injector.log_tail();
+    let operator = Operator::start(&kubeconfig, options).await?;
+    let log = || operator.log_tail();
     let repaired = wait_until("the Secret repaired", DEADLINE, || async {
         let s = secrets.get(&format!("{name}-tls")).await?;
         let data = s.data.unwrap_or_default();
@@ -825,13 +825,13 @@ async fn injector_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     })
     .await
     .with_context(log)?;
-    let text = injector.log_tail();
+    let text = operator.log_tail();
     assert!(text.contains("unusable; replacing them"), "{text}");
     assert!(
         !text.to_lowercase().contains("forbidden"),
-        "the injector was refused something:\n{text}"
+        "the operator was refused something:\n{text}"
     );
-    drop(injector);
+    drop(operator);
 
     for (api, n) in cluster_scoped {
         api.delete(&n, &Default::default()).await?;
@@ -859,7 +859,7 @@ fn webhook_peers(sets: &[&str]) -> anyhow::Result<Value> {
 async fn network_policy_admits_only_the_api_servers() -> anyhow::Result<()> {
     use serde_json::json;
     // The pod network alone: any address of its families but the pods'.
-    let pods = ["injector.networkPolicy.podCIDRs={10.244.0.0/16,fd00:10::/56}"];
+    let pods = ["operator.networkPolicy.podCIDRs={10.244.0.0/16,fd00:10::/56}"];
     assert_eq!(
         webhook_peers(&pods)?,
         json!([
@@ -869,8 +869,8 @@ async fn network_policy_admits_only_the_api_servers() -> anyhow::Result<()> {
     );
     // The API servers by address; the pods are taken out only where they lie.
     let named = [
-        "injector.networkPolicy.apiServerCIDRs={10.99.0.1/32,10.0.0.0/8,192.168.0.0/24,::/0}",
-        "injector.networkPolicy.podCIDRs={10.244.0.0/16,fd00:10::/56}",
+        "operator.networkPolicy.apiServerCIDRs={10.99.0.1/32,10.0.0.0/8,192.168.0.0/24,::/0}",
+        "operator.networkPolicy.podCIDRs={10.244.0.0/16,fd00:10::/56}",
     ];
     assert_eq!(
         webhook_peers(&named)?,
@@ -884,13 +884,13 @@ async fn network_policy_admits_only_the_api_servers() -> anyhow::Result<()> {
     // Any address with no pod network of that family to take out: refused.
     for (sets, family) in [
         (
-            vec!["injector.networkPolicy.apiServerCIDRs={0.0.0.0/0}"],
+            vec!["operator.networkPolicy.apiServerCIDRs={0.0.0.0/0}"],
             "0.0.0.0/0 but podCIDRs names no IPv4",
         ),
         (
             vec![
-                "injector.networkPolicy.apiServerCIDRs={0.0.0.0/0,::/0}",
-                "injector.networkPolicy.podCIDRs={10.244.0.0/16}",
+                "operator.networkPolicy.apiServerCIDRs={0.0.0.0/0,::/0}",
+                "operator.networkPolicy.podCIDRs={10.244.0.0/16}",
             ],
             "::/0 but podCIDRs names no IPv6",
         ),
@@ -906,8 +906,8 @@ async fn network_policy_admits_only_the_api_servers() -> anyhow::Result<()> {
     }
     // Unless acknowledged.
     let open = [
-        "injector.networkPolicy.apiServerCIDRs={0.0.0.0/0}",
-        "injector.networkPolicy.allowPodNetwork=true",
+        "operator.networkPolicy.apiServerCIDRs={0.0.0.0/0}",
+        "operator.networkPolicy.allowPodNetwork=true",
     ];
     assert_eq!(
         webhook_peers(&open)?,
@@ -917,7 +917,7 @@ async fn network_policy_admits_only_the_api_servers() -> anyhow::Result<()> {
     let err = e2e::chart::render(
         "remora",
         "remora-system",
-        &["injector.networkPolicy.podCIDRs={10.244.0/16}"],
+        &["operator.networkPolicy.podCIDRs={10.244.0/16}"],
     )
     .err()
     .context("a bad CIDR rendered")?
@@ -958,5 +958,97 @@ async fn network_policy_admits_only_the_api_servers() -> anyhow::Result<()> {
         assert!(applied.contains(&"NetworkPolicy".to_owned()), "{applied:?}");
     }
     cp.delete_namespace(&client, &ns).await?;
+    Ok(())
+}
+
+/// A values file written for the chart before the rename (keys `injector`
+/// and `image.injector`) is refused with a message naming the new keys,
+/// never half-applied: helm would otherwise drop those settings and install
+/// the defaults without a word. A values file with the new keys renders,
+/// and nothing the chart renders is named after the injector any more.
+#[test]
+fn values_for_the_injector_chart_are_refused_by_name() -> anyhow::Result<()> {
+    let helm_with_file = |yaml: &str| -> anyhow::Result<std::process::Output> {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("values.yaml");
+        std::fs::write(&file, yaml)?;
+        Ok(std::process::Command::new(e2e::chart::helm_bin()?)
+            .args(["template", "remora"])
+            .arg(e2e::chart::chart_dir())
+            .args(["--namespace", "remora-system", "-f"])
+            .arg(&file)
+            .output()?)
+    };
+    let old = "injector:\n  replicas: 3\n  networkPolicy:\n    podCIDRs: [10.244.0.0/16]\n\
+               image:\n  injector:\n    tag: v0.1.0\n";
+    let out = helm_with_file(old)?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the old keys rendered");
+    for want in [
+        "values key injector was renamed operator",
+        "injector.* is now operator.*",
+        "image.injector.* is now image.operator.*",
+    ] {
+        assert!(err.contains(want), "{want:?} not in: {err}");
+    }
+    // Each key alone, as --set (or --reuse-values from an old release).
+    for (set, named, not_named) in [
+        ("injector.replicas=3", "injector.* is now", "image.injector"),
+        (
+            "image.injector.tag=v1",
+            "image.injector.* is now",
+            "renamed operator: injector.*",
+        ),
+    ] {
+        let err = e2e::chart::render("remora", "remora-system", &[set])
+            .err()
+            .with_context(|| format!("--set {set} rendered"))?
+            .to_string();
+        assert!(
+            err.contains("values key injector was renamed operator") && err.contains(named),
+            "{err}"
+        );
+        assert!(!err.contains(not_named), "{set}: {err}");
+    }
+
+    let new = "operator:\n  replicas: 3\n  networkPolicy:\n    podCIDRs: [10.244.0.0/16]\n\
+               image:\n  operator:\n    tag: v0.1.0\n";
+    let out = helm_with_file(new)?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("replicas: 3"),
+        "operator.replicas not applied"
+    );
+    assert!(
+        text.contains("remora-operator:v0.1.0"),
+        "image.operator.tag not applied"
+    );
+
+    // Every feature on: no object, label, argument or message the chart's
+    // templates write names the injector (the CRD is generated from
+    // crds/src, its descriptions are that crate's).
+    for sets in [
+        &["workloadCA.enabled=true", "rollouts.automatic=true"][..],
+        &["certMode=certManager"][..],
+    ] {
+        let objects = e2e::chart::render("remora", "remora-system", sets)?;
+        let named: Vec<String> = objects
+            .iter()
+            .filter(|o| o["kind"] != "CustomResourceDefinition")
+            .filter(|o| o.to_string().contains("injector"))
+            .map(|o| format!("{}/{}", o["kind"], o["metadata"]["name"]))
+            .collect();
+        assert!(named.is_empty(), "{sets:?}: {named:?} name the injector");
+        // One leader Lease, named like the Deployment, and the right to it.
+        assert_eq!(
+            env_value(&objects, "REMORA_LEASE_NAME")?,
+            Some("remora-operator")
+        );
+    }
     Ok(())
 }

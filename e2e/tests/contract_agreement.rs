@@ -1,10 +1,10 @@
-//! The injector and the agent read a pod's annotations the same way.
+//! The operator and the agent read a pod's annotations the same way.
 //!
-//! For each annotation set, the injector resolves the pod's effective config
+//! For each annotation set, the operator resolves the pod's effective config
 //! and injects it; the agent is then configured from the injected
 //! container's env (as the kubelet starts it) and reads the pod's
 //! annotations from a downward-API file (as the kubelet writes it). The drain
-//! settings the agent uses must be the ones the injector resolved, field by
+//! settings the agent uses must be the ones the operator resolved, field by
 //! field, and a value one side refuses the other refuses too.
 //!
 //! Both sides parse and apply the overlay with the contract's
@@ -27,11 +27,11 @@ use serde_json::{Value, json};
 
 /// What each side ended up with for one pod.
 struct Sides {
-    injector: EffectiveConfig,
+    operator: EffectiveConfig,
     deadline: Duration,
     agent: DrainSettings,
     /// Annotation keys each side reported as bad.
-    injector_refused: Vec<String>,
+    operator_refused: Vec<String>,
     agent_refused: Vec<String>,
 }
 
@@ -46,7 +46,7 @@ fn downward_file(ann: &BTreeMap<String, String>) -> String {
 fn both_sides(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
     let chart = ChartDefaults::default();
     let labels = BTreeMap::new();
-    let injector = resolve(&chart, &[], "remora-system", "shop", &labels, ann);
+    let operator = resolve(&chart, &[], "remora-system", "shop", &labels, ann);
     let mut pod = json!({
         "metadata": {"name": "p", "namespace": "shop", "annotations": ann},
         "spec": {"containers": [{"name": "app", "image": "app"}]},
@@ -61,7 +61,7 @@ fn both_sides(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
         native_sidecars: true,
         selection: Selection::Webhook,
     };
-    let m = mutate(&pod, &target, &injector).expect("mutate never fails on a pod");
+    let m = mutate(&pod, &target, &operator).expect("mutate never fails on a pod");
     assert!(matches!(m.outcome, Outcome::Injected(_)), "{:?}", m.outcome);
     let mut injected = pod.clone();
     json_patch::patch(&mut injected, &m.patch).expect("the patch applies");
@@ -110,17 +110,17 @@ fn both_sides(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
         keys
     };
     Sides {
-        injector_refused: refused(&injector.problems),
+        operator_refused: refused(&operator.problems),
         agent_refused: refused(&problems),
         deadline: remora_contract::pod::drain_deadline(grace.unwrap_or(30)),
-        injector,
+        operator,
         agent,
     }
 }
 
 fn assert_agree(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
     let s = both_sides(ann, grace);
-    let i = &s.injector;
+    let i = &s.operator;
     let a = &s.agent;
     let what = format!("annotations {ann:?}");
     assert_eq!(a.drain_duration, i.drain_duration, "drainDuration, {what}");
@@ -152,7 +152,7 @@ fn assert_agree(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
             .cloned()
             .collect()
     };
-    assert_eq!(live(&s.agent_refused), live(&s.injector_refused), "{what}");
+    assert_eq!(live(&s.agent_refused), live(&s.operator_refused), "{what}");
     s
 }
 
@@ -223,7 +223,7 @@ fn the_table() {
                 keys::TERMINATION_DRAIN_DURATION,
             ],
         ),
-        // A user's own lifecycle JSON is replaced by the injector's.
+        // A user's own lifecycle JSON is replaced by the operator's.
         (
             ann(&[(keys::LIFECYCLE, r#"{"drainDeadline":"9999999h"}"#)]),
             s(45),
@@ -240,8 +240,8 @@ fn the_table() {
     ];
     for (a, drain, refused) in table {
         let sides = assert_agree(&a, None);
-        assert_eq!(sides.injector.drain_duration, drain, "{a:?}");
-        assert_eq!(sides.injector_refused, refused, "{a:?}");
+        assert_eq!(sides.operator.drain_duration, drain, "{a:?}");
+        assert_eq!(sides.operator_refused, refused, "{a:?}");
     }
 }
 

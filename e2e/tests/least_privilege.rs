@@ -1,7 +1,7 @@
-//! Least privilege of the injector's identity on the real API server: the
+//! Least privilege of the operator's identity on the real API server: the
 //! chart's RBAC and ValidatingAdmissionPolicy installed, and requests made
 //! with a real token of the chart's ServiceAccount (TokenRequest), in the
-//! very shapes the injector's code makes them (same kube calls, field
+//! very shapes the operator's code makes them (same kube calls, field
 //! manager and patch types). What it must do passes; anything else is
 //! refused with the policy's message, even once RBAC grants it everything.
 
@@ -38,7 +38,7 @@ const EVENT_RULE: &str = "Events must name remora-operator as their reporting co
 
 /// The first rule's message: a write of a kind (or verb) it never makes.
 fn not_at_all(op: &str, target: &str, object: &str) -> String {
-    format!("the Remora injector may not {op} {target} {object}: it writes only what Remora owns")
+    format!("the Remora operator may not {op} {target} {object}: it writes only what Remora owns")
 }
 
 /// `result` must be the policy's refusal, with `message`.
@@ -75,7 +75,7 @@ fn workload_api(client: &Client, ns: &str, kind: &str) -> Api<DynamicObject> {
     Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
 }
 
-/// The rollout's write (operator/src/controller/rollout.rs).
+/// The rollout's write (operator/src/controllers/lifecycle/rollout.rs).
 async fn roll(client: &Client, ns: &str, kind: &str, name: &str, hash: &str) -> kube::Result<()> {
     let patch = Patch::Apply(json!({
         "apiVersion": "apps/v1",
@@ -89,8 +89,8 @@ async fn roll(client: &Client, ns: &str, kind: &str, name: &str, hash: &str) -> 
     Ok(())
 }
 
-/// A server-side apply of `spec` to workload `kind/name`, as the injector's
-/// field manager: what a compromised injector would send.
+/// A server-side apply of `spec` to workload `kind/name`, as the operator's
+/// field manager: what a compromised operator would send.
 async fn apply_spec(
     client: &Client,
     ns: &str,
@@ -127,7 +127,7 @@ fn pod_spec() -> PodSpec {
     }
 }
 
-/// The workloads and the pod the injector's identity works on, made by the
+/// The workloads and the pod the operator's identity works on, made by the
 /// admin in `ns`.
 async fn workloads(admin: &Client, ns: &str) -> anyhow::Result<()> {
     let pp = PostParams::default();
@@ -164,7 +164,7 @@ async fn workloads(admin: &Client, ns: &str) -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()> {
+async fn operator_identity_changes_only_what_remora_owns() -> anyhow::Result<()> {
     let cp = ControlPlane::shared().await?;
     let admin = cp.client()?;
     // The release namespace, and the one of the workloads.
@@ -178,7 +178,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     let mut cluster_scoped =
         e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
     workloads(&admin, &work).await?;
-    // Another webhook configuration, which the injector must never touch.
+    // Another webhook configuration, which the operator must never touch.
     let mwcs = Api::<MutatingWebhookConfiguration>::all(admin.clone());
     let other_name = format!("{release}-other");
     let other: MutatingWebhookConfiguration = serde_json::from_value(json!({
@@ -186,16 +186,16 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     mwcs.create(&PostParams::default(), &other).await?;
 
     let token = service_account_token(&admin, &ns, &name).await?;
-    let injector = cp.client_with_token(&token)?;
-    let pods = Api::<Pod>::namespaced(injector.clone(), &work);
-    let own_mwc = Api::<MutatingWebhookConfiguration>::all(injector.clone());
+    let operator = cp.client_with_token(&token)?;
+    let pods = Api::<Pod>::namespaced(operator.clone(), &work);
+    let own_mwc = Api::<MutatingWebhookConfiguration>::all(operator.clone());
     let retime = json_patch(json!(
         [{"op": "replace", "path": "/webhooks/0/timeoutSeconds", "value": 29}]))?;
     let dry_run = PatchParams::default().dry_run();
     e2e::chart::wait_until_policy_refuses(&name, || own_mwc.patch(&name, &dry_run, &retime))
         .await?;
 
-    // --- What the injector does passes. ---
+    // --- What the operator does passes. ---
     // Retuning a running pod (controller/retune.rs): a merge patch of
     // remora.dev/lifecycle, no field manager.
     let retuned = r#"{"drainDuration":"30s"}"#;
@@ -239,7 +239,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
         ("DaemonSet", "agent"),
     ] {
         for hash in ["h1", "h2"] {
-            roll(&injector, &work, kind, name, hash)
+            roll(&operator, &work, kind, name, hash)
                 .await
                 .with_context(|| format!("rolling {kind} {name} to {hash}"))?;
         }
@@ -253,7 +253,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     // Its Events (kube-runtime's Recorder, as the controller and the Jobs
     // controller use it): the second of two alike is a patch of the series.
     let recorder = Recorder::new(
-        injector.clone(),
+        operator.clone(),
         Reporter {
             controller: FIELD_MANAGER.into(),
             instance: Some("least-privilege".into()),
@@ -366,7 +366,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
         &name,
         "a DaemonSet's containers",
         WORKLOAD_RULE,
-        apply_spec(&injector, &work, "DaemonSet", "agent", containers).await,
+        apply_spec(&operator, &work, "DaemonSet", "agent", containers).await,
     )?;
     let both = json!({"template": {
         "metadata": {"annotations": {ROLLOUT_ANNOTATION: "h3"}},
@@ -376,7 +376,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
         &name,
         "a DaemonSet's restart annotation together with its containers",
         WORKLOAD_RULE,
-        apply_spec(&injector, &work, "DaemonSet", "agent", both).await,
+        apply_spec(&operator, &work, "DaemonSet", "agent", both).await,
     )?;
     let ds = Api::<DaemonSet>::namespaced(admin.clone(), &work)
         .get("agent")
@@ -388,7 +388,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
             .as_deref(),
         Some("registry.invalid/app:1")
     );
-    let deploy = workload_api(&injector, &work, "Deployment");
+    let deploy = workload_api(&operator, &work, "Deployment");
     for (what, patch) in [
         ("a Deployment's replicas", json!({"spec": {"replicas": 5}})),
         (
@@ -439,7 +439,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
             "coordination.k8s.io/leases",
             &format!("{ns}/someone-else"),
         ),
-        Api::<Lease>::namespaced(injector.clone(), &ns)
+        Api::<Lease>::namespaced(operator.clone(), &ns)
             .create(&PostParams::default(), &lease)
             .await,
     )?;
@@ -448,7 +448,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
         &name,
         "a Secret not its own",
         &not_at_all("CREATE", "/secrets", &format!("{ns}/stolen")),
-        Api::<Secret>::namespaced(injector.clone(), &ns)
+        Api::<Secret>::namespaced(operator.clone(), &ns)
             .create(&PostParams::default(), &secret)
             .await,
     )?;
@@ -462,7 +462,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
         &name,
         "an Event in another component's name",
         EVENT_RULE,
-        Api::<Event>::namespaced(injector.clone(), &work)
+        Api::<Event>::namespaced(operator.clone(), &work)
             .create(&PostParams::default(), &spoofed)
             .await,
     )?;
@@ -534,7 +534,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
         &name,
         "a ConfigMap, as cluster-admin",
         &not_at_all("CREATE", "/configmaps", &format!("{work}/c")),
-        Api::<ConfigMap>::namespaced(injector.clone(), &work)
+        Api::<ConfigMap>::namespaced(operator.clone(), &work)
             .create(&PostParams::default(), &cm)
             .await,
     )?;
@@ -549,7 +549,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
         &name,
         "a ReplicaSet, as cluster-admin",
         &not_at_all("UPDATE", "apps/replicasets", &format!("{work}/{rs_name}")),
-        Api::<ReplicaSet>::namespaced(injector.clone(), &work)
+        Api::<ReplicaSet>::namespaced(operator.clone(), &work)
             .patch(&rs_name, &PatchParams::default(), &relabel)
             .await,
     )?;
@@ -566,7 +566,7 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
             "rbac.authorization.k8s.io/clusterrolebindings",
             &format!("{release}-escalate"),
         ),
-        Api::<ClusterRoleBinding>::all(injector.clone())
+        Api::<ClusterRoleBinding>::all(operator.clone())
             .create(&PostParams::default(), &escalate)
             .await,
     )?;
@@ -582,10 +582,10 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
         &name,
         "a DaemonSet's containers, as cluster-admin",
         WORKLOAD_RULE,
-        apply_spec(&injector, &work, "DaemonSet", "agent", containers).await,
+        apply_spec(&operator, &work, "DaemonSet", "agent", containers).await,
     )?;
     // And what it does still passes.
-    roll(&injector, &work, "DaemonSet", "agent", "h3")
+    roll(&operator, &work, "DaemonSet", "agent", "h3")
         .await
         .context("rolling the DaemonSet as cluster-admin")?;
 
@@ -601,11 +601,11 @@ async fn injector_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
 /// The message of the policy's refusal in an excluded namespace.
 fn excluded(ns: &str) -> String {
     format!(
-        "the Remora injector may not write in namespace {ns}: it is excluded from injection (webhook.excludeNamespaces)"
+        "the Remora operator may not write in namespace {ns}: it is excluded from injection (webhook.excludeNamespaces)"
     )
 }
 
-/// With the chart's defaults (rollouts.automatic off) the injector's
+/// With the chart's defaults (rollouts.automatic off) the operator's
 /// identity cannot touch a workload: RBAC grants nothing on them, and the
 /// policy refuses a rollout even once RBAC grants everything. In the
 /// namespaces never sent to the webhook (and, for pods, workloads and
@@ -631,8 +631,8 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
     workloads(&admin, &work).await?;
     workloads(&admin, &fenced).await?;
     let token = service_account_token(&admin, &ns, &name).await?;
-    let injector = cp.client_with_token(&token)?;
-    let own_mwc = Api::<MutatingWebhookConfiguration>::all(injector.clone());
+    let operator = cp.client_with_token(&token)?;
+    let own_mwc = Api::<MutatingWebhookConfiguration>::all(operator.clone());
     let retime = json_patch(json!(
         [{"op": "replace", "path": "/webhooks/0/timeoutSeconds", "value": 29}]))?;
     let dry_run = PatchParams::default().dry_run();
@@ -647,16 +647,16 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
     ] {
         refused_by_rbac(
             &format!("rolling {kind} {wl}"),
-            roll(&injector, &work, kind, wl, "h1").await,
+            roll(&operator, &work, kind, wl, "h1").await,
         )?;
         refused_by_rbac(
             &format!("reading {kind} {wl}"),
-            workload_api(&injector, &work, kind).get(wl).await,
+            workload_api(&operator, &work, kind).get(wl).await,
         )?;
     }
     refused_by_rbac(
         "reading a ReplicaSet",
-        Api::<ReplicaSet>::namespaced(injector.clone(), &work)
+        Api::<ReplicaSet>::namespaced(operator.clone(), &work)
             .list(&ListParams::default())
             .await,
     )?;
@@ -664,7 +664,7 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
     // --- What RBAC grants cluster-wide, the policy refuses where Remora
     // injects nothing. The same writes pass in a workload namespace. ---
     let retune = Patch::Merge(json!({"metadata": {"annotations": {LIFECYCLE: "{\"x\":1}"}}}));
-    Api::<Pod>::namespaced(injector.clone(), &work)
+    Api::<Pod>::namespaced(operator.clone(), &work)
         .patch_metadata("app", &PatchParams::default(), &retune)
         .await
         .context("retuning a pod in a workload namespace")?;
@@ -675,7 +675,7 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
             "data": {"root-cert.pem": value}}))
     };
     let apply = PatchParams::apply(FIELD_MANAGER).force();
-    Api::<ConfigMap>::namespaced(injector.clone(), &work)
+    Api::<ConfigMap>::namespaced(operator.clone(), &work)
         .patch(TRUST_BUNDLE_CONFIGMAP, &apply, &bundle("a"))
         .await
         .context("the trust bundle in a workload namespace")?;
@@ -684,7 +684,7 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
             &name,
             &format!("the trust bundle in {excluded_ns}"),
             &excluded(excluded_ns),
-            Api::<ConfigMap>::namespaced(injector.clone(), excluded_ns)
+            Api::<ConfigMap>::namespaced(operator.clone(), excluded_ns)
                 .patch(TRUST_BUNDLE_CONFIGMAP, &apply, &bundle("evil"))
                 .await,
         )?;
@@ -693,13 +693,13 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
         &name,
         "a pod's remora.dev annotation in an excluded namespace",
         &excluded(&fenced),
-        Api::<Pod>::namespaced(injector.clone(), &fenced)
+        Api::<Pod>::namespaced(operator.clone(), &fenced)
             .patch_metadata("app", &PatchParams::default(), &retune)
             .await,
     )?;
     let in_own = |target: &str| {
         format!(
-            "the Remora injector may not write {target} in its own namespace {ns}: it injects no pod there"
+            "the Remora operator may not write {target} in its own namespace {ns}: it injects no pod there"
         )
     };
     Api::<Pod>::namespaced(admin.clone(), &ns)
@@ -712,7 +712,7 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
         &name,
         "a pod's remora.dev annotation in the release namespace",
         &in_own("/pods"),
-        Api::<Pod>::namespaced(injector.clone(), &ns)
+        Api::<Pod>::namespaced(operator.clone(), &ns)
             .patch_metadata("app", &PatchParams::default(), &retune)
             .await,
     )?;
@@ -720,13 +720,13 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
         &name,
         "the trust bundle in the release namespace",
         &in_own("/configmaps"),
-        Api::<ConfigMap>::namespaced(injector.clone(), &ns)
+        Api::<ConfigMap>::namespaced(operator.clone(), &ns)
             .patch(TRUST_BUNDLE_CONFIGMAP, &apply, &bundle("evil"))
             .await,
     )?;
     // Its own Lease in the release namespace still passes.
     let lease: Lease = serde_json::from_value(json!({"metadata": {"name": name}}))?;
-    Api::<Lease>::namespaced(injector.clone(), &ns)
+    Api::<Lease>::namespaced(operator.clone(), &ns)
         .create(&PostParams::default(), &lease)
         .await
         .context("its Lease in the release namespace")?;
@@ -749,8 +749,8 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
         ),
         crb_name,
     ));
-    let deploy = workload_api(&injector, &work, "Deployment");
-    // RBAC's turn is over once it lets the injector read the Deployment.
+    let deploy = workload_api(&operator, &work, "Deployment");
+    // RBAC's turn is over once it lets the operator read the Deployment.
     e2e::controlplane::wait_until(
         "the cluster-admin binding in effect",
         std::time::Duration::from_secs(60),
@@ -767,13 +767,13 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
         &name,
         "rolling a Deployment, as cluster-admin",
         &not_at_all("UPDATE", "apps/deployments", &format!("{work}/web")),
-        roll(&injector, &work, "Deployment", "web", "h1").await,
+        roll(&operator, &work, "Deployment", "web", "h1").await,
     )?;
     refused(
         &name,
         "a Deployment in an excluded namespace, as cluster-admin",
         &not_at_all("UPDATE", "apps/deployments", &format!("{fenced}/web")),
-        roll(&injector, &fenced, "Deployment", "web", "h1").await,
+        roll(&operator, &fenced, "Deployment", "web", "h1").await,
     )?;
     let d = Api::<Deployment>::namespaced(admin.clone(), &work)
         .get("web")
@@ -795,7 +795,7 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
     Ok(())
 }
 
-/// With the workload CA (workloadCA.enabled): the injector's identity
+/// With the workload CA (workloadCA.enabled): the operator's identity
 /// reviews tokens, keeps the trust-bundle ConfigMap in any namespace and its
 /// signing Secret in its own, and nothing more: another ConfigMap or Secret
 /// is refused, by RBAC where it can name objects, by the policy where it
@@ -815,8 +815,8 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     let cluster_scoped =
         e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
     let token = service_account_token(&admin, &ns, &name).await?;
-    let injector = cp.client_with_token(&token)?;
-    let own_mwc = Api::<MutatingWebhookConfiguration>::all(injector.clone());
+    let operator = cp.client_with_token(&token)?;
+    let own_mwc = Api::<MutatingWebhookConfiguration>::all(operator.clone());
     let retime = json_patch(json!(
         [{"op": "replace", "path": "/webhooks/0/timeoutSeconds", "value": 29}]))?;
     let dry_run = PatchParams::default().dry_run();
@@ -832,13 +832,13 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
         },
         ..TokenReview::default()
     };
-    Api::<TokenReview>::all(injector.clone())
+    Api::<TokenReview>::all(operator.clone())
         .create(&PostParams::default(), &review)
         .await
         .context("creating a TokenReview")?;
     // The trust bundle in a workload namespace, as the leader writes it:
     // server-side apply, which creates it and then patches it.
-    let cms = Api::<ConfigMap>::namespaced(injector.clone(), &work);
+    let cms = Api::<ConfigMap>::namespaced(operator.clone(), &work);
     let apply = PatchParams::apply(FIELD_MANAGER).force();
     for value in ["a", "b"] {
         let bundle = json!({
@@ -851,7 +851,7 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     }
     // The signing Secret in the release namespace: create, read, replace
     // (what every replica's keeper does).
-    let secrets = Api::<Secret>::namespaced(injector.clone(), &ns);
+    let secrets = Api::<Secret>::namespaced(operator.clone(), &ns);
     let roots: Secret = serde_json::from_value(json!({
         "metadata": {"name": SIGNING_SECRET}, "stringData": {"k": "v"}}))?;
     secrets
@@ -871,13 +871,13 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     )?;
     // The leader watches the bundle by name in every namespace, to write
     // back someone else's edit at once; no other ConfigMap is read.
-    Api::<ConfigMap>::all(injector.clone())
+    Api::<ConfigMap>::all(operator.clone())
         .list(&ListParams::default().fields(&format!("metadata.name={TRUST_BUNDLE_CONFIGMAP}")))
         .await
         .context("listing the trust bundles by name")?;
     refused_by_rbac(
         "listing every ConfigMap",
-        Api::<ConfigMap>::all(injector.clone())
+        Api::<ConfigMap>::all(operator.clone())
             .list(&ListParams::default())
             .await,
     )?;
@@ -900,7 +900,7 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     // Secrets only in the release namespace (a Role).
     refused_by_rbac(
         "creating its signing Secret's name in another namespace",
-        Api::<Secret>::namespaced(injector.clone(), &work)
+        Api::<Secret>::namespaced(operator.clone(), &work)
             .create(&PostParams::default(), &roots)
             .await,
     )?;
@@ -918,7 +918,7 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     )?;
     refused_by_rbac(
         "the signing Secret's name in another namespace",
-        Api::<Secret>::namespaced(injector.clone(), &work)
+        Api::<Secret>::namespaced(operator.clone(), &work)
             .get(SIGNING_SECRET)
             .await,
     )?;

@@ -1,5 +1,5 @@
 //! Remora installed by helm on the real node, as a user installs it:
-//! `helm install` (two injector replicas, the leader elected, the API server
+//! `helm install` (two operator replicas, the leader elected, the API server
 //! calling the webhook through the Service with the self-managed
 //! certificate), `helm upgrade` (the caBundle kept, no pod refused during
 //! the rollout), the leader pod deleted (leadership moves), `helm
@@ -35,7 +35,7 @@ fn ms(d: Duration) -> u128 {
 }
 
 /// Both webhooks carry the same non-empty caBundle, and it is the CA in the
-/// injector's Secret (the one its serving certificate is signed by).
+/// operator's Secret (the one its serving certificate is signed by).
 async fn wait_ca_bundle(client: &Client, remora: &Remora) -> anyhow::Result<Vec<u8>> {
     let bundle = node::wait_for("caBundle patched into both webhooks", DEADLINE, || async {
         let bundles = remora.ca_bundles(client).await?.unwrap_or_default();
@@ -134,7 +134,7 @@ async fn helm_install_upgrade_failover_uninstall() -> anyhow::Result<()> {
         replicas.contains(&leader),
         "leader {leader} is not a replica"
     );
-    report(&format!("1. leader Lease {}: {leader}", remora.injector()));
+    report(&format!("1. leader Lease {}: {leader}", remora.operator()));
     let ca = wait_ca_bundle(&client, &remora).await?;
     report(&format!(
         "1. caBundle set on both webhooks ({} bytes, = Secret ca.crt)",
@@ -148,7 +148,7 @@ async fn helm_install_upgrade_failover_uninstall() -> anyhow::Result<()> {
     report(&format!(
         "1. the API server called the webhook through Service {}/{}: pod injected ({} ms)",
         remora.namespace,
-        remora.injector(),
+        remora.operator(),
         ms(took)
     ));
     let uninjected = node::dry_run_create(&client, plain.name(), &node::pause_pod("p")).await?;
@@ -157,13 +157,13 @@ async fn helm_install_upgrade_failover_uninstall() -> anyhow::Result<()> {
         "a pod in an unlabelled namespace got a sidecar"
     );
 
-    // 2. helm upgrade, with a pod annotation that rolls the injector; pods
+    // 2. helm upgrade, with a pod annotation that rolls the operator; pods
     // keep being admitted (and injected) throughout.
     let stop = Arc::new(AtomicBool::new(false));
     let probe = admission_probe(client.clone(), injected.name().to_owned(), stop.clone());
     let t = Instant::now();
     let rollout = format!(
-        "injector.podAnnotations.e2e-rollout=t{}",
+        "operator.podAnnotations.e2e-rollout=t{}",
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
             .as_secs()
@@ -174,10 +174,10 @@ async fn helm_install_upgrade_failover_uninstall() -> anyhow::Result<()> {
     let (attempts, bad, first) = probe.await?;
     ensure!(
         upgraded.iter().all(|p| !replicas.contains(p)),
-        "helm upgrade did not replace the injector pods: before {replicas:?}, after {upgraded:?}"
+        "helm upgrade did not replace the operator pods: before {replicas:?}, after {upgraded:?}"
     );
     report(&format!(
-        "2. helm upgrade rolled the injector in {} ms (helm --wait {} ms, then the old pods gone): {upgraded:?}; {attempts} pod admissions during it, {bad} refused or uninjected",
+        "2. helm upgrade rolled the operator in {} ms (helm --wait {} ms, then the old pods gone): {upgraded:?}; {attempts} pod admissions during it, {bad} refused or uninjected",
         ms(t.elapsed()),
         ms(helm_took)
     ));

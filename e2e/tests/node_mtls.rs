@@ -7,7 +7,7 @@
 //! connection per call, no retry) the certificates (2-minute lifetime) are
 //! renewed at half life and the CA's signing root is rotated (staged,
 //! switched, retired): no call may fail, no TLS handshake may fail, and
-//! Envoy is never restarted. Then the CA goes away (the injector scaled to
+//! Envoy is never restarted. Then the CA goes away (the operator scaled to
 //! 0) until each sidecar has failed a renewal, and comes back: the calls go
 //! on with the certificate in hand, and both sidecars renew again. A
 //! workload outside the mesh is refused.
@@ -151,10 +151,10 @@ async fn agent_certs(client: &Client, ns: &str, pod: &str) -> Result<(f64, f64),
     ))
 }
 
-async fn scale_injector(client: &Client, remora: &Remora, replicas: i32) -> anyhow::Result<()> {
+async fn scale_operator(client: &Client, remora: &Remora, replicas: i32) -> anyhow::Result<()> {
     Api::<Deployment>::namespaced(client.clone(), &remora.namespace)
         .patch(
-            &remora.injector(),
+            &remora.operator(),
             &PatchParams::default(),
             &Patch::Merge(serde_json::json!({"spec": {"replicas": replicas}})),
         )
@@ -387,7 +387,7 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
         agent_certs(&client, &n, &cp).await?,
         agent_certs(&client, &n, &sp).await?,
     ];
-    scale_injector(&client, remora, 0).await?;
+    scale_operator(&client, remora, 0).await?;
     let t_down = Instant::now();
     wait_for(
         "both sidecars to fail a renewal",
@@ -406,7 +406,7 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
     )
     .await?;
     let down_for = t_down.elapsed().as_secs();
-    scale_injector(&client, remora, 2).await?;
+    scale_operator(&client, remora, 2).await?;
     remora.wait_ready(&client, 2).await?;
     let mid = [
         agent_certs(&client, &n, &cp).await?,
@@ -531,17 +531,17 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     service_account(&ns, "alice").await?;
     service_account(&ns, "bob").await?;
     let bundle = ca::wait_trust_bundle(&client, &n, DEADLINE).await?;
-    let injectors = Api::<Pod>::namespaced(client.clone(), &remora.namespace)
+    let operators = Api::<Pod>::namespaced(client.clone(), &remora.namespace)
         .list(&ListParams::default().labels("app.kubernetes.io/name=remora-operator"))
         .await?;
-    let injector = injectors
+    let operator = operators
         .items
         .iter()
         // Not one the install's rollout is taking away.
         .find(|p| node::is_ready(p) && p.metadata.deletion_timestamp.is_none())
-        .context("no ready injector pod")?;
-    let server_name = format!("{}.{}.svc", remora.injector(), remora.namespace);
-    let ca = CaClient::connect(pod_ip(injector)?, &server_name, &bundle)?;
+        .context("no ready operator pod")?;
+    let server_name = format!("{}.{}.svc", remora.operator(), remora.namespace);
+    let ca = CaClient::connect(pod_ip(operator)?, &server_name, &bundle)?;
     let alice = spiffe(&n, "alice");
     let ttl = Duration::from_secs(120);
     let alice_token = ca::token(&client, &n, "alice", TOKEN_AUDIENCE, None).await?;
@@ -655,7 +655,7 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     }
     // Bytes that are not TLS, and a TLS client that speaks no HTTP/2: the
     // CA closes them and still serves.
-    let addr = SocketAddr::new(pod_ip(injector)?, remora_contract::workload_ca::PORT);
+    let addr = SocketAddr::new(pod_ip(operator)?, remora_contract::workload_ca::PORT);
     for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0u8; 512][..]] {
         let mut s = tokio::net::TcpStream::connect(addr).await?;
         tokio::io::AsyncWriteExt::write_all(&mut s, junk).await?;

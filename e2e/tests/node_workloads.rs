@@ -393,7 +393,7 @@ async fn check_job(
         )
         .await?;
         how = format!(
-            "agent: {STOP} set by the injector at {asked}, read from the downward-API file +{} ms (kubelet refresh + 100 ms poll), agent exiting +{} ms",
+            "agent: {STOP} set by the operator at {asked}, read from the downward-API file +{} ms (kubelet refresh + 100 ms poll), agent exiting +{} ms",
             ts_ms(asked, seen),
             exiting.map_or("?".into(), |e| ts_ms(asked, e).to_string())
         );
@@ -402,7 +402,7 @@ async fn check_job(
         // once the app was done.
         ensure!(
             !annotations.contains_key(STOP),
-            "the injector set {STOP} on Native pod {name}"
+            "the operator set {STOP} on Native pod {name}"
         );
         ensure!(
             log.contains(SIGNAL_LOG) && !log.contains(STOP_LOG),

@@ -133,7 +133,7 @@ async fn forged_owners_and_status_roll_nothing() -> anyhow::Result<()> {
         o.args.push("--automatic-rollouts".into());
     })
     .await?;
-    let log = || s.injector.log_tail();
+    let log = || s.operator.log_tail();
     let admin = s.client.clone();
     let ns = s.enabled.clone();
     let pp = PostParams::default();

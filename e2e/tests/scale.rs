@@ -1,5 +1,5 @@
 //! The scale run (issue 14) at CI size on a local control plane without
-//! kube-controller-manager: two injector replicas under their own
+//! kube-controller-manager: two operator replicas under their own
 //! ServiceAccounts, every pod created through the webhook. Asserts
 //! correctness only (timings are scale-bench's): every pod injected and
 //! carrying what its layers say, every SidecarLifecycle's status as

@@ -1,4 +1,4 @@
-//! The injector behind the real kube-apiserver: the CRD and its CEL rules,
+//! The operator behind the real kube-apiserver: the CRD and its CEL rules,
 //! and `remora-operator serve` called as a mutating webhook.
 //! (`e2e::webhook` sets the webhook up.)
 
@@ -182,13 +182,13 @@ async fn webhook_down_fail_refuses_and_ignore_admits_uninjected() -> anyhow::Res
     let mut s = Setup::new("down", "Fail").await?;
     let api = s.pods(&s.enabled);
     let pp = PostParams::default();
-    s.injector.stop(Duration::from_secs(10));
+    s.operator.stop(Duration::from_secs(10));
 
     // failurePolicy Fail: refused, saying which webhook and why.
     let err = api
         .create(&pp, &pod("refused", &[], &[]))
         .await
-        .expect_err("with the injector down and Fail, the pod must be refused");
+        .expect_err("with the operator down and Fail, the pod must be refused");
     let kube::Error::Api(status) = err else {
         anyhow::bail!("not an API error: {err}");
     };
@@ -198,7 +198,7 @@ async fn webhook_down_fail_refuses_and_ignore_admits_uninjected() -> anyhow::Res
             .contains("failed calling webhook \"namespace.inject.remora.dev\""),
         "{status:?}"
     );
-    assert!(status.message.contains(&s.injector.url()), "{status:?}");
+    assert!(status.message.contains(&s.operator.url()), "{status:?}");
     // Pods the webhook does not select are not affected.
     s.pods(&s.plain)
         .create(&pp, &pod("unselected", &[], &[]))
@@ -265,7 +265,7 @@ async fn deployment_pods_are_injected() -> anyhow::Result<()> {
     Ok(s.cleanup().await?)
 }
 
-/// The API server shows the injector's refusal of a pod asking for a
+/// The API server shows the operator's refusal of a pod asking for a
 /// listener onto Envoy's admin port.
 #[tokio::test]
 async fn plumbing_onto_envoy_admin_is_refused_by_the_api_server() -> anyhow::Result<()> {

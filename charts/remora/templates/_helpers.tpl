@@ -7,16 +7,16 @@
 {{- end -}}
 {{- end -}}
 
-{{/* The injector's Deployment, Service, ServiceAccount, webhook configuration. */}}
-{{- define "remora.injector" -}}
-{{- printf "%s-injector" (include "remora.fullname" .) -}}
+{{/* The operator's Deployment, Service, ServiceAccount, webhook configuration. */}}
+{{- define "remora.operator" -}}
+{{- printf "%s-operator" (include "remora.fullname" .) -}}
 {{- end -}}
 
 {{- define "remora.tlsSecret" -}}
-{{- printf "%s-tls" (include "remora.injector" .) -}}
+{{- printf "%s-tls" (include "remora.operator" .) -}}
 {{- end -}}
 
-{{/* The workload CA's signing Secret (the injector's default, contract's SIGNING_SECRET). */}}
+{{/* The workload CA's signing Secret (the operator's default, contract's SIGNING_SECRET). */}}
 {{- define "remora.workloadCASecret" -}}
 remora-workload-ca
 {{- end -}}
@@ -49,8 +49,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{- define "remora.injectorImage" -}}
-{{- include "remora.image" (list .Values.image.injector (.Values.image.injector.tag | default .Chart.AppVersion)) -}}
+{{- define "remora.operatorImage" -}}
+{{- include "remora.image" (list .Values.image.operator (.Values.image.operator.tag | default .Chart.AppVersion)) -}}
 {{- end -}}
 
 {{- define "remora.proxyImage" -}}
@@ -60,7 +60,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/*
 Namespaces never sent to the webhook: the configured system namespaces and
-the release namespace (so the injector's own pods start while it is down,
+the release namespace (so the operator's own pods start while it is down,
 with failurePolicy Fail).
 */}}
 {{- define "remora.excludedNamespaces" -}}

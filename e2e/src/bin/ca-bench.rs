@@ -7,7 +7,7 @@
 //! is a full one: TokenReview by the API server, CSR check, signing.
 //!
 //! Reports certificates issued per second, latency p50/p99/max as the
-//! client sees it, errors by gRPC code, and the injector processes' RSS
+//! client sees it, errors by gRPC code, and the operator processes' RSS
 //! (before, peak, after; from /proc on this host). Table on stdout, JSON in
 //! `--out`.
 //!
@@ -69,7 +69,7 @@ struct Report {
 }
 
 /// RSS (MiB) of every `remora-operator` process on this host, by pid.
-fn injector_rss() -> BTreeMap<u32, f64> {
+fn operator_rss() -> BTreeMap<u32, f64> {
     let mut out = BTreeMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return out;
@@ -79,7 +79,8 @@ fn injector_rss() -> BTreeMap<u32, f64> {
             continue;
         };
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-        if comm.trim() != "remora-injecto" && comm.trim() != "remora-operator" {
+        // comm holds 15 bytes: the whole name, just.
+        if comm.trim() != "remora-operator" {
             continue;
         }
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -107,7 +108,7 @@ async fn main() -> Result<()> {
     let n = ns.name().to_string();
     let bundle = ca::wait_trust_bundle(&client, &n, Duration::from_secs(120)).await?;
     let svc = Api::<Service>::namespaced(client.clone(), &remora.namespace)
-        .get(&remora.injector())
+        .get(&remora.operator())
         .await?;
     let ip: IpAddr = svc
         .spec
@@ -115,7 +116,7 @@ async fn main() -> Result<()> {
         .context("no ClusterIP")?
         .parse()?;
     node::pods::wait_kube_proxy(ip, PORT, Duration::from_secs(60)).await?;
-    let server_name = format!("{}.{}.svc", remora.injector(), remora.namespace);
+    let server_name = format!("{}.{}.svc", remora.operator(), remora.namespace);
 
     eprintln!(
         "ca-bench: {} ServiceAccounts and tokens in {n}",
@@ -135,7 +136,7 @@ async fn main() -> Result<()> {
         requesters.push((ca, token, csr));
     }
 
-    let rss_before = injector_rss();
+    let rss_before = operator_rss();
     let measuring = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = tokio::task::JoinSet::new();
@@ -166,7 +167,7 @@ async fn main() -> Result<()> {
     let t0 = Instant::now();
     let mut peak: BTreeMap<u32, f64> = BTreeMap::new();
     while t0.elapsed() < args.duration {
-        for (pid, mib) in injector_rss() {
+        for (pid, mib) in operator_rss() {
             let e = peak.entry(pid).or_default();
             *e = e.max(mib);
         }
@@ -183,7 +184,7 @@ async fn main() -> Result<()> {
             *errors.entry(k).or_default() += v;
         }
     }
-    let rss_after = injector_rss();
+    let rss_after = operator_rss();
     // Only the replicas that served (a helm upgrade may leave old ones
     // terminating in the first sample).
     let serving = |m: &BTreeMap<u32, f64>| -> Vec<f64> {

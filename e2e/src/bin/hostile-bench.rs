@@ -1,15 +1,15 @@
 //! `hostile-bench`: what hostile clients cost remora-agent and
 //! remora-operator, as processes. Slow-loris connections (each starts a
 //! request head, adds a byte a second, never finishes, and comes back when
-//! closed) against the agent's health port and the injector's webhook port;
-//! concurrent maximum-size AdmissionReviews against the injector. Meanwhile
+//! closed) against the agent's health port and the operator's webhook port;
+//! concurrent maximum-size AdmissionReviews against the operator. Meanwhile
 //! a kubelet-like probe (fresh connection every 100 ms, 1 s timeout) and the
 //! process's peak RSS. Prints a table; writes `bench/results/hostile.json`.
 //!
 //! The attackers connect from 127.0.0.2, the probes from 127.0.0.1.
 //!
 //! Not covered: Envoy's own listeners (Envoy has its own overload manager),
-//! attacks from many source addresses at once, CPU exhaustion; the injector
+//! attacks from many source addresses at once, CPU exhaustion; the operator
 //! runs against the test control plane with an empty cluster, so its idle
 //! RSS is that of a small cluster.
 
@@ -25,7 +25,7 @@ use clap::Parser;
 use e2e::agentbench::{self, Drain, Settings, Setup};
 use e2e::controlplane::ControlPlane;
 use e2e::hostile::{self, mib};
-use e2e::injector::{Injector, Options};
+use e2e::operator::{Operator, Options};
 use e2e::stats::Summary;
 use remora_test_support::bins::{envoy_bin, workspace_bin};
 use remora_test_support::wait::wait_until;
@@ -48,13 +48,13 @@ struct Args {
     /// AdmissionReviews in flight at once.
     #[arg(long, default_value_t = 64)]
     reviews: usize,
-    /// Size of each review; default: the injector's limit minus 1 KiB.
+    /// Size of each review; default: the operator's limit minus 1 KiB.
     #[arg(long)]
     review_bytes: Option<usize>,
     /// How long each attack lasts.
     #[arg(long, value_parser = remora_contract::duration::parse, default_value = "15s")]
     duration: Duration,
-    /// `agent`, `injector` (default both).
+    /// `agent`, `operator` (default both).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// remora-agent to run (default: next to this binary).
@@ -96,8 +96,8 @@ async fn main() -> Result<()> {
     if want("agent") {
         rows.push(agent_attack(&args).await?);
     }
-    if want("injector") {
-        rows.extend(injector_attacks(&args).await?);
+    if want("operator") {
+        rows.extend(operator_attacks(&args).await?);
     }
     println!(
         "\n{:<9} {:<28} {:>9} {:>9} {:>6} {:>9} {:>9} {:>8} {:>7}",
@@ -258,14 +258,14 @@ async fn agent_attack(args: &Args) -> Result<Attack> {
     })
 }
 
-async fn injector_attacks(args: &Args) -> Result<Vec<Attack>> {
+async fn operator_attacks(args: &Args) -> Result<Vec<Attack>> {
     let cp = ControlPlane::shared().await?;
     let client = cp.client()?;
     let ns = cp.create_namespace(&client, "hostile").await?;
-    let injector = Injector::start(cp.kubeconfig(), Options::new(&ns)).await?;
-    let pid = i32::try_from(injector.pid()).unwrap_or(0);
-    let addr = injector.addr();
-    let ca = Arc::new(injector.ca_pem().to_string());
+    let operator = Operator::start(cp.kubeconfig(), Options::new(&ns)).await?;
+    let pid = i32::try_from(operator.pid()).unwrap_or(0);
+    let addr = operator.addr();
+    let ca = Arc::new(operator.ca_pem().to_string());
     let probe = || {
         let ca = Arc::clone(&ca);
         async move {
@@ -289,7 +289,7 @@ async fn injector_attacks(args: &Args) -> Result<Vec<Attack>> {
     let (idle, peak, probes) = measure(args, pid, stop, probe).await;
     attackers.join_all().await;
     rows.push(Attack {
-        target: "injector",
+        target: "operator",
         attack: format!("{} slow connections", args.slow_connections),
         idle_rss_mib: idle,
         peak_rss_mib: peak,
@@ -352,7 +352,7 @@ async fn injector_attacks(args: &Args) -> Result<Vec<Attack>> {
     let (idle, peak, probes) = measure(args, pid, stop, probe).await;
     senders.join_all().await;
     rows.push(Attack {
-        target: "injector",
+        target: "operator",
         attack: format!("{} x {} KiB reviews", args.reviews, size / 1024),
         idle_rss_mib: idle,
         peak_rss_mib: peak,
@@ -365,7 +365,7 @@ async fn injector_attacks(args: &Args) -> Result<Vec<Attack>> {
         reviews_shed: shed.load(Ordering::Relaxed),
         reviews_failed: failed.load(Ordering::Relaxed),
     });
-    drop(injector);
+    drop(operator);
     cp.delete_namespace(&client, &ns).await?;
     Ok(rows)
 }

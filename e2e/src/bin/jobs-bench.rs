@@ -1,6 +1,6 @@
 //! How long a finished Job's Legacy pod takes to complete: from the last app
 //! container's exit to the pod's `Succeeded` in the API, over `--runs` Jobs
-//! on the real control plane (the injector's controller, the real agent and
+//! on the real control plane (the operator's controller, the real agent and
 //! Envoy under `e2e::jobpod`), broken down into
 //! app exit → stop annotation seen on a pod watch → sidecar exit → Succeeded.
 //! Then the same Job with the controller off (`--stop-completed-jobs=false`)

@@ -3,7 +3,7 @@
 //! (the load creates the workloads' pods itself) and without a kubelet (the
 //! harness's fake kubelets report nodes Ready and pods Running).
 //!
-//! Two injector replicas (this build's `remora-operator`) with leader
+//! Two operator replicas (this build's `remora-operator`) with leader
 //! election, each under its own ServiceAccount; every pod created through
 //! their webhook; then the steps of `e2e::scale_run`. Prints the issue's
 //! goals with target, value and pass/fail; writes `bench/results/scale.json`.
@@ -18,7 +18,7 @@ use e2e::scale_run::{self, Options, Report, Spread, StepResult};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
-#[command(about = "Remora's injector at cluster scale, on a real kube-apiserver")]
+#[command(about = "Remora's operator at cluster scale, on a real kube-apiserver")]
 struct Args {
     #[arg(long, default_value_t = Load::default().pods)]
     pods: usize,
@@ -64,7 +64,7 @@ struct Goal {
 /// goals, and the whole run.
 #[derive(Serialize)]
 struct Out {
-    injector_binary: String,
+    operator_binary: String,
     leader_rss_mib: Option<f64>,
     standby_rss_mib: Option<f64>,
     steady_requests_per_s: Option<f64>,
@@ -83,9 +83,9 @@ struct Out {
     webhook_errors: Option<usize>,
     webhook_steady_p50_ms: Option<f64>,
     webhook_steady_p99_ms: Option<f64>,
-    /// The injector's own review times during the edit (its histogram's
+    /// The operator's own review times during the edit (its histogram's
     /// bucket bounds): the client's p99 less the accept, TLS and the
-    /// machine's scheduling around the injector.
+    /// machine's scheduling around the operator.
     webhook_server_p50_ms_at_most: Option<f64>,
     webhook_server_p99_ms_at_most: Option<f64>,
     webhook_steady_server_p99_ms_at_most: Option<f64>,
@@ -139,9 +139,9 @@ async fn main() -> Result<()> {
         ..Load::default()
     };
     let plan = e2e::scale::Plan::new(&load)?;
-    let bin = e2e::injector::injector_bin()?;
+    let bin = e2e::operator::operator_bin()?;
     eprintln!(
-        "{} namespaces (+1 of {} pods), {} nodes, {} pods, {} SidecarLifecycles; injector {}",
+        "{} namespaces (+1 of {} pods), {} nodes, {} pods, {} SidecarLifecycles; operator {}",
         load.namespaces,
         load.big_namespace_pods,
         load.nodes,
@@ -252,7 +252,7 @@ fn summarize(r: &Report, plan: &e2e::scale::Plan, bin: String) -> Out {
         },
     ];
     Out {
-        injector_binary: bin,
+        operator_binary: bin,
         leader_rss_mib: steady.map(|s| s.leader_rss.max_mib),
         standby_rss_mib: steady.map(|s| s.standby_rss.max_mib),
         steady_requests_per_s: steady.map(|s| s.leader.requests_per_s()),
@@ -376,7 +376,7 @@ fn print_table(o: &Out) {
         f(o.webhook_steady_p99_ms)
     );
     println!(
-        "webhook as the injector timed it: during the reconcile p50 <= {} / p99 <= {} ms; no reconcile p99 <= {} ms",
+        "webhook as the operator timed it: during the reconcile p50 <= {} / p99 <= {} ms; no reconcile p99 <= {} ms",
         f(o.webhook_server_p50_ms_at_most),
         f(o.webhook_server_p99_ms_at_most),
         f(o.webhook_steady_server_p99_ms_at_most)
@@ -388,7 +388,7 @@ fn print_table(o: &Out) {
         f(o.default_over_ceiling)
     );
     println!(
-        "webhook meanwhile (no reconcile): p99 {} ms, {} errors; as the injector timed it p99 <= {} ms",
+        "webhook meanwhile (no reconcile): p99 {} ms, {} errors; as the operator timed it p99 <= {} ms",
         f(o.webhook_p99_ms_at_ceiling),
         o.webhook_errors_at_ceiling.unwrap_or(0),
         f(o.webhook_server_p99_ms_at_most_at_ceiling)
@@ -429,7 +429,7 @@ impl Out {
     }
 }
 
-/// The injector's own timing of a webhook run, when it was read.
+/// The operator's own timing of a webhook run, when it was read.
 fn server(
     o: Option<&scale_run::webhook_load::Outcome>,
 ) -> Option<&scale_run::webhook_load::ServerSide> {

@@ -1,6 +1,6 @@
 //! Istio's real sidecar (pilot-agent and the same Envoy 1.40.0 as Remora's,
 //! image `localhost/remora/istio-proxy`, `scripts/images.sh istio-proxy`)
-//! added to an app's pod template the way Istio 1.31's injector adds it,
+//! added to an app's pod template the way Istio 1.31's operator adds it,
 //! and run without istiod: the peer contender of the lifecycle benchmark
 //! (issue 12, `../shared/PEERS.md`).
 //!

@@ -52,13 +52,13 @@ pub const INJECT_LABEL: (&str, &str) = ("remora.dev/inject", "enabled");
 pub const RELEASE: &str = "remora";
 pub const RELEASE_NAMESPACE: &str = "remora-system";
 /// Images `scripts/images.sh` builds and imports into the node's containerd.
-pub const INJECTOR_IMAGE: &str = "localhost/remora/remora-operator";
+pub const OPERATOR_IMAGE: &str = "localhost/remora/remora-operator";
 pub const PROXY_IMAGE: &str = "localhost/remora/remora-agent";
 pub const TEST_APP_IMAGE: &str = "localhost/remora/test-app";
 pub const PAUSE_IMAGE: &str = "localhost/remora/pause:dev";
 
 /// How long `helm --wait` and the harness's own waits give a rollout. The
-/// injector's preStop sleep (5 s) and a cold kubelet make seconds normal.
+/// operator's preStop sleep (5 s) and a cold kubelet make seconds normal.
 pub const ROLLOUT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Container waiting reasons that no amount of waiting fixes.
@@ -311,7 +311,7 @@ impl Node {
     /// into `namespace`, with the locally built images and the workload CA
     /// ([`node_chart_values`]) and `extra` `--set` values, `--wait`ing for
     /// the rollout. Idempotent: the same values again roll nothing. While
-    /// helm waits, injector pods that cannot start (image not imported,
+    /// helm waits, operator pods that cannot start (image not imported,
     /// crash loop) end the install at once with what the kubelet says.
     pub async fn install_remora(
         &self,
@@ -386,9 +386,9 @@ pub fn image_tag() -> String {
 pub fn local_image_values() -> Vec<String> {
     let tag = image_tag();
     vec![
-        format!("image.injector.repository={INJECTOR_IMAGE}"),
-        format!("image.injector.tag={tag}"),
-        "image.injector.pullPolicy=Never".to_owned(),
+        format!("image.operator.repository={OPERATOR_IMAGE}"),
+        format!("image.operator.tag={tag}"),
+        "image.operator.pullPolicy=Never".to_owned(),
         format!("image.proxy.repository={PROXY_IMAGE}"),
         format!("image.proxy.tag={tag}"),
         "image.proxy.pullPolicy=Never".to_owned(),
@@ -448,7 +448,7 @@ pub async fn dry_run_create(
 /// Dry-run creates of a pause pod in `namespace` until one comes back with
 /// the sidecar: the webhook is in force (the API server picks up webhook
 /// configurations and caBundle changes asynchronously, and refuses pods
-/// under `failurePolicy: Fail` until the injector answers). Returns the
+/// under `failurePolicy: Fail` until the operator answers). Returns the
 /// mutated pod and how long it took.
 pub async fn wait_injected(
     client: &Client,
@@ -627,15 +627,15 @@ impl Remora {
             .to_owned()
     }
 
-    /// Name of the injector's Deployment, Service, ServiceAccount,
+    /// Name of the operator's Deployment, Service, ServiceAccount,
     /// MutatingWebhookConfiguration and leader Lease (`REMORA_LEASE_NAME`).
-    pub fn injector(&self) -> String {
-        format!("{}-injector", self.fullname())
+    pub fn operator(&self) -> String {
+        format!("{}-operator", self.fullname())
     }
 
     /// The self-managed certificate's Secret.
     pub fn tls_secret(&self) -> String {
-        format!("{}-tls", self.injector())
+        format!("{}-tls", self.operator())
     }
 
     /// The admin kubeconfig helm runs with.
@@ -668,7 +668,7 @@ impl Remora {
 
     /// `helm uninstall --wait`: every object of the release is gone when it
     /// returns (CRDs stay, as helm keeps `crds/`; so do the Lease and the
-    /// Secret the injector made itself).
+    /// Secret the operator made itself).
     pub async fn uninstall(&self, client: &Client) -> Result<Duration, Error> {
         let args = [
             "uninstall",
@@ -684,7 +684,7 @@ impl Remora {
         self.helm(client, "helm uninstall", args).await
     }
 
-    /// Runs helm; meanwhile checks the injector pods every second, and on a
+    /// Runs helm; meanwhile checks the operator pods every second, and on a
     /// container that cannot start sends helm SIGTERM (it then marks the
     /// release failed, not pending, so the next install works) and fails
     /// with the kubelet's reason rather than after helm's whole timeout.
@@ -735,7 +735,7 @@ impl Remora {
         );
         if let Some(reason) = fatal {
             return Err(Error::Failed {
-                what: format!("{what} (stopped: an injector pod cannot start)"),
+                what: format!("{what} (stopped: an operator pod cannot start)"),
                 detail: format!("{reason}\n{}", self.diagnose(client).await),
             });
         }
@@ -749,8 +749,8 @@ impl Remora {
         Ok(t0.elapsed())
     }
 
-    /// The release's injector pods, terminating ones included.
-    pub async fn injector_pods(&self, client: &Client) -> Result<Vec<Pod>, Error> {
+    /// The release's operator pods, terminating ones included.
+    pub async fn operator_pods(&self, client: &Client) -> Result<Vec<Pod>, Error> {
         let selector = format!(
             "app.kubernetes.io/name=remora-operator,app.kubernetes.io/instance={}",
             self.release
@@ -791,9 +791,9 @@ impl Remora {
         else {
             return Ok(None);
         };
-        let image = format!("{INJECTOR_IMAGE}:{}", image_tag());
+        let image = format!("{OPERATOR_IMAGE}:{}", image_tag());
         Ok(self
-            .injector_pods(client)
+            .operator_pods(client)
             .await?
             .iter()
             .filter(|p| {
@@ -812,11 +812,11 @@ impl Remora {
             .find_map(cannot_start))
     }
 
-    /// Names of the injector pods that are Running, Ready and not being
+    /// Names of the operator pods that are Running, Ready and not being
     /// deleted, sorted.
-    pub async fn ready_injectors(&self, client: &Client) -> Result<Vec<String>, Error> {
+    pub async fn ready_operators(&self, client: &Client) -> Result<Vec<String>, Error> {
         let mut names: Vec<String> = self
-            .injector_pods(client)
+            .operator_pods(client)
             .await?
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none() && is_ready(p))
@@ -826,30 +826,30 @@ impl Remora {
         Ok(names)
     }
 
-    /// Waits until exactly `n` injector pods exist, all Running and Ready
+    /// Waits until exactly `n` operator pods exist, all Running and Ready
     /// (none terminating), and the Service has `n` ready endpoints (what the
     /// API server's webhook calls go to). Returns their names.
     pub async fn wait_ready(&self, client: &Client, n: usize) -> Result<Vec<String>, Error> {
         let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &self.namespace);
         let res = wait_for(
-            &format!("{n} injector replicas Ready behind the Service"),
+            &format!("{n} operator replicas Ready behind the Service"),
             ROLLOUT_TIMEOUT,
             || async {
                 if let Some(reason) = self.stuck(client).await? {
                     return Err(Error::Failed {
-                        what: "an injector pod cannot start".into(),
+                        what: "an operator pod cannot start".into(),
                         detail: reason,
                     });
                 }
-                let pods = self.injector_pods(client).await?;
-                let ready = self.ready_injectors(client).await?;
+                let pods = self.operator_pods(client).await?;
+                let ready = self.ready_operators(client).await?;
                 if pods.len() != n || ready.len() != n {
                     return Ok(Check::NotYet(format!(
                         "{} pods, ready: {ready:?}",
                         pods.len()
                     )));
                 }
-                let endpoints = ready_endpoints(&slices, &self.injector()).await?;
+                let endpoints = ready_endpoints(&slices, &self.operator()).await?;
                 Ok(if endpoints == n {
                     Check::Done(ready)
                 } else {
@@ -871,7 +871,7 @@ impl Remora {
     /// not created yet).
     pub async fn leader(&self, client: &Client) -> Result<Option<String>, Error> {
         let lease = Api::<Lease>::namespaced(client.clone(), &self.namespace)
-            .get_opt(&self.injector())
+            .get_opt(&self.operator())
             .await?;
         Ok(lease
             .and_then(|l| l.spec)
@@ -879,7 +879,7 @@ impl Remora {
             .filter(|h| !h.is_empty()))
     }
 
-    /// Waits until the Lease is held by one of the ready injector pods
+    /// Waits until the Lease is held by one of the ready operator pods
     /// other than `not` (if given); returns the holder.
     pub async fn wait_leader(
         &self,
@@ -888,14 +888,14 @@ impl Remora {
         timeout: Duration,
     ) -> Result<String, Error> {
         wait_for(
-            "a ready injector holding the leader Lease",
+            "a ready operator holding the leader Lease",
             timeout,
             || async {
                 let holder = self.leader(client).await?;
-                let ready = self.ready_injectors(client).await?;
+                let ready = self.ready_operators(client).await?;
                 Ok(match holder {
                     Some(h) if Some(h.as_str()) != not && ready.contains(&h) => Check::Done(h),
-                    h => Check::NotYet(format!("holder {h:?}, ready injectors {ready:?}")),
+                    h => Check::NotYet(format!("holder {h:?}, ready operators {ready:?}")),
                 })
             },
         )
@@ -908,7 +908,7 @@ impl Remora {
         client: &Client,
     ) -> Result<Option<MutatingWebhookConfiguration>, Error> {
         Ok(Api::<MutatingWebhookConfiguration>::all(client.clone())
-            .get_opt(&self.injector())
+            .get_opt(&self.operator())
             .await?)
     }
 
@@ -924,7 +924,7 @@ impl Remora {
         }))
     }
 
-    /// The CA the injector serves under (`ca.crt` of its self-managed
+    /// The CA the operator serves under (`ca.crt` of its self-managed
     /// Secret), if the Secret exists.
     pub async fn secret_ca(&self, client: &Client) -> Result<Option<Vec<u8>>, Error> {
         let secret = Api::<Secret>::namespaced(client.clone(), &self.namespace)
@@ -936,15 +936,15 @@ impl Remora {
             .map(|ByteString(b)| b))
     }
 
-    /// What the injector pods are doing, for a failure message: phase,
+    /// What the operator pods are doing, for a failure message: phase,
     /// container states, and the end of a crashed container's log.
     pub async fn diagnose(&self, client: &Client) -> String {
-        let pods = match self.injector_pods(client).await {
+        let pods = match self.operator_pods(client).await {
             Ok(p) => p,
-            Err(e) => return format!("(listing injector pods: {e})"),
+            Err(e) => return format!("(listing operator pods: {e})"),
         };
         if pods.is_empty() {
-            return format!("no injector pods in {}", self.namespace);
+            return format!("no operator pods in {}", self.namespace);
         }
         let api: Api<Pod> = Api::namespaced(client.clone(), &self.namespace);
         let mut out = String::new();

@@ -189,7 +189,7 @@ pub fn csr(uri: &str) -> Result<String, Error> {
         .map_err(|e| failed("CSR", e))
 }
 
-/// A client of the CA on one injector pod, verifying it with `bundle` under
+/// A client of the CA on one operator pod, verifying it with `bundle` under
 /// the Service's name (as the sidecars do).
 #[derive(Clone)]
 pub struct CaClient {

@@ -167,7 +167,7 @@ pub async fn agent_debug_config(
 
 /// Waits until the webhook injects a pod with `labels` in `namespace`
 /// with `source` (e.g. `workload:<ns>/<name>`, a SidecarLifecycle) among
-/// its layers, `streak` dry-runs in a row: every injector replica (each
+/// its layers, `streak` dry-runs in a row: every operator replica (each
 /// has its own watch of SidecarLifecycles, and the Service picks one per
 /// call) knows the resource before a workload's pods are created.
 pub async fn wait_layer_in_force(

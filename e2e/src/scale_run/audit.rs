@@ -1,5 +1,5 @@
-//! The kube-apiserver audit log as the injector's request log: a policy
-//! that records the injector replicas' requests (and nobody else's) at the
+//! The kube-apiserver audit log as the operator's request log: a policy
+//! that records the operator replicas' requests (and nobody else's) at the
 //! Metadata level, and the reading of that log: requests per replica by
 //! verb and resource, in a time window.
 

@@ -1,12 +1,12 @@
-//! What the injector should have written, computed here from the plan and
-//! from facts the injector does not decide (the SidecarLifecycles' real
+//! What the operator should have written, computed here from the plan and
+//! from facts the operator does not decide (the SidecarLifecycles' real
 //! creationTimestamps, which order "the older wins" since they are created
 //! concurrently; which layers the webhook recorded in each pod's
 //! `remora.dev/status`), by the rules of DESIGN.md: cluster default <
 //! namespace-wide < workload selector, one winner per layer (the oldest,
 //! then the name), and the CRD's status (matchedPods, Accepted, Conflicted,
-//! Applied, RestartRequired). Written apart from the injector's code
-//! (operator/src/status.rs): the point is to check it, not to replay it.
+//! Applied, RestartRequired). Written apart from the operator's code
+//! (operator/src/controllers/lifecycle/status.rs): the point is to check it, not to replay it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

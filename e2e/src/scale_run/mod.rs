@@ -1,5 +1,5 @@
 //! Issue 14's measurements, on a real kube-apiserver loaded by
-//! [`crate::scale`]: two injector replicas (the release or debug binary)
+//! [`crate::scale`]: two operator replicas (the release or debug binary)
 //! with leader election, each under its own ServiceAccount bound to the
 //! chart's ClusterRole and Role, so that the API server's audit log tells
 //! their requests apart; pods created through the real admission path
@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::controlplane::{self, ControlPlane, NAMESPACE_LABEL, service_account_token};
-use crate::injector::{self, Injector};
+use crate::operator::{self, Operator};
 use crate::scale::{self, BIG_LIFECYCLE, Load, Populated, RUN_LABEL};
 use crate::stats::Summary;
 use expect::{Expected, LifecycleFacts, PodFacts};
@@ -46,7 +46,7 @@ pub const LEASE: &str = "remora-operator";
 const RELEASE: &str = "remora";
 /// The replicas' ServiceAccounts, also their Lease identities (POD_NAME).
 pub const REPLICAS: [&str; 2] = ["remora-operator-a", "remora-operator-b"];
-/// The injector's default `--lease-duration`.
+/// The operator's default `--lease-duration`.
 pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
@@ -54,7 +54,7 @@ pub enum Error {
     #[error(transparent)]
     ControlPlane(#[from] controlplane::Error),
     #[error(transparent)]
-    Injector(#[from] injector::Error),
+    Operator(#[from] operator::Error),
     #[error(transparent)]
     Chart(#[from] crate::chart::Error),
     #[error(transparent)]
@@ -99,7 +99,7 @@ pub struct Options {
     /// Each step's bound.
     pub step_timeout: Duration,
     /// More `serve` flags for both replicas (e.g. a shorter lease).
-    pub injector_args: Vec<String>,
+    pub operator_args: Vec<String>,
     /// The `--lease-duration` those flags give (for the failover goal).
     pub lease_duration: Duration,
     pub cluster_default_edit: bool,
@@ -116,7 +116,7 @@ impl Options {
             rate: 500,
             webhook_steady: Duration::from_secs(10),
             step_timeout: Duration::from_secs(300),
-            injector_args: Vec::new(),
+            operator_args: Vec::new(),
             lease_duration: DEFAULT_LEASE_DURATION,
             cluster_default_edit: true,
             ceiling: true,
@@ -291,7 +291,7 @@ pub struct Run {
     pub client: Client,
     pub audit_log: PathBuf,
     /// Named as [`REPLICAS`]; `None` once killed.
-    pub replicas: Vec<(String, Option<Injector>)>,
+    pub replicas: Vec<(String, Option<Operator>)>,
     pub watch: PodWatch,
     pub populated: Populated,
     /// Each replica's kubeconfig (its service account's token).
@@ -407,14 +407,14 @@ impl Run {
             let kc = dir.path().join(format!("{name}.kubeconfig"));
             token_kubeconfig(&cp, &token, &kc)?;
             kubeconfigs.insert(name.to_owned(), kc.clone());
-            let mut o = injector::Options::new(&op);
+            let mut o = operator::Options::new(&op);
             o.controller = true;
             o.env = vec![("POD_NAME".to_owned(), name.to_owned())];
-            o.args = opts.injector_args.clone();
+            o.args = opts.operator_args.clone();
             o.start_timeout = Duration::from_secs(120);
-            starts.push(async move { Injector::start(&kc, o).await });
+            starts.push(async move { Operator::start(&kc, o).await });
         }
-        let [a, b]: [Injector; 2] = futures::future::try_join_all(starts)
+        let [a, b]: [Operator; 2] = futures::future::try_join_all(starts)
             .await?
             .try_into()
             .map_err(|_| Error::Unexpected("two replicas".into()))?;
@@ -468,7 +468,7 @@ impl Run {
         })
     }
 
-    fn replica(&self, name: &str) -> Option<&Injector> {
+    fn replica(&self, name: &str) -> Option<&Operator> {
         self.replicas
             .iter()
             .find(|(n, _)| n == name)
@@ -1040,7 +1040,7 @@ impl Run {
         }))
     }
 
-    /// The injector logs, for a failure's context.
+    /// The operator logs, for a failure's context.
     pub fn logs(&self) -> String {
         self.replicas
             .iter()
@@ -1091,7 +1091,7 @@ async fn identities(client: &Client, ns: &str) -> Result<(), Error> {
 
 /// Waits until the API server calls the webhook: a dry-run pod in the probe
 /// namespace comes back with the sidecar.
-async fn wait_webhook(client: &Client, probe_ns: &str, inj: &Injector) -> Result<(), Error> {
+async fn wait_webhook(client: &Client, probe_ns: &str, inj: &Operator) -> Result<(), Error> {
     let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), probe_ns);
     let dry = PostParams {
         dry_run: true,
@@ -1103,7 +1103,7 @@ async fn wait_webhook(client: &Client, probe_ns: &str, inj: &Injector) -> Result
         Ok::<_, kube::Error>(crate::webhook::sidecar(&p).map(|_| ()))
     })
     .await;
-    r.map_err(|e| Error::Unexpected(format!("{e}; the injector's log:\n{}", inj.log_tail())))
+    r.map_err(|e| Error::Unexpected(format!("{e}; the operator's log:\n{}", inj.log_tail())))
 }
 
 fn lifecycle_facts(o: &Value) -> LifecycleFacts {

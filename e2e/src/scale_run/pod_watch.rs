@@ -1,5 +1,5 @@
 //! A watch of the load's pods (metadata only) that keeps what the
-//! injector wrote on each (`remora.dev/status` sources, the shutdown
+//! operator wrote on each (`remora.dev/status` sources, the shutdown
 //! settings of `remora.dev/lifecycle`) and, once given a target value of
 //! one setting, when each pod first carried it: the client's view of a
 //! retune, timed on arrival of the change.
@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 pub type PodKey = (String, String);
 
-/// What the injector wrote on one pod.
+/// What the operator wrote on one pod.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Seen {
     /// `sources` of `remora.dev/status`; `None`: not injected.
@@ -189,7 +189,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_what_the_injector_wrote() {
+    fn reads_what_the_operator_wrote() {
         let a = BTreeMap::from([
             (
                 STATUS.to_owned(),

@@ -1,4 +1,4 @@
-//! An open-loop AdmissionReview client for the injector's `/inject`: the
+//! An open-loop AdmissionReview client for the operator's `/inject`: the
 //! i-th review is due at `start + i / rate` whatever became of the others,
 //! and its latency runs from that due time (a slow answer delays no later
 //! send, so a stall shows in full: no coordinated omission). No retries: a
@@ -42,19 +42,19 @@ pub struct Outcome {
     pub first_errors: Vec<String>,
     /// Latency of the answered reviews, from their due times.
     pub latency: Summary,
-    /// The same window as the injector itself timed it (`None`: its
+    /// The same window as the operator itself timed it (`None`: its
     /// `/metrics` could not be read).
     pub server: Option<ServerSide>,
 }
 
-/// The injector's own histogram of review times over the run (its
+/// The operator's own histogram of review times over the run (its
 /// `admission_duration_seconds`, from a review's first byte read to its
-/// answer): what the client's latency holds besides the injector's work
+/// answer): what the client's latency holds besides the operator's work
 /// (accept and TLS, the client's and the machine's scheduling). The
 /// buckets double, so each figure is the bucket's upper bound.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ServerSide {
-    /// Reviews the injector answered in the window (any client's).
+    /// Reviews the operator answered in the window (any client's).
     pub reviews: u64,
     pub p50_ms_at_most: Option<f64>,
     pub p99_ms_at_most: Option<f64>,
@@ -83,7 +83,7 @@ fn buckets(metrics: &str) -> Buckets {
         .collect()
 }
 
-/// What the injector answered between two readings of its histogram.
+/// What the operator answered between two readings of its histogram.
 fn between(before: &Buckets, after: &Buckets) -> ServerSide {
     let delta: Buckets = after
         .iter()
@@ -157,7 +157,7 @@ impl Pool {
         injected(&answer, uid)
     }
 
-    /// The injector's review-time histogram, on a connection of its own.
+    /// The operator's review-time histogram, on a connection of its own.
     async fn histogram(&self) -> Option<Buckets> {
         let mut conn = connect(self.addr, "localhost", &self.ca_pem).await.ok()?;
         let (status, body) = conn
@@ -169,7 +169,7 @@ impl Pool {
     }
 }
 
-/// Sends `rate` reviews of `pod` (in `namespace`) a second to the injector
+/// Sends `rate` reviews of `pod` (in `namespace`) a second to the operator
 /// at `addr` (trusting `ca_pem`) until `stop` or `max` has passed.
 pub async fn run(
     addr: SocketAddr,
@@ -274,7 +274,7 @@ mod tests {
     }
 
     #[test]
-    fn the_injectors_own_quantiles_come_from_the_histograms_difference() {
+    fn the_operators_own_quantiles_come_from_the_histograms_difference() {
         let text = |counts: [u64; 4]| {
             format!(
                 "# TYPE x histogram\n{HISTOGRAM}{{le=\"0.0001\"}} {}\n{HISTOGRAM}{{le=\"0.0002\"}} {}\n{HISTOGRAM}{{le=\"0.0004\"}} {}\n{HISTOGRAM}{{le=\"+Inf\"}} {}\nremora_operator_admission_duration_seconds_count 9\n",

@@ -16,14 +16,14 @@ use remora_test_support::bins::{BinError, workspace_bin};
 use remora_test_support::pki::{Ca, Leaf};
 use remora_test_support::ports::try_free_port;
 
-/// Where a prebuilt injector can be named explicitly.
-pub const ENV_INJECTOR_BIN: &str = "REMORA_INJECTOR_BIN";
+/// Where a prebuilt operator can be named explicitly.
+pub const ENV_OPERATOR_BIN: &str = "REMORA_OPERATOR_BIN";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(
         "remora-operator not found at {0}: build it (`cargo build -p remora-operator`, which \
-         `cargo test --workspace` does) or set {ENV_INJECTOR_BIN}"
+         `cargo test --workspace` does) or set {ENV_OPERATOR_BIN}"
     )]
     MissingBinary(PathBuf),
     #[error("locating remora-operator: {0}")]
@@ -49,16 +49,16 @@ fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { context, source }
 }
 
-/// The injector binary: `$REMORA_INJECTOR_BIN`, else next to the test
+/// The operator binary: `$REMORA_OPERATOR_BIN`, else next to the test
 /// binary (`target/<profile>/remora-operator`).
-pub fn injector_bin() -> Result<PathBuf, Error> {
-    workspace_bin("remora-operator", ENV_INJECTOR_BIN).map_err(|e| match e {
+pub fn operator_bin() -> Result<PathBuf, Error> {
+    workspace_bin("remora-operator", ENV_OPERATOR_BIN).map_err(|e| match e {
         BinError::NotBuilt(p) => Error::MissingBinary(p),
         e => Error::Locate(e),
     })
 }
 
-/// How to start the injector.
+/// How to start the operator.
 #[derive(Debug, Clone)]
 pub struct Options {
     /// `POD_NAMESPACE`: where its cluster default SidecarLifecycle lives. A
@@ -67,7 +67,7 @@ pub struct Options {
     /// `--default-mode` (no nodes run here, so `Auto` has no kubelet to ask).
     pub default_mode: String,
     /// Run the SidecarLifecycle controller. Off unless a test needs it:
-    /// tests share one API server and each injector's controller acts on
+    /// tests share one API server and each operator's controller acts on
     /// every namespace, so several at once would fight over the same objects.
     pub controller: bool,
     /// More `serve` flags.
@@ -116,7 +116,7 @@ impl Options {
 /// dropped; a watchdog `sh` holding a pipe from this process kills it if the
 /// test process dies without dropping it (panic=abort, SIGKILL).
 #[derive(Debug)]
-pub struct Injector {
+pub struct Operator {
     child: Child,
     watchdog: Option<(Child, ChildStdin)>,
     addr: SocketAddr,
@@ -125,11 +125,11 @@ pub struct Injector {
     _dir: tempfile::TempDir,
 }
 
-impl Injector {
-    /// Starts the injector with `kubeconfig` and waits until it listens
+impl Operator {
+    /// Starts the operator with `kubeconfig` and waits until it listens
     /// (it binds only after its first listing of the cluster).
     pub async fn start(kubeconfig: &Path, options: Options) -> Result<Self, Error> {
-        let bin = injector_bin()?;
+        let bin = operator_bin()?;
         let dir = tempfile::Builder::new()
             .prefix("remora-operator-")
             .tempdir()
@@ -140,8 +140,8 @@ impl Injector {
             .map_err(io("writing tls.crt and tls.key"))?;
         let port = try_free_port().map_err(io("picking a free port"))?;
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let log = dir.path().join("injector.log");
-        let out = File::create(&log).map_err(io("creating injector.log"))?;
+        let log = dir.path().join("operator.log");
+        let out = File::create(&log).map_err(io("creating operator.log"))?;
         let err = out.try_clone().map_err(io("cloning the log file"))?;
         let child = Command::new(&bin)
             .arg("serve")
@@ -219,7 +219,7 @@ impl Injector {
         &self.ca_pem
     }
 
-    /// The end of the injector's log (JSON lines), for failure messages.
+    /// The end of the operator's log (JSON lines), for failure messages.
     pub fn log_tail(&self) -> String {
         log_tail(&self.log, 6000)
     }
@@ -229,7 +229,7 @@ impl Injector {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// The injector's process id.
+    /// The operator's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -266,7 +266,7 @@ impl Injector {
         }
     }
 
-    /// Stops the injector: SIGTERM, then SIGKILL after `grace`. Waits for it.
+    /// Stops the operator: SIGTERM, then SIGKILL after `grace`. Waits for it.
     pub fn stop(&mut self, grace: Duration) {
         // The watchdog first, so it can never signal a reused pid later.
         if let Some((mut w, stdin)) = self.watchdog.take() {
@@ -292,14 +292,14 @@ impl Injector {
     }
 }
 
-impl Drop for Injector {
+impl Drop for Operator {
     fn drop(&mut self) {
         self.stop(Duration::from_secs(5));
     }
 }
 
 /// An `sh` that waits for end-of-file on a pipe whose only writer is this
-/// process, then kills `pid`: the injector never outlives the test process.
+/// process, then kills `pid`: the operator never outlives the test process.
 fn spawn_watchdog(pid: u32) -> Result<(Child, ChildStdin), Error> {
     let mut child = Command::new("sh")
         .arg("-c")
@@ -310,7 +310,7 @@ fn spawn_watchdog(pid: u32) -> Result<(Child, ChildStdin), Error> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(io("starting the injector's watchdog (sh)"))?;
+        .map_err(io("starting the operator's watchdog (sh)"))?;
     let stdin = child
         .stdin
         .take()
