@@ -420,10 +420,10 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         injector: Injector {
             chart,
             operator_namespace: args.operator_namespace.clone(),
-            view: Arc::new(crate::webhook::handler::LookingUpView::new(
+            view: Arc::new(crate::webhook::view::LookingUpView::new(
                 view,
                 client.clone(),
-                crate::webhook::handler::NAMESPACE_LOOKUP_TIMEOUT,
+                crate::webhook::view::NAMESPACE_LOOKUP_TIMEOUT,
             )),
         },
         metrics: webhook_metrics,

@@ -30,7 +30,8 @@ use remora_serve::readiness::Readiness;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::webhook::handler::{AdmissionOutcome, Injector, Metrics, encode_review, unreadable};
+use crate::webhook::handler::{AdmissionOutcome, Injector, Metrics};
+use remora_inject::review::{self, unreadable};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -386,7 +387,7 @@ async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
             // megabytes takes milliseconds of CPU: off the runtime's
             // workers, so probes and other reviews are not held up.
             let parsed = tokio::task::spawn_blocking(move || {
-                let parsed = Injector::parse(&body);
+                let parsed = review::parse(&body);
                 drop(body);
                 parsed
             })
@@ -511,7 +512,7 @@ fn json_review(
     outcome: AdmissionOutcome,
     start: Instant,
 ) -> Response {
-    let body = match encode_review(review) {
+    let body = match review::encode(review) {
         Ok(b) => b,
         Err(e) => {
             state
@@ -611,7 +612,7 @@ pub async fn serve_tls_draining(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::webhook::handler::StaticView;
+    use crate::webhook::view::StaticView;
     use tower::ServiceExt;
 
     fn state(max_body_bytes: usize, budget: usize) -> AppState {
