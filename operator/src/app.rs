@@ -1,11 +1,10 @@
-//! `remora-operator serve`: the webhook on every replica, the leader's tasks
-//! ([`crate::leader::tasks`]) only on the elected one, and one shutdown
-//! model for both.
+//! `remora-operator serve`: builds a replica from its flags and wires it:
+//! the webhook (and the workload CA) on every replica, the leader's tasks
+//! ([`crate::leader::tasks`]) only on the elected one.
 //!
-//! Shutdown: one [`CancellationToken`] is cancelled by the first SIGTERM or
-//! SIGINT and handed to every long-lived task. Then the elector stops the
-//! leader-only work and releases the Lease (a standby takes over at its next
-//! try), the webhook server stops accepting and lets in-flight requests
+//! Shutdown ([`Runtime`]): on the first SIGTERM or SIGINT the elector stops
+//! the leader-only work and releases the Lease (a standby takes over at its
+//! next try), the webhook server stops accepting and lets in-flight requests
 //! finish for up to `--shutdown-grace`, and the reflectors, certificate
 //! reloader and caBundle keeper stop. A second signal aborts at once.
 
@@ -15,17 +14,16 @@ use std::time::Duration;
 
 use kube::Client;
 use prometheus_client::registry::Registry;
-use tokio_util::sync::CancellationToken;
 
 use crate::flags::ServeArgs;
 use crate::leader::tasks::{LeaderContext, TrustBundle, lead_apart};
 use crate::leader::{self, LeaderError};
+use crate::runtime::{Runtime, RuntimeError};
 use crate::webhook::handler::Injector;
 use crate::webhook::server::{
     AppState, METRICS_PREFIX, ReviewBudget, ServerError, router, webhook_server,
 };
 use crate::webhook::tls::{ReloadingCert, TlsError};
-use remora_serve::readiness::Readiness;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -43,62 +41,25 @@ pub enum AppError {
         #[source]
         source: std::io::Error,
     },
-    #[error("installing the signal handlers: {0}")]
-    Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
     #[error(transparent)]
     Leader(#[from] LeaderError),
     #[error("webhook server: {0}")]
     Server(#[from] ServerError),
-    #[error("aborted by a second signal")]
-    Aborted,
     #[error("workload CA: {0}")]
     WorkloadCa(String),
 }
 
-/// Serve until SIGTERM/SIGINT; `Err(AppError::Aborted)` on a second signal.
+/// Serve until SIGTERM/SIGINT; `Err` on a second signal.
 pub async fn serve(args: ServeArgs) -> Result<(), AppError> {
-    let shutdown = CancellationToken::new();
-    let abort = CancellationToken::new();
-    watch_signals(shutdown.clone(), abort.clone(), args.shutdown_grace)?;
-    tokio::select! {
-        biased;
-        () = abort.cancelled() => Err(AppError::Aborted),
-        r = run(args, shutdown) => r,
-    }
+    let rt = Runtime::with_signals(args.shutdown_grace)?;
+    rt.run(run(args, &rt)).await
 }
 
-/// First signal: cancel `shutdown`; second: cancel `abort`.
-fn watch_signals(
-    shutdown: CancellationToken,
-    abort: CancellationToken,
-    grace: Duration,
-) -> Result<(), AppError> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).map_err(AppError::Signals)?;
-    let mut int = signal(SignalKind::interrupt()).map_err(AppError::Signals)?;
-    tokio::spawn(async move {
-        let mut next = async || {
-            tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
-            }
-        };
-        let first = next().await;
-        tracing::info!(
-            signal = first,
-            ?grace,
-            "shutting down; a second signal aborts"
-        );
-        shutdown.cancel();
-        let second = next().await;
-        tracing::warn!(signal = second, "second signal; aborting");
-        abort.cancel();
-    });
-    Ok(())
-}
-
-/// Serve until `shutdown` is cancelled, then drain (see the module doc).
-pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), AppError> {
+/// Serve until shutdown, then drain (see the module doc).
+pub async fn run(args: ServeArgs, rt: &Runtime) -> Result<(), AppError> {
+    let shutdown = rt.shutdown_token();
     let leader_cfg = args.leader_config();
     if args.leader_elect {
         // Bad timings fail the start, not the first election.
@@ -112,7 +73,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             tracing::info!("shut down before serving");
             return Ok(());
         }
-        r = start(&args, &shutdown, ca_metrics.clone()) => r?,
+        r = start(&args, rt, ca_metrics.clone()) => r?,
     };
     let Started {
         kube_config,
@@ -140,14 +101,13 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     };
     // Not ready (out of the Service) until the first listing is in, even
     // when the sync timeout let the server start without it.
-    let readiness = Readiness::new();
-    let synced = readiness.register("cluster-view", "listing SidecarLifecycles and namespaces");
+    let synced = rt.not_ready_until("cluster-view", "listing SidecarLifecycles and namespaces");
     {
         let view = view.clone();
-        tokio::spawn(shutdown.clone().run_until_cancelled_owned(async move {
+        rt.spawn_until_shutdown("cluster-view-synced", async move {
             view.wait_synced().await;
             synced.ready();
-        }));
+        });
     }
     // One registry; each component registers its own metrics in it.
     let mut registry = Registry::with_prefix(METRICS_PREFIX);
@@ -160,18 +120,9 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         ca_metrics.register(&mut registry);
     }
     let trust_bundle = match &args.workload_ca.enabled {
-        true => Some(
-            start_workload_ca(
-                &args,
-                &client,
-                &kube_config,
-                &view,
-                &mut registry,
-                &readiness,
-                &shutdown,
-            )
-            .await?,
-        ),
+        true => {
+            Some(start_workload_ca(&args, &client, &kube_config, &view, &mut registry, rt).await?)
+        }
         false => None,
     };
     let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
@@ -210,26 +161,21 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         metrics: webhook_metrics,
         registry,
         max_body_bytes: args.max_request_bytes,
-        readiness: readiness.clone(),
+        readiness: rt.readiness().clone(),
         budget: ReviewBudget::new(args.review_memory_budget),
     });
     tracing::info!(listen = %args.listen, "remora-operator serving");
 
-    let server = {
-        let shutdown = shutdown.clone();
-        async move {
-            let r = match server {
-                Ok(server) => server
-                    .serve(listener, router(state), shutdown.clone().cancelled_owned())
-                    .await
-                    .map_err(ServerError::from),
-                Err(e) => Err(e),
-            };
-            // A server that failed takes the rest down the same way.
-            shutdown.cancel();
-            r
+    // A server that failed takes the rest down the same way.
+    let server = rt.shut_down_after(async {
+        match server {
+            Ok(server) => server
+                .serve(listener, router(state), shutdown.clone().cancelled_owned())
+                .await
+                .map_err(ServerError::from),
+            Err(e) => Err(e),
         }
-    };
+    });
     let controller = async {
         if args.leader_elect {
             tracing::info!(identity = %leader_cfg.identity, lease = %format!("{}/{}", leader_cfg.namespace, leader_cfg.lease_name),
@@ -258,7 +204,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
 }
 
 /// Start this replica's workload CA: the signing-root keeper and the gRPC
-/// server, both until `shutdown`. Not ready until it has a root. Returns
+/// server, both until shutdown. Not ready until it has a root. Returns
 /// what the leader needs to distribute the trust bundle.
 async fn start_workload_ca(
     args: &ServeArgs,
@@ -266,8 +212,7 @@ async fn start_workload_ca(
     kube_config: &kube::Config,
     view: &crate::cluster::view::KubeView,
     registry: &mut Registry,
-    readiness: &Readiness,
-    shutdown: &CancellationToken,
+    rt: &Runtime,
 ) -> Result<TrustBundle, AppError> {
     use crate::pki::workload_ca::{self as ca, authn, keeper, service};
     let ca_args = &args.workload_ca;
@@ -281,12 +226,14 @@ async fn start_workload_ca(
         period: ca_args.keeper_period(),
         metrics: metrics.clone(),
     };
-    tokio::spawn(keeper.run(tx, shutdown.clone()));
-    let ready = readiness.register("workload-ca", "reading or making the signing root");
-    tokio::spawn(
-        shutdown
-            .clone()
-            .run_until_cancelled_owned(ca::follow_readiness(rx.clone(), ready)),
+    rt.spawn(
+        "workload-ca-keeper",
+        keeper.run(tx, rt.shutdown_token().clone()),
+    );
+    let ready = rt.not_ready_until("workload-ca", "reading or making the signing root");
+    rt.spawn_until_shutdown(
+        "workload-ca-readiness",
+        ca::follow_readiness(rx.clone(), ready),
     );
     let listener = remora_serve::bind(ca_args.listen).map_err(|source| AppError::Bind {
         addr: ca_args.listen,
@@ -321,13 +268,10 @@ async fn start_workload_ca(
         max_in_flight: usize::try_from(ca_args.max_in_flight).unwrap_or(usize::MAX),
         ..ca::serve::Limits::default()
     };
-    let token = shutdown.clone();
-    tokio::spawn(async move {
-        if let Err(e) = ca::serve::serve(listener, svc, limits, token.clone()).await {
-            tracing::error!(error = %e, "workload CA: the server failed; shutting down");
-            token.cancel();
-        }
-    });
+    rt.spawn(
+        "workload-ca-server",
+        ca::serve::serve(listener, svc, limits, rt.shutdown_token().clone()),
+    );
     tracing::info!(listen = %ca_args.listen, trust_domain = %ca_args.trust_domain, "workload CA serving");
     let signing = crate::controllers::trust_bundle::SigningSecret {
         namespace: args.operator_namespace.clone(),
@@ -400,10 +344,10 @@ struct Started {
 }
 
 /// Everything before serving: certificates, the cluster view, the listener.
-/// The background tasks it starts stop with `shutdown`.
+/// The background tasks it starts stop at shutdown.
 async fn start(
     args: &ServeArgs,
-    shutdown: &CancellationToken,
+    rt: &Runtime,
     ca_metrics: crate::pki::webhook_cert::Metrics,
 ) -> Result<Started, AppError> {
     let kube_config = kube_config(args).await?;
@@ -431,7 +375,8 @@ async fn start(
         .await?;
         let (bundle_tx, bundle_rx) = tokio::sync::watch::channel(bundle.ca_pem.clone());
         let secrets = kube::Api::namespaced(client.clone(), &args.operator_namespace);
-        tokio::spawn(shutdown.clone().run_until_cancelled_owned(
+        rt.spawn_until_shutdown(
+            "ca-bundle-keeper",
             crate::pki::webhook_cert::keep_ca_bundle(
                 client.clone(),
                 args.webhook_config.clone(),
@@ -440,7 +385,7 @@ async fn start(
                 args.tls_secret_resync,
                 bundle_rx,
             ),
-        ));
+        );
         let rotator = crate::pki::webhook_cert::Rotator {
             store: crate::pki::webhook_cert::KubeStore {
                 secrets,
@@ -473,24 +418,26 @@ async fn start(
             clock: crate::pki::webhook_cert::Clock::System,
             metrics: ca_metrics,
         };
-        tokio::spawn(
-            shutdown
-                .clone()
-                .run_until_cancelled_owned(rotator.run(bundle.clone(), bundle_tx)),
+        rt.spawn_until_shutdown(
+            "webhook-cert-rotation",
+            rotator.run(bundle.clone(), bundle_tx),
         );
         crate::pki::webhook_cert::write_files(&args.self_signed_dir, &bundle)?
     } else {
         (args.tls_cert.clone(), args.tls_key.clone())
     };
     let cert = ReloadingCert::load(cert_path, key_path)?;
-    tokio::spawn(
-        shutdown
-            .clone()
-            .run_until_cancelled_owned(Arc::clone(&cert).reload_every(args.cert_reload_interval)),
+    rt.spawn_until_shutdown(
+        "serving-cert-reload",
+        Arc::clone(&cert).reload_every(args.cert_reload_interval),
     );
     let tls = Arc::new(cert.server_config()?);
-    let view =
-        crate::cluster::view::start(client.clone(), args.sync_timeout, shutdown.clone()).await?;
+    let view = crate::cluster::view::start(
+        client.clone(),
+        args.sync_timeout,
+        rt.shutdown_token().clone(),
+    )
+    .await?;
     let listener = remora_serve::bind(args.listen).map_err(|source| AppError::Bind {
         addr: args.listen,
         source,

@@ -10,4 +10,5 @@ pub mod controllers;
 pub mod flags;
 pub mod leader;
 pub mod pki;
+pub mod runtime;
 pub mod webhook;
