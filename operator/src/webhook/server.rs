@@ -57,9 +57,8 @@ pub struct AppState {
 
 /// How many times its body size a review costs while it is handled: the
 /// body (read into one buffer, freed once parsed), the one partial parse of
-/// the pod, the patch and the encoded answer, and the allocator's slack. Since the
-/// review is parsed once and what is never read is skipped, one 4 MiB
-/// review grows the injector by about 13 MiB (hostile-bench; 49 MiB before).
+/// the pod, the patch and the encoded answer, and the allocator's slack
+/// (hostile-bench measures it).
 pub const REVIEW_COST: usize = 4;
 /// How long a review waits for memory budget, in all, before a 503.
 pub const BUDGET_WAIT: Duration = Duration::from_secs(2);
@@ -455,12 +454,11 @@ pub enum BodyError {
 
 /// The body, copied chunk by chunk into one buffer of the declared size
 /// (at most `limit`; allocated once the first bytes are in), each chunk
-/// freed as soon as it is copied: a review holds its body once. Collecting
-/// the chunks and then joining them held it twice, and every chunk kept
-/// alive the whole read buffer it was cut from (under 64 concurrent 4 MiB
-/// reviews: 2.25x the idle RSS). `charge` grows with every chunk, before
-/// it is copied; a body slower than the budget's [`Pace`] is cut off (time
-/// spent waiting for the budget is not the client's).
+/// freed as soon as it is copied: a review holds its body once, and no
+/// chunk keeps alive the read buffer it was cut from. `charge` grows with
+/// every chunk, before it is copied; a body slower than the budget's
+/// [`Pace`] is cut off (time spent waiting for the budget is not the
+/// client's).
 pub async fn read_body(
     body: Body,
     declared: Option<usize>,
