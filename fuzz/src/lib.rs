@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
 use prost::Message;
@@ -20,7 +20,7 @@ use remora_agent::sds::store::SecretName;
 use remora_contract::{downward, duration, overlay::Overlay, value};
 use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
 use remora_inject::resolve::{ChartDefaults, LifecycleEntry};
-use remora_operator::webhook::handler::{Injector, StaticView, encode_review};
+use remora_inject::review::{self, StaticView};
 
 /// A fuzz target: untrusted bytes in, a panic on any bug.
 pub type Target = fn(&[u8]);
@@ -33,15 +33,16 @@ pub const TARGETS: [(&str, Target); 4] = [
     ("sds_request", sds_request),
 ];
 
-/// The injector as the webhook server runs it, over a fixed cluster view
-/// with one SidecarLifecycle and one injection-enabled namespace, so inputs
-/// can reach the selector match and the lifecycle merge.
-fn injector() -> &'static Injector {
-    static INJECTOR: OnceLock<Injector> = OnceLock::new();
-    INJECTOR.get_or_init(|| Injector {
-        chart: ChartDefaults::default(),
-        operator_namespace: "remora-system".into(),
-        view: Arc::new(StaticView {
+/// The operator's namespace in the fixed cluster below.
+const OPERATOR_NAMESPACE: &str = "remora-system";
+
+/// The review as the webhook decides it, over a fixed cluster with one
+/// SidecarLifecycle and one injection-enabled namespace, so inputs can
+/// reach the selector match and the lifecycle merge.
+fn cluster() -> &'static (StaticView, ChartDefaults) {
+    static CLUSTER: OnceLock<(StaticView, ChartDefaults)> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let view = StaticView {
             lifecycles: vec![LifecycleEntry {
                 namespace: "shop".into(),
                 name: "web".into(),
@@ -62,16 +63,17 @@ fn injector() -> &'static Injector {
                 BTreeMap::from([("remora.dev/inject".to_string(), "enabled".to_string())]),
             )]),
             native_sidecars: true,
-        }),
+        };
+        (view, ChartDefaults::default())
     })
 }
 
 /// An AdmissionReview body, as the webhook receives it: the answer must
 /// always encode (the server has nothing else to send).
 pub fn injector_review(data: &[u8]) {
-    // The fixed view never waits (no namespace lookup), so this never blocks.
-    let (review, _outcome) = futures::executor::block_on(injector().review(data));
-    if let Err(e) = encode_review(review) {
+    let (view, chart) = cluster();
+    let (answer, _outcome) = view.review(data, chart, OPERATOR_NAMESPACE);
+    if let Err(e) = review::encode(answer) {
         panic!("the review of a fuzzed body does not encode: {e}");
     }
 }

@@ -6,6 +6,7 @@
 //! - [`container`]: the sidecar container and the volumes it needs.
 //! - [`traffic`]: the sidecar's listeners and mTLS, from the pod's
 //!   annotations; what would turn it against itself is refused.
+//! - [`review`]: an AdmissionReview read, decided and answered.
 //! - [`offline`]: the same injection over manifests (GitOps).
 
 pub mod container;
@@ -13,3 +14,4 @@ pub mod offline;
 pub mod patch;
 pub mod resolve;
 pub mod traffic;
+pub mod review;

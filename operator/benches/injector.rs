@@ -24,9 +24,11 @@ use remora_crds::{
 use remora_inject::offline::{OfflineOptions, inject_stream};
 use remora_inject::patch::{Selection, Target, mutate};
 use remora_inject::resolve::{ChartDefaults, EffectiveConfig, LifecycleEntry};
-use remora_operator::webhook::handler::{Injector, StaticView, encode_review};
+use remora_inject::review::encode;
+use remora_operator::webhook::handler::Injector;
 use remora_operator::webhook::server::{AppState, router, serve_tls};
 use remora_operator::webhook::tls::ReloadingCert;
+use remora_operator::webhook::view::StaticView;
 use remora_test_support::pki::self_signed;
 use remora_test_support::webhook_client;
 use serde_json::{Value, json};
@@ -334,7 +336,7 @@ fn review_cost_us() -> f64 {
     let t = Instant::now();
     for _ in 0..n {
         let (rev, _) = futures::executor::block_on(inj.review(std::hint::black_box(&body)));
-        std::hint::black_box(encode_review(rev).unwrap_or_default());
+        std::hint::black_box(encode(rev).unwrap_or_default());
     }
     t.elapsed().as_secs_f64() * 1e6 / f64::from(n)
 }

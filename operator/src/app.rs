@@ -1,10 +1,10 @@
-//! `remora-operator serve`: the webhook on every replica, the controller
-//! only on the leader, and one shutdown model for both.
+//! `remora-operator serve`: builds a replica from its flags and wires it:
+//! the webhook (and the workload CA) on every replica, the leader's tasks
+//! ([`crate::leader::tasks`]) only on the elected one.
 //!
-//! Shutdown: one [`CancellationToken`] is cancelled by the first SIGTERM or
-//! SIGINT and handed to every long-lived task. Then the elector stops the
-//! leader-only work and releases the Lease (a standby takes over at its next
-//! try), the webhook server stops accepting and lets in-flight requests
+//! Shutdown ([`Runtime`]): on the first SIGTERM or SIGINT the elector stops
+//! the leader-only work and releases the Lease (a standby takes over at its
+//! next try), the webhook server stops accepting and lets in-flight requests
 //! finish for up to `--shutdown-grace`, and the reflectors, certificate
 //! reloader and caBundle keeper stop. A second signal aborts at once.
 
@@ -14,19 +14,16 @@ use std::time::Duration;
 
 use kube::Client;
 use prometheus_client::registry::Registry;
-use remora_crds::SidecarLifecycle;
-use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
 
-use crate::cluster::watch::SharedWatch;
 use crate::flags::ServeArgs;
+use crate::leader::tasks::{LeaderContext, TrustBundle, lead_apart};
 use crate::leader::{self, LeaderError};
+use crate::runtime::{Runtime, RuntimeError};
 use crate::webhook::handler::Injector;
 use crate::webhook::server::{
     AppState, METRICS_PREFIX, ReviewBudget, ServerError, router, webhook_server,
 };
 use crate::webhook::tls::{ReloadingCert, TlsError};
-use remora_serve::readiness::Readiness;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -44,280 +41,25 @@ pub enum AppError {
         #[source]
         source: std::io::Error,
     },
-    #[error("installing the signal handlers: {0}")]
-    Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
     #[error(transparent)]
     Leader(#[from] LeaderError),
     #[error("webhook server: {0}")]
     Server(#[from] ServerError),
-    #[error("aborted by a second signal")]
-    Aborted,
     #[error("workload CA: {0}")]
     WorkloadCa(String),
 }
 
-/// Serve until SIGTERM/SIGINT; `Err(AppError::Aborted)` on a second signal.
+/// Serve until SIGTERM/SIGINT; `Err` on a second signal.
 pub async fn serve(args: ServeArgs) -> Result<(), AppError> {
-    let shutdown = CancellationToken::new();
-    let abort = CancellationToken::new();
-    watch_signals(shutdown.clone(), abort.clone(), args.shutdown_grace)?;
-    tokio::select! {
-        biased;
-        () = abort.cancelled() => Err(AppError::Aborted),
-        r = run(args, shutdown) => r,
-    }
+    let rt = Runtime::with_signals(args.shutdown_grace)?;
+    rt.run(run(args, &rt)).await
 }
 
-/// First signal: cancel `shutdown`; second: cancel `abort`.
-fn watch_signals(
-    shutdown: CancellationToken,
-    abort: CancellationToken,
-    grace: Duration,
-) -> Result<(), AppError> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).map_err(AppError::Signals)?;
-    let mut int = signal(SignalKind::interrupt()).map_err(AppError::Signals)?;
-    tokio::spawn(async move {
-        let mut next = async || {
-            tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
-            }
-        };
-        let first = next().await;
-        tracing::info!(
-            signal = first,
-            ?grace,
-            "shutting down; a second signal aborts"
-        );
-        shutdown.cancel();
-        let second = next().await;
-        tracing::warn!(signal = second, "second signal; aborting");
-        abort.cancel();
-    });
-    Ok(())
-}
-
-/// What the leader-only work needs.
-struct LeaderContext {
-    /// The API server, for the leader's own client (see [`lead_apart`]).
-    kube: kube::Config,
-    /// `None`: the controller is off.
-    controller: Option<crate::controllers::lifecycle::Settings>,
-    controller_metrics: crate::controllers::lifecycle::Metrics,
-    stop_completed_jobs: bool,
-    jobs_metrics: crate::controllers::jobs::Metrics,
-    pod_watch_metrics: crate::cluster::live_pod::Metrics,
-    /// Who publishes the Events.
-    identity: String,
-    /// The replica's SidecarLifecycle watch (the webhook's).
-    lifecycles: SharedWatch<SidecarLifecycle>,
-    /// With the workload CA: the replica's roots, and its namespace view
-    /// (which namespaces get the trust bundle).
-    trust_bundle: Option<(
-        crate::pki::workload_ca::AuthorityRx,
-        crate::cluster::view::KubeView,
-        crate::controllers::trust_bundle::SigningSecret,
-    )>,
-    /// How often the trust bundle's namespaces are checked.
-    trust_bundle_period: Duration,
-}
-
-/// Everything only the leader runs: the one place to add leader-only tasks.
-/// Each gets `token`, cancelled when leadership ends or shutdown begins, and
-/// must return soon after (the elector aborts it after --shutdown-grace).
-async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
-    if ctx.controller.is_none() && !ctx.stop_completed_jobs && ctx.trust_bundle.is_none() {
-        // Nothing to do is no reason to give up leadership, nor to watch.
-        return token.cancelled().await;
-    }
-    let client = match Client::try_from(ctx.kube.clone()) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot build the leader's API client; leading idle");
-            return token.cancelled().await;
-        }
-    };
-    // One pod watch for all the leader's work, while it leads; a task
-    // started again subscribes again.
-    let pods = crate::cluster::live_pod::live_pods(
-        client.clone(),
-        ctx.pod_watch_metrics.clone(),
-        token.clone(),
-    );
-    let mut tasks = JoinSet::new();
-    if let Some(settings) = ctx.controller.clone() {
-        let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());
-        tasks.spawn(supervise("controller", token.clone(), move |token| {
-            crate::controllers::lifecycle::run(
-                client.clone(),
-                settings.clone(),
-                ctx.controller_metrics.clone(),
-                ctx.lifecycles.clone(),
-                pods.clone(),
-                token,
-            )
-        }));
-    }
-    if ctx.stop_completed_jobs {
-        let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());
-        tasks.spawn(supervise("jobs", token.clone(), move |token| {
-            let (client, identity, metrics, pods) = (
-                client.clone(),
-                ctx.identity.clone(),
-                ctx.jobs_metrics.clone(),
-                pods.clone(),
-            );
-            async move {
-                if let Err(e) =
-                    crate::controllers::jobs::run(client, identity, metrics, pods, token).await
-                {
-                    tracing::error!(error = %e, "the Jobs controller failed");
-                }
-            }
-        }));
-    }
-    if let Some((authority, view, signing)) = ctx.trust_bundle.clone() {
-        let (pods, client, period) = (pods.clone(), client.clone(), ctx.trust_bundle_period);
-        tasks.spawn(supervise("trust-bundle", token.clone(), move |token| {
-            let (authority, view, pods) = (authority.clone(), view.clone(), pods.clone());
-            let targets = move || injected_namespaces(&view, &pods);
-            let signing = signing.clone();
-            crate::controllers::trust_bundle::run(
-                client.clone(),
-                authority,
-                targets,
-                period,
-                signing,
-                token,
-            )
-        }));
-    }
-    while tasks.join_next().await.is_some() {}
-    // Nothing (left) to do is no reason to give up leadership.
-    token.cancelled().await;
-}
-
-/// Namespaces with the injection label, and those holding a pod the
-/// webhook injected (a pod may opt in by its own label).
-fn injected_namespaces(
-    view: &crate::cluster::view::KubeView,
-    pods: &SharedWatch<crate::cluster::live_pod::LivePod>,
-) -> std::collections::BTreeSet<String> {
-    let mut out: std::collections::BTreeSet<String> = view
-        .namespaces_labelled(remora_contract::annotations::INJECT_LABEL, "enabled")
-        .into_iter()
-        .collect();
-    for p in pods.store().state() {
-        if p.injected().is_some()
-            && let Some(ns) = &p.metadata.namespace
-            && !out.contains(ns)
-        {
-            out.insert(ns.clone());
-        }
-    }
-    out
-}
-
-/// The leader thread's nice value (0 is the webhook's): under contention
-/// it gets about a tenth of the CPU the webhook's threads get.
-const LEADER_NICE: i32 = 10;
-/// The name of the leader's thread (and of its blocking pool's).
-const LEADER_THREAD: &str = "remora-leader";
-
-/// Run [`lead`] on a runtime of its own, on one thread ([`apart`]): the CPU
-/// of the leader's work (a cluster default's reconcile reads every pod;
-/// every pod event is parsed) then never holds the workers that answer the
-/// webhook and the probes. Its API client is its own too (built in
-/// [`lead`]), so that its connections and their TLS run on that thread.
-/// Dropping this future (the elector aborts the leader's work when it steps
-/// down) stops all of that work.
-async fn lead_apart(ctx: Arc<LeaderContext>, token: CancellationToken) {
-    match apart(lead(Arc::clone(&ctx), token.clone())) {
-        Ok(work) => work.await,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the leader's thread; leading on the shared runtime");
-            return lead(ctx, token).await;
-        }
-    }
-    // The work ended early (its runtime failed to start): lead idle.
-    token.cancelled().await;
-}
-
-/// Run `work` on a thread of its own ([`LEADER_THREAD`], at [`LEADER_NICE`])
-/// with a runtime of its own. The returned future ends when `work` does;
-/// dropping it drops that runtime, and with it every task `work` started.
-fn apart(
-    work: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<impl std::future::Future<Output = ()>> {
-    let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
-    // Its sender is dropped with the returned future: stop at once.
-    let (abort, aborted) = tokio::sync::oneshot::channel::<()>();
-    std::thread::Builder::new()
-        .name(LEADER_THREAD.into())
-        .spawn(move || {
-            // Below the webhook's threads when the cores are contended: a
-            // pod's creation waits on its review, a retune can wait a
-            // moment. Threads this one starts (the runtime's blocking
-            // pool) inherit it.
-            let me = Some(rustix::thread::gettid());
-            let nice = rustix::process::getpriority_process(me).unwrap_or_default();
-            if nice < LEADER_NICE
-                && let Err(e) = rustix::process::setpriority_process(me, LEADER_NICE)
-            {
-                tracing::warn!(error = %e, "cannot lower the leader thread's priority");
-            }
-            match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .thread_name(LEADER_THREAD)
-                .build()
-            {
-                Ok(rt) => rt.block_on(async {
-                    tokio::select! {
-                        () = work => {}
-                        _ = aborted => {}
-                    }
-                }),
-                Err(e) => tracing::error!(error = %e, "cannot start the leader's runtime"),
-            }
-            let _ = done_tx.send(());
-        })?;
-    Ok(async move {
-        let _abort = abort;
-        let _ = done.await;
-    })
-}
-
-/// Run `task` until `token` is cancelled, starting it again (after a
-/// doubling delay, 1 s up to 60 s) when it ends or panics before that: a
-/// leader whose work died would otherwise hold the Lease doing nothing.
-async fn supervise<F, Fut>(name: &'static str, token: CancellationToken, task: F)
-where
-    F: Fn(CancellationToken) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let mut delay = Duration::from_secs(1);
-    loop {
-        let ended = tokio::spawn(task(token.clone())).await;
-        if token.is_cancelled() {
-            return;
-        }
-        match ended {
-            Err(e) => tracing::error!(task = name, error = %e, retry_in = ?delay,
-                "a leader-only task panicked; starting it again"),
-            Ok(()) => tracing::warn!(task = name, retry_in = ?delay,
-                "a leader-only task ended early; starting it again"),
-        }
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = token.cancelled() => return,
-        }
-        delay = (delay * 2).min(Duration::from_secs(60));
-    }
-}
-
-/// Serve until `shutdown` is cancelled, then drain (see the module doc).
-pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), AppError> {
+/// Serve until shutdown, then drain (see the module doc).
+pub async fn run(args: ServeArgs, rt: &Runtime) -> Result<(), AppError> {
+    let shutdown = rt.shutdown_token();
     let leader_cfg = args.leader_config();
     if args.leader_elect {
         // Bad timings fail the start, not the first election.
@@ -331,7 +73,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
             tracing::info!("shut down before serving");
             return Ok(());
         }
-        r = start(&args, &shutdown, ca_metrics.clone()) => r?,
+        r = start(&args, rt, ca_metrics.clone()) => r?,
     };
     let Started {
         kube_config,
@@ -359,14 +101,13 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
     };
     // Not ready (out of the Service) until the first listing is in, even
     // when the sync timeout let the server start without it.
-    let readiness = Readiness::new();
-    let synced = readiness.register("cluster-view", "listing SidecarLifecycles and namespaces");
+    let synced = rt.not_ready_until("cluster-view", "listing SidecarLifecycles and namespaces");
     {
         let view = view.clone();
-        tokio::spawn(shutdown.clone().run_until_cancelled_owned(async move {
+        rt.spawn_until_shutdown("cluster-view-synced", async move {
             view.wait_synced().await;
             synced.ready();
-        }));
+        });
     }
     // One registry; each component registers its own metrics in it.
     let mut registry = Registry::with_prefix(METRICS_PREFIX);
@@ -379,18 +120,9 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         ca_metrics.register(&mut registry);
     }
     let trust_bundle = match &args.workload_ca.enabled {
-        true => Some(
-            start_workload_ca(
-                &args,
-                &client,
-                &kube_config,
-                &view,
-                &mut registry,
-                &readiness,
-                &shutdown,
-            )
-            .await?,
-        ),
+        true => {
+            Some(start_workload_ca(&args, &client, &kube_config, &view, &mut registry, rt).await?)
+        }
         false => None,
     };
     let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
@@ -420,35 +152,30 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
         injector: Injector {
             chart,
             operator_namespace: args.operator_namespace.clone(),
-            view: Arc::new(crate::webhook::handler::LookingUpView::new(
+            view: Arc::new(crate::webhook::view::LookingUpView::new(
                 view,
                 client.clone(),
-                crate::webhook::handler::NAMESPACE_LOOKUP_TIMEOUT,
+                crate::webhook::view::NAMESPACE_LOOKUP_TIMEOUT,
             )),
         },
         metrics: webhook_metrics,
         registry,
         max_body_bytes: args.max_request_bytes,
-        readiness: readiness.clone(),
+        readiness: rt.readiness().clone(),
         budget: ReviewBudget::new(args.review_memory_budget),
     });
     tracing::info!(listen = %args.listen, "remora-operator serving");
 
-    let server = {
-        let shutdown = shutdown.clone();
-        async move {
-            let r = match server {
-                Ok(server) => server
-                    .serve(listener, router(state), shutdown.clone().cancelled_owned())
-                    .await
-                    .map_err(ServerError::from),
-                Err(e) => Err(e),
-            };
-            // A server that failed takes the rest down the same way.
-            shutdown.cancel();
-            r
+    // A server that failed takes the rest down the same way.
+    let server = rt.shut_down_after(async {
+        match server {
+            Ok(server) => server
+                .serve(listener, router(state), shutdown.clone().cancelled_owned())
+                .await
+                .map_err(ServerError::from),
+            Err(e) => Err(e),
         }
-    };
+    });
     let controller = async {
         if args.leader_elect {
             tracing::info!(identity = %leader_cfg.identity, lease = %format!("{}/{}", leader_cfg.namespace, leader_cfg.lease_name),
@@ -477,7 +204,7 @@ pub async fn run(args: ServeArgs, shutdown: CancellationToken) -> Result<(), App
 }
 
 /// Start this replica's workload CA: the signing-root keeper and the gRPC
-/// server, both until `shutdown`. Not ready until it has a root. Returns
+/// server, both until shutdown. Not ready until it has a root. Returns
 /// what the leader needs to distribute the trust bundle.
 async fn start_workload_ca(
     args: &ServeArgs,
@@ -485,16 +212,8 @@ async fn start_workload_ca(
     kube_config: &kube::Config,
     view: &crate::cluster::view::KubeView,
     registry: &mut Registry,
-    readiness: &Readiness,
-    shutdown: &CancellationToken,
-) -> Result<
-    (
-        crate::pki::workload_ca::AuthorityRx,
-        crate::cluster::view::KubeView,
-        crate::controllers::trust_bundle::SigningSecret,
-    ),
-    AppError,
-> {
+    rt: &Runtime,
+) -> Result<TrustBundle, AppError> {
     use crate::pki::workload_ca::{self as ca, authn, keeper, service};
     let ca_args = &args.workload_ca;
     let metrics = ca::Metrics::register(registry);
@@ -507,12 +226,14 @@ async fn start_workload_ca(
         period: ca_args.keeper_period(),
         metrics: metrics.clone(),
     };
-    tokio::spawn(keeper.run(tx, shutdown.clone()));
-    let ready = readiness.register("workload-ca", "reading or making the signing root");
-    tokio::spawn(
-        shutdown
-            .clone()
-            .run_until_cancelled_owned(ca::follow_readiness(rx.clone(), ready)),
+    rt.spawn(
+        "workload-ca-keeper",
+        keeper.run(tx, rt.shutdown_token().clone()),
+    );
+    let ready = rt.not_ready_until("workload-ca", "reading or making the signing root");
+    rt.spawn_until_shutdown(
+        "workload-ca-readiness",
+        ca::follow_readiness(rx.clone(), ready),
     );
     let listener = remora_serve::bind(ca_args.listen).map_err(|source| AppError::Bind {
         addr: ca_args.listen,
@@ -547,19 +268,20 @@ async fn start_workload_ca(
         max_in_flight: usize::try_from(ca_args.max_in_flight).unwrap_or(usize::MAX),
         ..ca::serve::Limits::default()
     };
-    let token = shutdown.clone();
-    tokio::spawn(async move {
-        if let Err(e) = ca::serve::serve(listener, svc, limits, token.clone()).await {
-            tracing::error!(error = %e, "workload CA: the server failed; shutting down");
-            token.cancel();
-        }
-    });
+    rt.spawn(
+        "workload-ca-server",
+        ca::serve::serve(listener, svc, limits, rt.shutdown_token().clone()),
+    );
     tracing::info!(listen = %ca_args.listen, trust_domain = %ca_args.trust_domain, "workload CA serving");
     let signing = crate::controllers::trust_bundle::SigningSecret {
         namespace: args.operator_namespace.clone(),
         name: ca_args.secret.clone(),
     };
-    Ok((rx, view.clone(), signing))
+    Ok(TrustBundle {
+        authority: rx,
+        view: view.clone(),
+        signing,
+    })
 }
 
 /// Sidecars dial the CA at its Service's ClusterIP and check its
@@ -622,10 +344,10 @@ struct Started {
 }
 
 /// Everything before serving: certificates, the cluster view, the listener.
-/// The background tasks it starts stop with `shutdown`.
+/// The background tasks it starts stop at shutdown.
 async fn start(
     args: &ServeArgs,
-    shutdown: &CancellationToken,
+    rt: &Runtime,
     ca_metrics: crate::pki::webhook_cert::Metrics,
 ) -> Result<Started, AppError> {
     let kube_config = kube_config(args).await?;
@@ -653,7 +375,8 @@ async fn start(
         .await?;
         let (bundle_tx, bundle_rx) = tokio::sync::watch::channel(bundle.ca_pem.clone());
         let secrets = kube::Api::namespaced(client.clone(), &args.operator_namespace);
-        tokio::spawn(shutdown.clone().run_until_cancelled_owned(
+        rt.spawn_until_shutdown(
+            "ca-bundle-keeper",
             crate::pki::webhook_cert::keep_ca_bundle(
                 client.clone(),
                 args.webhook_config.clone(),
@@ -662,7 +385,7 @@ async fn start(
                 args.tls_secret_resync,
                 bundle_rx,
             ),
-        ));
+        );
         let rotator = crate::pki::webhook_cert::Rotator {
             store: crate::pki::webhook_cert::KubeStore {
                 secrets,
@@ -695,24 +418,26 @@ async fn start(
             clock: crate::pki::webhook_cert::Clock::System,
             metrics: ca_metrics,
         };
-        tokio::spawn(
-            shutdown
-                .clone()
-                .run_until_cancelled_owned(rotator.run(bundle.clone(), bundle_tx)),
+        rt.spawn_until_shutdown(
+            "webhook-cert-rotation",
+            rotator.run(bundle.clone(), bundle_tx),
         );
         crate::pki::webhook_cert::write_files(&args.self_signed_dir, &bundle)?
     } else {
         (args.tls_cert.clone(), args.tls_key.clone())
     };
     let cert = ReloadingCert::load(cert_path, key_path)?;
-    tokio::spawn(
-        shutdown
-            .clone()
-            .run_until_cancelled_owned(Arc::clone(&cert).reload_every(args.cert_reload_interval)),
+    rt.spawn_until_shutdown(
+        "serving-cert-reload",
+        Arc::clone(&cert).reload_every(args.cert_reload_interval),
     );
     let tls = Arc::new(cert.server_config()?);
-    let view =
-        crate::cluster::view::start(client.clone(), args.sync_timeout, shutdown.clone()).await?;
+    let view = crate::cluster::view::start(
+        client.clone(),
+        args.sync_timeout,
+        rt.shutdown_token().clone(),
+    )
+    .await?;
     let listener = remora_serve::bind(args.listen).map_err(|source| AppError::Bind {
         addr: args.listen,
         source,
@@ -725,6 +450,3 @@ async fn start(
         view,
     })
 }
-
-#[cfg(test)]
-mod tests;

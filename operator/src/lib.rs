@@ -11,4 +11,5 @@ pub mod flags;
 pub mod identity;
 pub mod leader;
 pub mod pki;
+pub mod runtime;
 pub mod webhook;

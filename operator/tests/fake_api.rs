@@ -191,7 +191,7 @@ async fn start_lister(nodes: &[&str], apiserver_minor: &str) -> anyhow::Result<k
 }
 
 async fn wait_native(view: &remora_operator::cluster::view::KubeView, want: bool) {
-    use remora_operator::webhook::handler::ClusterView;
+    use remora_operator::webhook::view::ClusterView;
     let deadline = Instant::now() + Duration::from_secs(10);
     while view.native_sidecars() != want {
         assert!(
@@ -204,7 +204,7 @@ async fn wait_native(view: &remora_operator::cluster::view::KubeView, want: bool
 
 #[tokio::test]
 async fn reflectors_feed_the_view_and_nodes_decide_auto() -> anyhow::Result<()> {
-    use remora_operator::webhook::handler::ClusterView;
+    use remora_operator::webhook::view::ClusterView;
     // New API server, but one old kubelet: Auto must mean Legacy.
     let client = start_lister(&["v1.31.2", "v1.28.9"], "31").await?;
     let view = remora_operator::cluster::view::start(

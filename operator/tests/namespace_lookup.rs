@@ -14,9 +14,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures::future::BoxFuture;
 use remora_inject::resolve::{ChartDefaults, LifecycleEntry};
-use remora_operator::webhook::handler::{
-    AdmissionOutcome, ClusterView, Injector, LookingUpView, Lookup, LookupError,
-    NAMESPACE_LOOKUP_TIMEOUT, StaticView, bounded_lookup,
+use remora_operator::webhook::handler::{AdmissionOutcome, Injector};
+use remora_operator::webhook::view::{
+    ClusterView, LookingUpView, Lookup, LookupError, NAMESPACE_LOOKUP_TIMEOUT, StaticView,
+    bounded_lookup,
 };
 use serde_json::{Value, json};
 

@@ -8,7 +8,9 @@ use std::process::Command;
 use std::sync::Arc;
 
 use remora_inject::resolve::ChartDefaults;
-use remora_operator::webhook::handler::{AdmissionOutcome, Injector, StaticView, encode_review};
+use remora_inject::review::encode;
+use remora_operator::webhook::handler::{AdmissionOutcome, Injector};
+use remora_operator::webhook::view::StaticView;
 use serde_json::json;
 
 const CHILD: &str = "REMORA_REVIEW_MEMORY_CHILD";
@@ -74,7 +76,7 @@ fn child_answers_one_big_review() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     let before = vm_hwm_kib();
     let (rev, outcome) = futures::executor::block_on(inj.review(&body));
-    let answer = encode_review(rev).unwrap_or_default();
+    let answer = encode(rev).unwrap_or_default();
     let grew = vm_hwm_kib().saturating_sub(before);
     assert_eq!(outcome, AdmissionOutcome::Injected);
     assert!(!answer.is_empty());

@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSelector};
 use remora_inject::resolve::{ChartDefaults, LifecycleEntry};
-use remora_operator::webhook::handler::{AdmissionOutcome, Injector, StaticView};
+use remora_operator::webhook::handler::{AdmissionOutcome, Injector};
 use remora_operator::webhook::server::{AppState, BUDGET_WAIT, router, serve_tls};
 use remora_operator::webhook::tls::ReloadingCert;
+use remora_operator::webhook::view::StaticView;
 use remora_test_support::pki::self_signed;
 use remora_test_support::wait::wait_until;
 use remora_test_support::webhook_client;
@@ -223,7 +224,7 @@ fn plumbing_onto_envoy_admin_is_denied_with_the_reason() {
 
 #[test]
 fn warnings_are_capped_in_number_and_length() {
-    use remora_operator::webhook::handler::{MAX_WARNING_BYTES, MAX_WARNINGS};
+    use remora_inject::review::{MAX_WARNING_BYTES, MAX_WARNINGS};
     // Each app container with its own preStop hook is warned about, with its
     // (long) name in the warning.
     let containers: Vec<Value> = (0..40)

@@ -19,7 +19,7 @@ use remora_crds::SidecarLifecycle;
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::watch::{SharedWatch, drive};
-use crate::webhook::handler::ClusterView;
+use crate::webhook::view::ClusterView;
 use remora_inject::resolve::LifecycleEntry;
 
 /// Native sidecars (restartable init containers) are on by default from here.

@@ -30,7 +30,8 @@ use remora_serve::readiness::Readiness;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::webhook::handler::{AdmissionOutcome, Injector, Metrics, encode_review, unreadable};
+use crate::webhook::handler::{AdmissionOutcome, Injector, Metrics};
+use remora_inject::review::{self, unreadable};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -56,9 +57,8 @@ pub struct AppState {
 
 /// How many times its body size a review costs while it is handled: the
 /// body (read into one buffer, freed once parsed), the one partial parse of
-/// the pod, the patch and the encoded answer, and the allocator's slack. Since the
-/// review is parsed once and what is never read is skipped, one 4 MiB
-/// review grows the injector by about 13 MiB (hostile-bench; 49 MiB before).
+/// the pod, the patch and the encoded answer, and the allocator's slack
+/// (hostile-bench measures it).
 pub const REVIEW_COST: usize = 4;
 /// How long a review waits for memory budget, in all, before a 503.
 pub const BUDGET_WAIT: Duration = Duration::from_secs(2);
@@ -386,7 +386,7 @@ async fn inject(State(state): State<Arc<AppState>>, req: Request) -> Response {
             // megabytes takes milliseconds of CPU: off the runtime's
             // workers, so probes and other reviews are not held up.
             let parsed = tokio::task::spawn_blocking(move || {
-                let parsed = Injector::parse(&body);
+                let parsed = review::parse(&body);
                 drop(body);
                 parsed
             })
@@ -454,12 +454,11 @@ pub enum BodyError {
 
 /// The body, copied chunk by chunk into one buffer of the declared size
 /// (at most `limit`; allocated once the first bytes are in), each chunk
-/// freed as soon as it is copied: a review holds its body once. Collecting
-/// the chunks and then joining them held it twice, and every chunk kept
-/// alive the whole read buffer it was cut from (under 64 concurrent 4 MiB
-/// reviews: 2.25x the idle RSS). `charge` grows with every chunk, before
-/// it is copied; a body slower than the budget's [`Pace`] is cut off (time
-/// spent waiting for the budget is not the client's).
+/// freed as soon as it is copied: a review holds its body once, and no
+/// chunk keeps alive the read buffer it was cut from. `charge` grows with
+/// every chunk, before it is copied; a body slower than the budget's
+/// [`Pace`] is cut off (time spent waiting for the budget is not the
+/// client's).
 pub async fn read_body(
     body: Body,
     declared: Option<usize>,
@@ -511,7 +510,7 @@ fn json_review(
     outcome: AdmissionOutcome,
     start: Instant,
 ) -> Response {
-    let body = match encode_review(review) {
+    let body = match review::encode(review) {
         Ok(b) => b,
         Err(e) => {
             state
@@ -611,7 +610,7 @@ pub async fn serve_tls_draining(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::webhook::handler::StaticView;
+    use crate::webhook::view::StaticView;
     use tower::ServiceExt;
 
     fn state(max_body_bytes: usize, budget: usize) -> AppState {

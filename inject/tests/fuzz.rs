@@ -2,13 +2,12 @@
 //! they produce is always usable.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use proptest::prelude::*;
 use remora_crds::SidecarMode;
 use remora_inject::patch::{Outcome, Selection, SkipReason, Target, mutate};
 use remora_inject::resolve::{ChartDefaults, EffectiveConfig};
-use remora_operator::webhook::handler::{Injector, StaticView};
+use remora_inject::review::StaticView;
 use serde_json::{Value, json};
 
 fn any_json() -> impl Strategy<Value = Value> {
@@ -108,9 +107,9 @@ proptest! {
 
     #[test]
     fn review_decoding_always_answers(body in prop::collection::vec(any::<u8>(), 0..256), obj in any_json(), kind in prop_oneof![Just("Pod".to_string()), Just("Deployment".to_string()), "[A-Z][a-z]{0,6}"]) {
-        let inj = Injector { chart: ChartDefaults::default(), operator_namespace: "remora-system".into(), view: Arc::new(StaticView::default()) };
+        let (view, chart) = (StaticView::default(), ChartDefaults::default());
         for b in [body, serde_json::to_vec(&json!({"request": {"uid": "u", "kind": {"group": "", "version": "v1", "kind": kind}, "resource": {"group": "", "version": "v1", "resource": "pods"}, "operation": "CREATE", "userInfo": {}, "object": obj}})).unwrap_or_default()] {
-            let (rev, _) = futures::executor::block_on(inj.review(&b));
+            let (rev, _) = view.review(&b, &chart, "remora-system");
             let v = serde_json::to_value(&rev).map_err(|e| TestCaseError::fail(e.to_string()))?;
             // Allowed, unless refused with the reason (a pod asking for
             // listeners on the sidecar's own ports).

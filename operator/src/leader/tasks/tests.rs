@@ -7,6 +7,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Response};
+use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
 use super::*;
