@@ -13,5 +13,5 @@ pub mod container;
 pub mod offline;
 pub mod patch;
 pub mod resolve;
-pub mod traffic;
 pub mod review;
+pub mod traffic;
