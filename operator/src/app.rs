@@ -222,7 +222,11 @@ async fn start_workload_ca(
         secrets: kube::Api::namespaced(client.clone(), &args.operator_namespace),
         name: ca_args.secret.clone(),
         policy: ca_args.root_policy(),
-        names: ca::serving_names(&args.service_name, &args.operator_namespace),
+        names: ca::serving_names(
+            &args.service_name,
+            &ca_args.service_aliases,
+            &args.operator_namespace,
+        ),
         period: ca_args.keeper_period(),
         metrics: metrics.clone(),
     };

@@ -261,6 +261,15 @@ pub struct WorkloadCaArgs {
     /// Secret (in the operator's namespace) with the signing roots.
     #[arg(long = "workload-ca-secret", env = "REMORA_WORKLOAD_CA_SECRET", default_value = remora_contract::workload_ca::SIGNING_SECRET)]
     pub secret: String,
+    /// Other Services (in the operator's namespace) that route to the CA:
+    /// its certificate also carries their names. Sidecars injected before
+    /// the operator was renamed dial the Service `<release>-injector`.
+    #[arg(
+        long = "workload-ca-service-alias",
+        env = "REMORA_WORKLOAD_CA_SERVICE_ALIASES",
+        value_delimiter = ','
+    )]
+    pub service_aliases: Vec<String>,
     /// Certificate requests served at once; more wait (bounded by the
     /// connection limit and a request timeout).
     #[arg(long = "workload-ca-max-in-flight", env = "REMORA_WORKLOAD_CA_MAX_IN_FLIGHT", default_value_t = 256,

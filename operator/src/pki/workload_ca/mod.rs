@@ -143,8 +143,11 @@ impl Metrics {
 }
 
 /// The names the CA's serving certificate carries: the Service's.
-pub fn serving_names(service: &str, namespace: &str) -> Vec<String> {
-    crate::pki::webhook_cert::service_names(service, namespace)
+pub fn serving_names(service: &str, aliases: &[String], namespace: &str) -> Vec<String> {
+    std::iter::once(service)
+        .chain(aliases.iter().map(String::as_str).filter(|a| !a.is_empty()))
+        .flat_map(|s| crate::pki::webhook_cert::service_names(s, namespace))
+        .collect()
 }
 
 /// What the replica's CA publishes for the rest of the process.
