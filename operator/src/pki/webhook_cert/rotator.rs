@@ -1,37 +1,32 @@
-//! Rotation of the self-managed CA and its serving certificate, decided by a
-//! pure function of what the shared Secret holds and the time ([`plan`]),
-//! carried out by every replica ([`Rotator::run`]) with writes conditional
-//! on the Secret's resourceVersion.
+//! The webhook CA's half of a rotation ([`crate::pki::rotation`]): what
+//! its Secret holds beside the roots (the serving certificate), its switch
+//! condition (the webhook configuration's caBundle carries the staged
+//! root, checked on the API server, not assumed), and every replica's loop
+//! ([`Rotator::run`]), which also renews the serving certificate.
 //!
-//! A CA rotation takes three writes, so that no serving certificate is ever
-//! presented to an API server that does not trust its issuer:
-//! 1. stage: at two thirds of the CA's life a new CA is stored next to the
-//!    current one (`ca-next.crt`/`ca-next.key`); the caBundle becomes
-//!    old + new while the serving certificate stays signed by the old CA;
-//! 2. switch: once the webhook configuration carries the new root (checked
-//!    on the API server, not assumed) and `settle` has passed, the new CA
-//!    becomes current and signs a new serving certificate; the old root
-//!    moves to `ca-previous.crt` and stays in the caBundle;
-//! 3. retire: the old root leaves once it expires or `overlap` after the
-//!    switch (every replica has loaded a certificate of the new CA by then).
+//! The serving certificate is issued by the current root at each switch
+//! and whenever it is two thirds through its life; the previous root stays
+//! in the caBundle `overlap` after the serving certificate's start (every
+//! replica has loaded a certificate of the new root by then).
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
-use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Secret;
 use kube::Api;
-use kube::api::PostParams;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+use rcgen::KeyUsagePurpose;
 
 use super::{
-    Bundle, CA_KEY, CaError, Validity, from_secret, issue_serving, renewal_due_at, to_secret,
-    unusable, validity_of, write_files,
+    Bundle, CA_KEY, CA_SIGNING_KEY, CaError, Validity, from_secret, issue_serving, renewal_due_at,
+    to_secret, unusable, write_files,
+};
+use crate::pki::rotation::{
+    self, CaPair, Facts, Profile, Roots, SecretKeys, Step, trust_bundle, validity_of,
 };
 
 /// The staged CA (step 1) and its key.
@@ -40,28 +35,76 @@ pub const NEXT_CA_SIGNING_KEY: &str = "ca-next.key";
 /// The retired CA's root, still trusted during the overlap (step 3).
 pub const PREVIOUS_CA_KEY: &str = "ca-previous.crt";
 
-/// A CA certificate and its private key (PEM).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CaPair {
-    pub cert_pem: String,
-    pub key_pem: String,
+/// Where the Secret keeps the roots.
+const KEYS: SecretKeys = SecretKeys {
+    cert: CA_KEY,
+    key: CA_SIGNING_KEY,
+    next_cert: NEXT_CA_KEY,
+    next_key: NEXT_CA_SIGNING_KEY,
+    previous: PREVIOUS_CA_KEY,
+};
+
+/// The webhook CA's roots.
+pub const PROFILE: Profile = Profile {
+    name: "remora-operator-ca",
+    organization: None,
+    path_len: Some(0),
+    key_usages: &[KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign],
+};
+
+/// A new CA valid for `validity` from `now`.
+pub fn new_ca(validity: Duration, now: SystemTime) -> Result<CaPair, CaError> {
+    Ok(rotation::new_root(&PROFILE, validity, now)?)
 }
 
 /// Everything the Secret holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stored {
-    /// The CA that signed the serving certificate, and that certificate.
-    pub current: Bundle,
-    pub next: Option<CaPair>,
-    pub previous: Option<String>,
+    /// The current root (its key empty in Secrets made before it was
+    /// kept), the staged and the previous one.
+    pub roots: Roots,
+    /// The serving certificate the current root signed, and its key.
+    pub cert_pem: String,
+    pub key_pem: String,
 }
 
 impl Stored {
     pub fn new(current: Bundle) -> Self {
         Self {
-            current,
-            next: None,
-            previous: None,
+            roots: Roots::new(CaPair {
+                cert_pem: current.ca_pem,
+                key_pem: current.ca_key_pem,
+            }),
+            cert_pem: current.cert_pem,
+            key_pem: current.key_pem,
+        }
+    }
+
+    /// The CA and serving certificate in use.
+    pub fn current(&self) -> Bundle {
+        Bundle {
+            ca_pem: self.roots.current.cert_pem.clone(),
+            cert_pem: self.cert_pem.clone(),
+            key_pem: self.key_pem.clone(),
+            ca_key_pem: self.roots.current.key_pem.clone(),
+        }
+    }
+
+    /// What the planner needs beside the roots. `published`: every webhook
+    /// of the configuration trusts the staged root (seen now, so `settle`
+    /// counts from the stage).
+    fn facts(&self, published: bool) -> Facts {
+        let start = |pem: &str| validity_of(pem).map(|(start, _)| start);
+        let staged_at = self.roots.next.as_ref().and_then(|n| start(&n.cert_pem));
+        Facts {
+            staged_at,
+            // The serving certificate's start is the switch (or later: a
+            // renewal only keeps the old root longer, never beyond its end).
+            switched_at: start(&self.cert_pem),
+            // Without its key the CA cannot sign (a Secret from before
+            // ca.key was kept): rotate to one that can.
+            rotate: self.roots.current.key_pem.is_empty(),
+            trusted_since: staged_at.filter(|_| published),
         }
     }
 }
@@ -70,39 +113,23 @@ impl Stored {
 /// extras are optional (checked by [`plan`], not here).
 pub fn stored_from_secret(s: &Secret) -> Result<Stored, CaError> {
     let current = from_secret(s)?;
-    let get = |key: &str| {
-        s.data
-            .as_ref()
-            .and_then(|d| d.get(key))
-            .map(|b| String::from_utf8_lossy(&b.0).into_owned())
-            .filter(|t| !t.is_empty())
-    };
-    let next = match (get(NEXT_CA_KEY), get(NEXT_CA_SIGNING_KEY)) {
-        (Some(cert_pem), Some(key_pem)) => Some(CaPair { cert_pem, key_pem }),
-        // Half a staged CA is no CA: plan() stages a whole one when due.
-        _ => None,
-    };
     Ok(Stored {
-        current,
-        next,
-        previous: get(PREVIOUS_CA_KEY),
+        roots: Roots {
+            current: CaPair {
+                cert_pem: current.ca_pem,
+                key_pem: current.ca_key_pem,
+            },
+            ..KEYS.read(s.data.as_ref())
+        },
+        cert_pem: current.cert_pem,
+        key_pem: current.key_pem,
     })
 }
 
 /// The Secret holding `s`.
 pub fn stored_to_secret(name: &str, namespace: &str, s: &Stored) -> Secret {
-    let mut secret = to_secret(name, namespace, &s.current);
-    let data = secret.data.get_or_insert_with(Default::default);
-    let mut put = |k: &str, v: &str| {
-        data.insert(k.to_string(), ByteString(v.as_bytes().to_vec()));
-    };
-    if let Some(n) = &s.next {
-        put(NEXT_CA_KEY, &n.cert_pem);
-        put(NEXT_CA_SIGNING_KEY, &n.key_pem);
-    }
-    if let Some(p) = &s.previous {
-        put(PREVIOUS_CA_KEY, p);
-    }
+    let mut secret = to_secret(name, namespace, &s.current());
+    KEYS.write(&s.roots, secret.data.get_or_insert_with(Default::default));
     secret
 }
 
@@ -118,244 +145,95 @@ pub struct Policy {
     pub settle: Duration,
 }
 
+impl Policy {
+    fn roots(&self) -> rotation::Policy {
+        rotation::Policy {
+            validity: self.validity.ca,
+            settle: self.settle,
+            overlap: self.overlap,
+        }
+    }
+}
+
 /// One write to the Secret.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
-    /// The current bundle cannot be served: a new CA and certificate.
-    Regenerate(String),
-    /// Drop the previous root (its overlap is over, or it is unusable) and
-    /// a staged CA that is unusable.
-    Retire(String),
-    /// Store a new CA next to the current one (step 1).
-    Stage,
-    /// The staged CA becomes current (step 2).
-    Switch,
+    /// A step of the root's rotation (a new or switched root comes with a
+    /// serving certificate it signed).
+    Root(Step),
     /// A new serving certificate from the current CA.
     Renew,
 }
 
-/// What [`plan`] decides: at most one write now, and when to look again.
+/// What [`plan`] decides: at most one write now (and why), and when to look
+/// again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     pub action: Option<Action>,
+    pub why: String,
     pub wake: SystemTime,
-}
-
-/// Two thirds into `pem`'s validity (the renewal point of certificates and
-/// CAs alike).
-fn two_thirds(pem: &str) -> Option<SystemTime> {
-    renewal_due_at(pem)
-}
-
-/// Why `pair` cannot act as a CA at `now`, if it cannot.
-fn ca_unusable(pair: &CaPair, now: SystemTime) -> Option<String> {
-    let check = || -> Result<(), String> {
-        let (start, end) = validity_of(&pair.cert_pem).ok_or("not a PEM X.509 certificate")?;
-        if now < start || now >= end {
-            return Err("not valid now".into());
-        }
-        let key = KeyPair::from_pem(&pair.key_pem).map_err(|e| format!("key: {e}"))?;
-        if public_key_of(&pair.cert_pem).as_deref() != Some(key.public_key_raw()) {
-            return Err("the key is not the certificate's".into());
-        }
-        Ok(())
-    };
-    check().err()
-}
-
-fn public_key_of(pem: &str) -> Option<Vec<u8>> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    use x509_parser::prelude::{FromDer, X509Certificate};
-    let der = CertificateDer::from_pem_slice(pem.as_bytes()).ok()?;
-    let (_, c) = X509Certificate::from_der(&der).ok()?;
-    Some(c.public_key().subject_public_key.data.to_vec())
-}
-
-/// A root worth trusting at `now`: parses and is within its validity.
-fn root_valid(pem: &str, now: SystemTime) -> bool {
-    validity_of(pem).is_some_and(|(start, end)| start <= now && now < end)
 }
 
 /// What to do with the Secret's contents `s` at `now`. `published`: every
 /// webhook of the configuration trusts the staged CA (only asked for when
-/// one is staged). Pure, so that every step is unit-tested.
+/// one is staged).
 pub fn plan(s: &Stored, published: bool, now: SystemTime, p: &Policy) -> Plan {
-    let act = |a: Action| Plan {
-        action: Some(a),
+    let act = |action: Action, why: String| Plan {
+        action: Some(action),
+        why,
         wake: now,
     };
-    if let Some(why) = unusable(&s.current, now) {
-        return act(Action::Regenerate(why));
+    if let Some(why) = unusable(&s.current(), now) {
+        return act(Action::Root(Step::Create), why);
     }
-    if let Some(n) = &s.next
-        && let Some(why) = ca_unusable(n, now)
-    {
-        return act(Action::Retire(format!("staged CA: {why}")));
+    let roots = rotation::plan(Some(&s.roots), &s.facts(published), &p.roots(), now);
+    if let Some(step) = roots.step {
+        return act(Action::Root(step), roots.why);
     }
-    let serving_start = validity_of(&s.current.cert_pem).map_or(now, |(start, _)| start);
-    let mut wake: Vec<SystemTime> = Vec::new();
-    if let Some(prev) = &s.previous {
-        let Some((_, prev_end)) = validity_of(prev).filter(|_| root_valid(prev, now)) else {
-            return act(Action::Retire("previous CA expired or unreadable".into()));
-        };
-        // The serving certificate's start is the switch (or later: a
-        // renewal only keeps the old root longer, never beyond its end).
-        let retire_at = prev_end.min(serving_start.checked_add(p.overlap).unwrap_or(prev_end));
-        if now >= retire_at {
-            return act(Action::Retire("overlap over".into()));
-        }
-        wake.push(retire_at);
-    }
-    if let Some(n) = &s.next {
-        let staged = validity_of(&n.cert_pem).map_or(now, |(start, _)| start);
-        let switch_at = staged.checked_add(p.settle).unwrap_or(staged);
-        // One previous root at a time: the switch waits for a retirement
-        // (only reached with a hand-made Secret).
-        if s.previous.is_none() && published && now >= switch_at {
-            return act(Action::Switch);
-        }
-        // Unpublished: the caller looks again within its period.
-        wake.push(switch_at.max(now));
-    } else if s.previous.is_none() {
-        // Without its key the CA cannot sign (a Secret from before ca.key
-        // was kept): rotate to one that can.
-        let ca_due = if s.current.ca_key_pem.is_empty() {
-            Some(now)
-        } else {
-            two_thirds(&s.current.ca_pem)
-        };
-        match ca_due {
-            Some(due) if now >= due => return act(Action::Stage),
-            Some(due) => wake.push(due),
-            None => {}
-        }
-    }
-    if !s.current.ca_key_pem.is_empty()
-        && let Some(due) = two_thirds(&s.current.cert_pem)
+    let mut wake = roots.wake;
+    if !s.roots.current.key_pem.is_empty()
+        && let Some(due) = renewal_due_at(&s.cert_pem)
     {
         if now >= due {
-            return act(Action::Renew);
+            return act(Action::Renew, "the serving certificate is due".into());
         }
-        wake.push(due);
+        wake = Some(wake.map_or(due, |w| w.min(due)));
     }
     Plan {
         action: None,
-        wake: wake.into_iter().min().unwrap_or(now),
+        why: String::new(),
+        wake: wake.unwrap_or(now),
     }
-}
-
-/// A new CA valid for `validity` from `now` (certificate, key).
-pub fn new_ca(validity: Duration, now: SystemTime) -> Result<CaPair, CaError> {
-    let mut ca = CertificateParams::new(Vec::<String>::new())?;
-    ca.not_before = now.into();
-    ca.not_after = now.checked_add(validity).unwrap_or(now).into();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    // Distinct names: old and new roots sit side by side in the caBundle.
-    let serial = now
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    ca.distinguished_name
-        .push(DnType::CommonName, format!("remora-operator-ca-{serial}"));
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let key = KeyPair::generate()?;
-    let cert = ca.self_signed(&key)?;
-    Ok(CaPair {
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-    })
 }
 
 /// `s` after `a` at `now` (new keys are random, the rest follows `plan`).
 pub fn apply(
     s: &Stored,
-    a: &Action,
+    a: Action,
     names: &[String],
     p: &Policy,
     now: SystemTime,
 ) -> Result<Stored, CaError> {
-    let v = p.validity;
-    Ok(match a {
-        Action::Regenerate(_) => {
-            let ca = new_ca(v.ca, now)?;
-            let (cert_pem, key_pem) = issue_serving(&ca.cert_pem, &ca.key_pem, names, v, now)?;
-            // A still valid root keeps being trusted for the overlap: a
-            // replica may be serving a certificate it signed.
-            let previous = Some(s.current.ca_pem.clone()).filter(|c| root_valid(c, now));
-            Stored {
-                current: Bundle {
-                    ca_pem: ca.cert_pem,
-                    cert_pem,
-                    key_pem,
-                    ca_key_pem: ca.key_pem,
-                },
-                next: None,
-                previous,
-            }
-        }
-        Action::Retire(_) => {
-            // plan() retires a bad staged CA first, on its own; the
-            // previous root only when no staged CA was dropped.
-            let next = s.next.clone().filter(|n| ca_unusable(n, now).is_none());
-            let dropped_next = s.next.is_some() && next.is_none();
-            Stored {
-                current: s.current.clone(),
-                previous: s.previous.clone().filter(|_| dropped_next),
-                next,
-            }
-        }
-        Action::Stage => Stored {
-            next: Some(new_ca(v.ca, now)?),
-            ..s.clone()
-        },
-        Action::Switch => {
-            let Some(next) = &s.next else {
-                return Ok(s.clone());
-            };
-            let (cert_pem, key_pem) = issue_serving(&next.cert_pem, &next.key_pem, names, v, now)?;
-            Stored {
-                current: Bundle {
-                    ca_pem: next.cert_pem.clone(),
-                    cert_pem,
-                    key_pem,
-                    ca_key_pem: next.key_pem.clone(),
-                },
-                next: None,
-                previous: Some(s.current.ca_pem.clone()),
-            }
-        }
-        Action::Renew => {
-            let (cert_pem, key_pem) =
-                issue_serving(&s.current.ca_pem, &s.current.ca_key_pem, names, v, now)?;
-            Stored {
-                current: Bundle {
-                    cert_pem,
-                    key_pem,
-                    ..s.current.clone()
-                },
-                ..s.clone()
-            }
-        }
+    let roots = match a {
+        Action::Root(step) => rotation::apply(Some(&s.roots), step, &PROFILE, &p.roots(), now)?,
+        Action::Renew => s.roots.clone(),
+    };
+    let issue = a == Action::Renew || roots.current != s.roots.current;
+    let (cert_pem, key_pem) = match issue {
+        true => issue_serving(
+            &roots.current.cert_pem,
+            &roots.current.key_pem,
+            names,
+            p.validity,
+            now,
+        )?,
+        false => (s.cert_pem.clone(), s.key_pem.clone()),
+    };
+    Ok(Stored {
+        roots,
+        cert_pem,
+        key_pem,
     })
-}
-
-/// The caBundle `s` wants: the previous root, the current one, the staged
-/// one (oldest first, so that a switch leaves the text unchanged), each
-/// only while valid at `now`.
-pub fn trust_bundle(s: &Stored, now: SystemTime) -> String {
-    let mut out = String::new();
-    let roots = [
-        s.previous.as_deref(),
-        Some(s.current.ca_pem.as_str()),
-        s.next.as_ref().map(|n| n.cert_pem.as_str()),
-    ];
-    for root in roots.into_iter().flatten() {
-        if root_valid(root, now) || root == s.current.ca_pem {
-            out.push_str(root.trim_end());
-            out.push('\n');
-        }
-    }
-    out
 }
 
 /// Whether the PEM `bundle` holds the certificate `root_pem`.
@@ -401,18 +279,7 @@ impl Store for KubeStore {
     }
 
     async fn write(&self, s: Secret) -> Result<bool, CaError> {
-        let written = if s.metadata.resource_version.is_some() {
-            self.secrets
-                .replace(&self.secret, &PostParams::default(), &s)
-                .await
-        } else {
-            self.secrets.create(&PostParams::default(), &s).await
-        };
-        match written {
-            Ok(_) => Ok(true),
-            Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
-            Err(e) => Err(e.into()),
-        }
+        Ok(rotation::write_secret(&self.secrets, &self.secret, &s).await?)
     }
 
     async fn published(&self) -> Result<Vec<Vec<u8>>, CaError> {
@@ -481,7 +348,7 @@ impl Clock {
     }
 }
 
-/// The rotation's metrics, in the injector's registry.
+/// The rotation's metrics, in the operator's registry.
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
     /// Unix time at which the loaded serving certificate ends.
@@ -560,9 +427,14 @@ impl<S: Store> Rotator<S> {
             .as_ref()
             .and_then(|s| s.metadata.resource_version.clone());
         let read = secret.as_ref().map(stored_from_secret);
+        let create = |why: String| Plan {
+            action: Some(Action::Root(Step::Create)),
+            why,
+            wake: now,
+        };
         let (stored, plan) = match read {
             Some(Ok(stored)) => {
-                let published = match &stored.next {
+                let published = match &stored.roots.next {
                     Some(n) => {
                         let bundles = self.store.published().await?;
                         !bundles.is_empty()
@@ -573,20 +445,8 @@ impl<S: Store> Rotator<S> {
                 let plan = plan(&stored, published, now, &self.policy);
                 (Some(stored), plan)
             }
-            Some(Err(e)) => (
-                None,
-                Plan {
-                    action: Some(Action::Regenerate(e.to_string())),
-                    wake: now,
-                },
-            ),
-            None => (
-                None,
-                Plan {
-                    action: Some(Action::Regenerate("no Secret".into())),
-                    wake: now,
-                },
-            ),
+            Some(Err(e)) => (None, create(e.to_string())),
+            None => (None, create("no Secret".into())),
         };
         let Some(action) = plan.action else {
             return stored
@@ -601,12 +461,12 @@ impl<S: Store> Rotator<S> {
                 ca_key_pem: String::new(),
             })
         });
-        let next = apply(&base, &action, &self.names, &self.policy, now)?;
+        let next = apply(&base, action, &self.names, &self.policy, now)?;
         let mut want = stored_to_secret(&self.secret, &self.namespace, &next);
         want.metadata.resource_version = rv;
         if !self.store.write(want).await? {
             // Another replica wrote first: adopt its write at the next look.
-            return match stored.filter(|s| unusable(&s.current, now).is_none()) {
+            return match stored.filter(|s| unusable(&s.current(), now).is_none()) {
                 Some(s) => Ok((s, now)),
                 None => Err(CaError::Contended(
                     self.secret.clone(),
@@ -614,21 +474,24 @@ impl<S: Store> Rotator<S> {
                 )),
             };
         }
-        match &action {
-            Action::Regenerate(why) => {
+        let why = &plan.why;
+        match action {
+            Action::Root(Step::Create) => {
                 tracing::warn!(secret = %self.secret, reason = %why, "self-managed CA and serving certificate replaced");
                 let note =
                     format!("unusable ({why}): replaced with a new CA and serving certificate");
                 self.store.record(true, "CertificateRepaired", note).await;
             }
-            Action::Switch => {
+            Action::Root(Step::Switch) => {
                 self.metrics.ca_rotations.inc();
                 tracing::info!(secret = %self.secret, "switched to the new CA; the old root stays trusted for the overlap");
                 let note =
                     "switched to the new CA; the old root stays in the caBundle for the overlap";
                 self.store.record(false, "CARotated", note.into()).await;
             }
-            a => tracing::info!(secret = %self.secret, action = ?a, "self-managed CA updated"),
+            a => {
+                tracing::info!(secret = %self.secret, action = ?a, reason = %why, "self-managed CA updated");
+            }
         }
         Ok((next, now))
     }
@@ -642,7 +505,7 @@ impl<S: Store> Rotator<S> {
     ) {
         // The caBundle first: a certificate of a new CA is only served once
         // the Secret says it is trusted, which the keeper then re-asserts.
-        let bundle = trust_bundle(stored, now);
+        let bundle = trust_bundle(&stored.roots, now);
         bundle_tx.send_if_modified(|b| {
             let changed = *b != bundle;
             if changed {
@@ -650,12 +513,12 @@ impl<S: Store> Rotator<S> {
             }
             changed
         });
-        let new = &stored.current;
-        if new.cert_pem != serving.cert_pem || new.key_pem != serving.key_pem {
-            match write_files(&self.dir, new) {
+        if stored.cert_pem != serving.cert_pem || stored.key_pem != serving.key_pem {
+            let new = stored.current();
+            match write_files(&self.dir, &new) {
                 Ok(_) => {
                     tracing::info!(secret = %self.secret, "serving certificate updated from the Secret");
-                    *serving = new.clone();
+                    *serving = new;
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot write the serving certificate"),
             }
