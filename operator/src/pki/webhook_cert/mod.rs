@@ -92,7 +92,7 @@ pub enum CaError {
 }
 
 /// A CA and a serving certificate it signed (all PEM).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Bundle {
     pub ca_pem: String,
     pub cert_pem: String,

@@ -45,7 +45,7 @@ const KEYS: SecretKeys = SecretKeys {
 };
 
 /// The webhook CA's roots.
-pub const PROFILE: Profile = Profile {
+const PROFILE: Profile = Profile {
     name: "remora-operator-ca",
     organization: None,
     path_len: Some(0),
@@ -453,14 +453,9 @@ impl<S: Store> Rotator<S> {
                 .map(|s| (s, plan.wake))
                 .ok_or_else(|| CaError::Incomplete(self.secret.clone(), CA_KEY));
         };
-        let base = stored.clone().unwrap_or_else(|| {
-            Stored::new(Bundle {
-                ca_pem: String::new(),
-                cert_pem: String::new(),
-                key_pem: String::new(),
-                ca_key_pem: String::new(),
-            })
-        });
+        let base = stored
+            .clone()
+            .unwrap_or_else(|| Stored::new(Bundle::default()));
         let next = apply(&base, action, &self.names, &self.policy, now)?;
         let mut want = stored_to_secret(&self.secret, &self.namespace, &next);
         want.metadata.resource_version = rv;

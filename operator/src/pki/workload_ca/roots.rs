@@ -126,38 +126,29 @@ pub fn apply(
 ) -> Result<Stored, RootsError> {
     let roots = rotation::apply(stored.map(|s| &s.roots), step, &PROFILE, p, now)
         .map_err(|e| RootsError::Generate(e.to_string()))?;
-    let Some(s) = stored.filter(|_| step != Step::Create) else {
-        return Ok(Stored {
+    let mut out = match stored {
+        Some(s) if step != Step::Create => Stored { roots, ..s.clone() },
+        _ => Stored {
             roots,
             staged_at: None,
             switched_at: None,
             rotate: false,
             distributed: None,
-        });
+        },
     };
-    let mut out = Stored { roots, ..s.clone() };
-    match step {
-        Step::Create => {}
-        Step::Stage => {
-            out.staged_at = Some(secs(now));
-            out.rotate = false;
-            out.distributed = None;
-        }
-        Step::Switch if s.roots.next.is_some() => {
-            out.staged_at = None;
-            out.switched_at = Some(secs(now));
-            out.distributed = None;
-        }
-        Step::Switch => {}
-        Step::Retire => {
-            if out.roots.previous.is_none() {
-                out.switched_at = None;
-            }
-            if out.roots.next.is_none() {
-                out.staged_at = None;
-                out.distributed = None;
-            }
-        }
+    // The marks follow the roots: a root staged or switched to is so now,
+    // and a record of a staged root that is gone goes too.
+    let before = stored.map(|s| &s.roots);
+    let at = Some(secs(now));
+    if before.map(|r| &r.next) != Some(&out.roots.next) {
+        out.staged_at = out.roots.next.as_ref().and(at);
+        out.distributed = None;
+    }
+    if before.map(|r| &r.previous) != Some(&out.roots.previous) {
+        out.switched_at = out.roots.previous.as_ref().and(at);
+    }
+    if step == Step::Stage {
+        out.rotate = false;
     }
     Ok(out)
 }

@@ -308,13 +308,7 @@ fn start_replicas(anchor: SystemTime) -> anyhow::Result<Replicas> {
             clock,
             metrics: metrics[i].clone(),
         };
-        let empty = Bundle {
-            ca_pem: String::new(),
-            cert_pem: String::new(),
-            key_pem: String::new(),
-            ca_key_pem: String::new(),
-        };
-        tasks.push(tokio::spawn(r.run(empty, tx)));
+        tasks.push(tokio::spawn(r.run(Bundle::default(), tx)));
     }
     let (keeper, mut rx) = (store.clone(), rxs.swap_remove(0));
     tasks.push(tokio::spawn(async move {
