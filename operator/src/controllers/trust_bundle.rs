@@ -141,6 +141,7 @@ async fn record_distributed(
         return Ok(false);
     };
     let staged = r
+        .roots
         .next
         .as_ref()
         .and_then(|n| crate::pki::workload_ca::roots::fingerprint(&n.cert_pem));
@@ -153,7 +154,7 @@ async fn record_distributed(
     let now = std::time::SystemTime::now()
         .duration_since(std::time::SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let recorded = crate::pki::workload_ca::roots::Roots {
+    let recorded = crate::pki::workload_ca::roots::Stored {
         distributed: Some((fp.to_string(), now)),
         ..r
     };

@@ -16,12 +16,14 @@ use kube::{Api, Client};
 use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, Issuer, KeyPair, KeyUsagePurpose};
 use serde_json::{Value, json};
 
-mod rotation;
-pub use rotation::{
-    Action, CaPair, Clock, KubeStore, MIN_STEP, Metrics, NEXT_CA_KEY, NEXT_CA_SIGNING_KEY,
-    PREVIOUS_CA_KEY, Plan, Policy, Rotator, Store, Stored, apply, bundle_has_root, new_ca, plan,
-    stored_from_secret, stored_to_secret, trust_bundle,
+mod rotator;
+pub use rotator::{
+    Action, Clock, KubeStore, MIN_STEP, Metrics, NEXT_CA_KEY, NEXT_CA_SIGNING_KEY, PREVIOUS_CA_KEY,
+    Plan, Policy, Rotator, Store, Stored, apply, bundle_has_root, new_ca, plan, stored_from_secret,
+    stored_to_secret,
 };
+
+use crate::pki::rotation::{trust_bundle, two_thirds, validity_of};
 
 pub const CA_KEY: &str = "ca.crt";
 pub const CERT_KEY: &str = "tls.crt";
@@ -90,7 +92,7 @@ pub enum CaError {
 }
 
 /// A CA and a serving certificate it signed (all PEM).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Bundle {
     pub ca_pem: String,
     pub cert_pem: String,
@@ -117,7 +119,7 @@ pub fn generate(names: &[String]) -> Result<Bundle, CaError> {
 
 /// Make a fresh CA valid for `v.ca` from `now`, and a serving certificate.
 pub fn generate_with(names: &[String], v: Validity, now: SystemTime) -> Result<Bundle, CaError> {
-    let ca = rotation::new_ca(v.ca, now)?;
+    let ca = new_ca(v.ca, now)?;
     let (cert_pem, key_pem) = issue_serving(&ca.cert_pem, &ca.key_pem, names, v, now)?;
     Ok(Bundle {
         ca_pem: ca.cert_pem,
@@ -153,20 +155,6 @@ pub fn issue_serving(
     Ok((leaf_cert.pem(), leaf_key.serialize_pem()))
 }
 
-/// (not before, not after) of the first certificate in `pem`.
-pub(crate) fn validity_of(pem: &str) -> Option<(SystemTime, SystemTime)> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    use x509_parser::prelude::{FromDer, X509Certificate};
-    let der = CertificateDer::from_pem_slice(pem.as_bytes()).ok()?;
-    let (_, c) = X509Certificate::from_der(&der).ok()?;
-    let at = |t: x509_parser::time::ASN1Time| {
-        let secs = u64::try_from(t.timestamp()).unwrap_or(0);
-        SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs))
-    };
-    Some((at(c.validity().not_before)?, at(c.validity().not_after)?))
-}
-
 fn ca_not_after(ca_pem: &str) -> Option<SystemTime> {
     validity_of(ca_pem).map(|(_, end)| end)
 }
@@ -175,9 +163,7 @@ fn ca_not_after(ca_pem: &str) -> Option<SystemTime> {
 /// of its lifetime (a third is left for every replica to pick the new one
 /// up, and for retries). `None` when unreadable.
 pub fn renewal_due_at(pem: &str) -> Option<SystemTime> {
-    let (start, end) = validity_of(pem)?;
-    let life = end.duration_since(start).unwrap_or_default();
-    start.checked_add(life.mul_f64(2.0 / 3.0))
+    validity_of(pem).map(|(start, end)| two_thirds(start, end))
 }
 
 /// The Secret holding a bundle.
@@ -447,7 +433,7 @@ pub async fn keep_ca_bundle(
         let now = SystemTime::now();
         let want = match secrets.get_opt(&secret).await {
             Ok(Some(s)) => match stored_from_secret(&s) {
-                Ok(st) if unusable(&st.current, now).is_none() => trust_bundle(&st, now),
+                Ok(st) if unusable(&st.current(), now).is_none() => trust_bundle(&st.roots, now),
                 _ => mine,
             },
             _ => mine,
@@ -519,12 +505,12 @@ mod tests {
             overlap: Duration::from_secs(30),
             settle: Duration::from_secs(3),
         };
-        let renewal = |b: &Bundle, now| plan(&Stored::new(b.clone()), false, now, &policy);
-        let wait = |wake| Plan { action: None, wake };
-        let now = |action, wake| Plan {
-            action: Some(action),
-            wake,
+        let renewal = |b: &Bundle, now| {
+            let p = plan(&Stored::new(b.clone()), false, now, &policy);
+            (p.action, p.wake)
         };
+        let wait = |wake| (None, wake);
+        let now = |action, wake| (Some(action), wake);
         assert_eq!(renewal(&b, t0), wait(due));
         assert_eq!(renewal(&b, due), now(Action::Renew, due));
         // Without the CA key (an older Secret) nothing can be issued: the
@@ -533,7 +519,10 @@ mod tests {
             ca_key_pem: String::new(),
             ..b.clone()
         };
-        assert_eq!(renewal(&keyless, due), now(Action::Stage, due));
+        assert_eq!(
+            renewal(&keyless, due),
+            now(Action::Root(crate::pki::rotation::Step::Stage), due)
+        );
         // A renewal from the stored CA: same CA, new pair, usable, due later.
         let (cert_pem, key_pem) = issue_serving(&b.ca_pem, &b.ca_key_pem, &names, v, due)?;
         let renewed = Bundle {

@@ -12,14 +12,14 @@ use std::time::{Duration, SystemTime};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
-use kube::api::PostParams;
 use rustls::sign::CertifiedKey;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::Metrics;
-use super::roots::{self, Policy, Roots, RootsError};
+use super::roots::{self, Policy, RootsError, Stored};
 use super::signer::Signer;
+use crate::pki::rotation::{trust_bundle, write_secret};
 
 /// Why a pass over the signing Secret failed.
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +60,8 @@ impl std::fmt::Debug for Authority {
 const SERVING_VALIDITY: Duration = Duration::from_secs(24 * 3600);
 
 impl Authority {
-    pub fn new(r: &Roots, names: &[String], now: SystemTime) -> Result<Self, String> {
+    pub fn new(s: &Stored, names: &[String], now: SystemTime) -> Result<Self, String> {
+        let r = &s.roots;
         let signer =
             Signer::new(&r.current.cert_pem, &r.current.key_pem).map_err(|e| e.to_string())?;
         let (chain, key) = signer
@@ -68,7 +69,7 @@ impl Authority {
             .map_err(|e| e.to_string())?;
         let serving = certified_key(&chain, &key)?;
         Ok(Self {
-            bundle: roots::trust_bundle(r),
+            bundle: trust_bundle(r, now),
             staged: r
                 .next
                 .as_ref()
@@ -174,23 +175,15 @@ impl Keeper {
                 name: Some(self.name.clone()),
                 ..Default::default()
             });
-            let exists = meta.resource_version.is_some();
             let secret = roots::to_secret(&next, meta);
-            let r = if exists {
-                self.secrets
-                    .replace(&self.name, &PostParams::default(), &secret)
-                    .await
-            } else {
-                self.secrets.create(&PostParams::default(), &secret).await
-            };
-            return match r {
-                Ok(_) => {
+            return match write_secret(&self.secrets, &self.name, &secret).await {
+                Ok(true) => {
                     self.metrics.rotation(step);
                     tracing::info!(step = step.as_str(), secret = %self.name, "workload CA: signing roots updated");
                     Ok(true)
                 }
                 // Another replica wrote first: read what it wrote.
-                Err(kube::Error::Api(e)) if e.code == 409 => Ok(true),
+                Ok(false) => Ok(true),
                 Err(e) => Err(KeeperError::Write(e)),
             };
         }
@@ -203,14 +196,14 @@ impl Keeper {
     /// Publish the authority of `r`, unless the one published is it already.
     fn publish(
         &self,
-        r: &Roots,
+        r: &Stored,
         out: &watch::Sender<Option<Arc<Authority>>>,
         now: SystemTime,
     ) -> Result<(), KeeperError> {
         let current = out.borrow().clone();
         let stale = current.as_ref().is_none_or(|a| {
-            a.signer.root_pem().trim() != r.current.cert_pem.trim()
-                || a.bundle != roots::trust_bundle(r)
+            a.signer.root_pem().trim() != r.roots.current.cert_pem.trim()
+                || a.bundle != trust_bundle(&r.roots, now)
                 || a.serving_renew_at <= now
         });
         if stale {

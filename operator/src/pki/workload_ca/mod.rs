@@ -6,9 +6,9 @@
 //! - [`authn`]: who is calling (TokenReview of the pod's projected token);
 //! - [`signer`]: the CSR must ask for exactly `spiffe://<td>/ns/<ns>/sa/<sa>`;
 //! - [`roots`] and [`keeper`]: the self-managed signing roots in a Secret,
-//!   rotated with an overlap;
-//! - [`bundle`]: the trust bundle as a ConfigMap in every injected
-//!   namespace (the leader's work);
+//!   rotated with an overlap ([`crate::pki::rotation`]);
+//! - [`crate::controllers::trust_bundle`]: the trust bundle as a ConfigMap
+//!   in every injected namespace (the leader's work);
 //! - [`serve`]: the bounded TLS gRPC server.
 
 pub mod authn;

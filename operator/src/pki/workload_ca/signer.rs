@@ -68,7 +68,7 @@ impl Signer {
     pub fn new(root_pem: &str, key_pem: &str) -> Result<Self, SignError> {
         let bad = |e: &dyn std::fmt::Display| SignError::Sign(format!("signing root: {e}"));
         let key = KeyPair::from_pem(key_pem).map_err(|e| bad(&e))?;
-        let (not_before, not_after) = crate::pki::webhook_cert::validity_of(root_pem)
+        let (not_before, not_after) = crate::pki::rotation::validity_of(root_pem)
             .ok_or_else(|| SignError::Sign("signing root: not a parsable certificate".into()))?;
         let issuer = Issuer::from_ca_cert_pem(root_pem, key).map_err(|e| bad(&e))?;
         Ok(Self {

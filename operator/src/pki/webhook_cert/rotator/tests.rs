@@ -2,6 +2,7 @@ use std::sync::{Arc, Mutex};
 
 use super::*;
 use crate::pki::webhook_cert::service_names;
+use k8s_openapi::ByteString;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
@@ -51,18 +52,26 @@ fn trusted_by(cert_pem: &str, bundle: &[u8]) -> bool {
         })
 }
 
+const STAGE: Action = Action::Root(Step::Stage);
+const SWITCH: Action = Action::Root(Step::Switch);
+const RETIRE: Action = Action::Root(Step::Retire);
+const CREATE: Action = Action::Root(Step::Create);
+
+/// The webhook's half of a rotation: serving renewals throughout, the
+/// switch once the caBundle carries the staged root, a serving certificate
+/// of the new root at the switch, the old root kept `overlap` after it.
 #[test]
 fn a_ca_rotation_is_staged_published_switched_then_retired() -> anyhow::Result<()> {
     let p = policy();
     let mut s = fresh(t0())?;
-    let a_root = s.current.ca_pem.clone();
+    let a_root = s.roots.current.cert_pem.clone();
     // Serving renewals at 2/3 of 30 s; the CA is due at 60 s.
     assert_eq!(plan(&s, false, t0(), &p).wake, t0() + S(20));
     let mut t = t0() + S(20);
     while t < t0() + S(60) {
         let pl = plan(&s, false, t, &p);
         if pl.action == Some(Action::Renew) {
-            s = apply(&s, &Action::Renew, &names(), &p, t)?;
+            s = apply(&s, Action::Renew, &names(), &p, t)?;
         } else {
             assert_eq!(pl.action, None, "at {t:?}");
             t = pl.wake.min(t0() + S(60));
@@ -70,64 +79,51 @@ fn a_ca_rotation_is_staged_published_switched_then_retired() -> anyhow::Result<(
     }
     // Step 1: stage. The serving certificate stays the old CA's.
     let pl = plan(&s, false, t, &p);
-    assert_eq!(pl.action, Some(Action::Stage));
-    let staged = apply(&s, &Action::Stage, &names(), &p, t)?;
-    assert_eq!(staged.current, s.current);
+    assert_eq!(pl.action, Some(STAGE));
+    let staged = apply(&s, STAGE, &names(), &p, t)?;
+    assert_eq!(staged.current(), s.current());
     // The serving certificate is due too: renewed from the old CA.
     assert_eq!(plan(&staged, false, t, &p).action, Some(Action::Renew));
-    let staged = apply(&staged, &Action::Renew, &names(), &p, t)?;
-    let b_root = staged.next.clone().map(|n| n.cert_pem).unwrap_or_default();
-    let both = trust_bundle(&staged, t);
+    let staged = apply(&staged, Action::Renew, &names(), &p, t)?;
+    let b_root = staged
+        .roots
+        .next
+        .clone()
+        .map(|n| n.cert_pem)
+        .unwrap_or_default();
+    let both = trust_bundle(&staged.roots, t);
     assert!(bundle_has_root(both.as_bytes(), &a_root));
     assert!(bundle_has_root(both.as_bytes(), &b_root));
     // Step 2 waits for publication and then for `settle`.
     let later = t + S(10);
     assert_eq!(plan(&staged, false, later, &p).action, None);
-    assert_eq!(
-        plan(&staged, true, t + S(1), &p),
-        Plan {
-            action: None,
-            wake: t + S(3)
-        }
-    );
-    assert_eq!(
-        plan(&staged, true, t + S(3), &p).action,
-        Some(Action::Switch)
-    );
+    let early = plan(&staged, true, t + S(1), &p);
+    assert_eq!((early.action, early.wake), (None, t + S(3)));
+    assert_eq!(plan(&staged, true, t + S(3), &p).action, Some(SWITCH));
     let t = t + S(3);
-    let switched = apply(&staged, &Action::Switch, &names(), &p, t)?;
-    assert_eq!(switched.current.ca_pem, b_root);
-    assert_eq!(switched.previous.as_deref(), Some(a_root.as_str()));
-    assert_eq!(switched.next, None);
+    let switched = apply(&staged, SWITCH, &names(), &p, t)?;
+    assert_eq!(switched.roots.current.cert_pem, b_root);
+    assert_eq!(switched.roots.previous.as_deref(), Some(a_root.as_str()));
+    assert_eq!(switched.roots.next, None);
     assert_eq!(
-        crate::pki::webhook_cert::unusable(&switched.current, t),
+        crate::pki::webhook_cert::unusable(&switched.current(), t),
         None
     );
-    assert!(trusted_by(&switched.current.cert_pem, b_root.as_bytes()));
-    assert!(!trusted_by(&switched.current.cert_pem, a_root.as_bytes()));
+    assert!(trusted_by(&switched.cert_pem, b_root.as_bytes()));
+    assert!(!trusted_by(&switched.cert_pem, a_root.as_bytes()));
     // The caBundle text does not change at the switch (oldest first).
-    assert_eq!(trust_bundle(&switched, t), both);
-    // Step 3: the old root stays for the overlap, then leaves.
-    assert_eq!(
-        plan(&switched, false, t + S(1), &p),
-        Plan {
-            action: None,
-            wake: t + S(10)
-        }
-    );
+    assert_eq!(trust_bundle(&switched.roots, t), both);
+    // Step 3: the old root stays for the overlap from the serving
+    // certificate's start, then leaves.
+    let overlap = plan(&switched, false, t + S(1), &p);
+    assert_eq!((overlap.action, overlap.wake), (None, t + S(10)));
     let pl = plan(&switched, false, t + S(10), &p);
-    assert!(matches!(pl.action, Some(Action::Retire(_))), "{pl:?}");
-    let retired = apply(
-        &switched,
-        pl.action.as_ref().unwrap_or(&Action::Renew),
-        &names(),
-        &p,
-        t + S(10),
-    )?;
-    assert_eq!(retired.previous, None);
-    assert_eq!(retired.current, switched.current);
+    assert_eq!(pl.action, Some(RETIRE), "{pl:?}");
+    let retired = apply(&switched, RETIRE, &names(), &p, t + S(10))?;
+    assert_eq!(retired.roots.previous, None);
+    assert_eq!(retired.current(), switched.current());
     assert_eq!(
-        trust_bundle(&retired, t + S(10)),
+        trust_bundle(&retired.roots, t + S(10)),
         format!("{}\n", b_root.trim_end())
     );
     // The new CA is due at two thirds of its own life, from its staging.
@@ -136,11 +132,11 @@ fn a_ca_rotation_is_staged_published_switched_then_retired() -> anyhow::Result<(
     let mut r = retired;
     while next < staged_at + S(60) {
         if plan(&r, false, next, &p).action == Some(Action::Renew) {
-            r = apply(&r, &Action::Renew, &names(), &p, next)?;
+            r = apply(&r, Action::Renew, &names(), &p, next)?;
         }
         next = plan(&r, false, next, &p).wake;
     }
-    assert_eq!(plan(&r, false, next, &p).action, Some(Action::Stage));
+    assert_eq!(plan(&r, false, next, &p).action, Some(STAGE));
     // Round trip through the Secret keeps every part.
     for s in [&staged, &switched] {
         assert_eq!(&stored_from_secret(&stored_to_secret("s", "ns", s))?, s);
@@ -148,96 +144,58 @@ fn a_ca_rotation_is_staged_published_switched_then_retired() -> anyhow::Result<(
     Ok(())
 }
 
+/// What the webhook adds to the shared checks: a serving certificate that
+/// cannot be served replaces the CA too (the old root, still valid, stays
+/// trusted for the overlap), and half a staged CA in the Secret is none.
 #[test]
-fn broken_parts_are_retired_or_regenerated() -> anyhow::Result<()> {
+fn an_unservable_bundle_is_regenerated() -> anyhow::Result<()> {
     let p = policy();
     let t = t0() + S(1);
     let s = fresh(t0())?;
     let other = fresh(t0())?;
-    let retire = |st: &Stored| matches!(plan(st, true, t, &p).action, Some(Action::Retire(_)));
-    // A staged CA that is garbage, or whose key is another's.
-    let garbage_next = Stored {
-        next: Some(CaPair {
-            cert_pem: "garbage".into(),
-            key_pem: s.current.ca_key_pem.clone(),
-        }),
-        ..s.clone()
-    };
-    assert!(retire(&garbage_next));
+    // A staged CA whose key is another's: dropped on its own.
     let foreign_key = Stored {
-        next: Some(CaPair {
-            cert_pem: other.current.ca_pem.clone(),
-            key_pem: s.current.ca_key_pem.clone(),
-        }),
+        roots: Roots {
+            next: Some(CaPair {
+                cert_pem: other.roots.current.cert_pem.clone(),
+                key_pem: s.roots.current.key_pem.clone(),
+            }),
+            ..s.roots.clone()
+        },
         ..s.clone()
     };
-    assert!(retire(&foreign_key));
-    let dropped = apply(
-        &foreign_key,
-        &Action::Retire(String::new()),
-        &names(),
-        &p,
-        t,
-    )?;
-    assert_eq!(dropped, s);
-    // A previous root that is garbage or expired.
-    let garbage_prev = Stored {
-        previous: Some("garbage".into()),
-        ..s.clone()
-    };
-    assert!(retire(&garbage_prev));
-    assert_eq!(trust_bundle(&garbage_prev, t), trust_bundle(&s, t));
-    let expired_prev = Stored {
-        previous: Some(other.current.ca_pem.clone()),
-        ..s.clone()
-    };
-    assert!(matches!(
-        plan(&expired_prev, false, t0() + S(95), &p).action,
-        Some(Action::Regenerate(_))
-    ));
+    assert_eq!(plan(&foreign_key, true, t, &p).action, Some(RETIRE));
+    assert_eq!(apply(&foreign_key, RETIRE, &names(), &p, t)?, s);
     // Half a staged CA (no key) is not one.
     let mut secret = stored_to_secret("s", "ns", &s);
     if let Some(d) = secret.data.as_mut() {
         d.insert(NEXT_CA_KEY.into(), ByteString(b"x".to_vec()));
     }
     assert_eq!(stored_from_secret(&secret)?, s);
-    // An expired current CA: a new one; a key not matching its certificate:
-    // a new one, the old (still valid) root kept for the overlap.
+    // An expired CA and serving certificate: a new one.
     let pl = plan(&s, false, t0() + S(91), &p);
-    assert!(
-        matches!(&pl.action, Some(Action::Regenerate(w)) if w.contains("not valid now")),
-        "{pl:?}"
-    );
-    let mismatched = Stored::new(Bundle {
-        key_pem: other.current.key_pem.clone(),
-        ..s.current.clone()
-    });
-    let Some(a @ Action::Regenerate(_)) = plan(&mismatched, false, t, &p).action else {
-        anyhow::bail!("not regenerated");
+    assert_eq!(pl.action, Some(CREATE));
+    assert!(pl.why.contains("not valid now"), "{pl:?}");
+    let renewed = apply(&s, CREATE, &names(), &p, t0() + S(91))?;
+    let usable = crate::pki::webhook_cert::unusable(&renewed.current(), t0() + S(92));
+    assert_eq!(usable, None);
+    // A serving key not matching its certificate: a new CA and
+    // certificate, the old (still valid) root kept for the overlap.
+    let mismatched = Stored {
+        key_pem: other.key_pem.clone(),
+        ..s.clone()
     };
-    let repaired = apply(&mismatched, &a, &names(), &p, t)?;
+    let pl = plan(&mismatched, false, t, &p);
+    assert_eq!(pl.action, Some(CREATE), "{pl:?}");
+    let repaired = apply(&mismatched, CREATE, &names(), &p, t)?;
+    let usable = crate::pki::webhook_cert::unusable(&repaired.current(), t);
+    assert_eq!(usable, None);
     assert_eq!(
-        crate::pki::webhook_cert::unusable(&repaired.current, t),
-        None
+        repaired.roots.previous.as_deref(),
+        Some(s.roots.current.cert_pem.as_str())
     );
-    assert_eq!(
-        repaired.previous.as_deref(),
-        Some(s.current.ca_pem.as_str())
-    );
-    assert_eq!(
-        crate::pki::webhook_cert::unusable(
-            &apply(
-                &s,
-                &Action::Regenerate(String::new()),
-                &names(),
-                &p,
-                t0() + S(91)
-            )?
-            .current,
-            t0() + S(92)
-        ),
-        None
-    );
+    // Retired `overlap` after the new serving certificate's start.
+    assert_eq!(plan(&repaired, false, t + S(10), &p).action, Some(RETIRE));
     Ok(())
 }
 
@@ -350,13 +308,7 @@ fn start_replicas(anchor: SystemTime) -> anyhow::Result<Replicas> {
             clock,
             metrics: metrics[i].clone(),
         };
-        let empty = Bundle {
-            ca_pem: String::new(),
-            cert_pem: String::new(),
-            key_pem: String::new(),
-            ca_key_pem: String::new(),
-        };
-        tasks.push(tokio::spawn(r.run(empty, tx)));
+        tasks.push(tokio::spawn(r.run(Bundle::default(), tx)));
     }
     let (keeper, mut rx) = (store.clone(), rxs.swap_remove(0));
     tasks.push(tokio::spawn(async move {
@@ -404,7 +356,7 @@ async fn two_replicas_rotate_the_ca_and_never_serve_an_untrusted_certificate() -
         }
         if let Some(s) = r.store.with(|m| m.secret.clone()) {
             let st = stored_from_secret(&s)?;
-            roots.insert(st.current.ca_pem);
+            roots.insert(st.roots.current.cert_pem);
         }
     }
     // CAs due at 60 s of each 90 s life: three rotations in 270 s, one CA
@@ -422,11 +374,11 @@ async fn two_replicas_rotate_the_ca_and_never_serve_an_untrusted_certificate() -
     for dir in &r.dirs {
         assert!(trusted_by(
             &served(dir.path()),
-            stored.current.ca_pem.as_bytes()
+            stored.roots.current.cert_pem.as_bytes()
         ));
     }
     assert_eq!(
-        crate::pki::webhook_cert::unusable(&stored.current, now),
+        crate::pki::webhook_cert::unusable(&stored.current(), now),
         None
     );
     let expiry = r.metrics[0].serving_cert_expiry.get();
@@ -441,7 +393,7 @@ async fn a_corrupted_secret_is_repaired_and_both_replicas_follow() -> anyhow::Re
     // Both serve the first Secret.
     tokio::time::sleep(S(5)).await;
     let first = r.store.with(|m| m.secret.clone()).unwrap_or_default();
-    let first_ca = stored_from_secret(&first)?.current.ca_pem;
+    let first_ca = stored_from_secret(&first)?.roots.current.cert_pem;
     for dir in &r.dirs {
         assert!(trusted_by(&served(dir.path()), first_ca.as_bytes()));
     }
@@ -459,10 +411,8 @@ async fn a_corrupted_secret_is_repaired_and_both_replicas_follow() -> anyhow::Re
         let check = || {
             let s = r.store.with(|m| m.secret.clone())?;
             let st = stored_from_secret(&s).ok()?;
-            let ok = crate::pki::webhook_cert::unusable(&st.current, r.clock.now()).is_none()
-                && r.dirs
-                    .iter()
-                    .all(|d| served(d.path()) == st.current.cert_pem);
+            let ok = crate::pki::webhook_cert::unusable(&st.current(), r.clock.now()).is_none()
+                && r.dirs.iter().all(|d| served(d.path()) == st.cert_pem);
             ok.then_some(st)
         };
         let v = check();
@@ -470,7 +420,7 @@ async fn a_corrupted_secret_is_repaired_and_both_replicas_follow() -> anyhow::Re
     })
     .await?;
     // The old root, still valid, stays trusted for the overlap.
-    assert_eq!(st.previous.as_deref(), Some(first_ca.as_str()));
+    assert_eq!(st.roots.previous.as_deref(), Some(first_ca.as_str()));
     let events = r.store.with(|m| m.events.clone());
     assert!(
         events.contains(&(true, "CertificateRepaired".into())),
