@@ -1052,3 +1052,66 @@ fn values_for_the_injector_chart_are_refused_by_name() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Sidecars injected before the rename dial the workload CA at the ClusterIP
+/// of the Service `<release>-injector` and check its certificate under that
+/// name: the chart keeps that Service (the same object, so the same address)
+/// routing to the operator, and tells the CA to carry its name. `helm
+/// template` cannot look the old Service up, so "auto" renders nothing here;
+/// `true` stands for a cluster where it exists.
+#[test]
+fn the_injector_service_is_kept_for_sidecars_injected_before_the_rename() -> anyhow::Result<()> {
+    let ca = "workloadCA.enabled=true";
+    let objects = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &[ca, "operator.keepInjectorService=true"],
+    )?;
+    let old = e2e::chart::find(&objects, "Service", Some("remora-injector"))
+        .context("the old Service is not rendered")?;
+    let new = e2e::chart::find(&objects, "Service", Some("remora-operator"))
+        .context("no operator Service")?;
+    assert_eq!(
+        old["spec"]["selector"], new["spec"]["selector"],
+        "routes elsewhere"
+    );
+    let ports: Vec<_> = old["spec"]["ports"]
+        .as_array()
+        .context("ports")?
+        .iter()
+        .map(|p| p["port"].clone())
+        .collect();
+    assert_eq!(ports, [serde_json::json!(15012)], "only the CA's port");
+    assert_eq!(
+        env_value(&objects, "REMORA_WORKLOAD_CA_SERVICE_ALIASES")?,
+        Some("remora-injector")
+    );
+
+    for sets in [
+        &[ca][..],
+        &[ca, "operator.keepInjectorService=false"][..],
+        &["operator.keepInjectorService=true"][..],
+    ] {
+        let objects = e2e::chart::render("remora", "remora-system", sets)?;
+        assert!(
+            e2e::chart::find(&objects, "Service", Some("remora-injector")).is_none(),
+            "{sets:?} kept the old Service"
+        );
+        assert_eq!(
+            env_value(&objects, "REMORA_WORKLOAD_CA_SERVICE_ALIASES")?,
+            None,
+            "{sets:?}"
+        );
+    }
+    let bad = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &["operator.keepInjectorService=maybe"],
+    );
+    let err = bad
+        .err()
+        .context("keepInjectorService=maybe rendered")?
+        .to_string();
+    assert!(err.contains("keepInjectorService"), "{err}");
+    Ok(())
+}

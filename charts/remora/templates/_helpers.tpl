@@ -12,6 +12,20 @@
 {{- printf "%s-operator" (include "remora.fullname" .) -}}
 {{- end -}}
 
+{{/* The Service of a release installed before the rename (remora-injector):
+sidecars injected then dial the workload CA at that Service's ClusterIP, so
+the chart keeps the same object (and address) while it exists ("auto"), or
+when told (true). Empty: not kept. */}}
+{{- define "remora.injectorService" -}}
+{{- $name := printf "%s-injector" (include "remora.fullname" .) -}}
+{{- $keep := toString .Values.operator.keepInjectorService -}}
+{{- if .Values.workloadCA.enabled -}}
+{{- if or (eq $keep "true") (and (eq $keep "auto") (lookup "v1" "Service" .Release.Namespace $name)) -}}
+{{- $name -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "remora.tlsSecret" -}}
 {{- printf "%s-tls" (include "remora.operator" .) -}}
 {{- end -}}

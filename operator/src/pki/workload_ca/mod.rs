@@ -178,3 +178,26 @@ pub async fn follow_readiness(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_serving_certificate_carries_every_alias() {
+        let names = serving_names(
+            "remora-operator",
+            &["remora-injector".into(), String::new()],
+            "ops",
+        );
+        for want in [
+            "remora-operator.ops.svc",
+            "remora-injector",
+            "remora-injector.ops.svc",
+            "remora-injector.ops.svc.cluster.local",
+        ] {
+            assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
+        }
+        assert_eq!(names.len(), 8, "an empty alias adds nothing: {names:?}");
+    }
+}
