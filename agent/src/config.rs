@@ -98,7 +98,7 @@ impl PodRestartPolicy {
 }
 
 /// `PORT=SPIFFE_ID` of `--outbound-tls`: the contract's, so the agent and
-/// the injector's check of `remora.dev/outbound-tls` agree.
+/// the operator's check of `remora.dev/outbound-tls` agree.
 pub use remora_contract::traffic::OutboundTlsSpec;
 
 /// Everything `remora-agent run` is configured with.
@@ -177,7 +177,7 @@ pub struct RunConfig {
     #[serde(with = "duration_text")]
     pub quiet_period: Duration,
     /// Where to put the app containers' preStop helper and the file telling
-    /// it how to reach this agent (an emptyDir the injector mounts read-only
+    /// it how to reach this agent (an emptyDir the operator mounts read-only
     /// into the app containers); unset: no app hook.
     #[arg(long, env = env::HOOK_DIR)]
     pub hook_dir: Option<PathBuf>,
@@ -189,7 +189,7 @@ pub struct RunConfig {
     /// can complete (Never, OnFailure); unset counts as Always.
     #[arg(long, env = env::POD_RESTART_POLICY, value_enum)]
     pub pod_restart_policy: Option<PodRestartPolicy>,
-    /// Hard upper bound of a drain, from its start to Envoy stopped (the injector
+    /// Hard upper bound of a drain, from its start to Envoy stopped (the operator
     /// derives it from terminationGracePeriodSeconds).
     #[arg(long, env = env::DRAIN_DEADLINE, value_parser = duration::parse, default_value = defaults::DRAIN_DEADLINE)]
     #[serde(with = "duration_text")]

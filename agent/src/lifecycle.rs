@@ -1,6 +1,6 @@
 //! Lifecycle settings that can change while the pod runs.
 //!
-//! The injector writes the effective lifecycle of a pod into the annotation
+//! The operator writes the effective lifecycle of a pod into the annotation
 //! `remora.dev/lifecycle` (JSON, [`remora_contract::lifecycle::LifecycleAnnotation`]) and the controller
 //! patches it when a `SidecarLifecycle` changes. The agent sees the pod's
 //! annotations through a downward-API file and reads it at the moment a
@@ -59,7 +59,7 @@ impl DrainSettings {
     }
 
     /// Apply the pod's annotations over these settings with the contract's
-    /// [`Overlay::apply_drain`], as the injector does. Each bad value is
+    /// [`Overlay::apply_drain`], as the operator does. Each bad value is
     /// reported and skipped; the others still apply.
     pub fn with_annotations(mut self, ann: &BTreeMap<String, String>) -> (Self, Vec<String>) {
         let (o, problems) = Overlay::from_pod_annotations(ann);

@@ -7,10 +7,10 @@ pub const INJECT_LABEL: &str = "remora.dev/inject";
 /// What every Remora annotation starts with: a reader that keeps only these
 /// keeps all it reads.
 pub const PREFIX: &str = "remora.dev/";
-/// What the injector did, as JSON ([`crate::lifecycle::SidecarStatus`]).
+/// What the operator did, as JSON ([`crate::lifecycle::SidecarStatus`]).
 pub const STATUS: &str = "remora.dev/status";
 /// The effective lifecycle as JSON ([`crate::lifecycle::LifecycleAnnotation`]),
-/// written by the injector, patched by the controller, read live by the agent.
+/// written by the operator, patched by the controller, read live by the agent.
 pub const LIFECYCLE: &str = "remora.dev/lifecycle";
 /// Set by the operator on a Legacy-mode Job pod whose apps have all
 /// terminated: the sidecar stops Envoy and exits 0. Its presence is the

@@ -1,5 +1,5 @@
 //! Environment variables of the sidecar container: the agent reads each
-//! `run` flag from `REMORA_<FLAG>`; the injector sets the ones it resolves.
+//! `run` flag from `REMORA_<FLAG>`; the operator sets the ones it resolves.
 
 pub const POD_NAME: &str = "POD_NAME";
 pub const POD_NAMESPACE: &str = "POD_NAMESPACE";

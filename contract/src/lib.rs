@@ -5,7 +5,7 @@
 //! container name, ports, paths and user, the `REMORA_*` environment (and
 //! Istio's aliases), the static-mode listener specs, the one duration
 //! grammar, the downward-API file format, and the per-field annotation
-//! overlay. The injector writes what the agent reads; both read annotations
+//! overlay. The operator writes what the agent reads; both read annotations
 //! through [`overlay::Overlay`], so they cannot disagree on a value.
 
 pub mod annotations;

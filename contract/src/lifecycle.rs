@@ -18,7 +18,7 @@ pub struct LifecycleAnnotation {
     pub startup: Option<StartupAnnotation>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shutdown: Option<ShutdownAnnotation>,
-    /// Hard bound of the drain (the injector derives it from the grace period).
+    /// Hard bound of the drain (the operator derives it from the grace period).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain_deadline: Option<String>,
 }
@@ -68,11 +68,11 @@ pub struct StopRequest {
     pub at: String,
 }
 
-/// `remora.dev/status`: what the injector did to the pod.
+/// `remora.dev/status`: what the operator did to the pod.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SidecarStatus {
-    /// The injector's version.
+    /// The operator's version.
     pub version: String,
     /// The concrete mode injected.
     pub mode: SidecarMode,

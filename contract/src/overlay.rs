@@ -1,5 +1,5 @@
 //! The per-field overlay of lifecycle settings, read from a pod's
-//! annotations. The injector's effective config and the agent's live drain
+//! annotations. The operator's effective config and the agent's live drain
 //! settings both apply an [`Overlay`] built here, through
 //! [`Overlay::apply_drain`], so a value means the same on both sides: what
 //! one refuses, the other refuses with the same words.
@@ -22,14 +22,14 @@ pub struct Overlay {
     pub minimum_drain_duration: Option<Duration>,
     pub drain_mode: Option<DrainMode>,
     pub quiet_period: Option<Duration>,
-    /// Only in `remora.dev/lifecycle`: the injector derives it.
+    /// Only in `remora.dev/lifecycle`: the operator derives it.
     pub drain_deadline: Option<Duration>,
     pub concurrency: Option<u32>,
     pub log_level: Option<LogLevel>,
 }
 
 /// The drain settings a running sidecar takes live, borrowed from whichever
-/// struct holds them (the injector's effective config, the agent's drain
+/// struct holds them (the operator's effective config, the agent's drain
 /// settings), so that both sides apply an overlay with one function.
 #[derive(Debug)]
 pub struct DrainFields<'a> {
@@ -39,7 +39,7 @@ pub struct DrainFields<'a> {
     pub minimum_drain_duration: &'a mut Duration,
     pub drain_mode: &'a mut DrainMode,
     pub quiet_period: &'a mut Duration,
-    /// `None` for the injector: it derives the deadline from the pod's
+    /// `None` for the operator: it derives the deadline from the pod's
     /// grace period.
     pub drain_deadline: Option<&'a mut Duration>,
 }
@@ -119,7 +119,7 @@ impl Overlay {
         (o, problems)
     }
 
-    /// The lifecycle the injector wrote (`remora.dev/lifecycle`).
+    /// The lifecycle the operator wrote (`remora.dev/lifecycle`).
     pub fn from_lifecycle(l: &LifecycleAnnotation) -> (Self, Vec<Problem>) {
         let mut problems = Vec::new();
         let mut dur = |name: &str, v: &Option<String>| {

@@ -125,7 +125,7 @@ mod tests {
         assert_eq!(
             crate::duration::parse(&crate::duration::format(huge)),
             Ok(huge),
-            "the injector's env value is one the agent accepts"
+            "the operator's env value is one the agent accepts"
         );
         assert_eq!(
             format!("{PODINFO_DIR}/{ANNOTATIONS_FILE_NAME}"),

@@ -1,6 +1,6 @@
 //! Static-mode listener specs: the agent's `--inbound`/`--outbound`/
 //! `--outbound-tls` and the pod annotations `remora.dev/inbound`/
-//! `remora.dev/outbound`/`remora.dev/outbound-tls` that the injector turns
+//! `remora.dev/outbound`/`remora.dev/outbound-tls` that the operator turns
 //! into them.
 
 use std::str::FromStr;

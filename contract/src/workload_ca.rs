@@ -1,9 +1,9 @@
-//! The workload CA's side of the pod contract: where the injector puts the
+//! The workload CA's side of the pod contract: where the operator puts the
 //! CA's address, the projected token and the trust bundle, and the names the
 //! agent reads them by. The CA (remora-operator) and the agent agree on these
 //! and on nothing else.
 
-/// The CA's gRPC port on the injector's Service (Istio's `istiod:15012`).
+/// The CA's gRPC port on the operator's Service (Istio's `istiod:15012`).
 pub const PORT: u16 = 15012;
 /// The Service port's name.
 pub const PORT_NAME: &str = "grpc-ca";

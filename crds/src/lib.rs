@@ -192,7 +192,7 @@ pub struct ShutdownSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_on_zero_active_connections: Option<bool>,
     /// With exitOnZeroActiveConnections: always drain at least this long.
-    /// It must fit in the pod's terminationGracePeriodSeconds (the injector
+    /// It must fit in the pod's terminationGracePeriodSeconds (the operator
     /// warns otherwise). Default: 5s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub minimum_drain_duration: Option<DurationString>,

@@ -965,7 +965,7 @@ async fn network_policy_admits_only_the_api_servers() -> anyhow::Result<()> {
 /// and `image.injector`) is refused with a message naming the new keys,
 /// never half-applied: helm would otherwise drop those settings and install
 /// the defaults without a word. A values file with the new keys renders,
-/// and nothing the chart renders is named after the injector any more.
+/// and nothing the chart renders is named after the operator any more.
 #[test]
 fn values_for_the_injector_chart_are_refused_by_name() -> anyhow::Result<()> {
     let helm_with_file = |yaml: &str| -> anyhow::Result<std::process::Output> {
@@ -1030,7 +1030,7 @@ fn values_for_the_injector_chart_are_refused_by_name() -> anyhow::Result<()> {
     );
 
     // Every feature on: no object, label, argument or message the chart's
-    // templates write names the injector (the CRD is generated from
+    // templates write names the operator (the CRD is generated from
     // crds/src, its descriptions are that crate's).
     for sets in [
         &["workloadCA.enabled=true", "rollouts.automatic=true"][..],

@@ -9,7 +9,7 @@
 //!
 //! Both sides parse and apply the overlay with the contract's
 //! `Overlay::apply_drain`; what can still drift is the path around it: the
-//! env the injector writes and the agent's flags parse, the
+//! env the operator writes and the agent's flags parse, the
 //! `remora.dev/lifecycle` JSON, the downward-API file and the drain deadline.
 
 use std::collections::BTreeMap;

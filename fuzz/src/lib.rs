@@ -27,7 +27,7 @@ pub type Target = fn(&[u8]);
 
 /// Every target by name: the name is its corpus directory and AFL binary.
 pub const TARGETS: [(&str, Target); 4] = [
-    ("injector_review", injector_review),
+    ("admission_review", admission_review),
     ("contract_annotations", contract_annotations),
     ("bootstrap_override", bootstrap_override),
     ("sds_request", sds_request),
@@ -70,7 +70,7 @@ fn cluster() -> &'static (StaticView, ChartDefaults) {
 
 /// An AdmissionReview body, as the webhook receives it: the answer must
 /// always encode (the server has nothing else to send).
-pub fn injector_review(data: &[u8]) {
+pub fn admission_review(data: &[u8]) {
     let (view, chart) = cluster();
     let (answer, _outcome) = view.review(data, chart, OPERATOR_NAMESPACE);
     if let Err(e) = review::encode(answer) {

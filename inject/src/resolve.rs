@@ -98,7 +98,7 @@ pub struct EffectiveConfig {
 impl EffectiveConfig {
     /// A digest of the settings a running sidecar cannot take live: they are
     /// baked into the pod spec at admission (image, mode, the startup hold,
-    /// concurrency, log level, resources). The injector records it in
+    /// concurrency, log level, resources). The operator records it in
     /// `remora.dev/status`; the controller compares it with what the pod
     /// should get now to report `RestartRequired` and roll workloads. The
     /// requested mode is hashed (not the one `Auto` resolved to), so a node

@@ -1,4 +1,4 @@
-//! Benchmark of the injector (not run by `cargo test`):
+//! Benchmark of the operator (not run by `cargo test`):
 //! - webhook latency p50/p99/max at a fixed rate of AdmissionReviews over
 //!   HTTPS keep-alive, against the real server in a child process (so its
 //!   RSS is its own); a request held up behind the previous one on its

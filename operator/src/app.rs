@@ -321,7 +321,7 @@ async fn dial_by_cluster_ip(
 }
 
 /// The API server's config, from the in-cluster config or KUBECONFIG,
-/// naming the injector in `User-Agent` so that the API server's audit log
+/// naming the operator in `User-Agent` so that the API server's audit log
 /// and flow control tell its requests apart (kube-rs sends none of its own).
 async fn kube_config(args: &ServeArgs) -> Result<kube::Config, AppError> {
     let mut config = kube::Config::infer()

@@ -137,7 +137,7 @@ pub struct ServeArgs {
     pub webhook_config: String,
     /// Lifetime of the self-managed CA (`<n>s|m|h|d`, at least
     /// --serving-cert-validity); rotated at two thirds of it, with old and
-    /// new roots both in the caBundle meanwhile (injector README).
+    /// new roots both in the caBundle meanwhile (operator README).
     #[arg(long, env = "REMORA_CA_VALIDITY", value_parser = parse_validity, default_value = "365d")]
     pub ca_validity: Duration,
     /// Lifetime of the self-managed serving certificate (`<n>s|m|h|d`, at

@@ -17,7 +17,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(
     name = "remora-operator",
     version,
-    about = "Remora's sidecar injector and operator"
+    about = "Remora's operator: the sidecar injection webhook, the controllers and the CAs"
 )]
 struct Cli {
     #[command(subcommand)]

@@ -1,5 +1,5 @@
 //! What one big review costs in memory: the pod is read once from the body,
-//! and what the injector never reads (a big annotation) is not copied.
+//! and what the operator never reads (a big annotation) is not copied.
 //! Measured as the peak RSS (VmHWM) of a child process answering one review,
 //! so nothing else of the test harness counts.
 

@@ -1,5 +1,5 @@
 //! Bounded HTTP/1.1 serving for every Remora listener (the agent's health
-//! and admin ports, the injector's webhook), plain or TLS.
+//! and admin ports, the operator's webhook), plain or TLS.
 //!
 //! What a hostile or broken client can hold is capped:
 //! - connections: at [`Limits::max_connections`] a new connection evicts the

@@ -2,7 +2,7 @@
 //!
 //! Each part of a component that must be in place before it takes traffic
 //! registers a guard under its name (the agent's "envoy", "draining",
-//! "certificates"; the injector's "cluster-view").
+//! "certificates"; the operator's "cluster-view").
 //! While any guard is pending, the readiness endpoint answers 503 and lists every
 //! pending guard with its reason. A guard can go back to pending (Envoy died,
 //! a drain started); dropping a guard stops it blocking.

@@ -725,7 +725,7 @@ mod tests {
     /// time; a signal or the sidecar's own preStop makes it a termination.
     #[tokio::test(start_paused = true)]
     async fn an_app_hook_drain_alone_is_undone_after_the_grace_period() {
-        // The grace period the injector derived a 25 s deadline from.
+        // The grace period the operator derived a 25 s deadline from.
         assert_eq!(hook_undo_after(DEADLINE), Duration::from_secs(30));
 
         let mut m = machine();

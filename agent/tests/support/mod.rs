@@ -288,7 +288,7 @@ impl AgentBuilder {
             hook: false,
         }
     }
-    /// Give the agent a hook dir (`<dir>/hook`), as the injector does.
+    /// Give the agent a hook dir (`<dir>/hook`), as the operator does.
     pub fn hook(mut self) -> Self {
         self.hook = true;
         self

@@ -3,7 +3,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-/// The pod of a review, keeping only what the injector reads (see [`Keep`]):
+/// The pod of a review, keeping only what the operator reads (see [`Keep`]):
 /// a pod's bulk (env, volumes' sources, managed fields, big annotations) is
 /// skipped while parsing, never held, so a review costs about its body size
 /// whatever its shape. `null` is no object.

@@ -117,7 +117,7 @@ pub struct Kept {
     pub injected: Option<Arc<Injected>>,
 }
 
-/// What the injector recorded in a pod's `remora.dev/status`.
+/// What the operator recorded in a pod's `remora.dev/status`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Injected {

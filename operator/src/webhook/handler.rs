@@ -89,7 +89,7 @@ impl Drop for InFlight {
     }
 }
 
-/// The injector's admission logic, shared by the server's handlers.
+/// The operator's admission logic, shared by the server's handlers.
 pub struct Injector {
     pub chart: ChartDefaults,
     pub operator_namespace: String,

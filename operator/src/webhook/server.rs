@@ -39,7 +39,7 @@ pub enum ServerError {
     Serve(#[from] remora_serve::ServeError),
 }
 
-/// The prefix of every metric the injector exports.
+/// The prefix of every metric the operator exports.
 pub const METRICS_PREFIX: &str = "remora_operator";
 
 pub struct AppState {
@@ -555,7 +555,7 @@ pub fn limits(grace: Duration) -> remora_serve::Limits {
         tls_handshake_timeout: Duration::from_secs(10),
         // The API server reuses idle keep-alive connections: a drain that
         // closed them at once failed a webhook call now and then during a
-        // rollout of the injector ("write: broken pipe", not retried).
+        // rollout of the operator ("write: broken pipe", not retried).
         drain_linger: DRAIN_LINGER.min(grace),
         drain_grace: grace,
     }

@@ -160,7 +160,7 @@ impl PodInfo {
         self.pod.injected().map(|i| &*i.sources)
     }
 
-    /// `restartHash` from `remora.dev/status`, when the injector recorded one.
+    /// `restartHash` from `remora.dev/status`, when the operator recorded one.
     pub fn restart_hash(&self) -> Option<&str> {
         self.pod.injected()?.restart_hash.as_deref()
     }
