@@ -10,6 +10,7 @@
 
 pub mod annotations;
 pub mod defaults;
+pub mod discovery;
 pub mod downward;
 pub mod duration;
 pub mod env;

@@ -1,0 +1,206 @@
+//! The discovery side of the pod contract: where the operator serves xDS,
+//! how a sidecar names itself and authenticates, and how resources are
+//! named. The discovery server (remora-operator) and the agent's xDS proxy
+//! agree on these and on nothing else.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The discovery server's gRPC port (TLS) on the operator's Service.
+pub const PORT: u16 = 15010;
+/// The Service port's name.
+pub const PORT_NAME: &str = "grpc-xds";
+
+/// The audience of the projected token a sidecar shows the discovery server
+/// when the workload CA is off. Its own, so a token minted for the CA (or the
+/// API server) cannot be replayed here, nor this one there.
+pub const TOKEN_AUDIENCE: &str = "remora-discovery";
+/// The projected token volume's file, beside the CA's in
+/// [`crate::workload_ca::TOKEN_DIR`].
+pub const TOKEN_FILE: &str = "remora-discovery-token";
+/// The agent's default `--discovery-token-path`.
+pub const TOKEN_PATH: &str = "/var/run/secrets/tokens/remora-discovery-token";
+
+/// The Unix socket in the agent's run dir on which Envoy's ADS stream
+/// reaches the agent's xDS proxy (mode 0600, like the SDS socket).
+pub const PROXY_SOCKET: &str = "xds.sock";
+
+/// The most one discovery request may weigh, both at the server and at the
+/// agent's proxy: a sidecar's requests name resources, they do not carry them.
+pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
+
+/// A sidecar's Envoy node id, in Istio's shape
+/// (`sidecar~<ip>~<pod>.<namespace>~<namespace>.svc.<domain>`), so an
+/// istiod-compatible server recognises it and ours can find the pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeId {
+    pub ip: String,
+    pub pod: String,
+    pub namespace: String,
+    pub domain: String,
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            ip,
+            pod,
+            namespace,
+            domain,
+        } = self;
+        write!(f, "sidecar~{ip}~{pod}.{namespace}~{namespace}.svc.{domain}")
+    }
+}
+
+impl FromStr for NodeId {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = |why: &str| format!("node id {:?} {why}", crate::mode::short(s));
+        let mut parts = s.split('~');
+        let (Some("sidecar"), Some(ip), Some(pod_ns), Some(dns), None) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
+            return Err(bad("is not sidecar~IP~POD.NAMESPACE~NAMESPACE.svc.DOMAIN"));
+        };
+        let (pod, namespace) = pod_ns
+            .rsplit_once('.')
+            .ok_or_else(|| bad("names no namespace"))?;
+        let domain = dns
+            .strip_prefix(namespace)
+            .and_then(|d| d.strip_prefix(".svc."))
+            .ok_or_else(|| bad("has a DNS domain of another namespace"))?;
+        if ip.is_empty() || pod.is_empty() || namespace.is_empty() || domain.is_empty() {
+            return Err(bad("has an empty part"));
+        }
+        Ok(Self {
+            ip: ip.into(),
+            pod: pod.into(),
+            namespace: namespace.into(),
+            domain: domain.into(),
+        })
+    }
+}
+
+/// A Service named in `remora.dev/outbound`: `name.namespace`,
+/// `name.namespace.svc` or `name.namespace.svc.<domain>`. Whether it names a
+/// Service that exists is the server's to say; a host that does not parse
+/// (an IP, `localhost`, a name of one label or more than the shapes above)
+/// is a static upstream.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceHost {
+    pub name: String,
+    pub namespace: String,
+}
+
+impl ServiceHost {
+    pub fn parse(host: &str, domain: &str) -> Option<Self> {
+        if host.parse::<std::net::IpAddr>().is_ok() {
+            return None;
+        }
+        let host = host.to_ascii_lowercase();
+        let short = host
+            .strip_suffix(&format!(".svc.{domain}"))
+            .or_else(|| host.strip_suffix(".svc"))
+            .unwrap_or(&host);
+        let (name, namespace) = short.split_once('.')?;
+        let label = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        (label(name) && label(namespace)).then(|| Self {
+            name: name.into(),
+            namespace: namespace.into(),
+        })
+    }
+
+    /// `name.namespace.svc.<domain>`.
+    pub fn fqdn(&self, domain: &str) -> String {
+        format!("{}.{}.svc.{domain}", self.name, self.namespace)
+    }
+}
+
+/// The name of the cluster (and of its load assignment) for a Service port,
+/// in Istio's shape: `outbound|<port>||<fqdn>`.
+pub fn cluster_name(fqdn: &str, port: u16) -> String {
+    format!("outbound|{port}||{fqdn}")
+}
+
+/// `(fqdn, port)` back from a [`cluster_name`].
+pub fn parse_cluster_name(name: &str) -> Option<(&str, u16)> {
+    let rest = name.strip_prefix("outbound|")?;
+    let (port, fqdn) = rest.split_once("||")?;
+    Some((fqdn, port.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_id_round_trips_and_refuses_other_shapes() {
+        let n = NodeId {
+            ip: "10.0.0.7".into(),
+            pod: "web-5f6d.x".into(),
+            namespace: "shop".into(),
+            domain: "cluster.local".into(),
+        };
+        let s = n.to_string();
+        assert_eq!(s, "sidecar~10.0.0.7~web-5f6d.x.shop~shop.svc.cluster.local");
+        assert_eq!(s.parse::<NodeId>(), Ok(n));
+        for bad in [
+            "",
+            "router~1~a.b~b.svc.cluster.local",
+            "sidecar~1~a.b~c.svc.cluster.local",
+            "sidecar~1~ab~ab.svc.cluster.local",
+            "sidecar~~a.b~b.svc.cluster.local",
+            "sidecar~1~a.b~b.svc.cluster.local~more",
+        ] {
+            assert!(bad.parse::<NodeId>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn service_hosts_in_every_shape_and_static_hosts_not() {
+        let cart = Some(ServiceHost {
+            name: "cart".into(),
+            namespace: "shop".into(),
+        });
+        for h in [
+            "cart.shop",
+            "cart.shop.svc",
+            "cart.shop.svc.cluster.local",
+            "Cart.Shop",
+        ] {
+            assert_eq!(ServiceHost::parse(h, "cluster.local"), cart, "{h}");
+        }
+        for h in [
+            "10.0.0.1",
+            "::1",
+            "localhost",
+            "api.example.com",
+            "cart.shop.svc.other.domain",
+            "-x.shop",
+            "cart.",
+        ] {
+            assert_eq!(ServiceHost::parse(h, "cluster.local"), None, "{h}");
+        }
+        let fqdn = ServiceHost {
+            name: "cart".into(),
+            namespace: "shop".into(),
+        }
+        .fqdn("cluster.local");
+        assert_eq!(fqdn, "cart.shop.svc.cluster.local");
+        let c = cluster_name(&fqdn, 80);
+        assert_eq!(c, "outbound|80||cart.shop.svc.cluster.local");
+        assert_eq!(parse_cluster_name(&c), Some((fqdn.as_str(), 80)));
+        assert_eq!(parse_cluster_name("outbound|x||a"), None);
+    }
+}
