@@ -23,6 +23,7 @@ use crate::sds::{self, SdsHandle};
 use crate::servers;
 use crate::supervisor::{Control, ExitReason, Supervisor, SupervisorHandle};
 use crate::telemetry::LogLevelHandle;
+use crate::xds::{self, XdsHandle};
 use remora_contract::annotations::STOP as STOP_ANNOTATION;
 use remora_contract::downward::{runs_native, stop_request};
 use remora_contract::mounted::MountedFiles;
@@ -55,6 +56,8 @@ pub enum AppError {
     Sds(#[from] sds::SdsError),
     #[error(transparent)]
     Hook(#[from] hook::HookError),
+    #[error(transparent)]
+    Xds(#[from] xds::XdsError),
 }
 
 /// A built agent, ready to run.
@@ -71,6 +74,7 @@ pub struct App {
     metrics: Metrics,
     log: LogLevelHandle,
     sds: SdsHandle,
+    xds: Option<XdsHandle>,
     shutdown: CancellationToken,
     admin_token: Secret,
     hook_token: Option<Secret>,
@@ -128,6 +132,12 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
     // `file-*` secrets; a certificate source only when one is configured. It
     // is up before Envoy asks for secrets.
     let sds = sds::start(&cfg, &mut registry, shutdown.clone()).await?;
+    // Discovery mode: the proxy is up before Envoy dials it; its guard holds
+    // readiness until the first listeners and clusters are in.
+    let xds = xds::start(&cfg, sds.bundles(), &mut registry, shutdown.clone()).await?;
+    if let Some(x) = &xds {
+        x.hold_readiness(&readiness);
+    }
     let extras = sds::bootstrap::extras(&cfg, &sds.socket);
     let (supervisor, handle) = Supervisor::new(
         cfg.clone(),
@@ -154,6 +164,7 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         metrics,
         log,
         sds,
+        xds,
         shutdown,
         admin_token,
         hook_token,
@@ -183,7 +194,13 @@ async fn check_envoy_ports(cfg: &RunConfig) -> Result<(), AppError> {
             port,
         ));
     }
-    for o in &cfg.outbound {
+    // In discovery mode the outbound listeners are the server's to bind.
+    let outbound = if cfg.discovery().is_some() {
+        &[][..]
+    } else {
+        &cfg.outbound[..]
+    };
+    for o in outbound {
         ports.push((
             "outbound listener".to_string(),
             IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -245,6 +262,11 @@ impl App {
             futures::future::join_all(tasks).await;
             if let Err(e) = self.sds.join().await {
                 tracing::warn!(error = %e, "SDS did not stop cleanly");
+            }
+            if let Some(x) = self.xds
+                && let Err(e) = x.join().await
+            {
+                tracing::warn!(error = %e, "the xDS proxy did not stop cleanly");
             }
         })
         .await;

@@ -2,8 +2,11 @@
 //!
 //! Static mode: one INBOUND listener per `--inbound` (HTTP, so that a drain
 //! answers with `connection: close`) and one OUTBOUND TCP listener per
-//! `--outbound` (its cluster originating mTLS with `--outbound-tls`). xDS mode: an ADS cluster and LDS/CDS over ADS. Both modes get
-//! the admin interface on 127.0.0.1 only and a Prometheus listener.
+//! `--outbound` (its cluster originating mTLS with `--outbound-tls`).
+//! Discovery mode (`--discovery-address`): LDS and CDS over ADS through the
+//! agent's proxy socket ([`crate::xds`]), the inbound listeners static, no
+//! static outbound listeners (the server sends them). Both modes get the
+//! admin interface on 127.0.0.1 only and a Prometheus listener.
 //! `--bootstrap-override` is merged over the result (RFC 7386 merge patch).
 
 use std::net::IpAddr;
@@ -13,9 +16,10 @@ use serde_json::{Value, json};
 
 use crate::config::RunConfig;
 use crate::envoy::admin::PROMETHEUS_STAT_PREFIX;
+use remora_contract::discovery::NodeId;
 
 /// Name of the ADS cluster in xDS mode.
-pub const XDS_CLUSTER: &str = "xds-grpc";
+pub use crate::xds::bootstrap::XDS_CLUSTER;
 const PROMETHEUS_CLUSTER: &str = "remora-prometheus-stats";
 
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +38,8 @@ pub enum BootstrapError {
     AdminNotLoopback(String),
     #[error("--discovery-address {0:?} is not HOST:PORT")]
     DiscoveryAddress(String),
+    #[error("the node id: {0}")]
+    NodeId(String),
     #[error("two listeners on port {0}")]
     DuplicatePort(u16),
     #[error("cannot write the bootstrap to {path}: {source}")]
@@ -114,7 +120,14 @@ pub fn generate(
             extras.inbound_transport_socket.as_ref(),
         ));
     }
-    for spec in &cfg.outbound {
+    // With a discovery server, outbound listeners come from it; only the
+    // listeners that exist whatever the server says stay static.
+    let outbound = if cfg.discovery().is_some() {
+        &[][..]
+    } else {
+        &cfg.outbound[..]
+    };
+    for spec in outbound {
         if !ports.insert(spec.port) {
             return Err(BootstrapError::DuplicatePort(spec.port));
         }
@@ -132,7 +145,7 @@ pub fn generate(
     clusters.extend(extras.clusters.iter().cloned());
 
     let mut bootstrap = json!({
-        "node": node(cfg),
+        "node": node(cfg)?,
         "admin": {
             "address": socket_address("127.0.0.1", cfg.envoy_admin_port),
         },
@@ -152,24 +165,13 @@ pub fn generate(
         }
     });
 
-    if let Some(addr) = cfg.discovery_address.as_deref().filter(|a| !a.is_empty()) {
-        let (host, port) = split_host_port(addr)
-            .ok_or_else(|| BootstrapError::DiscoveryAddress(addr.to_string()))?;
-        let mut xds = upstream_cluster(XDS_CLUSTER, &host, port);
-        xds["typed_extension_protocol_options"] = http2_options();
+    if let Some(addr) = cfg.discovery() {
+        // Checked here so a bad address fails at start, not at the first dial.
+        split_host_port(addr).ok_or_else(|| BootstrapError::DiscoveryAddress(addr.to_string()))?;
         if let Some(c) = bootstrap["static_resources"]["clusters"].as_array_mut() {
-            c.push(xds);
+            c.push(crate::xds::bootstrap::ads_cluster(&cfg.xds_socket_path()));
         }
-        bootstrap["dynamic_resources"] = json!({
-            "ads_config": {
-                "api_type": "GRPC",
-                "transport_api_version": "V3",
-                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
-                "set_node_on_first_message_only": true
-            },
-            "lds_config": {"ads": {}, "resource_api_version": "V3"},
-            "cds_config": {"ads": {}, "resource_api_version": "V3"}
-        });
+        bootstrap["dynamic_resources"] = crate::xds::bootstrap::dynamic_resources();
     }
 
     if let Some(patch) = override_doc {
@@ -191,18 +193,29 @@ pub fn write(path: &Path, bootstrap: &Value) -> Result<(), BootstrapError> {
     std::fs::rename(&tmp, path).map_err(err)
 }
 
-fn node(cfg: &RunConfig) -> Value {
+fn node(cfg: &RunConfig) -> Result<Value, BootstrapError> {
     let ns = non_empty(&cfg.pod_namespace, "default");
     let pod = non_empty(&cfg.pod_name, "remora");
     let ip = non_empty(&cfg.instance_ip, "127.0.0.1");
     // Istio's node id shape, so an istiod-compatible xDS server recognises it.
-    let id = format!("sidecar~{ip}~{pod}.{ns}~{ns}.svc.{}", cfg.trust_domain);
+    let id = NodeId {
+        ip: ip.into(),
+        pod: pod.into(),
+        namespace: ns.into(),
+        domain: cfg.trust_domain.clone(),
+    }
+    .to_string();
+    // What the discovery server will parse must parse here first (a pod
+    // name or domain with a `~` would not).
+    if cfg.discovery().is_some() {
+        id.parse::<NodeId>().map_err(BootstrapError::NodeId)?;
+    }
     let cluster = if cfg.service_account.is_empty() {
         format!("{pod}.{ns}")
     } else {
         format!("{}.{ns}", cfg.service_account)
     };
-    json!({
+    Ok(json!({
         "id": id,
         "cluster": cluster,
         "metadata": {
@@ -212,7 +225,7 @@ fn node(cfg: &RunConfig) -> Value {
             "INSTANCE_IPS": cfg.instance_ip,
             "REMORA_VERSION": env!("CARGO_PKG_VERSION"),
         }
-    })
+    }))
 }
 
 fn non_empty<'a>(s: &'a str, fallback: &'a str) -> &'a str {
@@ -228,15 +241,6 @@ fn split_host_port(addr: &str) -> Option<(String, u16)> {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
     (!host.is_empty()).then(|| (host.to_string(), port))
-}
-
-fn http2_options() -> Value {
-    json!({
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}}
-        }
-    })
 }
 
 fn downstream_protocol_options() -> Value {
@@ -441,12 +445,63 @@ mod tests {
 
     #[test]
     fn xds_mode_has_ads() {
-        let c = cfg(&["--discovery-address", "istiod.istio-system.svc:15010"]);
+        let c = cfg(&[
+            "--discovery-address",
+            "istiod.istio-system.svc:15010",
+            "--run-dir",
+            "/r",
+            "--inbound",
+            "15006:8080",
+            "--outbound",
+            "15001:example.org:80",
+            "--pod-name",
+            "web-1",
+            "--pod-namespace",
+            "shop",
+            "--instance-ip",
+            "10.0.0.7",
+        ]);
         let b = generate(&c, &Extras::default(), None).expect("generates");
         assert_eq!(
             b["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]["cluster_name"],
             XDS_CLUSTER
         );
+        assert_eq!(b["dynamic_resources"]["lds_config"]["ads"], json!({}));
+        assert_eq!(b["dynamic_resources"]["cds_config"]["ads"], json!({}));
+        let clusters = b["static_resources"]["clusters"]
+            .as_array()
+            .expect("clusters");
+        let ads = clusters
+            .iter()
+            .find(|c| c["name"] == XDS_CLUSTER)
+            .expect("ADS cluster");
+        assert_eq!(
+            ads["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["pipe"]
+                ["path"],
+            "/r/xds.sock"
+        );
+        // Outbound comes from the server; inbound and stats stay static.
+        let names: Vec<&str> = b["static_resources"]["listeners"]
+            .as_array()
+            .expect("listeners")
+            .iter()
+            .filter_map(|l| l["name"].as_str())
+            .collect();
+        assert_eq!(names, [PROMETHEUS_STAT_PREFIX, "inbound_15006"]);
+        assert!(
+            !clusters
+                .iter()
+                .any(|c| c["name"] == "outbound|15001|example.org|80")
+        );
+        assert_eq!(
+            b["node"]["id"],
+            "sidecar~10.0.0.7~web-1.shop~shop.svc.cluster.local"
+        );
+        let bad_node = cfg(&["--discovery-address", "x:1", "--pod-name", "a~b"]);
+        assert!(matches!(
+            generate(&bad_node, &Extras::default(), None),
+            Err(BootstrapError::NodeId(_))
+        ));
         let bad = cfg(&["--discovery-address", "nohost"]);
         assert!(matches!(
             generate(&bad, &Extras::default(), None),

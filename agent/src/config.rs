@@ -222,9 +222,19 @@ pub struct RunConfig {
     pub annotations_file: PathBuf,
 
     // ---- Envoy configuration ----
-    /// xDS server (host:port) for ADS; empty means static mode.
+    /// xDS server (host:port, TLS) for ADS; empty means static mode. Envoy's
+    /// ADS stream goes to the agent's proxy on `<run-dir>/xds.sock`, which
+    /// holds the one stream to this address.
     #[arg(long, env = "REMORA_DISCOVERY_ADDRESS")]
     pub discovery_address: Option<String>,
+    /// The name the discovery server's certificate must carry; default the
+    /// host of --discovery-address.
+    #[arg(long, env = "REMORA_DISCOVERY_SERVER_NAME")]
+    pub discovery_server_name: Option<String>,
+    /// The bearer token (JWT) shown to the discovery server, read on every
+    /// (re)connect since the kubelet rotates it.
+    #[arg(long, env = "REMORA_DISCOVERY_TOKEN_PATH", default_value = remora_contract::discovery::TOKEN_PATH)]
+    pub discovery_token_path: PathBuf,
     /// Static mode: an inbound listener `PORT:APP_PORT` (or `APP_PORT` on --inbound-port).
     #[arg(long, env = env::INBOUND, value_delimiter = ',')]
     pub inbound: Vec<InboundSpec>,
@@ -430,6 +440,16 @@ impl RunConfig {
         self.sds_socket
             .clone()
             .unwrap_or_else(|| self.run_dir.join("sds.sock"))
+    }
+
+    /// The discovery mode's proxy socket, Envoy's ADS endpoint.
+    pub fn xds_socket_path(&self) -> PathBuf {
+        self.run_dir.join(remora_contract::discovery::PROXY_SOCKET)
+    }
+
+    /// Whether Envoy gets its listeners and clusters from a discovery server.
+    pub fn discovery(&self) -> Option<&str> {
+        self.discovery_address.as_deref().filter(|a| !a.is_empty())
     }
 
     /// The token file of the admin actions ([`pod::ADMIN_TOKEN_FILE`]).

@@ -18,3 +18,5 @@ pub mod sds;
 pub mod servers;
 pub mod supervisor;
 pub mod telemetry;
+pub mod unix_socket;
+pub mod xds;

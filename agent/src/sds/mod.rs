@@ -35,13 +35,11 @@ pub mod bootstrap;
 pub mod server;
 pub mod store;
 
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_server::SecretDiscoveryServiceServer;
 use prometheus_client::registry::Registry;
-use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -59,13 +57,8 @@ pub const READINESS_GUARD: &str = "certificates";
 
 #[derive(Debug, thiserror::Error)]
 pub enum SdsError {
-    #[error("SDS socket {path}: {source}")]
-    Socket {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("SDS socket path {0} exists and is not a socket; refusing to remove it")]
-    NotASocket(PathBuf),
+    #[error("SDS socket {0}")]
+    Socket(#[from] crate::unix_socket::SocketError),
     #[error("SDS server: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error(transparent)]
@@ -159,7 +152,7 @@ pub async fn start_with(
     sds_metrics.register(registry);
     let served = Served::default();
 
-    let listener = bind(&socket)?;
+    let listener = crate::unix_socket::bind_private(&socket)?;
 
     let (mut bundles, mut status) = (None, None);
     if let Some(src) = source {
@@ -199,30 +192,6 @@ pub async fn start_with(
         cancel,
         task,
     })
-}
-
-/// Bind the socket: parent created 0750 if missing, a stale socket removed,
-/// the socket itself 0600.
-fn bind(path: &Path) -> Result<UnixListener, SdsError> {
-    let err = |source| SdsError::Socket {
-        path: path.to_path_buf(),
-        source,
-    };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
-        && !dir.exists()
-    {
-        std::fs::create_dir_all(dir).map_err(err)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).map_err(err)?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(err)?,
-        Ok(_) => return Err(SdsError::NotASocket(path.to_path_buf())),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(err(e)),
-    }
-    let l = UnixListener::bind(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
-    Ok(l)
 }
 
 /// Readiness: pending with the source's reason until it has a bundle, then

@@ -1,0 +1,276 @@
+//! The Envoy side: a tonic `AggregatedDiscoveryService` on the proxy socket.
+//! Each Envoy stream gets one upstream stream ([`super::upstream`]); both
+//! directions are forwarded unchanged, except what resuming needs (see
+//! [`super::session`]). When the upstream stream fails, Envoy's stream stays
+//! open (Envoy keeps serving its last configuration) while the proxy
+//! reconnects with jittered exponential backoff.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryService;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use futures::Stream;
+use futures::future::BoxFuture;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::session::{CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, Reply, Session};
+use super::upstream::{UpstreamConfig, UpstreamError};
+use super::{FirstAcks, XdsMetrics};
+
+/// Requests queued towards the upstream stream; more than a whole replay
+/// ([`MAX_TYPES`]). A full queue counts as a failed upstream: the session
+/// keeps Envoy's latest requests, so a reconnect loses nothing.
+const UP_QUEUE: usize = 2 * MAX_TYPES;
+/// Responses queued towards Envoy.
+const DOWN_QUEUE: usize = 16;
+
+pub(super) struct Shared {
+    pub upstream: UpstreamConfig,
+    pub metrics: XdsMetrics,
+    pub acked: watch::Sender<FirstAcks>,
+    pub streams: Arc<Semaphore>,
+    pub cancel: CancellationToken,
+}
+
+impl Shared {
+    /// Count and log what Envoy said about the last response of a type.
+    fn observe(&self, type_url: &str, reply: &Reply) {
+        match reply {
+            Reply::Request => {}
+            Reply::Ack { version } => {
+                tracing::debug!(%type_url, %version, "Envoy accepted a discovery response");
+                self.acked.send_if_modified(|a| {
+                    let before = *a;
+                    match type_url {
+                        LISTENER_TYPE => a.listeners = true,
+                        CLUSTER_TYPE => a.clusters = true,
+                        _ => {}
+                    }
+                    *a != before
+                });
+            }
+            Reply::Nack {
+                version,
+                code,
+                message,
+            } => {
+                self.metrics.nacks.inc();
+                tracing::warn!(%type_url, kept_version = %version, code, error = %message,
+                    "Envoy rejected a discovery response (NACK); it keeps its previous configuration");
+            }
+        }
+    }
+
+    fn backoff(&self) -> impl Iterator<Item = std::time::Duration> + use<> {
+        ExponentialBuilder::default()
+            .with_jitter()
+            .with_min_delay(self.upstream.min_backoff)
+            .with_max_delay(self.upstream.max_backoff)
+            .without_max_times()
+            .build()
+    }
+}
+
+/// The tonic service.
+#[derive(Clone)]
+pub struct AdsProxy {
+    shared: Arc<Shared>,
+}
+
+impl AdsProxy {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for AdsProxy {
+    type StreamAggregatedResourcesStream = BoxStream<DiscoveryResponse>;
+    type DeltaAggregatedResourcesStream = BoxStream<DeltaDiscoveryResponse>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        // One Envoy, two during a hot restart: more is not ours.
+        let permit = self
+            .shared
+            .streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Status::resource_exhausted("too many ADS streams on the proxy"))?;
+        let (tx, rx) = mpsc::channel(DOWN_QUEUE);
+        tokio::spawn(run_stream(
+            self.shared.clone(),
+            request.into_inner(),
+            tx,
+            permit,
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        _request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        Err(Status::unimplemented(
+            "the agent's bootstrap uses state-of-the-world ADS; delta is not proxied",
+        ))
+    }
+}
+
+/// Where the upstream stream is.
+enum Upstream {
+    /// Waiting out the backoff before the next attempt.
+    Waiting(Pin<Box<tokio::time::Sleep>>),
+    Connecting(BoxFuture<'static, Result<Streaming<DiscoveryResponse>, UpstreamError>>),
+    Streaming(Box<Streaming<DiscoveryResponse>>),
+}
+
+// Transient: one at a time, handled at once.
+#[allow(clippy::large_enum_variant)]
+enum Event {
+    Envoy(Result<Option<DiscoveryRequest>, Status>),
+    Retry,
+    Connected(Result<Streaming<DiscoveryResponse>, UpstreamError>),
+    Response(Result<Option<DiscoveryResponse>, Status>),
+}
+
+impl Upstream {
+    /// The next thing that happens upstream. Cancel-safe: the sleep and the
+    /// connection live in `self`, and `Streaming::message` is cancel-safe.
+    async fn next(&mut self) -> Event {
+        match self {
+            Self::Waiting(s) => {
+                s.as_mut().await;
+                Event::Retry
+            }
+            Self::Connecting(f) => Event::Connected(f.as_mut().await),
+            Self::Streaming(s) => Event::Response(s.message().await),
+        }
+    }
+}
+
+/// Start an attempt: a fresh queue, primed with the session's replay.
+fn connect(
+    shared: &Arc<Shared>,
+    session: &mut Session,
+    up: &mut Option<mpsc::Sender<DiscoveryRequest>>,
+) -> Upstream {
+    let (tx, rx) = mpsc::channel(UP_QUEUE);
+    for r in session.resume() {
+        // Fits: a replay has at most MAX_TYPES requests.
+        let _ = tx.try_send(r);
+    }
+    *up = Some(tx);
+    let cfg = shared.upstream.clone();
+    Upstream::Connecting(Box::pin(async move { cfg.open(rx).await }))
+}
+
+async fn run_stream(
+    shared: Arc<Shared>,
+    envoy: Streaming<DiscoveryRequest>,
+    down: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    _permit: OwnedSemaphorePermit,
+) {
+    shared.metrics.streams.inc();
+    proxy_stream(&shared, envoy, down).await;
+    shared.metrics.streams.dec();
+}
+
+async fn proxy_stream(
+    shared: &Arc<Shared>,
+    mut envoy: Streaming<DiscoveryRequest>,
+    down: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+) {
+    let mut session = Session::default();
+    let mut backoff = shared.backoff();
+    let mut up = None;
+    let mut upstream = connect(shared, &mut session, &mut up);
+    let mut failures = 0u64;
+    let address = &shared.upstream.address;
+    loop {
+        let event = tokio::select! {
+            _ = shared.cancel.cancelled() => return,
+            m = envoy.message() => Event::Envoy(m),
+            e = upstream.next() => e,
+        };
+        let failed: Option<String> = match event {
+            Event::Envoy(Ok(Some(req))) => match session.from_envoy(req) {
+                Ok((fwd, reply)) => {
+                    shared.observe(&fwd.type_url, &reply);
+                    match &up {
+                        Some(tx) if tx.try_send(fwd).is_err() => {
+                            Some("the upstream stream does not keep up".into())
+                        }
+                        // Down: the session has it; the replay carries it.
+                        _ => None,
+                    }
+                }
+                Err(e) => {
+                    let _ = down
+                        .send(Err(Status::invalid_argument(e.to_string())))
+                        .await;
+                    return;
+                }
+            },
+            // Envoy's stream ended: returning drops the upstream stream.
+            Event::Envoy(Ok(None)) => return,
+            Event::Envoy(Err(status)) => {
+                tracing::debug!(%status, "Envoy's ADS stream ended with an error");
+                return;
+            }
+            Event::Retry => {
+                shared.metrics.reconnects.inc();
+                upstream = connect(shared, &mut session, &mut up);
+                None
+            }
+            Event::Connected(Ok(stream)) => {
+                tracing::info!(%address, "ADS stream to the discovery server open");
+                upstream = Upstream::Streaming(Box::new(stream));
+                None
+            }
+            Event::Connected(Err(e)) => Some(e.to_string()),
+            Event::Response(Ok(Some(resp))) => {
+                if failures > 0 {
+                    tracing::info!(%address, "the discovery server answers again");
+                }
+                failures = 0;
+                backoff = shared.backoff();
+                session.from_server(&resp);
+                if down.send(Ok(resp)).await.is_err() {
+                    return;
+                }
+                None
+            }
+            Event::Response(Ok(None)) => Some("the server closed the stream".into()),
+            Event::Response(Err(status)) => Some(format!(
+                "the stream failed: {:?}: {}",
+                status.code(),
+                status.message()
+            )),
+        };
+        if let Some(reason) = failed {
+            failures += 1;
+            let delay = backoff.next().unwrap_or(shared.upstream.max_backoff);
+            // The first failure of a run at warn; the retries after it quieter.
+            if failures == 1 {
+                tracing::warn!(%address, %reason, retry_in = ?delay,
+                    "ADS upstream lost; Envoy keeps serving its last configuration");
+            } else {
+                tracing::info!(%address, %reason, retry_in = ?delay, failures, "ADS upstream still down");
+            }
+            up = None;
+            upstream = Upstream::Waiting(Box::pin(tokio::time::sleep(delay)));
+        }
+    }
+}

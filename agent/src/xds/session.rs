@@ -1,0 +1,329 @@
+//! What the proxy remembers of one Envoy stream, apart from any connection:
+//! Envoy's latest request per type URL (to resume on a new upstream stream)
+//! and the nonces sent down (to tell ACKs from NACKs). Pure, so the resume
+//! and ACK rules are tested without sockets.
+//!
+//! # What is replayed on a new upstream stream
+//!
+//! For each type URL Envoy has asked for, in the order Envoy first asked
+//! (CDS before EDS, LDS before RDS, as Envoy subscribes), exactly one
+//! request: Envoy's latest request of that type, with
+//! - `resource_names` and `version_info` as Envoy last sent them (Envoy
+//!   puts the version it last accepted in every request, a NACK included, so
+//!   a state-of-the-world server that still has that version need not
+//!   resend it);
+//! - `response_nonce` cleared (it named a response of the old stream, which
+//!   the new server never sent and would take for stale) and `error_detail`
+//!   cleared (a NACK was about a response of the old stream);
+//! - `node` (Envoy sends it on its first message only) on the first one.
+//!
+//! Requests Envoy sends while no upstream stream is up are not queued: they
+//! replace the latest of their type, which the replay then carries.
+
+use std::collections::HashMap;
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+
+pub const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+pub const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+
+/// At most this many type URLs per stream: Envoy uses a handful, so more is
+/// a broken client, and the session's memory stays bounded.
+pub const MAX_TYPES: usize = 32;
+
+/// What a request from Envoy says about the last response of its type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// A first request, a subscription change, or a reply to a response this
+    /// proxy did not send on the current upstream stream.
+    Request,
+    /// Envoy applied the response with this nonce; `version` is now its.
+    Ack { version: String },
+    /// Envoy refused the response with this nonce and keeps `version`.
+    Nack {
+        version: String,
+        code: i32,
+        message: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SessionError {
+    #[error("a request without a type URL (only ADS requests name their type)")]
+    NoTypeUrl,
+    #[error("more than {MAX_TYPES} type URLs on one stream")]
+    TooManyTypes,
+}
+
+#[derive(Debug, Default)]
+pub struct Session {
+    node: Option<Node>,
+    /// Type URLs in the order Envoy first asked for them.
+    order: Vec<String>,
+    latest: HashMap<String, DiscoveryRequest>,
+    /// Per type, the nonce of the last response sent down on the current
+    /// upstream stream.
+    sent: HashMap<String, String>,
+    /// Whether the current upstream stream has had a node yet.
+    node_sent: bool,
+}
+
+impl Session {
+    /// A request from Envoy: remembered as the latest of its type, and
+    /// returned (to forward, unchanged but for a node the new upstream has
+    /// not seen) with what it says about the last response.
+    pub fn from_envoy(
+        &mut self,
+        mut req: DiscoveryRequest,
+    ) -> Result<(DiscoveryRequest, Reply), SessionError> {
+        if req.type_url.is_empty() {
+            return Err(SessionError::NoTypeUrl);
+        }
+        if !self.latest.contains_key(&req.type_url) {
+            if self.order.len() >= MAX_TYPES {
+                return Err(SessionError::TooManyTypes);
+            }
+            self.order.push(req.type_url.clone());
+        }
+        if self.node.is_none() {
+            self.node.clone_from(&req.node);
+        }
+        let current = !req.response_nonce.is_empty()
+            && self.sent.get(&req.type_url) == Some(&req.response_nonce);
+        let reply = match (&req.error_detail, current) {
+            (_, false) => Reply::Request,
+            (None, true) => Reply::Ack {
+                version: req.version_info.clone(),
+            },
+            (Some(e), true) => Reply::Nack {
+                version: req.version_info.clone(),
+                code: e.code,
+                message: e.message.clone(),
+            },
+        };
+        self.latest.insert(req.type_url.clone(), req.clone());
+        if !self.node_sent && req.node.is_none() {
+            req.node.clone_from(&self.node);
+        }
+        self.node_sent |= req.node.is_some();
+        Ok((req, reply))
+    }
+
+    /// A response from the server, about to go down to Envoy.
+    pub fn from_server(&mut self, resp: &DiscoveryResponse) {
+        if self.latest.contains_key(&resp.type_url) {
+            self.sent.insert(resp.type_url.clone(), resp.nonce.clone());
+        }
+        // A type Envoy never asked for: Envoy will ignore it; nothing to track.
+    }
+
+    /// A new upstream stream starts: the requests that resume it (see the
+    /// module docs), and forget the old stream's nonces.
+    pub fn resume(&mut self) -> Vec<DiscoveryRequest> {
+        self.sent.clear();
+        self.node_sent = false;
+        let mut out: Vec<DiscoveryRequest> = self
+            .order
+            .iter()
+            .filter_map(|t| self.latest.get(t))
+            .map(|r| DiscoveryRequest {
+                response_nonce: String::new(),
+                error_detail: None,
+                node: None,
+                ..r.clone()
+            })
+            .collect();
+        if let Some(first) = out.first_mut() {
+            first.node.clone_from(&self.node);
+            self.node_sent = first.node.is_some();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::google::rpc::Status as RpcStatus;
+
+    fn req(ty: &str, version: &str, nonce: &str, names: &[&str]) -> DiscoveryRequest {
+        DiscoveryRequest {
+            type_url: ty.into(),
+            version_info: version.into(),
+            response_nonce: nonce.into(),
+            resource_names: names.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn resp(ty: &str, version: &str, nonce: &str) -> DiscoveryResponse {
+        DiscoveryResponse {
+            type_url: ty.into(),
+            version_info: version.into(),
+            nonce: nonce.into(),
+            ..Default::default()
+        }
+    }
+
+    fn node() -> Node {
+        Node {
+            id: "sidecar~1~p.ns~ns.svc.cluster.local".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn acks_and_nacks_are_told_by_the_nonce_sent_down() {
+        let mut s = Session::default();
+        let first = DiscoveryRequest {
+            node: Some(node()),
+            ..req(CLUSTER_TYPE, "", "", &[])
+        };
+        let (fwd, reply) = s.from_envoy(first.clone()).expect("ok");
+        assert_eq!((fwd, reply), (first, Reply::Request));
+        s.from_server(&resp(CLUSTER_TYPE, "v1", "n1"));
+        let (_, reply) = s
+            .from_envoy(req(CLUSTER_TYPE, "v1", "n1", &[]))
+            .expect("ok");
+        assert_eq!(
+            reply,
+            Reply::Ack {
+                version: "v1".into()
+            }
+        );
+
+        s.from_server(&resp(CLUSTER_TYPE, "v2", "n2"));
+        // A reply to an older response is no ACK of the newest.
+        let (_, reply) = s
+            .from_envoy(req(CLUSTER_TYPE, "v1", "n1", &[]))
+            .expect("ok");
+        assert_eq!(reply, Reply::Request);
+        let nack = DiscoveryRequest {
+            error_detail: Some(RpcStatus {
+                code: 3,
+                message: "bad listener".into(),
+                details: vec![],
+            }),
+            ..req(CLUSTER_TYPE, "v1", "n2", &[])
+        };
+        let (_, reply) = s.from_envoy(nack).expect("ok");
+        assert_eq!(
+            reply,
+            Reply::Nack {
+                version: "v1".into(),
+                code: 3,
+                message: "bad listener".into()
+            }
+        );
+        // The same nonce on another type is no ACK of it.
+        let (_, reply) = s.from_envoy(req(LISTENER_TYPE, "", "n2", &[])).expect("ok");
+        assert_eq!(reply, Reply::Request);
+    }
+
+    #[test]
+    fn resume_replays_the_latest_per_type_in_first_asked_order() {
+        let mut s = Session::default();
+        let first = DiscoveryRequest {
+            node: Some(node()),
+            ..req(CLUSTER_TYPE, "", "", &[])
+        };
+        s.from_envoy(first).expect("ok");
+        s.from_server(&resp(CLUSTER_TYPE, "c1", "n1"));
+        s.from_envoy(req(CLUSTER_TYPE, "c1", "n1", &[]))
+            .expect("ok");
+        s.from_envoy(req(LISTENER_TYPE, "", "", &[])).expect("ok");
+        s.from_server(&resp(LISTENER_TYPE, "l1", "n2"));
+        // Envoy NACKs l2: it keeps l1, and l1 is what the replay carries.
+        s.from_server(&resp(LISTENER_TYPE, "l2", "n3"));
+        let nack = DiscoveryRequest {
+            error_detail: Some(RpcStatus {
+                code: 3,
+                message: "no".into(),
+                details: vec![],
+            }),
+            ..req(LISTENER_TYPE, "l1", "n3", &[])
+        };
+        s.from_envoy(nack).expect("ok");
+        let eds = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+        s.from_envoy(req(eds, "", "", &["a", "b"])).expect("ok");
+        // Asked while the upstream is down: replaces the latest of its type.
+        s.from_envoy(req(eds, "", "", &["a"])).expect("ok");
+
+        let replay = s.resume();
+        // (type, version, nonce, names, error detail?, node?)
+        type Shape<'a> = (&'a str, &'a str, &'a str, Vec<String>, bool, bool);
+        let shape: Vec<Shape> = replay
+            .iter()
+            .map(|r| {
+                (
+                    r.type_url.as_str(),
+                    r.version_info.as_str(),
+                    r.response_nonce.as_str(),
+                    r.resource_names.clone(),
+                    r.error_detail.is_some(),
+                    r.node.is_some(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                (CLUSTER_TYPE, "c1", "", vec![], false, true),
+                (LISTENER_TYPE, "l1", "", vec![], false, false),
+                (eds, "", "", vec!["a".to_string()], false, false),
+            ]
+        );
+        // The old stream's nonces mean nothing on the new one.
+        let (fwd, reply) = s
+            .from_envoy(req(CLUSTER_TYPE, "c1", "n1", &[]))
+            .expect("ok");
+        assert_eq!(reply, Reply::Request);
+        assert!(fwd.node.is_none(), "the replay carried the node already");
+        s.from_server(&resp(CLUSTER_TYPE, "c2", "x1"));
+        let (_, reply) = s
+            .from_envoy(req(CLUSTER_TYPE, "c2", "x1", &[]))
+            .expect("ok");
+        assert_eq!(
+            reply,
+            Reply::Ack {
+                version: "c2".into()
+            }
+        );
+    }
+
+    #[test]
+    fn the_node_reaches_each_upstream_once_and_bad_requests_are_refused() {
+        let mut s = Session::default();
+        // Nothing asked yet: nothing to replay, and the first request
+        // forwarded (which carries the node) is the new stream's first.
+        assert!(s.resume().is_empty());
+        let (fwd, _) = s
+            .from_envoy(DiscoveryRequest {
+                node: Some(node()),
+                ..req(CLUSTER_TYPE, "", "", &[])
+            })
+            .expect("ok");
+        assert!(fwd.node.is_some());
+        let (fwd, _) = s.from_envoy(req(LISTENER_TYPE, "", "", &[])).expect("ok");
+        assert!(fwd.node.is_none());
+
+        assert_eq!(
+            s.from_envoy(req("", "", "", &[])),
+            Err(SessionError::NoTypeUrl)
+        );
+        for i in 0..MAX_TYPES - 2 {
+            s.from_envoy(req(&format!("t/{i}"), "", "", &[]))
+                .expect("ok");
+        }
+        assert_eq!(
+            s.from_envoy(req("t/one-too-many", "", "", &[])),
+            Err(SessionError::TooManyTypes)
+        );
+        // A known type still goes through.
+        assert!(s.from_envoy(req("t/0", "", "", &[])).is_ok());
+        // A response of a type Envoy never asked for is not tracked.
+        s.from_server(&resp("t/never", "v", "n"));
+        assert!(!s.sent.contains_key("t/never"));
+    }
+}
