@@ -2,7 +2,8 @@
 //! exists once: free ports, a test PKI, JWT-shaped tokens, the kubelet's
 //! atomic volume writer, locating Envoy and sibling binaries, waiting with
 //! a deadline, inline label/annotation maps, the webhook's HTTPS client,
-//! and an HTTP/2-over-TLS connection from a chosen source address.
+//! an HTTP/2-over-TLS connection from a chosen source address, and an xDS
+//! server double.
 //!
 //! Only ever a dev-dependency (or a dependency of the unpublished e2e
 //! crate): it sits below `remora-agent` and `remora-operator` and must not
@@ -18,3 +19,4 @@ pub mod pki;
 pub mod ports;
 pub mod wait;
 pub mod webhook_client;
+pub mod xds_double;
