@@ -329,3 +329,27 @@ async fn envoy_keeps_serving_while_the_server_is_away_and_the_proxy_resumes_with
     assert_eq!(answer(port).await.as_deref(), Some("B"));
     rig.stop().await
 }
+
+#[tokio::test]
+async fn the_upstream_stream_ends_with_envoys() -> Result<()> {
+    let mut rig = Rig::start().await?;
+    wait_until(DEADLINE, "Envoy's stream at the double", || async {
+        (rig.double().open_streams() == 1).then_some(())
+    })
+    .await?;
+    rig.envoy.child.kill().await?;
+    wait_until(DEADLINE, "the upstream stream closed", || async {
+        (rig.double().open_streams() == 0).then_some(())
+    })
+    .await?;
+    wait_until(DEADLINE, "the proxy's stream gone", || async {
+        (metric(&rig.registry, "xds_streams") == 0.0).then_some(())
+    })
+    .await?;
+    assert_eq!(
+        rig.double().streams(),
+        1,
+        "no reconnect for a stream Envoy ended"
+    );
+    rig.stop().await
+}

@@ -63,6 +63,7 @@ struct Inner {
     requests: Vec<Recorded>,
     responses: usize,
     streams: usize,
+    open: usize,
 }
 
 /// What survives a restart: the resources and the records.
@@ -180,6 +181,11 @@ impl XdsDouble {
         self.state.lock().streams
     }
 
+    /// Streams open now.
+    pub fn open_streams(&self) -> usize {
+        self.state.lock().open
+    }
+
     /// Stop: open streams end with UNAVAILABLE, the port refuses connections.
     pub async fn stop(self) -> Stopped {
         self.cancel.cancel();
@@ -228,7 +234,11 @@ impl AggregatedDiscoveryService for Ads {
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let client_cert = request.peer_certs().is_some_and(|c| !c.is_empty());
-        self.state.lock().streams += 1;
+        {
+            let mut inner = self.state.lock();
+            inner.streams += 1;
+            inner.open += 1;
+        }
         let (tx, rx) = mpsc::channel(16);
         let stream = DoubleStream {
             state: self.state.clone(),
@@ -239,7 +249,12 @@ impl AggregatedDiscoveryService for Ads {
             nonce: 0,
             tx,
         };
-        tokio::spawn(stream.run(request.into_inner(), self.cancel.clone()));
+        let state = self.state.clone();
+        let cancel = self.cancel.clone();
+        tokio::spawn(async move {
+            stream.run(request.into_inner(), cancel).await;
+            state.lock().open -= 1;
+        });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
