@@ -63,14 +63,20 @@ fn ready_then_wait_returns_and_traffic_flows() {
 fn readiness_names_what_is_pending_before_envoy_is_up() {
     // An unreachable xDS server: Envoy waits for LDS/CDS, and readiness says so.
     let xds = free_port();
+    // TLS to the server needs roots to verify it with (never used here).
+    let roots = tempfile::NamedTempFile::new().expect("roots file");
+    std::fs::write(roots.path(), remora_test_support::pki::Ca::new("root").pem).expect("roots");
     let mut agent = Agent::builder()
         .arg(format!("--discovery-address=127.0.0.1:{xds}"))
+        .arg(format!("--ca-root-cert={}", roots.path().display()))
         .spawn();
     let body = wait_until_blocking(STARTUP, "a 503 naming the xDS wait", || {
         let r = get(agent.ports.health, "/healthz/ready").ok()?;
         (r.status == 503 && r.body.contains("envoy:")).then_some(r.body)
     });
     assert!(body.contains("envoy: "), "{body}");
+    // The proxy's guard names what it waits for too.
+    assert!(body.contains("discovery: "), "{body}");
     assert!(agent.is_running());
 
     let out = std::process::Command::new(agent_bin())

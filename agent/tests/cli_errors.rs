@@ -250,3 +250,31 @@ fn version_prints() {
     assert!(o.status.success());
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("remora-agent "));
 }
+
+#[test]
+fn discovery_without_roots_to_verify_the_server_is_named() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports: Vec<String> = (0..4).map(|_| free_port().to_string()).collect();
+    let o = run(&[
+        "run",
+        "--envoy-bin",
+        &path_str(&envoy_bin().expect("Envoy binary")),
+        "--run-dir",
+        &path_str(dir.path()),
+        "--health-address",
+        "127.0.0.1",
+        "--admin-port",
+        &ports[0],
+        "--envoy-admin-port",
+        &ports[1],
+        "--health-port",
+        &ports[2],
+        "--stats-port",
+        &ports[3],
+        "--discovery-address",
+        "discovery.remora:15010",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--ca-root-cert"), "{}", stderr(&o));
+    assert_no_panic(&o);
+}
