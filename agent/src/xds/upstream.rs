@@ -19,6 +19,11 @@ use crate::certs::BundleReceiver;
 /// configuration of one type (every cluster, say) comes in one.
 pub const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// HTTP/2 pings on the upstream connection: a server gone without a word
+/// (its node lost, a partition) fails the stream in seconds, not after
+/// TCP's retransmission timeout, so the proxy reconnects to another replica.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
@@ -135,6 +140,9 @@ impl UpstreamConfig {
         let ep = Endpoint::from_shared(format!("https://{}", self.address))
             .map_err(|e| conn(e.to_string()))?
             .connect_timeout(CONNECT_TIMEOUT)
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
             .tls_config(self.tls(&host)?)
             .map_err(|e| conn(e.to_string()))?;
         let channel = ep.connect().await.map_err(|e| conn(source_chain(&e)))?;
