@@ -7,6 +7,7 @@ pub mod alloc;
 pub mod app;
 pub mod cluster;
 pub mod controllers;
+pub mod discovery;
 pub mod flags;
 pub mod identity;
 pub mod leader;
