@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod controllers;
 pub mod discovery;
 pub mod flags;
+pub mod grpc_server;
 pub mod identity;
 pub mod leader;
 pub mod pki;
