@@ -1,0 +1,478 @@
+//! The discovery server over TLS, driven by a real gRPC ADS client (Envoy's
+//! stubs from envoy-types), with the registry fed directly and a test
+//! double for the API server's TokenReview.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use futures::StreamExt;
+use remora_contract::discovery::TOKEN_AUDIENCE;
+use remora_operator::discovery::Metrics;
+use remora_operator::discovery::push::{Debounce, Discovery};
+use remora_operator::discovery::registry::{
+    PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
+};
+use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER, decode};
+use remora_operator::discovery::serve::{limits, serve};
+use remora_operator::discovery::server::AdsService;
+use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
+use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
+use remora_test_support::h2_client::{self, H2};
+use remora_test_support::jwt;
+use remora_test_support::wait::wait_until;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+const SERVER_NAME: &str = "remora-operator.ops.svc";
+const EXP: u64 = 4_000_000_000;
+/// Token nonces the double knows: shop/web (pod-bound or not), shop/db.
+const WEB: u64 = 1;
+const DB: u64 = 2;
+const WAIT: Duration = Duration::from_secs(10);
+const CART: &str = "outbound|80||cart.shop.svc.cluster.local";
+
+/// Test double of the API server's TokenReview.
+struct TokenReviewDouble;
+
+impl Authenticate for TokenReviewDouble {
+    async fn authenticate(&self, token: &str) -> Result<Caller, AuthError> {
+        let sa = if token == jwt::service_account(TOKEN_AUDIENCE, EXP, WEB) {
+            "web"
+        } else if token == jwt::service_account(TOKEN_AUDIENCE, EXP, DB) {
+            "db"
+        } else {
+            return Err(AuthError::Rejected("invalid bearer token".into()));
+        };
+        Ok(Caller {
+            namespace: "shop".into(),
+            service_account: sa.into(),
+            pod: None,
+        })
+    }
+}
+
+fn cart() -> remora_contract::discovery::ServiceHost {
+    remora_contract::discovery::ServiceHost {
+        name: "cart".into(),
+        namespace: "shop".into(),
+    }
+}
+
+fn pod(name: &str) -> PodKey {
+    PodKey {
+        namespace: "shop".into(),
+        name: name.into(),
+    }
+}
+
+fn slice(ips: &[&str]) -> SliceInfo {
+    SliceInfo {
+        service: Some(cart()),
+        ports: [("http".to_string(), 8080)].into(),
+        ready: ips.iter().map(|i| i.parse().expect("ip")).collect(),
+    }
+}
+
+struct Server {
+    addr: SocketAddr,
+    bundle: String,
+    discovery: Arc<Discovery>,
+    metrics: Metrics,
+    stop: CancellationToken,
+}
+
+impl Server {
+    async fn start() -> Self {
+        let p = roots::Policy {
+            validity: Duration::from_secs(3600),
+            settle: Duration::from_secs(60),
+            overlap: Duration::from_secs(120),
+        };
+        let now = SystemTime::now();
+        let r = roots::apply(None, roots::Step::Create, &p, now - Duration::from_secs(60))
+            .expect("root");
+        let authority = Authority::new(&r, &[SERVER_NAME.to_string()], now).expect("authority");
+        let bundle = authority.bundle.clone();
+        let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
+        let (discovery, debounce) = Discovery::new(
+            "cluster.local",
+            Debounce {
+                quiet: Duration::from_millis(10),
+                max_delay: Duration::from_millis(50),
+            },
+        );
+        tokio::spawn(debounce);
+        discovery.update(|r| {
+            let mut t = Vec::new();
+            t.extend(r.apply_service(
+                cart(),
+                ServiceInfo {
+                    ports: vec![ServicePort {
+                        port: 80,
+                        name: "http".into(),
+                        protocol: Protocol::Http,
+                    }],
+                },
+            ));
+            t.extend(r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.1"])));
+            for (name, sa, ip) in [("web-0", "web", "127.0.0.1"), ("db-0", "db", "127.0.0.1")] {
+                t.extend(r.apply_proxy(
+                    pod(name),
+                    ProxyInfo {
+                        ip: Some(ip.into()),
+                        service_account: sa.into(),
+                        outbound: Some("15001:cart.shop:80".into()),
+                    },
+                ));
+            }
+            t
+        });
+        let metrics = Metrics::default();
+        let stop = CancellationToken::new();
+        let svc = AdsService {
+            auth: TokenReviewDouble,
+            gate: Gate::new(TOKEN_AUDIENCE, GateLimits::default()),
+            discovery: Arc::clone(&discovery),
+            metrics: metrics.clone(),
+            shutdown: stop.clone(),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let token = stop.clone();
+        tokio::spawn(async move {
+            let _tx = tx;
+            serve(listener, svc, Arc::new(ServingCert(rx)), limits(), token)
+                .await
+                .expect("served");
+        });
+        Self {
+            addr,
+            bundle,
+            discovery,
+            metrics,
+            stop,
+        }
+    }
+
+    async fn connect(&self) -> H2<tonic::body::Body> {
+        let me: IpAddr = "127.0.0.1".parse().expect("ip");
+        h2_client::connect(me, self.addr, SERVER_NAME, &self.bundle)
+            .await
+            .expect("connected")
+    }
+}
+
+type Client = AggregatedDiscoveryServiceClient<
+    tower::util::BoxCloneSyncService<
+        http::Request<tonic::body::Body>,
+        http::Response<hyper::body::Incoming>,
+        hyper::Error,
+    >,
+>;
+
+fn client(h2: &H2<tonic::body::Body>) -> Client {
+    let sender = h2.sender.clone();
+    let svc = tower::service_fn(move |req: http::Request<tonic::body::Body>| {
+        let mut sender = sender.clone();
+        async move {
+            sender.ready().await?;
+            sender.send_request(req).await
+        }
+    });
+    AggregatedDiscoveryServiceClient::with_origin(
+        tower::util::BoxCloneSyncService::new(svc),
+        format!("https://{SERVER_NAME}").parse().expect("origin"),
+    )
+}
+
+/// One ADS stream, as a proxy holds it.
+struct Proxy {
+    tx: mpsc::UnboundedSender<DiscoveryRequest>,
+    rx: tonic::Streaming<DiscoveryResponse>,
+}
+
+fn node(pod: &str) -> Option<Node> {
+    Some(Node {
+        id: format!("sidecar~127.0.0.1~{pod}.shop~shop.svc.cluster.local"),
+        ..Default::default()
+    })
+}
+
+fn request(t: &str, names: &[&str], ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
+    DiscoveryRequest {
+        type_url: t.into(),
+        resource_names: names.iter().map(|n| n.to_string()).collect(),
+        version_info: ack.map(|r| r.version_info.clone()).unwrap_or_default(),
+        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+/// Open a stream whose first request is `first`, with `token` (if any).
+async fn open(
+    c: &mut Client,
+    token: Option<&str>,
+    first: DiscoveryRequest,
+) -> Result<Proxy, tonic::Status> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tx.send(first).expect("queued");
+    let mut req = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+    if let Some(t) = token {
+        let v = format!("Bearer {t}").parse().expect("header value");
+        req.metadata_mut().insert("authorization", v);
+    }
+    let rx = c.stream_aggregated_resources(req).await?.into_inner();
+    Ok(Proxy { tx, rx })
+}
+
+impl Proxy {
+    async fn next(&mut self) -> Result<DiscoveryResponse, tonic::Status> {
+        match tokio::time::timeout(WAIT, self.rx.next()).await {
+            Ok(Some(r)) => r,
+            Ok(None) => Err(tonic::Status::aborted("the stream ended")),
+            Err(_) => panic!("no response within {WAIT:?}"),
+        }
+    }
+
+    fn send(&self, r: DiscoveryRequest) {
+        self.tx.send(r).expect("sent");
+    }
+}
+
+fn token(n: u64) -> String {
+    jwt::service_account(TOKEN_AUDIENCE, EXP, n)
+}
+
+/// The first request of `pod`'s proxy.
+fn hello(pod: &str) -> DiscoveryRequest {
+    DiscoveryRequest {
+        node: node(pod),
+        ..request(CLUSTER, &[], None)
+    }
+}
+
+/// A proxy subscribed to CDS, LDS and EDS, every response ACKed. Returns
+/// the last EDS response.
+async fn subscribed(p: &mut Proxy) -> DiscoveryResponse {
+    let cds = p.next().await.expect("cds");
+    assert_eq!(cds.type_url, CLUSTER);
+    p.send(request(CLUSTER, &[], Some(&cds)));
+    p.send(request(LISTENER, &[], None));
+    let lds = p.next().await.expect("lds");
+    assert_eq!(lds.type_url, LISTENER);
+    p.send(request(LISTENER, &[], Some(&lds)));
+    p.send(request(ENDPOINTS, &[CART], None));
+    let eds = p.next().await.expect("eds");
+    assert_eq!(eds.type_url, ENDPOINTS);
+    p.send(request(ENDPOINTS, &[CART], Some(&eds)));
+    eds
+}
+
+fn endpoints(r: &DiscoveryResponse) -> Vec<String> {
+    let cla: ClusterLoadAssignment = decode(&r.resources[0]).expect("cla");
+    cla.endpoints
+        .iter()
+        .flat_map(|l| &l.lb_endpoints)
+        .map(|e| format!("{e:?}"))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_proxy_gets_its_declared_service_then_endpoint_changes_as_eds_only() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+
+    let cds = p.next().await.expect("cds");
+    assert_eq!(cds.type_url, CLUSTER);
+    assert_eq!(cds.resources.len(), 1, "its declared Service only");
+    p.send(request(CLUSTER, &[], Some(&cds)));
+    p.send(request(LISTENER, &[], None));
+    let lds = p.next().await.expect("lds");
+    assert_eq!(lds.resources.len(), 1);
+    p.send(request(LISTENER, &[], Some(&lds)));
+    // A name outside its scope is not returned, and counted.
+    p.send(request(
+        ENDPOINTS,
+        &[CART, "outbound|80||secret.other.svc.cluster.local"],
+        None,
+    ));
+    let eds = p.next().await.expect("eds");
+    assert_eq!(eds.resources.len(), 1);
+    assert_eq!(endpoints(&eds).len(), 1);
+    assert_eq!(s.metrics.out_of_scope_total(ENDPOINTS), 1);
+    // The ACK narrows the names to its own: answered, with the same version.
+    p.send(request(ENDPOINTS, &[CART], Some(&eds)));
+    let narrowed = p.next().await.expect("eds");
+    assert_eq!(narrowed.version_info, eds.version_info);
+    p.send(request(ENDPOINTS, &[CART], Some(&narrowed)));
+
+    // The endpoints change: EDS alone is pushed, twice in a row (a CDS or
+    // LDS push of the first batch would come before the second EDS).
+    let pushes = |t| s.metrics.pushes_total(t);
+    let (cds_before, lds_before) = (pushes(CLUSTER), pushes(LISTENER));
+    for ips in [&["10.1.0.1", "10.1.0.2"][..], &["10.1.0.3"][..]] {
+        s.discovery
+            .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(ips)));
+        let pushed = p.next().await.expect("push");
+        assert_eq!(pushed.type_url, ENDPOINTS, "EDS only");
+        assert_eq!(endpoints(&pushed).len(), ips.len());
+        p.send(request(ENDPOINTS, &[CART], Some(&pushed)));
+    }
+    assert_eq!(
+        (pushes(CLUSTER), pushes(LISTENER)),
+        (cds_before, lds_before)
+    );
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_nack_is_counted_and_not_answered_with_the_same_config() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    let eds = subscribed(&mut p).await;
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.9"])));
+    let bad = p.next().await.expect("push");
+    assert_eq!(bad.type_url, ENDPOINTS);
+    // NACK: the previous version, the new nonce, Envoy's error.
+    p.send(DiscoveryRequest {
+        version_info: eds.version_info.clone(),
+        error_detail: Some(RpcStatus {
+            code: 3,
+            message: "endpoint 10.1.0.9: refused by the test".into(),
+            details: vec![],
+        }),
+        ..request(ENDPOINTS, &[CART], Some(&bad))
+    });
+    let nacks = wait_until(WAIT, "the NACK counted", || async {
+        let n = s.metrics.nacks_total(ENDPOINTS);
+        (n > 0).then_some(n)
+    })
+    .await
+    .expect("counted");
+    assert_eq!(nacks, 1);
+    // Nothing is re-sent for it: the next response is the next content.
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.1"])));
+    let next = p.next().await.expect("push");
+    assert_eq!(next.type_url, ENDPOINTS);
+    assert_ne!(next.version_info, bad.version_info);
+    assert_eq!(
+        next.version_info, eds.version_info,
+        "the same content as before"
+    );
+    assert_ne!(next.nonce, bad.nonce);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_node_of_another_pod_or_service_account_is_refused() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    // web's token naming db's pod (another ServiceAccount's), an unknown
+    // pod, and another namespace.
+    let other_ns = DiscoveryRequest {
+        node: Some(Node {
+            id: "sidecar~127.0.0.1~web-0.evil~evil.svc.cluster.local".into(),
+            ..Default::default()
+        }),
+        ..request(CLUSTER, &[], None)
+    };
+    for (first, why) in [
+        (hello("db-0"), "ServiceAccount"),
+        (hello("web-9"), "no injected pod"),
+        (other_ns, "namespace"),
+    ] {
+        let status = match open(&mut c, Some(&token(WEB)), first).await {
+            Ok(mut p) => p.next().await.expect_err("refused"),
+            Err(s) => s,
+        };
+        assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+        assert!(status.message().contains(why), "{status:?}");
+    }
+    // db's own token for its own pod is served.
+    let mut p = open(&mut c, Some(&token(DB)), hello("db-0"))
+        .await
+        .expect("admitted");
+    assert_eq!(p.next().await.expect("cds").type_url, CLUSTER);
+    assert_eq!(s.metrics.refused_total("not_its_pod"), 2);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn no_token_no_node_or_a_bad_type_is_refused() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let refused = |r: Result<Proxy, tonic::Status>| async {
+        match r {
+            Ok(mut p) => p.next().await.expect_err("refused"),
+            Err(s) => s,
+        }
+    };
+    let st = refused(open(&mut c, None, hello("web-0")).await).await;
+    assert_eq!(st.code(), tonic::Code::Unauthenticated, "{st:?}");
+    let st = refused(open(&mut c, Some("not-a-jwt"), hello("web-0")).await).await;
+    assert_eq!(st.code(), tonic::Code::Unauthenticated, "{st:?}");
+    let st = refused(open(&mut c, Some(&token(WEB)), request(CLUSTER, &[], None)).await).await;
+    assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+    let bad_type = DiscoveryRequest {
+        type_url: "type.googleapis.com/envoy.config.route.v3.RouteConfiguration".into(),
+        ..hello("web-0")
+    };
+    let st = refused(open(&mut c, Some(&token(WEB)), bad_type).await).await;
+    assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+    // Delta is a later step, said so.
+    let (_tx, rx) = mpsc::unbounded_channel();
+    let st = c
+        .delta_aggregated_resources(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .expect_err("unimplemented");
+    assert_eq!(st.code(), tonic::Code::Unimplemented, "{st:?}");
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn an_oversized_request_ends_the_stream() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    assert_eq!(p.next().await.expect("cds").type_url, CLUSTER);
+    let name = "x".repeat(1024);
+    let names: Vec<&str> = std::iter::repeat_n(name.as_str(), 1100).collect();
+    p.send(request(ENDPOINTS, &names, None));
+    let st = p.next().await.expect_err("refused");
+    assert!(
+        matches!(
+            st.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ),
+        "{st:?}"
+    );
+    // The connection still serves another stream.
+    let mut q = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    assert_eq!(q.next().await.expect("cds").type_url, CLUSTER);
+    s.stop.cancel();
+}
