@@ -10,6 +10,7 @@
 //! - [`server`]: the ADS service (authentication, per-type versions,
 //!   ACK/NACK), served by [`crate::grpc_server`].
 
+pub mod feed;
 pub mod push;
 pub mod registry;
 pub mod resources;

@@ -66,7 +66,10 @@ impl Discovery {
     pub fn new(
         domain: &str,
         debounce: Debounce,
-    ) -> (Arc<Self>, impl std::future::Future<Output = ()> + Send) {
+    ) -> (
+        Arc<Self>,
+        impl std::future::Future<Output = ()> + Send + use<>,
+    ) {
         let (changes, rx) = mpsc::unbounded_channel();
         let (tx, batches) = watch::channel(Arc::new(Batch::default()));
         let me = Arc::new(Self {
