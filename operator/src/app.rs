@@ -352,6 +352,7 @@ fn start_discovery(
         discovery: state,
         metrics,
         shutdown: rt.shutdown_token().clone(),
+        pod_wait: server::POD_WAIT,
     };
     let certs = Arc::new(ServingCert(ca.authority.clone()));
     rt.spawn(

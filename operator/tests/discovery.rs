@@ -89,6 +89,11 @@ struct Server {
 
 impl Server {
     async fn start() -> Self {
+        Self::start_waiting(Duration::ZERO).await
+    }
+
+    /// A server whose streams wait up to `pod_wait` for an unknown pod.
+    async fn start_waiting(pod_wait: Duration) -> Self {
         let p = roots::Policy {
             validity: Duration::from_secs(3600),
             settle: Duration::from_secs(60),
@@ -141,6 +146,7 @@ impl Server {
             discovery: Arc::clone(&discovery),
             metrics: metrics.clone(),
             shutdown: stop.clone(),
+            pod_wait,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -474,5 +480,30 @@ async fn an_oversized_request_ends_the_stream() {
         .await
         .expect("admitted");
     assert_eq!(q.next().await.expect("cds").type_url, CLUSTER);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_stream_for_a_pod_not_yet_seen_waits_for_it() {
+    let s = Server::start_waiting(WAIT).await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let opening = tokio::spawn(async move {
+        let mut p = open(&mut c, Some(&token(WEB)), hello("web-1")).await?;
+        p.next().await
+    });
+    // The pod watch brings the pod, before or while the stream waits.
+    s.discovery.update(|r| {
+        r.apply_proxy(
+            pod("web-1"),
+            ProxyInfo {
+                ip: Some("127.0.0.1".into()),
+                service_account: "web".into(),
+                outbound: Some("15001:cart.shop:80".into()),
+            },
+        )
+    });
+    let cds = opening.await.expect("joined").expect("admitted");
+    assert_eq!(cds.type_url, CLUSTER);
     s.stop.cancel();
 }

@@ -134,3 +134,83 @@ fn pod_changed(d: &Discovery, c: &Change<LivePod>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::push::Debounce;
+    use k8s_openapi::api::core::v1::{ServicePort, ServiceSpec};
+    use kube::api::ObjectMeta;
+
+    fn service(type_: Option<&str>) -> Arc<Service> {
+        Arc::new(Service {
+            metadata: ObjectMeta {
+                name: Some("cart".into()),
+                namespace: Some("shop".into()),
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                type_: type_.map(str::to_string),
+                ports: Some(vec![ServicePort {
+                    port: 80,
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn a_service_turned_external_name_leaves_the_registry() {
+        let (d, _debounce) = Discovery::new("cluster.local", Debounce::default());
+        let host = ServiceHost {
+            name: "cart".into(),
+            namespace: "shop".into(),
+        };
+        service_changed(&d, &Change::Applied(service(None)));
+        assert!(d.read(|r| r.service(&host).is_some()));
+        service_changed(&d, &Change::Applied(service(Some("ExternalName"))));
+        assert!(d.read(|r| r.service(&host).is_none()));
+        service_changed(&d, &Change::Applied(service(None)));
+        service_changed(&d, &Change::Deleted(service(None)));
+        assert!(d.read(|r| r.service(&host).is_none()));
+    }
+
+    #[test]
+    fn only_injected_pods_are_proxies() {
+        let (d, _debounce) = Discovery::new("cluster.local", Debounce::default());
+        let key = PodKey {
+            namespace: "shop".into(),
+            name: "web-0".into(),
+        };
+        let meta = |injected: bool| ObjectMeta {
+            name: Some("web-0".into()),
+            namespace: Some("shop".into()),
+            annotations: injected.then(|| {
+                [(
+                    remora_contract::annotations::STATUS.to_string(),
+                    "{}".to_string(),
+                )]
+                .into()
+            }),
+            ..Default::default()
+        };
+        pod_changed(
+            &d,
+            &Change::Applied(Arc::new(LivePod::from_meta(meta(false)))),
+        );
+        assert!(d.read(|r| r.proxy(&key).is_none()));
+        pod_changed(
+            &d,
+            &Change::Applied(Arc::new(LivePod::from_meta(meta(true)))),
+        );
+        let sa = d.read(|r| r.proxy(&key).map(|p| p.service_account.clone()));
+        assert_eq!(sa.as_deref(), Some("default"));
+        pod_changed(
+            &d,
+            &Change::Deleted(Arc::new(LivePod::from_meta(meta(true)))),
+        );
+        assert!(d.read(|r| r.proxy(&key).is_none()));
+    }
+}

@@ -50,6 +50,9 @@ use crate::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, bear
 const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Responses queued for one stream before the stream waits for its proxy.
 const QUEUE: usize = 4;
+/// How long a stream waits for its proxy to take a response: one that
+/// reads nothing for this long is cut, rather than holding its task.
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why a stream was refused.
 #[derive(Debug, thiserror::Error)]
@@ -123,7 +126,14 @@ pub struct AdsService<A> {
     pub metrics: Metrics,
     /// Ends every stream (UNAVAILABLE: the proxy reconnects elsewhere).
     pub shutdown: CancellationToken,
+    /// How long a stream naming a pod the pod watch has not seen yet waits
+    /// for it: a sidecar can dial before the watch brings its new pod.
+    /// Keep it well under the request timeout (with the first request's).
+    pub pod_wait: Duration,
 }
+
+/// [`AdsService::pod_wait`] in the operator.
+pub const POD_WAIT: Duration = Duration::from_secs(3);
 
 impl<A: Authenticate> AdsService<A> {
     /// Who may be served on a stream whose first request is `first`.
@@ -137,7 +147,18 @@ impl<A: Authenticate> AdsService<A> {
         let node = first.node.as_ref().ok_or(Refusal::NoNode)?;
         let id: NodeId = node.id.parse().map_err(Refusal::BadNode)?;
         let caller = self.gate.authenticate(&self.auth, token, source).await?;
-        entitled(&self.discovery, &caller, &id)
+        let deadline = tokio::time::Instant::now() + self.pod_wait;
+        // Subscribed before the first look: a batch after it is seen.
+        let mut batches = self.discovery.batches();
+        loop {
+            match entitled(&self.discovery, &caller, &id) {
+                Err(Refusal::UnknownPod(..))
+                    if tokio::time::timeout_at(deadline, batches.changed())
+                        .await
+                        .is_ok_and(|c| c.is_ok()) => {}
+                r => return r,
+            }
+        }
     }
 }
 
@@ -322,7 +343,7 @@ impl ProxyStream {
             },
         };
         if let End::Status(s) = end {
-            let _ = self.tx.send(Err(s)).await;
+            let _ = self.tx.send_timeout(Err(s), SEND_TIMEOUT).await;
         }
         self.metrics.stream_closed();
     }
@@ -413,7 +434,17 @@ impl ProxyStream {
             ..Default::default()
         };
         self.metrics.pushed(t);
-        self.tx.send(Ok(response)).await.map_err(|_| End::Gone)
+        self.tx
+            .send_timeout(Ok(response), SEND_TIMEOUT)
+            .await
+            .map_err(|e| match e {
+                mpsc::error::SendTimeoutError::Timeout(_) => {
+                    End::Status(Status::deadline_exceeded(format!(
+                        "the proxy took no response for {SEND_TIMEOUT:?}"
+                    )))
+                }
+                mpsc::error::SendTimeoutError::Closed(_) => End::Gone,
+            })
     }
 }
 
