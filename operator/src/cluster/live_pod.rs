@@ -1,4 +1,5 @@
-//! The leader's one pod watch, and the pod as its readers read it.
+//! The leader's one pod watch (with `--discovery`, the process's, shared by
+//! the leader and the discovery server), and the pod as its readers read it.
 //!
 //! Not k8s-openapi's `Pod`: its structs hold every field of the API inline,
 //! set or not (kilobytes a pod and a container), however much of each pod
@@ -680,8 +681,9 @@ impl Metrics {
     }
 }
 
-/// The leader's one pod watch, read by the SidecarLifecycle controller and
-/// the Jobs controller, until `shutdown`.
+/// The pod watch, read by the SidecarLifecycle controller, the Jobs
+/// controller and (on every replica, when on) the discovery server, until
+/// `shutdown`.
 pub fn live_pods(
     client: Client,
     metrics: Metrics,

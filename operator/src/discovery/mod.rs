@@ -120,3 +120,21 @@ impl crate::grpc_server::Refusals for Metrics {
             .inc();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nacks_are_exported_by_type() {
+        let mut registry = Registry::with_prefix("remora_operator");
+        let m = Metrics::register(&mut registry);
+        m.nack(resources::ENDPOINTS);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encoded");
+        assert!(
+            text.contains("remora_operator_xds_nacks_total{type=\"eds\"} 1"),
+            "{text}"
+        );
+    }
+}
