@@ -19,7 +19,7 @@ use remora_operator::discovery::registry::{
     PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
 };
 use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER, decode};
-use remora_operator::discovery::serve::{limits, serve};
+use remora_operator::discovery::serve::{Limits, limits, serve};
 use remora_operator::discovery::server::AdsService;
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
 use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
@@ -89,11 +89,15 @@ struct Server {
 
 impl Server {
     async fn start() -> Self {
-        Self::start_waiting(Duration::ZERO).await
+        Self::start_with(Duration::ZERO, limits()).await
     }
 
     /// A server whose streams wait up to `pod_wait` for an unknown pod.
     async fn start_waiting(pod_wait: Duration) -> Self {
+        Self::start_with(pod_wait, limits()).await
+    }
+
+    async fn start_with(pod_wait: Duration, limits: Limits) -> Self {
         let p = roots::Policy {
             validity: Duration::from_secs(3600),
             settle: Duration::from_secs(60),
@@ -155,7 +159,7 @@ impl Server {
         let token = stop.clone();
         tokio::spawn(async move {
             let _tx = tx;
-            serve(listener, svc, Arc::new(ServingCert(rx)), limits(), token)
+            serve(listener, svc, Arc::new(ServingCert(rx)), limits, token)
                 .await
                 .expect("served");
         });
@@ -505,5 +509,32 @@ async fn a_stream_for_a_pod_not_yet_seen_waits_for_it() {
     });
     let cds = opening.await.expect("joined").expect("admitted");
     assert_eq!(cds.type_url, CLUSTER);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn an_open_stream_keeps_its_connection_past_the_idle_time() {
+    let idle = Duration::from_millis(200);
+    let s = Server::start_with(Duration::ZERO, Limits { idle, ..limits() }).await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    let _eds = subscribed(&mut p).await;
+    // A stream with nothing to say for several idle times is not idle.
+    tokio::time::sleep(idle * 3).await;
+    assert!(!h2.conn.is_finished(), "closed with a stream open");
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.5"])));
+    assert_eq!(p.next().await.expect("push").type_url, ENDPOINTS);
+    // Once the stream ends, the connection is idle, and closed cleanly.
+    drop(p);
+    drop(c);
+    let closed = tokio::time::timeout(WAIT, h2.conn)
+        .await
+        .expect("the idle connection is closed within 10 s")
+        .expect("connection task");
+    assert!(closed.is_ok(), "{closed:?}");
     s.stop.cancel();
 }
