@@ -538,3 +538,144 @@ async fn an_open_stream_keeps_its_connection_past_the_idle_time() {
     assert!(closed.is_ok(), "{closed:?}");
     s.stop.cancel();
 }
+
+/// GET `path` of Envoy's admin interface; `None` while it does not answer.
+async fn admin(port: u16, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: envoy\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.ok()?;
+    Some(out)
+}
+
+/// The real Envoy, pointed at the server as a sidecar is (TLS, its token in
+/// the stream's metadata), takes the listeners, clusters and endpoints, and
+/// follows an endpoint change; nothing is NACKed.
+#[tokio::test]
+async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
+    let s = Server::start().await;
+    let (listen, admin_port) = (
+        remora_test_support::ports::free_port(),
+        remora_test_support::ports::free_port(),
+    );
+    s.discovery.update(|r| {
+        r.apply_proxy(
+            pod("envoy-0"),
+            ProxyInfo {
+                ip: Some("127.0.0.1".into()),
+                service_account: "web".into(),
+                outbound: Some(
+                    format!("{listen}:cart.shop:80,{}:example.org:443", listen + 1).into(),
+                ),
+            },
+        )
+    });
+    let bootstrap = serde_json::json!({
+        "node": {
+            "id": "sidecar~127.0.0.1~envoy-0.shop~shop.svc.cluster.local",
+            "cluster": "envoy-0.shop"
+        },
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{
+                    "envoy_grpc": {"cluster_name": "xds"},
+                    "initial_metadata": [{"key": "authorization", "value": format!("Bearer {}", token(WEB))}]
+                }]
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"}
+        },
+        "static_resources": {"clusters": [{
+            "name": "xds",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}
+                }
+            },
+            "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": "127.0.0.1", "port_value": s.addr.port()}
+            }}}]}]},
+            "transport_socket": {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "sni": SERVER_NAME,
+                    "common_tls_context": {
+                        "alpn_protocols": ["h2"],
+                        "validation_context": {"trusted_ca": {"inline_string": s.bundle}}
+                    }
+                }
+            }
+        }]}
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("envoy.json");
+    std::fs::write(&path, bootstrap.to_string()).expect("bootstrap written");
+    let mut envoy =
+        tokio::process::Command::new(remora_test_support::bins::envoy_bin().expect("Envoy binary"))
+            .args(["--disable-hot-restart", "--log-level", "error", "-c"])
+            .arg(&path)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("Envoy starts");
+
+    let has = |path: &'static str, want: String| async move {
+        wait_until(
+            Duration::from_secs(30),
+            &format!("{path} shows {want}"),
+            || {
+                let want = want.clone();
+                async move {
+                    admin(admin_port, path)
+                        .await
+                        .filter(|b| b.contains(&want))
+                        .map(|_| ())
+                }
+            },
+        )
+        .await
+        .expect("Envoy took it");
+    };
+    has(
+        "/listeners",
+        format!("outbound_{listen}::127.0.0.1:{listen}"),
+    )
+    .await;
+    has("/clusters", format!("{CART}::10.1.0.1:8080::")).await;
+    has(
+        "/clusters",
+        format!("outbound|{}|example.org|443::", listen + 1),
+    )
+    .await;
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.2"])));
+    has("/clusters", format!("{CART}::10.1.0.2:8080::")).await;
+    for t in [LISTENER, CLUSTER, ENDPOINTS] {
+        assert_eq!(s.metrics.nacks_total(t), 0, "{t} NACKed");
+    }
+    let stats = admin(admin_port, "/stats?filter=update_rejected")
+        .await
+        .expect("stats");
+    assert!(
+        stats
+            .lines()
+            .filter(|l| l.contains("update_rejected"))
+            .all(|l| l.ends_with(": 0")),
+        "{stats}"
+    );
+    envoy.kill().await.expect("Envoy stopped");
+    s.stop.cancel();
+}

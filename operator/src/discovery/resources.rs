@@ -2,14 +2,18 @@
 //! [`Registry`], its listeners (LDS), clusters (CDS) and load assignments
 //! (EDS), for the Services it declared and nothing else.
 //!
-//! - A Service host (`cart.shop:80`, see [`ServiceHost::parse`]): a
-//!   listener on `127.0.0.1:<port>` with an HTTP connection manager (codec
-//!   AUTO: HTTP/1.1, h2c and gRPC) routing to the Service port's EDS
-//!   cluster, balanced per request; a TCP proxy instead when the port's
-//!   `appProtocol` or name says TCP ([`Protocol::of`]).
+//! - A host that names a Service the registry knows (`cart.shop:80`, see
+//!   [`ServiceHost::parse`]): a listener on `127.0.0.1:<port>` with an HTTP
+//!   connection manager (codec AUTO: HTTP/1.1, h2c and gRPC) routing to the
+//!   Service port's EDS cluster, balanced per request; a TCP proxy instead
+//!   when the port's `appProtocol` or name says TCP ([`Protocol::of`]).
 //! - Any other host: a TCP proxy to a STRICT_DNS cluster, named and shaped
 //!   as the agent's static mode makes it (agent/src/bootstrap.rs), so a pod
-//!   moving to discovery keeps its static upstreams as they were.
+//!   moving to discovery keeps its static upstreams as they were. That
+//!   includes a host of Service shape with no such Service (`example.org`
+//!   reads as Service `example` of namespace `org`): it stays what it was
+//!   until that Service exists, and the proxy depends on it meanwhile, so
+//!   it moves to EDS when the Service appears.
 //!
 //! The HTTP clusters speak upstream what the client spoke downstream
 //! (`use_downstream_protocol_config`), as the agent's inbound cluster does:
@@ -92,7 +96,8 @@ pub struct Snapshot {
     pub listeners: Typed,
     pub clusters: Typed,
     pub endpoints: Typed,
-    /// The Services it declared: a change to any other does not concern it.
+    /// The Services it declared (known or not yet): a change to any other
+    /// does not concern it.
     pub services: BTreeSet<ServiceHost>,
     /// Entries of its annotation that were not used, and why.
     pub skipped: Vec<String>,
@@ -135,10 +140,14 @@ pub fn generate(registry: &Registry, outbound: Option<&str>, domain: &str) -> Sn
             skipped.push(format!("{entry:?}: port {} is used twice", spec.port));
             continue;
         }
-        match ServiceHost::parse(&spec.host, domain) {
+        let host = ServiceHost::parse(&spec.host, domain);
+        // A change to the Service (its creation included) concerns it.
+        services.extend(host.clone());
+        match host.filter(|h| registry.service(h).is_some()) {
             Some(host) => {
                 let fqdn = host.fqdn(domain);
                 let cluster = cluster_name(&fqdn, spec.upstream_port);
+                // A port the Service does not declare has no endpoints.
                 let protocol = registry
                     .service(&host)
                     .and_then(|s| s.port(spec.upstream_port))
@@ -151,7 +160,6 @@ pub fn generate(registry: &Registry, outbound: Option<&str>, domain: &str) -> Sn
                 clusters.insert(cluster.clone(), pack_any(eds_cluster(&cluster, protocol)));
                 let eps = registry.endpoints(&host, spec.upstream_port);
                 endpoints.insert(cluster.clone(), pack_any(load_assignment(&cluster, &eps)));
-                services.insert(host);
             }
             None => {
                 let cluster = format!(
@@ -448,6 +456,16 @@ mod tests {
         assert_eq!(cla.endpoints[0].lb_endpoints.len(), 2);
         assert_eq!(s.services.len(), 2);
         assert!(s.skipped.is_empty());
+
+        // A host of Service shape with no such Service is a static upstream,
+        // until the Service exists.
+        let ext = generate(&r, Some("15001:example.org:443"), DOMAIN);
+        assert_eq!(
+            ext.clusters.resources.keys().collect::<Vec<_>>(),
+            ["outbound|15001|example.org|443"]
+        );
+        assert!(ext.endpoints.resources.is_empty());
+        assert_eq!(ext.services.len(), 1, "it depends on Service example.org");
 
         // Nothing declared, nothing seen.
         let none = generate(&r, None, DOMAIN);
