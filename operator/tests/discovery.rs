@@ -555,9 +555,85 @@ async fn admin(port: u16, path: &str) -> Option<String> {
     Some(out)
 }
 
+/// A backend on `ip:port` answering every request (HTTP/1.1 or h2c) with
+/// an empty 200 naming it in `x-backend`.
+async fn backend(ip: &str, port: u16) -> Option<()> {
+    let listener = tokio::net::TcpListener::bind((ip, port)).await.ok()?;
+    let name = ip.to_string();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let name = name.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |_req| {
+                    let name = name.clone();
+                    async move {
+                        http::Response::builder()
+                            .header("x-backend", name)
+                            .body(String::new())
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+            });
+        }
+    });
+    Some(())
+}
+
+/// `n` requests on one connection to `127.0.0.1:port` (HTTP/1.1 keep-alive,
+/// or h2c), counted by the backend that answered.
+async fn calls(port: u16, n: usize, h2c: bool) -> std::collections::BTreeMap<String, usize> {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the sidecar's listener");
+    let mut counted = std::collections::BTreeMap::new();
+    let req = || {
+        http::Request::builder()
+            .uri(format!("http://cart.shop:{port}/"))
+            .header("host", "cart.shop")
+            .body(String::new())
+            .expect("request")
+    };
+    let backend_of = |r: http::Response<hyper::body::Incoming>| {
+        assert_eq!(r.status(), 200, "{r:?}");
+        r.headers()
+            .get("x-backend")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("?")
+            .to_string()
+    };
+    if h2c {
+        let (mut send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+                .await
+                .expect("h2c");
+        tokio::spawn(conn);
+        for _ in 0..n {
+            let r = send.send_request(req()).await.expect("answered");
+            *counted.entry(backend_of(r)).or_default() += 1;
+        }
+    } else {
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .await
+            .expect("http/1.1");
+        tokio::spawn(conn);
+        for _ in 0..n {
+            send.ready().await.expect("the connection is kept");
+            let r = send.send_request(req()).await.expect("answered");
+            *counted.entry(backend_of(r)).or_default() += 1;
+        }
+    }
+    counted
+}
+
 /// The real Envoy, pointed at the server as a sidecar is (TLS, its token in
-/// the stream's metadata), takes the listeners, clusters and endpoints, and
-/// follows an endpoint change; nothing is NACKed.
+/// the stream's metadata), takes the listeners, clusters and endpoints,
+/// follows endpoint changes, and balances one connection's requests
+/// (HTTP/1.1 and h2c) over the Service's endpoints; nothing is NACKed.
 #[tokio::test]
 async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
     let s = Server::start().await;
@@ -663,6 +739,32 @@ async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
     s.discovery
         .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.2"])));
     has("/clusters", format!("{CART}::10.1.0.2:8080::")).await;
+
+    // Two backends behind the Service: one connection's requests reach
+    // both, over HTTP/1.1 keep-alive and over h2c (balanced per request).
+    let port = remora_test_support::ports::free_port();
+    let (a, b) = ("127.0.0.2", "127.0.0.3");
+    backend(a, port).await.expect("backend a");
+    backend(b, port).await.expect("backend b");
+    s.discovery.update(|r| {
+        r.apply_slice(
+            ("shop".into(), "cart-1".into()),
+            SliceInfo {
+                ports: [("http".to_string(), port)].into(),
+                ..slice(&[a, b])
+            },
+        )
+    });
+    has("/clusters", format!("{CART}::{b}:{port}::")).await;
+    for h2c in [false, true] {
+        let counted = calls(listen, 20, h2c).await;
+        assert_eq!(
+            counted.keys().collect::<Vec<_>>(),
+            [a, b],
+            "h2c {h2c}: {counted:?}"
+        );
+        println!("discovery: 20 calls on one connection (h2c {h2c}) reached {counted:?}");
+    }
     for t in [LISTENER, CLUSTER, ENDPOINTS] {
         assert_eq!(s.metrics.nacks_total(t), 0, "{t} NACKed");
     }
