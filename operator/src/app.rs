@@ -125,6 +125,20 @@ pub async fn run(args: ServeArgs, rt: &Runtime) -> Result<(), AppError> {
         }
         false => None,
     };
+    // Discovery needs pods on every replica: then the process has one pod
+    // watch, which the leader's controllers share.
+    let pods = match (&trust_bundle, args.discovery.enabled) {
+        (Some(tb), true) => {
+            let pods = crate::cluster::live_pod::live_pods(
+                client.clone(),
+                pod_watch_metrics.clone(),
+                rt.shutdown_token().clone(),
+            );
+            start_discovery(&args, &client, &kube_config, &mut registry, rt, tb, &pods)?;
+            Some(pods)
+        }
+        _ => None,
+    };
     let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
     let ctx = Arc::new(LeaderContext {
         kube: kube_config,
@@ -143,6 +157,7 @@ pub async fn run(args: ServeArgs, rt: &Runtime) -> Result<(), AppError> {
         stop_completed_jobs: args.stop_completed_jobs,
         jobs_metrics,
         pod_watch_metrics,
+        pods,
         identity: leader_cfg.identity.clone(),
         lifecycles: view.lifecycle_watch(),
         trust_bundle,
@@ -286,6 +301,72 @@ async fn start_workload_ca(
         view: view.clone(),
         signing,
     })
+}
+
+/// Start this replica's discovery server until shutdown: the Service and
+/// EndpointSlice watches, the registry fed from them and from `pods`, the
+/// debounce, and the ADS server with the workload CA's serving certificate
+/// (`--discovery` requires `--workload-ca`, see flags). Not ready until
+/// the watches have listed.
+fn start_discovery(
+    args: &ServeArgs,
+    client: &Client,
+    kube_config: &kube::Config,
+    registry: &mut Registry,
+    rt: &Runtime,
+    ca: &TrustBundle,
+    pods: &crate::cluster::watch::SharedWatch<crate::cluster::live_pod::LivePod>,
+) -> Result<(), AppError> {
+    use crate::discovery::{self, feed, push, serve, server};
+    use crate::pki::workload_ca::{ServingCert, authn};
+    let d_args = &args.discovery;
+    let metrics = discovery::Metrics::register(registry);
+    let (state, debounce) = push::Discovery::new(
+        &d_args.cluster_domain,
+        push::Debounce {
+            quiet: d_args.debounce_quiet,
+            max_delay: d_args.debounce_max,
+        },
+    );
+    rt.spawn_until_shutdown("discovery-debounce", debounce);
+    let watches = feed::Watches::start(client, pods.clone(), rt.shutdown_token().clone());
+    watches.feed(&state);
+    let synced = rt.not_ready_until(
+        "discovery",
+        "discovery caches synced (Services, EndpointSlices, pods)",
+    );
+    rt.spawn_until_shutdown("discovery-synced", async move {
+        watches.synced().await;
+        synced.ready();
+    });
+    let listener = remora_serve::bind(d_args.listen).map_err(|source| AppError::Bind {
+        addr: d_args.listen,
+        source,
+    })?;
+    // TokenReviews on a client of their own, as the CA's.
+    let review_client = Client::try_from(kube_config.clone()).map_err(AppError::Connect)?;
+    let audience = remora_contract::discovery::TOKEN_AUDIENCE;
+    let svc = server::AdsService {
+        auth: authn::TokenReviewer::new(review_client, audience),
+        gate: authn::Gate::new(audience, authn::GateLimits::default()),
+        discovery: state,
+        metrics,
+        shutdown: rt.shutdown_token().clone(),
+        pod_wait: server::POD_WAIT,
+    };
+    let certs = Arc::new(ServingCert(ca.authority.clone()));
+    rt.spawn(
+        "discovery-server",
+        serve::serve(
+            listener,
+            svc,
+            certs,
+            serve::limits(),
+            rt.shutdown_token().clone(),
+        ),
+    );
+    tracing::info!(listen = %d_args.listen, "discovery serving");
+    Ok(())
 }
 
 /// Sidecars dial the CA at its Service's ClusterIP and check its

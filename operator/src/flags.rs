@@ -215,6 +215,60 @@ pub struct ServeArgs {
     pub proxy: ProxyArgs,
     #[command(flatten)]
     pub workload_ca: WorkloadCaArgs,
+    #[command(flatten)]
+    pub discovery: DiscoveryArgs,
+}
+
+/// The discovery server (Envoy's ADS), served by every replica when
+/// enabled. Off by default while it is built up in steps.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DiscoveryArgs {
+    /// Serve xDS to the sidecars. Needs --workload-ca in this step: its
+    /// serving certificate is the discovery server's.
+    #[arg(id = "discovery_enabled", long = "discovery", env = "REMORA_DISCOVERY", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub enabled: bool,
+    /// Where the discovery server (gRPC over TLS) listens.
+    #[arg(
+        id = "discovery_listen",
+        long = "discovery-listen",
+        env = "REMORA_DISCOVERY_LISTEN",
+        default_value = "0.0.0.0:15010"
+    )]
+    pub listen: SocketAddr,
+    /// Changes are pushed once none came for this long (not yet measured).
+    #[arg(long = "discovery-debounce-quiet", env = "REMORA_DISCOVERY_DEBOUNCE_QUIET",
+          value_parser = remora_contract::duration::parse, default_value = "100ms")]
+    pub debounce_quiet: Duration,
+    /// ... and at the latest this long after the first (not yet measured).
+    #[arg(long = "discovery-debounce-max", env = "REMORA_DISCOVERY_DEBOUNCE_MAX",
+          value_parser = remora_contract::duration::parse, default_value = "1s")]
+    pub debounce_max: Duration,
+    /// The cluster's DNS domain: Service hosts are `name.ns.svc.<domain>`.
+    #[arg(
+        long = "cluster-domain",
+        env = "REMORA_CLUSTER_DOMAIN",
+        default_value = "cluster.local"
+    )]
+    pub cluster_domain: String,
+}
+
+impl DiscoveryArgs {
+    fn check(&self, workload_ca: bool) -> Result<(), String> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if !workload_ca {
+            return Err("--discovery needs --workload-ca: the discovery server serves with the workload CA's certificate".into());
+        }
+        if self.debounce_quiet.is_zero() || self.debounce_quiet > self.debounce_max {
+            return Err(format!(
+                "--discovery-debounce-quiet ({:?}) must be more than 0 and at most --discovery-debounce-max ({:?})",
+                self.debounce_quiet, self.debounce_max
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The workload CA (Istio's CA protocol): served by every replica when
@@ -368,6 +422,7 @@ impl ServeArgs {
     /// message names the flags.
     pub fn check(&self) -> Result<(), String> {
         self.workload_ca.check()?;
+        self.discovery.check(self.workload_ca.enabled)?;
         if !self.self_signed {
             return Ok(());
         }
@@ -417,6 +472,47 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn discovery_is_off_by_default_and_needs_the_workload_ca() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            ca: WorkloadCaArgs,
+            #[command(flatten)]
+            discovery: DiscoveryArgs,
+        }
+        let check = |args: &[&str]| {
+            let cli = Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+                .expect("flags parse");
+            (
+                cli.discovery.enabled,
+                cli.discovery.check(cli.ca.enabled),
+                cli.discovery,
+            )
+        };
+        let (on, ok, d) = check(&[]);
+        assert!(!on && ok.is_ok());
+        assert_eq!(d.listen.port(), remora_contract::discovery::PORT);
+        assert_eq!(
+            (d.debounce_quiet, d.debounce_max),
+            (Duration::from_millis(100), Duration::from_secs(1))
+        );
+        let (_, e, _) = check(&["--discovery"]);
+        assert!(e.expect_err("needs the CA").contains("--workload-ca"));
+        assert!(check(&["--discovery", "--workload-ca"]).1.is_ok());
+        let (_, e, _) = check(&[
+            "--discovery",
+            "--workload-ca",
+            "--discovery-debounce-quiet",
+            "2s",
+        ]);
+        assert!(
+            e.expect_err("quiet > max")
+                .contains("--discovery-debounce-max")
+        );
+    }
 
     #[test]
     fn workload_ca_wiring_from_the_serve_flags() {

@@ -1,4 +1,5 @@
-//! The leader's one pod watch, and the pod as its readers read it.
+//! The leader's one pod watch (with `--discovery`, the process's, shared by
+//! the leader and the discovery server), and the pod as its readers read it.
 //!
 //! Not k8s-openapi's `Pod`: its structs hold every field of the API inline,
 //! set or not (kilobytes a pod and a container), however much of each pod
@@ -36,7 +37,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use remora_contract::annotations::{LIFECYCLE, PER_FIELD, STATUS, STOP, WORKLOAD_CA};
+use remora_contract::annotations::{LIFECYCLE, OUTBOUND, PER_FIELD, STATUS, STOP, WORKLOAD_CA};
 use remora_crds::LabelSet;
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -76,6 +77,10 @@ pub const MAX_STOP: usize = 1024;
 /// The longest per-pod setting (`remora.dev/drain-duration`, ..) kept; no
 /// valid one comes close, and a longer one reads as absent.
 pub const MAX_SETTING: usize = 128;
+/// The longest `remora.dev/outbound` kept (the discovery server reads it):
+/// the webhook refuses more than a few dozen entries; a longer one reads
+/// as absent (the proxy is given no outbound listeners).
+pub const MAX_OUTBOUND: usize = 4096;
 
 /// A pod as the leader's controllers read it: metadata (labels, Remora's
 /// annotations, owners: the SidecarLifecycle controller), container names,
@@ -187,6 +192,8 @@ pub struct LiveSpec {
     #[serde(default, deserialize_with = "bounded_list")]
     pub init_containers: Option<Vec<Named>>,
     pub restart_policy: Option<String>,
+    /// Whom the discovery server checks a proxy's token against.
+    pub service_account_name: Option<String>,
 }
 
 /// A container, by name.
@@ -199,6 +206,9 @@ pub struct Named {
 #[serde(rename_all = "camelCase")]
 pub struct LiveStatus {
     pub phase: Option<String>,
+    /// The discovery server checks a proxy's node id against it.
+    #[serde(rename = "podIP")]
+    pub pod_ip: Option<String>,
     #[serde(default, deserialize_with = "bounded_list")]
     pub container_statuses: Option<Vec<LiveContainerStatus>>,
 }
@@ -245,6 +255,7 @@ fn read_annotation(key: &str) -> Option<Read> {
         STOP => (STOP, MAX_STOP, TooLong::Empty),
         LIFECYCLE => (LIFECYCLE, MAX_LIFECYCLE, TooLong::Absent),
         WORKLOAD_CA => (WORKLOAD_CA, MAX_SETTING, TooLong::Absent),
+        OUTBOUND => (OUTBOUND, MAX_OUTBOUND, TooLong::Absent),
         k => (
             *PER_FIELD.iter().find(|f| **f == k)?,
             MAX_SETTING,
@@ -584,6 +595,18 @@ impl LivePod {
         self.spec.as_ref()?.restart_policy.as_deref()
     }
 
+    pub fn service_account(&self) -> Option<&str> {
+        self.spec.as_ref()?.service_account_name.as_deref()
+    }
+
+    pub fn ip(&self) -> Option<&str> {
+        self.status.as_ref()?.pod_ip.as_deref()
+    }
+
+    pub fn outbound(&self) -> Option<&str> {
+        self.annotations().get(OUTBOUND).map(String::as_str)
+    }
+
     pub fn phase(&self) -> Option<&str> {
         self.status.as_ref()?.phase.as_deref()
     }
@@ -658,8 +681,9 @@ impl Metrics {
     }
 }
 
-/// The leader's one pod watch, read by the SidecarLifecycle controller and
-/// the Jobs controller, until `shutdown`.
+/// The pod watch, read by the SidecarLifecycle controller, the Jobs
+/// controller and (on every replica, when on) the discovery server, until
+/// `shutdown`.
 pub fn live_pods(
     client: Client,
     metrics: Metrics,
@@ -792,9 +816,14 @@ impl Slim {
         if !matches!(p.restart_policy(), Some(r) if r != "Always") {
             p.spec = p.spec.take().map(|s| LiveSpec {
                 restart_policy: s.restart_policy,
+                service_account_name: s.service_account_name,
                 ..LiveSpec::default()
             });
-            p.status = None;
+            // What the discovery server reads of a pod it serves.
+            p.status = p.status.take().and_then(|s| s.pod_ip).map(|ip| LiveStatus {
+                pod_ip: Some(ip),
+                ..LiveStatus::default()
+            });
         }
     }
 }
@@ -918,13 +947,19 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_that_restarts_always_keeps_no_containers_and_no_status() {
+    fn a_pod_that_restarts_always_keeps_no_containers_and_of_its_status_its_ip_only() {
         let full = Pod {
             metadata: ObjectMeta {
                 name: Some("web-7d9f-x2".into()),
                 generate_name: Some("web-7d9f-".into()),
                 resource_version: Some("42".into()),
-                annotations: Some([(STATUS.to_string(), "{}".to_string())].into()),
+                annotations: Some(
+                    [
+                        (STATUS.to_string(), "{}".to_string()),
+                        (OUTBOUND.to_string(), "15001:cart.shop:80".to_string()),
+                    ]
+                    .into(),
+                ),
                 ..Default::default()
             },
             spec: Some(PodSpec {
@@ -933,26 +968,37 @@ mod tests {
                     ..Container::default()
                 }],
                 restart_policy: Some("Always".into()),
+                service_account_name: Some("web".into()),
                 ..PodSpec::default()
             }),
             status: Some(PodStatus {
                 phase: Some("Running".into()),
+                pod_ip: Some("10.0.0.7".into()),
                 ..PodStatus::default()
             }),
         };
         let live = read(&full);
+        // What the discovery server reads stays.
+        assert_eq!(live.outbound(), Some("15001:cart.shop:80"));
         assert_eq!(
             live,
             LivePod {
                 metadata: ObjectMeta {
                     name: Some("web-7d9f-x2".into()),
+                    annotations: Some(
+                        [(OUTBOUND.to_string(), "15001:cart.shop:80".to_string())].into()
+                    ),
                     ..Default::default()
                 },
                 spec: Some(LiveSpec {
                     restart_policy: Some("Always".into()),
+                    service_account_name: Some("web".into()),
                     ..LiveSpec::default()
                 }),
-                status: None,
+                status: Some(LiveStatus {
+                    pod_ip: Some("10.0.0.7".into()),
+                    ..LiveStatus::default()
+                }),
                 kept: Kept {
                     injected: Some(Arc::new(Injected::default())),
                     ..Kept::default()

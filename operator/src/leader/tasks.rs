@@ -26,6 +26,10 @@ pub struct LeaderContext {
     pub stop_completed_jobs: bool,
     pub jobs_metrics: crate::controllers::jobs::Metrics,
     pub pod_watch_metrics: crate::cluster::live_pod::Metrics,
+    /// The process's pod watch when another part of the replica needs one
+    /// on every replica (discovery); `None`: the leader watches pods only
+    /// while it leads.
+    pub pods: Option<SharedWatch<LivePod>>,
     /// Who publishes the Events.
     pub identity: String,
     /// The replica's SidecarLifecycle watch (the webhook's).
@@ -62,13 +66,16 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
             return token.cancelled().await;
         }
     };
-    // One pod watch for all the leader's work, while it leads; a task
-    // started again subscribes again.
-    let pods = crate::cluster::live_pod::live_pods(
-        client.clone(),
-        ctx.pod_watch_metrics.clone(),
-        token.clone(),
-    );
+    // One pod watch for all the leader's work: the process's, or its own
+    // while it leads; a task started again subscribes again.
+    let pods = match &ctx.pods {
+        Some(pods) => pods.clone(),
+        None => crate::cluster::live_pod::live_pods(
+            client.clone(),
+            ctx.pod_watch_metrics.clone(),
+            token.clone(),
+        ),
+    };
     let mut tasks = JoinSet::new();
     if let Some(settings) = ctx.controller.clone() {
         let (ctx, pods, client) = (Arc::clone(&ctx), pods.clone(), client.clone());

@@ -148,6 +148,7 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
         }),
         controller_metrics: crate::controllers::lifecycle::Metrics::register(&mut registry),
         stop_completed_jobs: true,
+        pods: None,
         jobs_metrics: crate::controllers::jobs::Metrics::register(&mut registry),
         pod_watch_metrics: crate::cluster::live_pod::Metrics::default(),
         identity: "test".into(),

@@ -153,6 +153,20 @@ pub fn serving_names(service: &str, aliases: &[String], namespace: &str) -> Vec<
 /// What the replica's CA publishes for the rest of the process.
 pub type AuthorityRx = watch::Receiver<Option<Arc<Authority>>>;
 
+/// The serving certificate of the current [`Authority`], read at each
+/// handshake: the CA's server, and the discovery server on the same names.
+#[derive(Debug)]
+pub struct ServingCert(pub AuthorityRx);
+
+impl rustls::server::ResolvesServerCert for ServingCert {
+    fn resolve(
+        &self,
+        _hello: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        self.0.borrow().as_ref().map(|a| Arc::clone(&a.serving))
+    }
+}
+
 /// Keep `guard` ready while the replica has an authority and pending while
 /// it has none (none yet, or its last reading of the signing Secret is too
 /// old), until the sender goes.

@@ -16,11 +16,7 @@ use super::authn::{AuthError, Authenticate, Caller, Gate, bearer};
 use super::keeper::Authority;
 use super::signer::SignError;
 
-/// The source address of a request's connection, in its extensions: the
-/// server ([`super::serve`]) puts it there for the per-source TokenReview
-/// budget.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer(pub IpAddr);
+pub use crate::grpc_server::Peer;
 
 /// Lifetimes granted.
 #[derive(Debug, Clone, Copy)]

@@ -1,0 +1,225 @@
+//! From registry changes to pushes: the [`Discovery`] state (the registry
+//! and the batches its streams follow), and the debounce that gathers
+//! changes into a [`Batch`]: after a quiet window with no change, or at
+//! the latest a maximum delay after the first one, so a rollout of many
+//! pods is pushed a few times rather than once per pod.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use remora_contract::discovery::ServiceHost;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::registry::{PodKey, Registry, Touched};
+use super::resources::{self, Snapshot};
+
+/// The debounce. The defaults (100 ms quiet, 1 s at most) are Istio's
+/// order of magnitude, not yet measured here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Debounce {
+    pub quiet: Duration,
+    pub max_delay: Duration,
+}
+
+impl Default for Debounce {
+    fn default() -> Self {
+        Self {
+            quiet: Duration::from_millis(100),
+            max_delay: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What changed since the previous batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// One more than the previous batch's: a stream that sees a gap missed
+    /// a batch and recomputes whatever it touched.
+    pub generation: u64,
+    /// Services whose ports or endpoints changed.
+    pub services: BTreeSet<ServiceHost>,
+    /// Proxies whose own pod changed.
+    pub pods: BTreeSet<PodKey>,
+}
+
+impl Batch {
+    /// Whether a proxy of pod `pod` depending on `services` must recompute.
+    pub fn concerns(&self, pod: &PodKey, services: &BTreeSet<ServiceHost>) -> bool {
+        self.pods.contains(pod) || !self.services.is_disjoint(services)
+    }
+}
+
+/// The registry, shared by the feeds (the watches) and the streams.
+pub struct Discovery {
+    registry: RwLock<Registry>,
+    changes: mpsc::UnboundedSender<Touched>,
+    batches: watch::Receiver<Arc<Batch>>,
+    /// The cluster's DNS domain (`cluster.local`).
+    pub domain: String,
+}
+
+impl Discovery {
+    /// The state and the debounce task's future, which ends once every
+    /// [`Discovery`] is dropped.
+    pub fn new(
+        domain: &str,
+        debounce: Debounce,
+    ) -> (
+        Arc<Self>,
+        impl std::future::Future<Output = ()> + Send + use<>,
+    ) {
+        let (changes, rx) = mpsc::unbounded_channel();
+        let (tx, batches) = watch::channel(Arc::new(Batch::default()));
+        let me = Arc::new(Self {
+            registry: RwLock::default(),
+            changes,
+            batches,
+            domain: domain.to_string(),
+        });
+        (me, run(rx, tx, debounce))
+    }
+
+    /// Change the registry; what `f` says it touched is pushed (debounced).
+    pub fn update<T: IntoIterator<Item = Touched>>(&self, f: impl FnOnce(&mut Registry) -> T) {
+        let touched = {
+            let mut r = self
+                .registry
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            f(&mut r)
+        };
+        for t in touched {
+            // The debounce ends only when every Discovery is gone.
+            let _ = self.changes.send(t);
+        }
+    }
+
+    /// Read the registry.
+    pub fn read<T>(&self, f: impl FnOnce(&Registry) -> T) -> T {
+        f(&self.registry.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The resources of the proxy of pod `pod`, if it is known.
+    pub fn snapshot(&self, pod: &PodKey) -> Option<Snapshot> {
+        self.read(|r| {
+            let p = r.proxy(pod)?;
+            Some(resources::generate(r, p.outbound.as_deref(), &self.domain))
+        })
+    }
+
+    pub fn batches(&self) -> watch::Receiver<Arc<Batch>> {
+        self.batches.clone()
+    }
+}
+
+/// Gather changes into batches (see the module doc) until `rx` closes.
+pub async fn run(
+    mut rx: mpsc::UnboundedReceiver<Touched>,
+    tx: watch::Sender<Arc<Batch>>,
+    debounce: Debounce,
+) {
+    let mut generation = 0u64;
+    loop {
+        let Some(first) = rx.recv().await else { return };
+        let mut batch = Batch::default();
+        let mut add = |t: Touched| match t {
+            Touched::Service(s) | Touched::Endpoints(s) => {
+                batch.services.insert(s);
+            }
+            Touched::Pod(p) => {
+                batch.pods.insert(p);
+            }
+        };
+        add(first);
+        let deadline = Instant::now() + debounce.max_delay;
+        loop {
+            let quiet_until = (Instant::now() + debounce.quiet).min(deadline);
+            match tokio::time::timeout_at(quiet_until, rx.recv()).await {
+                Ok(Some(t)) => add(t),
+                // Gone: push what was gathered, then end.
+                Ok(None) | Err(_) => break,
+            }
+        }
+        generation += 1;
+        batch.generation = generation;
+        tx.send_replace(Arc::new(batch));
+        if rx.is_closed() && rx.is_empty() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(n: &str) -> Touched {
+        Touched::Endpoints(ServiceHost {
+            name: n.into(),
+            namespace: "shop".into(),
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn changes_wait_for_a_quiet_window_but_no_longer_than_the_max_delay() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (btx, mut brx) = watch::channel(Arc::new(Batch::default()));
+        let d = Debounce::default();
+        tokio::spawn(run(rx, btx, d));
+
+        // Two changes 50 ms apart: one batch, 100 ms after the second.
+        let start = Instant::now();
+        tx.send(svc("a")).expect("send");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        tx.send(svc("b")).expect("send");
+        brx.changed().await.expect("batch");
+        assert_eq!(start.elapsed(), Duration::from_millis(150));
+        let b = brx.borrow_and_update().clone();
+        assert_eq!(b.generation, 1);
+        assert_eq!(b.services.len(), 2);
+
+        // A change every 50 ms without end: pushed at the max delay.
+        let start = Instant::now();
+        let feeding = tokio::spawn({
+            let tx = tx.clone();
+            async move {
+                loop {
+                    if tx.send(svc("c")).is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        });
+        brx.changed().await.expect("batch");
+        assert_eq!(start.elapsed(), d.max_delay);
+        assert_eq!(brx.borrow_and_update().generation, 2);
+        feeding.abort();
+    }
+
+    #[test]
+    fn a_batch_concerns_the_dependents_and_the_pod_only() {
+        let pod = PodKey {
+            namespace: "shop".into(),
+            name: "web-0".into(),
+        };
+        let cart = ServiceHost {
+            name: "cart".into(),
+            namespace: "shop".into(),
+        };
+        let b = Batch {
+            generation: 1,
+            services: [cart.clone()].into(),
+            pods: BTreeSet::new(),
+        };
+        assert!(b.concerns(&pod, &[cart].into()));
+        assert!(!b.concerns(&pod, &BTreeSet::new()));
+        let mine = Batch {
+            pods: [pod.clone()].into(),
+            ..Batch::default()
+        };
+        assert!(mine.concerns(&pod, &BTreeSet::new()));
+    }
+}

@@ -1,0 +1,63 @@
+//! The discovery server on [`crate::grpc_server`]: the ADS service, its
+//! message bounds, and the bounds of a server of long-lived streams.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
+use remora_contract::discovery::MAX_REQUEST_BYTES;
+use rustls::server::ResolvesServerCert;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use crate::grpc_server::{Limits, ServeError};
+
+use super::server::AdsService;
+use crate::pki::workload_ca::authn::Authenticate;
+
+/// The most one response may weigh: a proxy's resources are those of the
+/// few Services it declared, far below this even with thousands of
+/// endpoints.
+pub const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
+
+/// The discovery server's bounds: the CA's, but a connection lives as long
+/// as its stream (30 min at most, then the proxy reconnects, possibly to
+/// another replica, which spreads proxies after a rollout of the operator),
+/// and a source holds a few streams (one per sidecar; pods on the host
+/// network share the node's address).
+pub fn limits() -> Limits {
+    Limits {
+        per_source: 8,
+        per_source_requests: 8,
+        idle: Duration::from_secs(60),
+        max_age: Duration::from_secs(30 * 60),
+        streams: 16_384,
+        streams_per_connection: 4,
+        ..Limits::default()
+    }
+}
+
+/// Serve `service` on `listener` until `token`, with the certificate of
+/// `certs` (the workload CA's serving certificate).
+pub async fn serve<A: Authenticate>(
+    listener: TcpListener,
+    service: AdsService<A>,
+    certs: Arc<dyn ResolvesServerCert>,
+    limits: Limits,
+    token: CancellationToken,
+) -> Result<(), ServeError> {
+    let metrics = service.metrics.clone();
+    let svc = AggregatedDiscoveryServiceServer::new(service)
+        .max_decoding_message_size(MAX_REQUEST_BYTES)
+        .max_encoding_message_size(MAX_RESPONSE_BYTES);
+    crate::grpc_server::serve(
+        "discovery",
+        listener,
+        tonic::service::Routes::new(svc),
+        certs,
+        limits,
+        metrics,
+        token,
+    )
+    .await
+}

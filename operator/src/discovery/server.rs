@@ -1,0 +1,531 @@
+//! Envoy's aggregated discovery service, state of the world, for one
+//! proxy per stream.
+//!
+//! A stream is served only once its caller is known and entitled: its
+//! bearer token (the pod's projected token for
+//! [`remora_contract::discovery::TOKEN_AUDIENCE`]) passes the workload
+//! CA's [`Gate`], its first request carries a node id
+//! ([`NodeId`]) naming an injected pod in the caller's namespace, running
+//! under the caller's ServiceAccount (and the token's own pod, when the
+//! token is bound to one). Otherwise the stream ends at once with
+//! UNAUTHENTICATED, INVALID_ARGUMENT or PERMISSION_DENIED saying why.
+//!
+//! Then, per type (LDS, CDS, EDS): each response has the type's version
+//! (a digest of its content) and a nonce; a request whose nonce is not the
+//! last one sent is stale and ignored; an ACK records the version; a NACK
+//! (an `error_detail`) is logged with Envoy's message and counted, and
+//! nothing is re-sent until the content changes (Envoy keeps its last good
+//! configuration). Names asked for outside the proxy's scope are not
+//! returned (and counted). Any other type ends the stream with
+//! INVALID_ARGUMENT: Remora's sidecars ask only for these three, so another
+//! is a misconfigured client, told so rather than left waiting.
+//!
+//! Pushes follow the debounced batches ([`super::push`]): a batch that
+//! concerns the proxy recomputes its resources, and only the types whose
+//! version changed are sent (EDS alone when only endpoints changed).
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryService;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use futures::{Stream, StreamExt};
+use remora_contract::discovery::NodeId;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::Metrics;
+use super::push::{Batch, Discovery};
+use super::registry::PodKey;
+use super::resources::{self, Snapshot};
+use crate::grpc_server::Peer;
+use crate::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, bearer};
+
+/// How long a new stream may take to send its first request.
+const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Responses queued for one stream before the stream waits for its proxy.
+const QUEUE: usize = 4;
+/// How long a stream waits for its proxy to take a response: one that
+/// reads nothing for this long is cut, rather than holding its task.
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a stream was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error("the first request carries no node")]
+    NoNode,
+    #[error("no request within {0:?}")]
+    Silent(Duration),
+    #[error("{0}")]
+    BadNode(String),
+    #[error("no injected pod {0}/{1} is known (yet)")]
+    UnknownPod(String, String),
+    #[error("the node names a pod in namespace {node:?}, the caller is of namespace {caller:?}")]
+    OtherNamespace { node: String, caller: String },
+    #[error(
+        "pod {pod} runs under ServiceAccount {pod_sa:?}, the caller is ServiceAccount {caller:?}"
+    )]
+    OtherServiceAccount {
+        pod: String,
+        pod_sa: String,
+        caller: String,
+    },
+    #[error("the caller's token is bound to pod {token:?}, the node names pod {node:?}")]
+    OtherPod { token: String, node: String },
+    #[error("the node's IP {node} is not pod {pod}'s ({actual})")]
+    OtherIp {
+        node: String,
+        pod: String,
+        actual: String,
+    },
+}
+
+impl Refusal {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Auth(e) => e.reason(),
+            Self::NoNode | Self::BadNode(_) | Self::Silent(_) => "bad_node",
+            Self::UnknownPod(..) => "unknown_pod",
+            Self::OtherNamespace { .. }
+            | Self::OtherServiceAccount { .. }
+            | Self::OtherPod { .. }
+            | Self::OtherIp { .. } => "not_its_pod",
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        let msg = self.to_string();
+        match self {
+            Self::Auth(AuthError::Review(_) | AuthError::Throttled(_)) => Status::unavailable(msg),
+            Self::Auth(_) => Status::unauthenticated(msg),
+            Self::NoNode | Self::BadNode(_) => Status::invalid_argument(msg),
+            Self::Silent(_) => Status::deadline_exceeded(msg),
+            Self::UnknownPod(..)
+            | Self::OtherNamespace { .. }
+            | Self::OtherServiceAccount { .. }
+            | Self::OtherPod { .. }
+            | Self::OtherIp { .. } => Status::permission_denied(msg),
+        }
+    }
+}
+
+/// The ADS service.
+pub struct AdsService<A> {
+    pub auth: A,
+    /// What a token must pass before `auth` is asked about it (its own,
+    /// for the discovery audience).
+    pub gate: Gate,
+    pub discovery: Arc<Discovery>,
+    pub metrics: Metrics,
+    /// Ends every stream (UNAVAILABLE: the proxy reconnects elsewhere).
+    pub shutdown: CancellationToken,
+    /// How long a stream naming a pod the pod watch has not seen yet waits
+    /// for it: a sidecar can dial before the watch brings its new pod.
+    /// Keep it well under the request timeout (with the first request's).
+    pub pod_wait: Duration,
+}
+
+/// [`AdsService::pod_wait`] in the operator.
+pub const POD_WAIT: Duration = Duration::from_secs(3);
+
+impl<A: Authenticate> AdsService<A> {
+    /// Who may be served on a stream whose first request is `first`.
+    pub async fn admit(
+        &self,
+        authorization: Option<&str>,
+        source: Option<std::net::IpAddr>,
+        first: &DiscoveryRequest,
+    ) -> Result<PodKey, Refusal> {
+        let token = bearer(authorization)?;
+        let node = first.node.as_ref().ok_or(Refusal::NoNode)?;
+        let id: NodeId = node.id.parse().map_err(Refusal::BadNode)?;
+        let caller = self.gate.authenticate(&self.auth, token, source).await?;
+        let deadline = tokio::time::Instant::now() + self.pod_wait;
+        // Subscribed before the first look: a batch after it is seen.
+        let mut batches = self.discovery.batches();
+        loop {
+            match entitled(&self.discovery, &caller, &id) {
+                Err(Refusal::UnknownPod(..))
+                    if tokio::time::timeout_at(deadline, batches.changed())
+                        .await
+                        .is_ok_and(|c| c.is_ok()) => {}
+                r => return r,
+            }
+        }
+    }
+}
+
+/// Whether `caller` may be served as node `id`.
+fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refusal> {
+    if caller.namespace != id.namespace {
+        return Err(Refusal::OtherNamespace {
+            node: id.namespace.clone(),
+            caller: caller.namespace.clone(),
+        });
+    }
+    if let Some(pod) = &caller.pod
+        && *pod != id.pod
+    {
+        return Err(Refusal::OtherPod {
+            token: pod.clone(),
+            node: id.pod.clone(),
+        });
+    }
+    let key = PodKey {
+        namespace: id.namespace.clone(),
+        name: id.pod.clone(),
+    };
+    let proxy = d
+        .read(|r| r.proxy(&key).cloned())
+        .ok_or_else(|| Refusal::UnknownPod(key.namespace.clone(), key.name.clone()))?;
+    let pod = format!("{}/{}", key.namespace, key.name);
+    if proxy.service_account != caller.service_account {
+        return Err(Refusal::OtherServiceAccount {
+            pod,
+            pod_sa: proxy.service_account,
+            caller: caller.service_account.clone(),
+        });
+    }
+    if let Some(ip) = proxy.ip
+        && ip != id.ip
+    {
+        return Err(Refusal::OtherIp {
+            node: id.ip.clone(),
+            pod,
+            actual: ip,
+        });
+    }
+    Ok(key)
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
+    type StreamAggregatedResourcesStream = BoxStream<DiscoveryResponse>;
+    type DeltaAggregatedResourcesStream = BoxStream<DeltaDiscoveryResponse>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let source = request.extensions().get::<Peer>().map(|p| p.0);
+        let mut inbound = request.into_inner();
+        let first = match tokio::time::timeout(FIRST_REQUEST_TIMEOUT, inbound.next()).await {
+            Err(_) => Err(Refusal::Silent(FIRST_REQUEST_TIMEOUT)),
+            Ok(None) => Err(Refusal::NoNode),
+            Ok(Some(Err(status))) => return Err(status),
+            Ok(Some(Ok(first))) => Ok(first),
+        };
+        let admitted = match first {
+            Ok(first) => self
+                .admit(authorization.as_deref(), source, &first)
+                .await
+                .map(|pod| (pod, first)),
+            Err(e) => Err(e),
+        };
+        let (pod, first) = match admitted {
+            Ok(a) => a,
+            Err(e) => {
+                self.metrics.refused(e.reason());
+                tracing::info!(?source, error = %e, "discovery: stream refused");
+                return Err(e.status());
+            }
+        };
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let stream = ProxyStream {
+            pod,
+            discovery: Arc::clone(&self.discovery),
+            metrics: self.metrics.clone(),
+            types: BTreeMap::new(),
+            nonce: 0,
+            snapshot: Snapshot::default(),
+            tx,
+        };
+        tokio::spawn(stream.run(first, inbound, self.shutdown.clone()));
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        _request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        Err(Status::unimplemented(
+            "delta xDS is not served yet: use state-of-the-world ADS",
+        ))
+    }
+}
+
+/// One type's state on one stream.
+#[derive(Debug, Default)]
+struct TypeState {
+    /// The names last asked for (empty: all).
+    names: Vec<String>,
+    /// What was last sent: version, names, nonce.
+    sent: Option<(String, Vec<String>, String)>,
+    acked: Option<String>,
+}
+
+/// One proxy's stream.
+struct ProxyStream {
+    pod: PodKey,
+    discovery: Arc<Discovery>,
+    metrics: Metrics,
+    types: BTreeMap<&'static str, TypeState>,
+    nonce: u64,
+    snapshot: Snapshot,
+    tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+}
+
+/// Why a stream ended.
+enum End {
+    /// The proxy went, or its stream broke.
+    Gone,
+    Status(Status),
+}
+
+impl ProxyStream {
+    async fn run(
+        mut self,
+        first: DiscoveryRequest,
+        mut inbound: Streaming<DiscoveryRequest>,
+        shutdown: CancellationToken,
+    ) {
+        self.metrics.stream_opened();
+        let mut batches = self.discovery.batches();
+        let mut generation = batches.borrow_and_update().generation;
+        self.recompute();
+        let end = match self.on_request(first).await {
+            Err(end) => end,
+            Ok(()) => loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => {
+                        break End::Status(Status::unavailable("the discovery server is shutting down"));
+                    }
+                    r = inbound.next() => match r {
+                        None => break End::Gone,
+                        Some(Err(status)) => {
+                            tracing::debug!(pod = ?self.pod, %status, "discovery: stream broke");
+                            // A request the server refused to read (too
+                            // large, say) is said back to the proxy.
+                            break End::Status(status);
+                        }
+                        Some(Ok(req)) => if let Err(end) = self.on_request(req).await { break end },
+                    },
+                    c = batches.changed() => {
+                        if c.is_err() {
+                            break End::Status(Status::unavailable("the discovery server is stopping"));
+                        }
+                        let batch: Arc<Batch> = batches.borrow_and_update().clone();
+                        let missed = batch.generation != generation + 1;
+                        generation = batch.generation;
+                        if (missed || batch.concerns(&self.pod, &self.snapshot.services))
+                            && let Err(end) = self.push().await
+                        {
+                            break end;
+                        }
+                    }
+                }
+            },
+        };
+        if let End::Status(s) = end {
+            let _ = self.tx.send_timeout(Err(s), SEND_TIMEOUT).await;
+        }
+        self.metrics.stream_closed();
+    }
+
+    /// Recompute the proxy's resources; keep the last ones if its pod is
+    /// gone (it is going away, and its proxy keeps what it has).
+    fn recompute(&mut self) {
+        if let Some(s) = self.discovery.snapshot(&self.pod) {
+            if !s.skipped.is_empty() {
+                tracing::debug!(pod = ?self.pod, skipped = ?s.skipped, "discovery: outbound entries not served");
+            }
+            self.snapshot = s;
+        }
+    }
+
+    async fn push(&mut self) -> Result<(), End> {
+        self.recompute();
+        let subscribed: Vec<&'static str> = resources::TYPES
+            .into_iter()
+            .filter(|t| self.types.contains_key(t))
+            .collect();
+        for t in subscribed {
+            self.send_if_changed(t).await?;
+        }
+        Ok(())
+    }
+
+    async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), End> {
+        let Some(t) = resources::TYPES.into_iter().find(|t| *t == req.type_url) else {
+            self.metrics.refused("unknown_type");
+            return Err(End::Status(Status::invalid_argument(format!(
+                "type {:?} is not served: only listeners, clusters and cluster load assignments",
+                req.type_url.chars().take(128).collect::<String>()
+            ))));
+        };
+        let state = self.types.entry(t).or_default();
+        if !req.response_nonce.is_empty() {
+            match &state.sent {
+                Some((version, _, nonce)) if *nonce == req.response_nonce => {
+                    if let Some(e) = &req.error_detail {
+                        self.metrics.nack(t);
+                        tracing::warn!(pod = ?self.pod, r#type = short_type(t), version,
+                            error = %e.message, "discovery: the proxy refused the configuration (NACK)");
+                    } else {
+                        state.acked = Some(version.clone());
+                    }
+                }
+                // An answer to an older response: a newer one is on its way.
+                _ => return Ok(()),
+            }
+        }
+        state.names = req.resource_names;
+        self.send_if_changed(t).await
+    }
+
+    /// Send type `t` unless what it would send is what was last sent.
+    async fn send_if_changed(&mut self, t: &'static str) -> Result<(), End> {
+        let Some(typed) = self.snapshot.of_type(t) else {
+            return Ok(());
+        };
+        let state = self.types.entry(t).or_default();
+        if let Some((version, names, _)) = &state.sent
+            && *version == typed.version
+            && *names == state.names
+        {
+            return Ok(());
+        }
+        let resources = if state.names.is_empty() {
+            typed.resources.values().cloned().collect()
+        } else {
+            let mut out = Vec::new();
+            for n in &state.names {
+                match typed.resources.get(n) {
+                    Some(r) => out.push(r.clone()),
+                    None => self.metrics.out_of_scope(t),
+                }
+            }
+            out
+        };
+        self.nonce += 1;
+        let nonce = self.nonce.to_string();
+        state.sent = Some((typed.version.clone(), state.names.clone(), nonce.clone()));
+        let response = DiscoveryResponse {
+            version_info: typed.version.clone(),
+            resources,
+            type_url: t.to_string(),
+            nonce,
+            ..Default::default()
+        };
+        self.metrics.pushed(t);
+        self.tx
+            .send_timeout(Ok(response), SEND_TIMEOUT)
+            .await
+            .map_err(|e| match e {
+                mpsc::error::SendTimeoutError::Timeout(_) => {
+                    End::Status(Status::deadline_exceeded(format!(
+                        "the proxy took no response for {SEND_TIMEOUT:?}"
+                    )))
+                }
+                mpsc::error::SendTimeoutError::Closed(_) => End::Gone,
+            })
+    }
+}
+
+/// The metrics label of a type URL.
+pub fn short_type(t: &str) -> &'static str {
+    match t {
+        resources::LISTENER => "lds",
+        resources::CLUSTER => "cds",
+        resources::ENDPOINTS => "eds",
+        _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::push::Debounce;
+    use crate::discovery::registry::ProxyInfo;
+
+    fn setup() -> Arc<Discovery> {
+        let (d, _debounce) = Discovery::new("cluster.local", Debounce::default());
+        d.update(|r| {
+            r.apply_proxy(
+                PodKey {
+                    namespace: "shop".into(),
+                    name: "web-0".into(),
+                },
+                ProxyInfo {
+                    ip: Some("10.0.0.7".into()),
+                    service_account: "web".into(),
+                    outbound: None,
+                },
+            )
+        });
+        d
+    }
+
+    fn caller(ns: &str, sa: &str, pod: Option<&str>) -> Caller {
+        Caller {
+            namespace: ns.into(),
+            service_account: sa.into(),
+            pod: pod.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn only_the_pods_own_caller_is_entitled() {
+        let d = setup();
+        let id: NodeId = "sidecar~10.0.0.7~web-0.shop~shop.svc.cluster.local"
+            .parse()
+            .expect("id");
+        assert!(entitled(&d, &caller("shop", "web", Some("web-0")), &id).is_ok());
+        assert!(entitled(&d, &caller("shop", "web", None), &id).is_ok());
+        for (c, id, reason) in [
+            (caller("shop", "other", None), id.clone(), "not_its_pod"),
+            (caller("evil", "web", None), id.clone(), "not_its_pod"),
+            (
+                caller("shop", "web", Some("web-1")),
+                id.clone(),
+                "not_its_pod",
+            ),
+            (
+                caller("shop", "web", None),
+                NodeId {
+                    ip: "10.0.0.8".into(),
+                    ..id.clone()
+                },
+                "not_its_pod",
+            ),
+            (
+                caller("shop", "web", None),
+                NodeId {
+                    pod: "web-9".into(),
+                    ..id.clone()
+                },
+                "unknown_pod",
+            ),
+        ] {
+            let e = entitled(&d, &c, &id).expect_err("refused");
+            assert_eq!(e.reason(), reason, "{e}");
+            assert_eq!(e.status().code(), tonic::Code::PermissionDenied, "{e}");
+        }
+    }
+}

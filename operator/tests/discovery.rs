@@ -1,0 +1,783 @@
+//! The discovery server over TLS, driven by a real gRPC ADS client (Envoy's
+//! stubs from envoy-types), with the registry fed directly and a test
+//! double for the API server's TokenReview.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use futures::StreamExt;
+use remora_contract::discovery::TOKEN_AUDIENCE;
+use remora_operator::discovery::Metrics;
+use remora_operator::discovery::push::{Debounce, Discovery};
+use remora_operator::discovery::registry::{
+    PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
+};
+use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER, decode};
+use remora_operator::discovery::serve::{Limits, limits, serve};
+use remora_operator::discovery::server::AdsService;
+use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
+use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
+use remora_test_support::h2_client::{self, H2};
+use remora_test_support::jwt;
+use remora_test_support::wait::wait_until;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+const SERVER_NAME: &str = "remora-operator.ops.svc";
+const EXP: u64 = 4_000_000_000;
+/// Token nonces the double knows: shop/web (pod-bound or not), shop/db.
+const WEB: u64 = 1;
+const DB: u64 = 2;
+const WAIT: Duration = Duration::from_secs(10);
+const CART: &str = "outbound|80||cart.shop.svc.cluster.local";
+
+/// Test double of the API server's TokenReview.
+struct TokenReviewDouble;
+
+impl Authenticate for TokenReviewDouble {
+    async fn authenticate(&self, token: &str) -> Result<Caller, AuthError> {
+        let sa = if token == jwt::service_account(TOKEN_AUDIENCE, EXP, WEB) {
+            "web"
+        } else if token == jwt::service_account(TOKEN_AUDIENCE, EXP, DB) {
+            "db"
+        } else {
+            return Err(AuthError::Rejected("invalid bearer token".into()));
+        };
+        Ok(Caller {
+            namespace: "shop".into(),
+            service_account: sa.into(),
+            pod: None,
+        })
+    }
+}
+
+fn cart() -> remora_contract::discovery::ServiceHost {
+    remora_contract::discovery::ServiceHost {
+        name: "cart".into(),
+        namespace: "shop".into(),
+    }
+}
+
+fn pod(name: &str) -> PodKey {
+    PodKey {
+        namespace: "shop".into(),
+        name: name.into(),
+    }
+}
+
+fn slice(ips: &[&str]) -> SliceInfo {
+    SliceInfo {
+        service: Some(cart()),
+        ports: [("http".to_string(), 8080)].into(),
+        ready: ips.iter().map(|i| i.parse().expect("ip")).collect(),
+    }
+}
+
+struct Server {
+    addr: SocketAddr,
+    bundle: String,
+    discovery: Arc<Discovery>,
+    metrics: Metrics,
+    stop: CancellationToken,
+}
+
+impl Server {
+    async fn start() -> Self {
+        Self::start_with(Duration::ZERO, limits()).await
+    }
+
+    /// A server whose streams wait up to `pod_wait` for an unknown pod.
+    async fn start_waiting(pod_wait: Duration) -> Self {
+        Self::start_with(pod_wait, limits()).await
+    }
+
+    async fn start_with(pod_wait: Duration, limits: Limits) -> Self {
+        let p = roots::Policy {
+            validity: Duration::from_secs(3600),
+            settle: Duration::from_secs(60),
+            overlap: Duration::from_secs(120),
+        };
+        let now = SystemTime::now();
+        let r = roots::apply(None, roots::Step::Create, &p, now - Duration::from_secs(60))
+            .expect("root");
+        let authority = Authority::new(&r, &[SERVER_NAME.to_string()], now).expect("authority");
+        let bundle = authority.bundle.clone();
+        let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
+        let (discovery, debounce) = Discovery::new(
+            "cluster.local",
+            Debounce {
+                quiet: Duration::from_millis(10),
+                max_delay: Duration::from_millis(50),
+            },
+        );
+        tokio::spawn(debounce);
+        discovery.update(|r| {
+            let mut t = Vec::new();
+            t.extend(r.apply_service(
+                cart(),
+                ServiceInfo {
+                    ports: vec![ServicePort {
+                        port: 80,
+                        name: "http".into(),
+                        protocol: Protocol::Http,
+                    }],
+                },
+            ));
+            t.extend(r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.1"])));
+            for (name, sa, ip) in [("web-0", "web", "127.0.0.1"), ("db-0", "db", "127.0.0.1")] {
+                t.extend(r.apply_proxy(
+                    pod(name),
+                    ProxyInfo {
+                        ip: Some(ip.into()),
+                        service_account: sa.into(),
+                        outbound: Some("15001:cart.shop:80".into()),
+                    },
+                ));
+            }
+            t
+        });
+        let metrics = Metrics::default();
+        let stop = CancellationToken::new();
+        let svc = AdsService {
+            auth: TokenReviewDouble,
+            gate: Gate::new(TOKEN_AUDIENCE, GateLimits::default()),
+            discovery: Arc::clone(&discovery),
+            metrics: metrics.clone(),
+            shutdown: stop.clone(),
+            pod_wait,
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let token = stop.clone();
+        tokio::spawn(async move {
+            let _tx = tx;
+            serve(listener, svc, Arc::new(ServingCert(rx)), limits, token)
+                .await
+                .expect("served");
+        });
+        Self {
+            addr,
+            bundle,
+            discovery,
+            metrics,
+            stop,
+        }
+    }
+
+    async fn connect(&self) -> H2<tonic::body::Body> {
+        let me: IpAddr = "127.0.0.1".parse().expect("ip");
+        h2_client::connect(me, self.addr, SERVER_NAME, &self.bundle)
+            .await
+            .expect("connected")
+    }
+}
+
+type Client = AggregatedDiscoveryServiceClient<
+    tower::util::BoxCloneSyncService<
+        http::Request<tonic::body::Body>,
+        http::Response<hyper::body::Incoming>,
+        hyper::Error,
+    >,
+>;
+
+fn client(h2: &H2<tonic::body::Body>) -> Client {
+    let sender = h2.sender.clone();
+    let svc = tower::service_fn(move |req: http::Request<tonic::body::Body>| {
+        let mut sender = sender.clone();
+        async move {
+            sender.ready().await?;
+            sender.send_request(req).await
+        }
+    });
+    AggregatedDiscoveryServiceClient::with_origin(
+        tower::util::BoxCloneSyncService::new(svc),
+        format!("https://{SERVER_NAME}").parse().expect("origin"),
+    )
+}
+
+/// One ADS stream, as a proxy holds it.
+struct Proxy {
+    tx: mpsc::UnboundedSender<DiscoveryRequest>,
+    rx: tonic::Streaming<DiscoveryResponse>,
+}
+
+fn node(pod: &str) -> Option<Node> {
+    Some(Node {
+        id: format!("sidecar~127.0.0.1~{pod}.shop~shop.svc.cluster.local"),
+        ..Default::default()
+    })
+}
+
+fn request(t: &str, names: &[&str], ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
+    DiscoveryRequest {
+        type_url: t.into(),
+        resource_names: names.iter().map(|n| n.to_string()).collect(),
+        version_info: ack.map(|r| r.version_info.clone()).unwrap_or_default(),
+        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+/// Open a stream whose first request is `first`, with `token` (if any).
+async fn open(
+    c: &mut Client,
+    token: Option<&str>,
+    first: DiscoveryRequest,
+) -> Result<Proxy, tonic::Status> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tx.send(first).expect("queued");
+    let mut req = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+    if let Some(t) = token {
+        let v = format!("Bearer {t}").parse().expect("header value");
+        req.metadata_mut().insert("authorization", v);
+    }
+    let rx = c.stream_aggregated_resources(req).await?.into_inner();
+    Ok(Proxy { tx, rx })
+}
+
+impl Proxy {
+    async fn next(&mut self) -> Result<DiscoveryResponse, tonic::Status> {
+        match tokio::time::timeout(WAIT, self.rx.next()).await {
+            Ok(Some(r)) => r,
+            Ok(None) => Err(tonic::Status::aborted("the stream ended")),
+            Err(_) => panic!("no response within {WAIT:?}"),
+        }
+    }
+
+    fn send(&self, r: DiscoveryRequest) {
+        self.tx.send(r).expect("sent");
+    }
+}
+
+fn token(n: u64) -> String {
+    jwt::service_account(TOKEN_AUDIENCE, EXP, n)
+}
+
+/// The first request of `pod`'s proxy.
+fn hello(pod: &str) -> DiscoveryRequest {
+    DiscoveryRequest {
+        node: node(pod),
+        ..request(CLUSTER, &[], None)
+    }
+}
+
+/// A proxy subscribed to CDS, LDS and EDS, every response ACKed. Returns
+/// the last EDS response.
+async fn subscribed(p: &mut Proxy) -> DiscoveryResponse {
+    let cds = p.next().await.expect("cds");
+    assert_eq!(cds.type_url, CLUSTER);
+    p.send(request(CLUSTER, &[], Some(&cds)));
+    p.send(request(LISTENER, &[], None));
+    let lds = p.next().await.expect("lds");
+    assert_eq!(lds.type_url, LISTENER);
+    p.send(request(LISTENER, &[], Some(&lds)));
+    p.send(request(ENDPOINTS, &[CART], None));
+    let eds = p.next().await.expect("eds");
+    assert_eq!(eds.type_url, ENDPOINTS);
+    p.send(request(ENDPOINTS, &[CART], Some(&eds)));
+    eds
+}
+
+fn endpoints(r: &DiscoveryResponse) -> Vec<String> {
+    let cla: ClusterLoadAssignment = decode(&r.resources[0]).expect("cla");
+    cla.endpoints
+        .iter()
+        .flat_map(|l| &l.lb_endpoints)
+        .map(|e| format!("{e:?}"))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_proxy_gets_its_declared_service_then_endpoint_changes_as_eds_only() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+
+    let cds = p.next().await.expect("cds");
+    assert_eq!(cds.type_url, CLUSTER);
+    assert_eq!(cds.resources.len(), 1, "its declared Service only");
+    p.send(request(CLUSTER, &[], Some(&cds)));
+    p.send(request(LISTENER, &[], None));
+    let lds = p.next().await.expect("lds");
+    assert_eq!(lds.resources.len(), 1);
+    p.send(request(LISTENER, &[], Some(&lds)));
+    // A name outside its scope is not returned, and counted.
+    p.send(request(
+        ENDPOINTS,
+        &[CART, "outbound|80||secret.other.svc.cluster.local"],
+        None,
+    ));
+    let eds = p.next().await.expect("eds");
+    assert_eq!(eds.resources.len(), 1);
+    assert_eq!(endpoints(&eds).len(), 1);
+    assert_eq!(s.metrics.out_of_scope_total(ENDPOINTS), 1);
+    // The ACK narrows the names to its own: answered, with the same version.
+    p.send(request(ENDPOINTS, &[CART], Some(&eds)));
+    let narrowed = p.next().await.expect("eds");
+    assert_eq!(narrowed.version_info, eds.version_info);
+    p.send(request(ENDPOINTS, &[CART], Some(&narrowed)));
+
+    // The endpoints change: EDS alone is pushed, twice in a row (a CDS or
+    // LDS push of the first batch would come before the second EDS).
+    let pushes = |t| s.metrics.pushes_total(t);
+    let (cds_before, lds_before) = (pushes(CLUSTER), pushes(LISTENER));
+    for ips in [&["10.1.0.1", "10.1.0.2"][..], &["10.1.0.3"][..]] {
+        s.discovery
+            .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(ips)));
+        let pushed = p.next().await.expect("push");
+        assert_eq!(pushed.type_url, ENDPOINTS, "EDS only");
+        assert_eq!(endpoints(&pushed).len(), ips.len());
+        p.send(request(ENDPOINTS, &[CART], Some(&pushed)));
+    }
+    assert_eq!(
+        (pushes(CLUSTER), pushes(LISTENER)),
+        (cds_before, lds_before)
+    );
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_nack_is_counted_and_not_answered_with_the_same_config() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    let eds = subscribed(&mut p).await;
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.9"])));
+    let bad = p.next().await.expect("push");
+    assert_eq!(bad.type_url, ENDPOINTS);
+    // NACK: the previous version, the new nonce, Envoy's error.
+    p.send(DiscoveryRequest {
+        version_info: eds.version_info.clone(),
+        error_detail: Some(RpcStatus {
+            code: 3,
+            message: "endpoint 10.1.0.9: refused by the test".into(),
+            details: vec![],
+        }),
+        ..request(ENDPOINTS, &[CART], Some(&bad))
+    });
+    let nacks = wait_until(WAIT, "the NACK counted", || async {
+        let n = s.metrics.nacks_total(ENDPOINTS);
+        (n > 0).then_some(n)
+    })
+    .await
+    .expect("counted");
+    assert_eq!(nacks, 1);
+    // Nothing is re-sent for it: the next response is the next content.
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.1"])));
+    let next = p.next().await.expect("push");
+    assert_eq!(next.type_url, ENDPOINTS);
+    assert_ne!(next.version_info, bad.version_info);
+    assert_eq!(
+        next.version_info, eds.version_info,
+        "the same content as before"
+    );
+    assert_ne!(next.nonce, bad.nonce);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_node_of_another_pod_or_service_account_is_refused() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    // web's token naming db's pod (another ServiceAccount's), an unknown
+    // pod, and another namespace.
+    let other_ns = DiscoveryRequest {
+        node: Some(Node {
+            id: "sidecar~127.0.0.1~web-0.evil~evil.svc.cluster.local".into(),
+            ..Default::default()
+        }),
+        ..request(CLUSTER, &[], None)
+    };
+    for (first, why) in [
+        (hello("db-0"), "ServiceAccount"),
+        (hello("web-9"), "no injected pod"),
+        (other_ns, "namespace"),
+    ] {
+        let status = match open(&mut c, Some(&token(WEB)), first).await {
+            Ok(mut p) => p.next().await.expect_err("refused"),
+            Err(s) => s,
+        };
+        assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+        assert!(status.message().contains(why), "{status:?}");
+    }
+    // db's own token for its own pod is served.
+    let mut p = open(&mut c, Some(&token(DB)), hello("db-0"))
+        .await
+        .expect("admitted");
+    assert_eq!(p.next().await.expect("cds").type_url, CLUSTER);
+    assert_eq!(s.metrics.refused_total("not_its_pod"), 2);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn no_token_no_node_or_a_bad_type_is_refused() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let refused = |r: Result<Proxy, tonic::Status>| async {
+        match r {
+            Ok(mut p) => p.next().await.expect_err("refused"),
+            Err(s) => s,
+        }
+    };
+    let st = refused(open(&mut c, None, hello("web-0")).await).await;
+    assert_eq!(st.code(), tonic::Code::Unauthenticated, "{st:?}");
+    let st = refused(open(&mut c, Some("not-a-jwt"), hello("web-0")).await).await;
+    assert_eq!(st.code(), tonic::Code::Unauthenticated, "{st:?}");
+    let st = refused(open(&mut c, Some(&token(WEB)), request(CLUSTER, &[], None)).await).await;
+    assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+    let bad_type = DiscoveryRequest {
+        type_url: "type.googleapis.com/envoy.config.route.v3.RouteConfiguration".into(),
+        ..hello("web-0")
+    };
+    let st = refused(open(&mut c, Some(&token(WEB)), bad_type).await).await;
+    assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+    // Delta is a later step, said so.
+    let (_tx, rx) = mpsc::unbounded_channel();
+    let st = c
+        .delta_aggregated_resources(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .expect_err("unimplemented");
+    assert_eq!(st.code(), tonic::Code::Unimplemented, "{st:?}");
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn an_oversized_request_ends_the_stream() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    assert_eq!(p.next().await.expect("cds").type_url, CLUSTER);
+    let name = "x".repeat(1024);
+    let names: Vec<&str> = std::iter::repeat_n(name.as_str(), 1100).collect();
+    p.send(request(ENDPOINTS, &names, None));
+    let st = p.next().await.expect_err("refused");
+    assert!(
+        matches!(
+            st.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ),
+        "{st:?}"
+    );
+    // The connection still serves another stream.
+    let mut q = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    assert_eq!(q.next().await.expect("cds").type_url, CLUSTER);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_stream_for_a_pod_not_yet_seen_waits_for_it() {
+    let s = Server::start_waiting(WAIT).await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let opening = tokio::spawn(async move {
+        let mut p = open(&mut c, Some(&token(WEB)), hello("web-1")).await?;
+        p.next().await
+    });
+    // The pod watch brings the pod, before or while the stream waits.
+    s.discovery.update(|r| {
+        r.apply_proxy(
+            pod("web-1"),
+            ProxyInfo {
+                ip: Some("127.0.0.1".into()),
+                service_account: "web".into(),
+                outbound: Some("15001:cart.shop:80".into()),
+            },
+        )
+    });
+    let cds = opening.await.expect("joined").expect("admitted");
+    assert_eq!(cds.type_url, CLUSTER);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn an_open_stream_keeps_its_connection_past_the_idle_time() {
+    let idle = Duration::from_millis(200);
+    let s = Server::start_with(Duration::ZERO, Limits { idle, ..limits() }).await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    let _eds = subscribed(&mut p).await;
+    // A stream with nothing to say for several idle times is not idle.
+    tokio::time::sleep(idle * 3).await;
+    assert!(!h2.conn.is_finished(), "closed with a stream open");
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.5"])));
+    assert_eq!(p.next().await.expect("push").type_url, ENDPOINTS);
+    // Once the stream ends, the connection is idle, and closed cleanly.
+    drop(p);
+    drop(c);
+    let closed = tokio::time::timeout(WAIT, h2.conn)
+        .await
+        .expect("the idle connection is closed within 10 s")
+        .expect("connection task");
+    assert!(closed.is_ok(), "{closed:?}");
+    s.stop.cancel();
+}
+
+/// GET `path` of Envoy's admin interface; `None` while it does not answer.
+async fn admin(port: u16, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: envoy\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.ok()?;
+    Some(out)
+}
+
+/// A backend on `ip:port` answering every request (HTTP/1.1 or h2c) with
+/// an empty 200 naming it in `x-backend`.
+async fn backend(ip: &str, port: u16) -> Option<()> {
+    let listener = tokio::net::TcpListener::bind((ip, port)).await.ok()?;
+    let name = ip.to_string();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let name = name.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |_req| {
+                    let name = name.clone();
+                    async move {
+                        http::Response::builder()
+                            .header("x-backend", name)
+                            .body(String::new())
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+            });
+        }
+    });
+    Some(())
+}
+
+/// `n` requests on one connection to `127.0.0.1:port` (HTTP/1.1 keep-alive,
+/// or h2c), counted by the backend that answered.
+async fn calls(port: u16, n: usize, h2c: bool) -> std::collections::BTreeMap<String, usize> {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the sidecar's listener");
+    let mut counted = std::collections::BTreeMap::new();
+    let req = || {
+        http::Request::builder()
+            .uri(format!("http://cart.shop:{port}/"))
+            .header("host", "cart.shop")
+            .body(String::new())
+            .expect("request")
+    };
+    let backend_of = |r: http::Response<hyper::body::Incoming>| {
+        assert_eq!(r.status(), 200, "{r:?}");
+        r.headers()
+            .get("x-backend")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("?")
+            .to_string()
+    };
+    if h2c {
+        let (mut send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+                .await
+                .expect("h2c");
+        tokio::spawn(conn);
+        for _ in 0..n {
+            let r = send.send_request(req()).await.expect("answered");
+            *counted.entry(backend_of(r)).or_default() += 1;
+        }
+    } else {
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .await
+            .expect("http/1.1");
+        tokio::spawn(conn);
+        for _ in 0..n {
+            send.ready().await.expect("the connection is kept");
+            let r = send.send_request(req()).await.expect("answered");
+            *counted.entry(backend_of(r)).or_default() += 1;
+        }
+    }
+    counted
+}
+
+/// The real Envoy, pointed at the server as a sidecar is (TLS, its token in
+/// the stream's metadata), takes the listeners, clusters and endpoints,
+/// follows endpoint changes, and balances one connection's requests
+/// (HTTP/1.1 and h2c) over the Service's endpoints; nothing is NACKed.
+#[tokio::test]
+async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
+    let s = Server::start().await;
+    let (listen, admin_port) = (
+        remora_test_support::ports::free_port(),
+        remora_test_support::ports::free_port(),
+    );
+    s.discovery.update(|r| {
+        r.apply_proxy(
+            pod("envoy-0"),
+            ProxyInfo {
+                ip: Some("127.0.0.1".into()),
+                service_account: "web".into(),
+                outbound: Some(
+                    format!("{listen}:cart.shop:80,{}:example.org:443", listen + 1).into(),
+                ),
+            },
+        )
+    });
+    let bootstrap = serde_json::json!({
+        "node": {
+            "id": "sidecar~127.0.0.1~envoy-0.shop~shop.svc.cluster.local",
+            "cluster": "envoy-0.shop"
+        },
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{
+                    "envoy_grpc": {"cluster_name": "xds"},
+                    "initial_metadata": [{"key": "authorization", "value": format!("Bearer {}", token(WEB))}]
+                }]
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"}
+        },
+        "static_resources": {"clusters": [{
+            "name": "xds",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}
+                }
+            },
+            "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": "127.0.0.1", "port_value": s.addr.port()}
+            }}}]}]},
+            "transport_socket": {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "sni": SERVER_NAME,
+                    "common_tls_context": {
+                        "alpn_protocols": ["h2"],
+                        "validation_context": {"trusted_ca": {"inline_string": s.bundle}}
+                    }
+                }
+            }
+        }]}
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("envoy.json");
+    std::fs::write(&path, bootstrap.to_string()).expect("bootstrap written");
+    let mut envoy =
+        tokio::process::Command::new(remora_test_support::bins::envoy_bin().expect("Envoy binary"))
+            .args(["--disable-hot-restart", "--log-level", "error", "-c"])
+            .arg(&path)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("Envoy starts");
+
+    let has = |path: &'static str, want: String| async move {
+        wait_until(
+            Duration::from_secs(30),
+            &format!("{path} shows {want}"),
+            || {
+                let want = want.clone();
+                async move {
+                    admin(admin_port, path)
+                        .await
+                        .filter(|b| b.contains(&want))
+                        .map(|_| ())
+                }
+            },
+        )
+        .await
+        .expect("Envoy took it");
+    };
+    has(
+        "/listeners",
+        format!("outbound_{listen}::127.0.0.1:{listen}"),
+    )
+    .await;
+    has("/clusters", format!("{CART}::10.1.0.1:8080::")).await;
+    has(
+        "/clusters",
+        format!("outbound|{}|example.org|443::", listen + 1),
+    )
+    .await;
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.2"])));
+    has("/clusters", format!("{CART}::10.1.0.2:8080::")).await;
+
+    // Two backends behind the Service: one connection's requests reach
+    // both, over HTTP/1.1 keep-alive and over h2c (balanced per request).
+    let port = remora_test_support::ports::free_port();
+    let (a, b) = ("127.0.0.2", "127.0.0.3");
+    backend(a, port).await.expect("backend a");
+    backend(b, port).await.expect("backend b");
+    s.discovery.update(|r| {
+        r.apply_slice(
+            ("shop".into(), "cart-1".into()),
+            SliceInfo {
+                ports: [("http".to_string(), port)].into(),
+                ..slice(&[a, b])
+            },
+        )
+    });
+    has("/clusters", format!("{CART}::{b}:{port}::")).await;
+    for h2c in [false, true] {
+        let counted = calls(listen, 20, h2c).await;
+        assert_eq!(
+            counted.keys().collect::<Vec<_>>(),
+            [a, b],
+            "h2c {h2c}: {counted:?}"
+        );
+        println!("discovery: 20 calls on one connection (h2c {h2c}) reached {counted:?}");
+    }
+    for t in [LISTENER, CLUSTER, ENDPOINTS] {
+        assert_eq!(s.metrics.nacks_total(t), 0, "{t} NACKed");
+    }
+    let stats = admin(admin_port, "/stats?filter=update_rejected")
+        .await
+        .expect("stats");
+    assert!(
+        stats
+            .lines()
+            .filter(|l| l.contains("update_rejected"))
+            .all(|l| l.ends_with(": 0")),
+        "{stats}"
+    );
+    envoy.kill().await.expect("Envoy stopped");
+    s.stop.cancel();
+}
