@@ -18,5 +18,6 @@ pub mod sds;
 pub mod servers;
 pub mod supervisor;
 pub mod telemetry;
+pub mod token;
 pub mod unix_socket;
 pub mod xds;

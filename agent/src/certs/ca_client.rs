@@ -103,19 +103,12 @@ impl GrpcIssuer {
     }
 
     async fn token(&self) -> Result<String, CaError> {
-        let terr = |reason: String| CaError::Token {
-            path: self.token_path.clone(),
-            reason,
-        };
-        // Read on every call: projected service-account tokens rotate.
-        let t = tokio::fs::read_to_string(&self.token_path)
+        crate::token::read(&self.token_path)
             .await
-            .map_err(|e| terr(e.to_string()))?;
-        let t = t.trim();
-        if t.is_empty() {
-            return Err(terr("empty".into()));
-        }
-        Ok(t.to_string())
+            .map_err(|reason| CaError::Token {
+                path: self.token_path.clone(),
+                reason,
+            })
     }
 }
 

@@ -82,18 +82,12 @@ impl UpstreamConfig {
     }
 
     async fn token(&self) -> Result<String, UpstreamError> {
-        let terr = |reason: String| UpstreamError::Token {
-            path: self.token_path.clone(),
-            reason,
-        };
-        let t = tokio::fs::read_to_string(&self.token_path)
+        crate::token::read(&self.token_path)
             .await
-            .map_err(|e| terr(e.to_string()))?;
-        let t = t.trim();
-        if t.is_empty() {
-            return Err(terr("empty".into()));
-        }
-        Ok(t.to_string())
+            .map_err(|reason| UpstreamError::Token {
+                path: self.token_path.clone(),
+                reason,
+            })
     }
 
     fn tls(&self, host: &str) -> Result<ClientTlsConfig, UpstreamError> {
