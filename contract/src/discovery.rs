@@ -87,7 +87,9 @@ impl FromStr for NodeId {
 
 /// A Service named in `remora.dev/outbound`: `name.namespace`,
 /// `name.namespace.svc` or `name.namespace.svc.<domain>`. Whether it names a
-/// Service that exists is the server's to say; a host that does not parse
+/// Service that exists is the server's to say (`example.org` parses, as
+/// Service `example` in namespace `org`: the server keeps such a host static
+/// unless it knows the Service); a host that does not parse
 /// (an IP, `localhost`, a name of one label or more than the shapes above)
 /// is a static upstream.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
