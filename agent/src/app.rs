@@ -194,13 +194,9 @@ async fn check_envoy_ports(cfg: &RunConfig) -> Result<(), AppError> {
             port,
         ));
     }
-    // In discovery mode the outbound listeners are the server's to bind.
-    let outbound = if cfg.discovery().is_some() {
-        &[][..]
-    } else {
-        &cfg.outbound[..]
-    };
-    for o in outbound {
+    // In discovery mode Envoy binds these when the server's listeners come,
+    // so they must be free all the same.
+    for o in &cfg.outbound {
         ports.push((
             "outbound listener".to_string(),
             IpAddr::V4(Ipv4Addr::LOCALHOST),

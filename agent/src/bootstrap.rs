@@ -120,16 +120,16 @@ pub fn generate(
             extras.inbound_transport_socket.as_ref(),
         ));
     }
-    // With a discovery server, outbound listeners come from it; only the
-    // listeners that exist whatever the server says stay static.
-    let outbound = if cfg.discovery().is_some() {
-        &[][..]
-    } else {
-        &cfg.outbound[..]
-    };
-    for spec in outbound {
+    // With a discovery server, outbound listeners come from it (only the
+    // listeners that exist whatever the server says stay static), but their
+    // ports are still the pod's: one that clashes with a sidecar port is
+    // refused here, not left for Envoy to reject.
+    for spec in &cfg.outbound {
         if !ports.insert(spec.port) {
             return Err(BootstrapError::DuplicatePort(spec.port));
+        }
+        if cfg.discovery().is_some() {
+            continue;
         }
         let cluster = format!(
             "outbound|{}|{}|{}",
@@ -497,6 +497,20 @@ mod tests {
             b["node"]["id"],
             "sidecar~10.0.0.7~web-1.shop~shop.svc.cluster.local"
         );
+        // The server binds the outbound ports, but one that is a sidecar
+        // port is still refused at start.
+        let clash = cfg(&[
+            "--discovery-address",
+            "x:1",
+            "--inbound",
+            "15006:8080",
+            "--outbound",
+            "15006:cart.shop:80",
+        ]);
+        assert!(matches!(
+            generate(&clash, &Extras::default(), None),
+            Err(BootstrapError::DuplicatePort(15006))
+        ));
         let bad_node = cfg(&["--discovery-address", "x:1", "--pod-name", "a~b"]);
         assert!(matches!(
             generate(&bad_node, &Extras::default(), None),

@@ -423,6 +423,13 @@ impl RunConfig {
             if !seen.insert(spec.port) {
                 return Err(invalid("the port is given more than once"));
             }
+            // The discovery server's clusters carry no client TLS yet: refused
+            // rather than sent in plain text.
+            if self.discovery().is_some() {
+                return Err(invalid(
+                    "not yet carried with --discovery-address (the discovery server's clusters have no TLS yet); drop one of them",
+                ));
+            }
         }
         Ok(())
     }
@@ -724,6 +731,14 @@ pub(crate) mod tests {
                     "--outbound-tls=15001=spiffe://a/b,15001=spiffe://a/c",
                 ],
                 "more than once",
+            ),
+            (
+                vec![
+                    "--outbound=15001:a:80",
+                    "--outbound-tls=15001=spiffe://a/b",
+                    "--discovery-address=xds:15010",
+                ],
+                "--discovery-address",
             ),
         ] {
             let err = run(&args, &[]).unwrap_err();
