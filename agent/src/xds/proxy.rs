@@ -18,6 +18,10 @@ use futures::future::BoxFuture;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+
+/// How long an upstream stream must last before its responses reset the
+/// reconnect backoff.
+const STABLE_STREAM: std::time::Duration = std::time::Duration::from_secs(5);
 use tonic::{Request, Response, Status, Streaming};
 
 use super::session::{CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, Reply, Session};
@@ -197,6 +201,10 @@ async fn proxy_stream(
     let mut up = None;
     let mut upstream = connect(shared, &mut session, &mut up);
     let mut failures = 0u64;
+    // When the current upstream stream opened: the backoff starts over only
+    // once a stream has lasted, so a server that answers and then ends every
+    // stream is not dialled (and its TokenReviews spent) every 200 ms.
+    let mut opened_at: Option<tokio::time::Instant> = None;
     let address = &shared.upstream.address;
     loop {
         let event = tokio::select! {
@@ -237,15 +245,18 @@ async fn proxy_stream(
             Event::Connected(Ok(stream)) => {
                 tracing::info!(%address, "ADS stream to the discovery server open");
                 upstream = Upstream::Streaming(Box::new(stream));
+                opened_at = Some(tokio::time::Instant::now());
                 None
             }
             Event::Connected(Err(e)) => Some(e.to_string()),
             Event::Response(Ok(Some(resp))) => {
-                if failures > 0 {
-                    tracing::info!(%address, "the discovery server answers again");
+                if opened_at.is_some_and(|t| t.elapsed() >= STABLE_STREAM) {
+                    if failures > 0 {
+                        tracing::info!(%address, "the discovery server answers again");
+                    }
+                    failures = 0;
+                    backoff = shared.backoff();
                 }
-                failures = 0;
-                backoff = shared.backoff();
                 session.from_server(&resp);
                 if down.send(Ok(resp)).await.is_err() {
                     return;
