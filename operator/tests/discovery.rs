@@ -347,6 +347,65 @@ async fn a_proxy_gets_its_declared_service_then_endpoint_changes_as_eds_only() {
     s.stop.cancel();
 }
 
+/// A proxy whose agent reconnects names, on its new stream, the versions
+/// it holds: what is unchanged is not sent again, and the nonces of the two
+/// streams never meet.
+#[tokio::test]
+async fn a_resumed_stream_gets_only_what_changed() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("admitted");
+    let cds = p.next().await.expect("cds");
+    p.send(request(CLUSTER, &[], Some(&cds)));
+    p.send(request(LISTENER, &[], None));
+    let lds = p.next().await.expect("lds");
+    p.send(request(LISTENER, &[], Some(&lds)));
+    drop(p);
+
+    // The new stream's first requests carry the versions held and no nonce.
+    let resume = |t: &str, version: &str| DiscoveryRequest {
+        version_info: version.into(),
+        ..request(t, &[], None)
+    };
+    let mut q = open(
+        &mut c,
+        Some(&token(WEB)),
+        DiscoveryRequest {
+            node: node("web-0"),
+            ..resume(CLUSTER, &cds.version_info)
+        },
+    )
+    .await
+    .expect("admitted again");
+    q.send(resume(LISTENER, &lds.version_info));
+    // Only EDS, never asked on the first stream, is answered: a resent CDS
+    // or LDS would come before it on the stream.
+    q.send(request(ENDPOINTS, &[CART], None));
+    let first = q.next().await.expect("a response");
+    assert_eq!(first.type_url, ENDPOINTS, "unchanged CDS or LDS resent");
+    assert_ne!(first.nonce, cds.nonce, "a nonce of the earlier stream");
+    assert_ne!(first.nonce, lds.nonce, "a nonce of the earlier stream");
+
+    // A version it does not hold is answered.
+    let mut r = open(
+        &mut c,
+        Some(&token(WEB)),
+        DiscoveryRequest {
+            node: node("web-0"),
+            ..resume(CLUSTER, "stale")
+        },
+    )
+    .await
+    .expect("admitted again");
+    let resent = r.next().await.expect("cds");
+    assert_eq!(resent.type_url, CLUSTER);
+    assert_eq!(resent.version_info, cds.version_info);
+    s.stop.cancel();
+}
+
 #[tokio::test]
 async fn a_nack_is_counted_and_not_answered_with_the_same_config() {
     let s = Server::start().await;
@@ -637,7 +696,10 @@ async fn calls(port: u16, n: usize, h2c: bool) -> std::collections::BTreeMap<Str
 #[tokio::test]
 async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
     let s = Server::start().await;
-    let (listen, admin_port) = (
+    // Each port free when picked: the outbound listeners Envoy binds must
+    // not meet the other tests' servers (an adjacent port could).
+    let (listen, listen_static, admin_port) = (
+        remora_test_support::ports::free_port(),
         remora_test_support::ports::free_port(),
         remora_test_support::ports::free_port(),
     );
@@ -648,7 +710,7 @@ async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
                 ip: Some("127.0.0.1".into()),
                 service_account: "web".into(),
                 outbound: Some(
-                    format!("{listen}:cart.shop:80,{}:example.org:443", listen + 1).into(),
+                    format!("{listen}:cart.shop:80,{listen_static}:example.org:443").into(),
                 ),
             },
         )
@@ -733,7 +795,7 @@ async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
     has("/clusters", format!("{CART}::10.1.0.1:8080::")).await;
     has(
         "/clusters",
-        format!("outbound|{}|example.org|443::", listen + 1),
+        format!("outbound|{listen_static}|example.org|443::"),
     )
     .await;
     s.discovery

@@ -46,8 +46,9 @@ use super::resources::{self, Snapshot};
 use crate::grpc_server::Peer;
 use crate::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, bearer};
 
-/// How long a new stream may take to send its first request.
-const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an authenticated stream may take to send its first request
+/// (Envoy sends it as it opens the stream).
+const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Responses queued for one stream before the stream waits for its proxy.
 const QUEUE: usize = 4;
 /// How long a stream waits for its proxy to take a response: one that
@@ -63,6 +64,10 @@ pub enum Refusal {
     NoNode,
     #[error("no request within {0:?}")]
     Silent(Duration),
+    /// The first request could not be read (too large, say): its status is
+    /// said back as it is.
+    #[error("the first request could not be read: {}", .0.message())]
+    Unreadable(Status),
     #[error("{0}")]
     BadNode(String),
     #[error("no injected pod {0}/{1} is known (yet)")]
@@ -91,7 +96,7 @@ impl Refusal {
     pub fn reason(&self) -> &'static str {
         match self {
             Self::Auth(e) => e.reason(),
-            Self::NoNode | Self::BadNode(_) | Self::Silent(_) => "bad_node",
+            Self::NoNode | Self::BadNode(_) | Self::Silent(_) | Self::Unreadable(_) => "bad_node",
             Self::UnknownPod(..) => "unknown_pod",
             Self::OtherNamespace { .. }
             | Self::OtherServiceAccount { .. }
@@ -107,6 +112,7 @@ impl Refusal {
             Self::Auth(_) => Status::unauthenticated(msg),
             Self::NoNode | Self::BadNode(_) => Status::invalid_argument(msg),
             Self::Silent(_) => Status::deadline_exceeded(msg),
+            Self::Unreadable(status) => status.clone(),
             Self::UnknownPod(..)
             | Self::OtherNamespace { .. }
             | Self::OtherServiceAccount { .. }
@@ -143,10 +149,30 @@ impl<A: Authenticate> AdsService<A> {
         source: Option<std::net::IpAddr>,
         first: &DiscoveryRequest,
     ) -> Result<PodKey, Refusal> {
+        let caller = self.caller(authorization, source).await?;
+        self.entitle(&caller, first).await
+    }
+
+    /// Who holds the stream's token: asked before its first request is
+    /// awaited, so a stream without a valid token holds no place meanwhile.
+    pub async fn caller(
+        &self,
+        authorization: Option<&str>,
+        source: Option<std::net::IpAddr>,
+    ) -> Result<Caller, Refusal> {
         let token = bearer(authorization)?;
+        Ok(self.gate.authenticate(&self.auth, token, source).await?)
+    }
+
+    /// Which pod `caller` is served as, from the node of its first request.
+    pub async fn entitle(
+        &self,
+        caller: &Caller,
+        first: &DiscoveryRequest,
+    ) -> Result<PodKey, Refusal> {
         let node = first.node.as_ref().ok_or(Refusal::NoNode)?;
         let id: NodeId = node.id.parse().map_err(Refusal::BadNode)?;
-        let caller = self.gate.authenticate(&self.auth, token, source).await?;
+        let caller = caller.clone();
         let deadline = tokio::time::Instant::now() + self.pod_wait;
         // Subscribed before the first look: a batch after it is seen.
         let mut batches = self.discovery.batches();
@@ -223,19 +249,18 @@ impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
             .map(str::to_string);
         let source = request.extensions().get::<Peer>().map(|p| p.0);
         let mut inbound = request.into_inner();
-        let first = match tokio::time::timeout(FIRST_REQUEST_TIMEOUT, inbound.next()).await {
-            Err(_) => Err(Refusal::Silent(FIRST_REQUEST_TIMEOUT)),
-            Ok(None) => Err(Refusal::NoNode),
-            Ok(Some(Err(status))) => return Err(status),
-            Ok(Some(Ok(first))) => Ok(first),
-        };
-        let admitted = match first {
-            Ok(first) => self
-                .admit(authorization.as_deref(), source, &first)
-                .await
-                .map(|pod| (pod, first)),
-            Err(e) => Err(e),
-        };
+        let admitted = async {
+            let caller = self.caller(authorization.as_deref(), source).await?;
+            let first = match tokio::time::timeout(FIRST_REQUEST_TIMEOUT, inbound.next()).await {
+                Err(_) => return Err(Refusal::Silent(FIRST_REQUEST_TIMEOUT)),
+                Ok(None) => return Err(Refusal::NoNode),
+                Ok(Some(Err(status))) => return Err(Refusal::Unreadable(status)),
+                Ok(Some(Ok(first))) => first,
+            };
+            let pod = self.entitle(&caller, &first).await?;
+            Ok((pod, first))
+        }
+        .await;
         let (pod, first) = match admitted {
             Ok(a) => a,
             Err(e) => {
@@ -250,6 +275,7 @@ impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
             discovery: Arc::clone(&self.discovery),
             metrics: self.metrics.clone(),
             types: BTreeMap::new(),
+            nonce_prefix: format!("{:08x}", rand::random::<u32>()),
             nonce: 0,
             snapshot: Snapshot::default(),
             tx,
@@ -286,6 +312,9 @@ struct ProxyStream {
     discovery: Arc<Discovery>,
     metrics: Metrics,
     types: BTreeMap<&'static str, TypeState>,
+    /// Random per stream, so an answer to a nonce of an earlier stream of
+    /// the same proxy (sent before a reconnect) never matches this one's.
+    nonce_prefix: String,
     nonce: u64,
     snapshot: Snapshot,
     tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
@@ -396,6 +425,21 @@ impl ProxyStream {
             }
         }
         state.names = req.resource_names;
+        // A proxy resuming on a new stream (its agent reconnected) names the
+        // version it holds: if that is what this stream would send, it is
+        // taken as sent and accepted, so a reconnect costs no resend.
+        if state.sent.is_none()
+            && req.response_nonce.is_empty()
+            && !req.version_info.is_empty()
+            && self
+                .snapshot
+                .of_type(t)
+                .is_some_and(|typed| typed.version == req.version_info)
+        {
+            state.sent = Some((req.version_info.clone(), state.names.clone(), String::new()));
+            state.acked = Some(req.version_info);
+            return Ok(());
+        }
         self.send_if_changed(t).await
     }
 
@@ -424,7 +468,7 @@ impl ProxyStream {
             out
         };
         self.nonce += 1;
-        let nonce = self.nonce.to_string();
+        let nonce = format!("{}-{}", self.nonce_prefix, self.nonce);
         state.sent = Some((typed.version.clone(), state.names.clone(), nonce.clone()));
         let response = DiscoveryResponse {
             version_info: typed.version.clone(),
