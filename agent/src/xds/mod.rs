@@ -5,7 +5,8 @@
 //! `<run-dir>/xds.sock` (0600). Each Envoy stream on it is forwarded to one
 //! TLS stream to `--discovery-address` that carries the pod's identity: the
 //! bearer token from `--discovery-token-path` (re-read on each connect), and
-//! the workload certificate as client certificate when the agent has one.
+//! the workload certificate as client certificate when the agent has one
+//! (Remora's discovery server authenticates by the token alone so far).
 //! The server is verified with `--ca-root-cert` and the workload trust
 //! bundle. See [`proxy`] for reconnecting and [`session`] for what is
 //! replayed on a new upstream stream.
