@@ -449,6 +449,11 @@ impl RunConfig {
             .unwrap_or_else(|| self.run_dir.join("sds.sock"))
     }
 
+    /// What Envoy's overload manager reads to close idle connections in a drain.
+    pub fn drain_pressure_path(&self) -> PathBuf {
+        self.run_dir.join(crate::envoy::idle_close::FILE)
+    }
+
     /// The discovery mode's proxy socket, Envoy's ADS endpoint.
     pub fn xds_socket_path(&self) -> PathBuf {
         self.run_dir.join(remora_contract::discovery::PROXY_SOCKET)
