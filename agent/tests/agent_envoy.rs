@@ -1165,8 +1165,11 @@ fn drain_ends_by_the_deadline_when_envoy_hangs() {
     let took = start.elapsed();
     println!("hung Envoy, 2 s drain deadline: the agent exited after {took:?}");
     assert_eq!(status.code(), Some(3), "{}", agent.log());
+    // The deadline holds (a hung Envoy would otherwise keep the agent until
+    // the 10 s wait gives up); the slack is for a loaded 2-core machine
+    // running other tests beside this one, where 200 ms was seen to miss.
     assert!(
-        took < Duration::from_millis(2200),
+        took < Duration::from_millis(3000),
         "{took:?}\n{}",
         agent.log()
     );

@@ -283,15 +283,7 @@ async fn start_workload_ca(
             max: ca_args.cert_max_ttl,
         },
         metrics,
-        events: Some(service::RefusalEvents::new(
-            kube::runtime::events::Recorder::new(
-                client.clone(),
-                kube::runtime::events::Reporter {
-                    controller: crate::identity::FIELD_MANAGER.into(),
-                    instance: Some(args.leader_config().identity),
-                },
-            ),
-        )),
+        events: Some(pod_events(client, args)),
     };
     let limits = ca::serve::Limits {
         max_in_flight: usize::try_from(ca_args.max_in_flight).unwrap_or(usize::MAX),
@@ -361,6 +353,7 @@ fn start_discovery(
         gate: authn::Gate::new(audience, authn::GateLimits::default()),
         discovery: state,
         metrics,
+        events: Some(pod_events(client, args)),
         shutdown: rt.shutdown_token().clone(),
         pod_wait: server::POD_WAIT,
     };
@@ -377,6 +370,18 @@ fn start_discovery(
     );
     tracing::info!(listen = %d_args.listen, "discovery serving");
     Ok(())
+}
+
+/// Warning Events on pods from the servers that answer them (the CA's
+/// refusals, the discovery server's NACKs), as this replica.
+fn pod_events(client: &Client, args: &ServeArgs) -> crate::pod_events::PodEvents {
+    crate::pod_events::PodEvents::new(kube::runtime::events::Recorder::new(
+        client.clone(),
+        kube::runtime::events::Reporter {
+            controller: crate::identity::FIELD_MANAGER.into(),
+            instance: Some(args.leader_config().identity),
+        },
+    ))
 }
 
 /// Sidecars dial the CA at its Service's ClusterIP and check its

@@ -13,5 +13,6 @@ pub mod grpc_server;
 pub mod identity;
 pub mod leader;
 pub mod pki;
+pub mod pod_events;
 pub mod runtime;
 pub mod webhook;

@@ -23,6 +23,7 @@ use remora_operator::discovery::serve::{Limits, limits, serve};
 use remora_operator::discovery::server::AdsService;
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
 use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
+use remora_operator::pod_events::{PodEvents, Warning};
 use remora_test_support::h2_client::{self, H2};
 use remora_test_support::jwt;
 use remora_test_support::wait::wait_until;
@@ -84,6 +85,8 @@ struct Server {
     bundle: String,
     discovery: Arc<Discovery>,
     metrics: Metrics,
+    /// The Warning Events the server would publish.
+    warnings: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<Warning>>,
     stop: CancellationToken,
 }
 
@@ -144,11 +147,13 @@ impl Server {
         });
         let metrics = Metrics::default();
         let stop = CancellationToken::new();
+        let (events, warnings) = PodEvents::channel_for_tests();
         let svc = AdsService {
             auth: TokenReviewDouble,
             gate: Gate::new(TOKEN_AUDIENCE, GateLimits::default()),
             discovery: Arc::clone(&discovery),
             metrics: metrics.clone(),
+            events: Some(events),
             shutdown: stop.clone(),
             pod_wait,
         };
@@ -168,6 +173,7 @@ impl Server {
             bundle,
             discovery,
             metrics,
+            warnings: tokio::sync::Mutex::new(warnings),
             stop,
         }
     }
@@ -436,6 +442,19 @@ async fn a_nack_is_counted_and_not_answered_with_the_same_config() {
     .await
     .expect("counted");
     assert_eq!(nacks, 1);
+    // A Warning Event on the proxy's pod names Envoy's error.
+    let w = tokio::time::timeout(WAIT, s.warnings.lock().await.recv())
+        .await
+        .expect("a warning in time")
+        .expect("a warning");
+    assert_eq!(
+        (w.namespace.as_str(), w.pod.as_str(), w.reason),
+        ("shop", "web-0", "ConfigurationRefused")
+    );
+    assert!(
+        w.note.contains("eds") && w.note.contains("refused by the test"),
+        "{w:?}"
+    );
     // Nothing is re-sent for it: the next response is the next content.
     s.discovery
         .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.1"])));

@@ -24,6 +24,7 @@
 //! concerns the proxy recomputes its resources, and only the types whose
 //! version changed are sent (EDS alone when only endpoints changed).
 
+use crate::pod_events::{PodEvents, Warning};
 use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -130,6 +131,8 @@ pub struct AdsService<A> {
     pub gate: Gate,
     pub discovery: Arc<Discovery>,
     pub metrics: Metrics,
+    /// A Warning Event on a proxy's pod for each configuration it refuses.
+    pub events: Option<PodEvents>,
     /// Ends every stream (UNAVAILABLE: the proxy reconnects elsewhere).
     pub shutdown: CancellationToken,
     /// How long a stream naming a pod the pod watch has not seen yet waits
@@ -274,6 +277,7 @@ impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
             pod,
             discovery: Arc::clone(&self.discovery),
             metrics: self.metrics.clone(),
+            events: self.events.clone(),
             types: BTreeMap::new(),
             nonce_prefix: format!("{:08x}", rand::random::<u32>()),
             nonce: 0,
@@ -311,6 +315,7 @@ struct ProxyStream {
     pod: PodKey,
     discovery: Arc<Discovery>,
     metrics: Metrics,
+    events: Option<PodEvents>,
     types: BTreeMap<&'static str, TypeState>,
     /// Random per stream, so an answer to a nonce of an earlier stream of
     /// the same proxy (sent before a reconnect) never matches this one's.
@@ -416,6 +421,19 @@ impl ProxyStream {
                         self.metrics.nack(t);
                         tracing::warn!(pod = ?self.pod, r#type = short_type(t), version,
                             error = %e.message, "discovery: the proxy refused the configuration (NACK)");
+                        if let Some(events) = &self.events {
+                            events.warn(Warning {
+                                namespace: self.pod.namespace.clone(),
+                                pod: self.pod.name.clone(),
+                                reason: "ConfigurationRefused",
+                                action: "PushConfiguration",
+                                note: format!(
+                                    "Envoy refused {} version {version} and keeps its last good one: {}",
+                                    short_type(t),
+                                    e.message
+                                ),
+                            });
+                        }
                     } else {
                         state.acked = Some(version.clone());
                     }

@@ -5,7 +5,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use kube::runtime::events::{Event, EventType, Recorder};
 use remora_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateService;
 use remora_proto::istio::v1::auth::{IstioCertificateRequest, IstioCertificateResponse};
 use tokio::sync::watch;
@@ -15,6 +14,7 @@ use super::Metrics;
 use super::authn::{AuthError, Authenticate, Caller, Gate, bearer};
 use super::keeper::Authority;
 use super::signer::SignError;
+use crate::pod_events::{PodEvents, Warning};
 
 pub use crate::grpc_server::Peer;
 
@@ -79,28 +79,7 @@ pub struct CaService<A> {
     pub lifetimes: Lifetimes,
     pub metrics: Metrics,
     /// Events for refusals of a known caller (on its pod); `None` in tests.
-    pub events: Option<RefusalEvents>,
-}
-
-/// At most this many refusal Events are being published at once; more are
-/// dropped (counted in the metrics all the same), so that a pod sending bad
-/// requests in a loop cannot make the CA flood the API server.
-const MAX_EVENTS_IN_FLIGHT: usize = 8;
-
-/// Publishes refusal Events, a bounded number at a time.
-#[derive(Clone)]
-pub struct RefusalEvents {
-    recorder: Recorder,
-    slots: Arc<tokio::sync::Semaphore>,
-}
-
-impl RefusalEvents {
-    pub fn new(recorder: Recorder) -> Self {
-        Self {
-            recorder,
-            slots: Arc::new(tokio::sync::Semaphore::new(MAX_EVENTS_IN_FLIGHT)),
-        }
-    }
+    pub events: Option<PodEvents>,
 }
 
 impl<A: Authenticate> CaService<A> {
@@ -144,38 +123,17 @@ impl<A: Authenticate> CaService<A> {
         signed.map_err(|e| (e.into(), Some(caller)))
     }
 
-    /// An Event on the caller's pod, published on a task of its own so
-    /// that the refusal is not held up by the API server.
+    /// A Warning Event on the caller's pod.
     fn record(&self, refusal: &Refusal, caller: &Caller) {
         let (Some(events), Some(pod)) = (&self.events, &caller.pod) else {
             return;
         };
-        let Ok(slot) = Arc::clone(&events.slots).try_acquire_owned() else {
-            tracing::debug!(
-                "workload CA: refusal Events are being published already; dropping this one"
-            );
-            return;
-        };
-        let recorder = events.recorder.clone();
-        let event = Event {
-            type_: EventType::Warning,
-            reason: "CertificateRefused".into(),
-            note: Some(refusal.to_string()),
-            action: "IssueCertificate".into(),
-            secondary: None,
-        };
-        let regarding = k8s_openapi::api::core::v1::ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            name: Some(pod.clone()),
-            namespace: Some(caller.namespace.clone()),
-            ..Default::default()
-        };
-        tokio::spawn(async move {
-            let _slot = slot;
-            if let Err(e) = recorder.publish(&event, &regarding).await {
-                tracing::debug!(error = %e, "workload CA: cannot record the refusal's Event");
-            }
+        events.warn(Warning {
+            namespace: caller.namespace.clone(),
+            pod: pod.clone(),
+            reason: "CertificateRefused",
+            action: "IssueCertificate",
+            note: refusal.to_string(),
         });
     }
 }
