@@ -18,14 +18,15 @@ use crate::envoy::process;
 use crate::hook::{self, Secret};
 use crate::lifecycle::LiveSettings;
 use crate::metrics::Metrics;
+use crate::pod_annotations::{PodAnnotations, StreamCopy};
 use crate::readiness::Readiness;
 use crate::sds::{self, SdsHandle};
 use crate::servers;
 use crate::supervisor::{Control, ExitReason, Supervisor, SupervisorHandle};
 use crate::telemetry::LogLevelHandle;
 use crate::xds::{self, XdsHandle};
-use remora_contract::annotations::STOP as STOP_ANNOTATION;
-use remora_contract::downward::{runs_native, stop_request};
+use remora_contract::annotations::{LIFECYCLE, STOP as STOP_ANNOTATION};
+use remora_contract::downward::{lifecycle_is_native, runs_native, stop_request};
 use remora_contract::mounted::MountedFiles;
 
 /// How often the bootstrap's inputs are checked for changes.
@@ -134,7 +135,21 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
     let sds = sds::start(&cfg, &mut registry, shutdown.clone()).await?;
     // Discovery mode: the proxy is up before Envoy dials it; its guard holds
     // readiness until the first listeners and clusters are in.
-    let xds = xds::start(&cfg, sds.bundles(), &mut registry, shutdown.clone()).await?;
+    // The pod's annotations: pushed on the discovery stream when there is
+    // one, else (and while it is down) the downward-API file.
+    let (pod_annotations, stream_copy) = tokio::sync::watch::channel(None);
+    let live = LiveSettings::new(
+        &cfg,
+        PodAnnotations::new(cfg.annotations_file.clone(), stream_copy),
+    );
+    let xds = xds::start(
+        &cfg,
+        sds.bundles(),
+        pod_annotations,
+        &mut registry,
+        shutdown.clone(),
+    )
+    .await?;
     if let Some(x) = &xds {
         x.hold_readiness(&readiness);
     }
@@ -145,6 +160,7 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         extras,
         readiness.clone(),
         metrics.clone(),
+        live,
     );
     // Render once now: an invalid configuration fails here, not in Envoy.
     let rendered = supervisor.render()?;
@@ -231,7 +247,7 @@ impl App {
                 self.cfg.clone(),
                 self.log.clone(),
                 self.admin_token.clone(),
-                servers::AppPrestop::new(&self.cfg, self.hook_token.clone(), self.handle.clone()),
+                servers::AppPrestop::new(self.hook_token.clone(), self.handle.clone()),
             ),
             shutdown.clone(),
         )));
@@ -240,11 +256,12 @@ impl App {
         tasks.push(signals);
         tasks.push(tokio::spawn(watch_inputs(
             self.cfg.clone(),
+            self.handle.live.clone(),
             self.handle.control.clone(),
             shutdown.clone(),
         )));
         tasks.push(tokio::spawn(watch_stop(
-            self.cfg.annotations_file.clone(),
+            self.handle.live.annotations().clone(),
             PodRestartPolicy::can_complete(self.cfg.pod_restart_policy),
             STOP_POLL,
             self.handle.control.clone(),
@@ -316,10 +333,11 @@ fn read_inputs(cfg: &RunConfig, live: &LiveSettings) -> Inputs {
 /// mounted files are noticed the one way ([`remora_contract::mounted`]).
 async fn watch_inputs(
     cfg: Arc<RunConfig>,
+    live: LiveSettings,
     control: tokio::sync::mpsc::Sender<Control>,
     shutdown: CancellationToken,
 ) {
-    let live = LiveSettings::new(&cfg);
+    let mut pushed = live.annotations().clone();
     let paths = std::iter::once(cfg.annotations_file.clone())
         .chain(cfg.bootstrap_override.clone())
         .collect();
@@ -327,11 +345,12 @@ async fn watch_inputs(
     let _ = mounted.poll();
     let mut last = read_inputs(&cfg, &live);
     loop {
-        tokio::select! {
-            _ = tokio::time::sleep(INPUT_POLL) => {}
+        let files_changed = tokio::select! {
+            _ = tokio::time::sleep(INPUT_POLL) => mounted.poll().is_some(),
+            () = pushed.stream_changed() => true,
             _ = shutdown.cancelled() => return,
-        }
-        if mounted.poll().is_none() {
+        };
+        if !files_changed {
             continue;
         }
         let now = read_inputs(&cfg, &live);
@@ -360,21 +379,23 @@ async fn watch_inputs(
 /// Always) would only restart its sidecar in a loop and be left without a
 /// proxy: there the request is ignored, and said so once.
 async fn watch_stop(
-    file: PathBuf,
+    mut annotations: PodAnnotations,
     can_complete: bool,
     poll: Duration,
     control: tokio::sync::mpsc::Sender<Control>,
     shutdown: CancellationToken,
 ) {
-    let mut mounted = MountedFiles::new(vec![file]);
+    let mut mounted = MountedFiles::new(vec![annotations.file().to_path_buf()]);
+    let mut file_text = None;
     loop {
-        // Absent or unreadable (between two kubelet updates): ask again later.
+        // Absent or unreadable (between two kubelet updates): the last text read stays.
         if let Some(contents) = mounted.poll()
             && let Some(Ok(bytes)) = contents.first()
-            && let text = String::from_utf8_lossy(bytes)
-            && let Some(value) = stop_request(&text)
         {
-            if runs_native(&text) {
+            file_text = Some(String::from_utf8_lossy(bytes).into_owned());
+        }
+        if let Some((value, native)) = stop_in(annotations.from_stream(), file_text.as_deref()) {
+            if native {
                 tracing::warn!(
                     annotation = STOP_ANNOTATION,
                     "stop request ignored: a native sidecar is stopped by the kubelet"
@@ -398,9 +419,24 @@ async fn watch_stop(
         }
         tokio::select! {
             _ = tokio::time::sleep(poll) => {}
+            () = annotations.stream_changed() => {}
             _ = shutdown.cancelled() => return,
         }
     }
+}
+
+/// A stop request (its value) and whether the sidecar runs native: from the
+/// discovery stream's copy of the annotations while there is one, else from
+/// the file's text, read line by line ([`stop_request`]) so that a line its
+/// parser cannot read never hides a request.
+fn stop_in(stream: StreamCopy, file_text: Option<&str>) -> Option<(String, bool)> {
+    if let Some(a) = stream {
+        let value = a.get(STOP_ANNOTATION)?;
+        let native = a.get(LIFECYCLE).is_some_and(|l| lifecycle_is_native(l));
+        return Some((value.clone(), native));
+    }
+    let text = file_text?;
+    stop_request(text).map(|v| (v, runs_native(text)))
 }
 
 #[cfg(test)]
@@ -413,13 +449,70 @@ mod tests {
         atomic_write(dir, [("annotations", text)]).expect("kubelet-style write");
     }
 
+    /// Through the discovery stream the request is seen when it arrives,
+    /// not at the next poll of the file; a native sidecar still ignores it.
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_pushed_on_the_stream_quits_at_once() {
+        use std::collections::BTreeMap;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        let (push, copy) = tokio::sync::watch::channel(None);
+        let shutdown = CancellationToken::new();
+        let poll = Duration::from_secs(3600);
+        let task = tokio::spawn(watch_stop(
+            PodAnnotations::new(dir.path().join("annotations"), copy),
+            true,
+            poll,
+            tx,
+            shutdown.clone(),
+        ));
+        let pushed = |extra: &[(&str, &str)]| {
+            let mut a: BTreeMap<String, String> =
+                BTreeMap::from([(LIFECYCLE.to_string(), r#"{"mode":"Legacy"}"#.to_string())]);
+            a.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            Some(std::sync::Arc::new(a))
+        };
+        push.send_replace(pushed(&[]));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(rx.try_recv().is_err(), "no request yet");
+        let started = tokio::time::Instant::now();
+        push.send_replace(pushed(&[(STOP_ANNOTATION, "AppsCompleted")]));
+        let got = tokio::time::timeout(Duration::from_secs(1), rx.recv())
+            .await
+            .expect("not at the next poll of the file");
+        assert!(matches!(got, Some(Control::Quit)), "{got:?}");
+        assert!(started.elapsed() < poll);
+        task.await.expect("task");
+
+        // Native: ignored, said so, and the task ends.
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        let (push, copy) = tokio::sync::watch::channel(None);
+        let task = tokio::spawn(watch_stop(
+            PodAnnotations::new(dir.path().join("annotations"), copy),
+            true,
+            poll,
+            tx,
+            shutdown.clone(),
+        ));
+        let mut a = BTreeMap::from([
+            (LIFECYCLE.to_string(), r#"{"mode":"Native"}"#.to_string()),
+            (STOP_ANNOTATION.to_string(), "x".to_string()),
+        ]);
+        push.send_replace(Some(std::sync::Arc::new(std::mem::take(&mut a))));
+        tokio::time::timeout(Duration::from_secs(1), task)
+            .await
+            .expect("ends")
+            .expect("task");
+        assert!(rx.try_recv().is_err(), "a native sidecar is not stopped");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn stop_annotation_sends_quit_once_it_appears() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(watch_stop(
-            dir.path().join("annotations"),
+            PodAnnotations::file_only(dir.path().join("annotations")),
             true,
             STOP_POLL,
             tx,
@@ -448,7 +541,7 @@ mod tests {
         kubelet_write(dir.path(), "remora.dev/stop=\"\"\n");
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         let task = tokio::spawn(watch_stop(
-            dir.path().join("annotations"),
+            PodAnnotations::file_only(dir.path().join("annotations")),
             true,
             STOP_POLL,
             tx,
@@ -461,7 +554,7 @@ mod tests {
         let (tx, _rx) = tokio::sync::mpsc::channel(4);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(watch_stop(
-            empty.path().join("annotations"),
+            PodAnnotations::file_only(empty.path().join("annotations")),
             true,
             STOP_POLL,
             tx,
@@ -480,7 +573,7 @@ mod tests {
         kubelet_write(dir.path(), "remora.dev/stop=\"{}\"\n");
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         let task = tokio::spawn(watch_stop(
-            dir.path().join("annotations"),
+            PodAnnotations::file_only(dir.path().join("annotations")),
             false,
             STOP_POLL,
             tx,

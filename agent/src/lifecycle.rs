@@ -2,19 +2,20 @@
 //!
 //! The operator writes the effective lifecycle of a pod into the annotation
 //! `remora.dev/lifecycle` (JSON, [`remora_contract::lifecycle::LifecycleAnnotation`]) and the controller
-//! patches it when a `SidecarLifecycle` changes. The agent sees the pod's
-//! annotations through a downward-API file and reads it at the moment a
-//! setting is used, so a change reaches a running pod without a restart.
+//! patches it when a `SidecarLifecycle` changes. The agent reads the pod's
+//! annotations ([`PodAnnotations`]: the discovery stream's copy, else the
+//! downward-API file) at the moment a setting is used, so a change reaches a
+//! running pod without a restart.
 //! Per-field annotations `remora.dev/<kebab-case-field>` win over the JSON.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use remora_contract::downward::read_annotations_file;
 use remora_contract::{DrainFields, DrainMode, Overlay};
 use serde::Serialize;
 
 use crate::config::RunConfig;
+use crate::pod_annotations::PodAnnotations;
 
 /// The drain settings in force at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -76,27 +77,32 @@ impl DrainSettings {
     }
 }
 
-/// Where live settings come from: the flags, overlaid with the annotations
-/// file when it exists. Read at each use; a broken file never loses the flags.
+/// Where live settings come from: the flags, overlaid with the pod's
+/// annotations when there are any. Read at each use; a broken file never
+/// loses the flags.
 #[derive(Debug, Clone)]
 pub struct LiveSettings {
     base: DrainSettings,
-    annotations_file: std::path::PathBuf,
+    annotations: PodAnnotations,
 }
 
 impl LiveSettings {
-    pub fn new(cfg: &RunConfig) -> Self {
+    pub fn new(cfg: &RunConfig, annotations: PodAnnotations) -> Self {
         Self {
             base: DrainSettings::from_config(cfg),
-            annotations_file: cfg.annotations_file.clone(),
+            annotations,
         }
+    }
+
+    pub fn annotations(&self) -> &PodAnnotations {
+        &self.annotations
     }
 
     /// The settings in force now; bad annotations are logged and skipped.
     pub fn current(&self) -> DrainSettings {
         let (settings, problems) = self.current_quiet();
         for p in problems {
-            tracing::warn!(file = %self.annotations_file.display(), problem = %p,
+            tracing::warn!(file = %self.annotations.file().display(), problem = %p,
                 "ignoring a bad lifecycle annotation");
         }
         settings
@@ -105,7 +111,7 @@ impl LiveSettings {
     /// The settings in force now, and what was wrong with the annotations,
     /// without logging (for callers that poll).
     pub fn current_quiet(&self) -> (DrainSettings, Vec<String>) {
-        match read_annotations_file(&self.annotations_file) {
+        match self.annotations.read() {
             Ok(None) => (self.base, Vec::new()),
             Ok(Some(ann)) => self.base.with_annotations(&ann),
             Err(e) => (

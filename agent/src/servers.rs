@@ -56,11 +56,11 @@ pub struct AppPrestop {
 }
 
 impl AppPrestop {
-    pub fn new(cfg: &RunConfig, token: Option<Secret>, supervisor: SupervisorHandle) -> Self {
+    pub fn new(token: Option<Secret>, supervisor: SupervisorHandle) -> Self {
         Self {
             token,
+            live: supervisor.live.clone(),
             supervisor,
-            live: LiveSettings::new(cfg),
         }
     }
 }
@@ -156,7 +156,7 @@ pub fn admin_router(
     admin_token: Secret,
     prestop: AppPrestop,
 ) -> Router {
-    let live = LiveSettings::new(&cfg);
+    let live = supervisor.live.clone();
     let state = AdminState {
         registry,
         supervisor,

@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Result;
 use prometheus_client::registry::Registry;
 use remora_agent::certs::CertBundle;
+use remora_agent::pod_annotations::StreamCopy;
 use remora_agent::readiness::Readiness;
 use remora_agent::xds::{self, UpstreamConfig, XdsHandle};
 use remora_contract::discovery::NodeId;
@@ -41,6 +42,8 @@ struct Rig {
     envoy: Envoy,
     double: Option<XdsDouble>,
     _bundles: watch::Sender<Option<Arc<CertBundle>>>,
+    /// The pod's annotations as the proxy hands them to the agent.
+    pod_annotations: watch::Receiver<StreamCopy>,
 }
 
 impl Rig {
@@ -77,8 +80,15 @@ impl Rig {
         let readiness = Readiness::new();
         let mut registry = Registry::default();
         let cancel = CancellationToken::new();
-        let handle =
-            xds::start_with(socket.clone(), upstream, &mut registry, cancel.clone()).await?;
+        let (annotations_tx, pod_annotations) = watch::channel(None);
+        let handle = xds::start_with(
+            socket.clone(),
+            upstream,
+            annotations_tx,
+            &mut registry,
+            cancel.clone(),
+        )
+        .await?;
         handle.hold_readiness(&readiness);
         let node_id = NodeId {
             ip: "127.0.0.1".into(),
@@ -105,6 +115,7 @@ impl Rig {
             envoy,
             double: Some(double),
             _bundles: bundles,
+            pod_annotations,
         })
     }
 
@@ -244,6 +255,78 @@ async fn listener_arrives_through_the_proxy_with_the_pods_identity_and_readiness
         std::fs::metadata(&sock)?.permissions().mode() & 0o777,
         0o600
     );
+    rig.stop().await
+}
+
+/// The agent subscribes to its pod's annotations on the stream it holds for
+/// Envoy: the server's push reaches the agent (not Envoy, which would not
+/// know the type), the proxy ACKs it itself, and while the server is away
+/// the agent falls back to the downward-API file.
+#[tokio::test]
+async fn the_pods_annotations_reach_the_agent_and_not_envoy() -> Result<()> {
+    use prost::Message as _;
+    use remora_contract::discovery::POD_ANNOTATIONS_TYPE;
+    use remora_proto::remora::v1::PodAnnotations;
+    let mut rig = Rig::start().await?;
+    let a = named_backend("A").await;
+    let port = remora_test_support::ports::free_port();
+    rig.serve("v1", port, a);
+    wait_answer(port, "A").await?;
+    // Subscribed once the node went up, with no version yet.
+    wait_until(DEADLINE, "the agent's own subscription", || async {
+        (rig.requests_of(POD_ANNOTATIONS_TYPE) > 0).then_some(())
+    })
+    .await?;
+    let msg = PodAnnotations {
+        annotations: [(
+            remora_contract::annotations::STOP.to_string(),
+            "AppsCompleted".to_string(),
+        )]
+        .into(),
+    };
+    rig.double().set(
+        POD_ANNOTATIONS_TYPE,
+        "a1",
+        vec![envoy_types::pb::google::protobuf::Any {
+            type_url: POD_ANNOTATIONS_TYPE.into(),
+            value: msg.encode_to_vec(),
+        }],
+    );
+    let got = wait_until(DEADLINE, "the annotations at the agent", || {
+        let a = rig.pod_annotations.borrow().clone();
+        async move { a }
+    })
+    .await?;
+    assert_eq!(
+        got.get(remora_contract::annotations::STOP)
+            .map(String::as_str),
+        Some("AppsCompleted")
+    );
+    wait_until(DEADLINE, "the proxy's ACK", || async {
+        rig.double()
+            .requests()
+            .iter()
+            .any(|r| {
+                r.request.type_url == POD_ANNOTATIONS_TYPE
+                    && r.request.version_info == "a1"
+                    && !r.request.response_nonce.is_empty()
+                    && r.request.error_detail.is_none()
+            })
+            .then_some(())
+    })
+    .await?;
+    // The ACK is the proxy's (Envoy ignores a type it did not ask for, and
+    // would not answer): nothing was refused either.
+    assert_eq!(metric(&rig.registry, "xds_nacks_total"), 0.0);
+
+    // The server away: the agent reads the file again.
+    let stopped = rig.double.take().unwrap().stop().await;
+    wait_until(DEADLINE, "the stream's copy dropped", || {
+        let a = rig.pod_annotations.borrow().clone();
+        async move { a.is_none().then_some(()) }
+    })
+    .await?;
+    rig.double = Some(XdsDouble::restart(stopped).await?);
     rig.stop().await
 }
 

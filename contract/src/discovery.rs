@@ -25,6 +25,19 @@ pub const TOKEN_PATH: &str = "/var/run/secrets/tokens/remora-discovery-token";
 /// reaches the agent's xDS proxy (mode 0600, like the SDS socket).
 pub const PROXY_SOCKET: &str = "xds.sock";
 
+/// The type URL of the resource that carries a pod's annotations to its
+/// agent (`remora.v1.PodAnnotations` in remora-proto): the agent subscribes
+/// to it on the stream it holds for Envoy and keeps it from Envoy.
+pub const POD_ANNOTATIONS_TYPE: &str = "type.googleapis.com/remora.v1.PodAnnotations";
+
+/// Whether the discovery server sends annotation `key` to the pod's agent:
+/// those the agent reads while it runs, nothing else of the pod.
+pub fn sent_to_agent(key: &str) -> bool {
+    key == crate::annotations::LIFECYCLE
+        || key == crate::annotations::STOP
+        || crate::annotations::PER_FIELD.contains(&key)
+}
+
 /// The most one discovery request may weigh, both at the server and at the
 /// agent's proxy: a sidecar's requests name resources, they do not carry them.
 pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;

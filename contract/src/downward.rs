@@ -71,8 +71,13 @@ pub fn runs_native(text: &str) -> bool {
         .map(str::trim)
         .find_map(|l| l.strip_prefix(&prefix))
         .and_then(|v| unquote_go(v).ok())
-        .and_then(|v| serde_json::from_str::<LifecycleAnnotation>(&v).ok())
-        .is_some_and(|l| l.is_native())
+        .is_some_and(|v| lifecycle_is_native(&v))
+}
+
+/// Whether a `remora.dev/lifecycle` value says the sidecar is a native one
+/// (see [`runs_native`]); unreadable: not native.
+pub fn lifecycle_is_native(value: &str) -> bool {
+    serde_json::from_str::<LifecycleAnnotation>(value).is_ok_and(|l| l.is_native())
 }
 
 /// Undo Go's `strconv.Quote`.

@@ -140,6 +140,7 @@ impl Server {
                         ip: Some(ip.into()),
                         service_account: sa.into(),
                         outbound: Some("15001:cart.shop:80".into()),
+                        ..Default::default()
                     },
                 ));
             }
@@ -412,6 +413,73 @@ async fn a_resumed_stream_gets_only_what_changed() {
     s.stop.cancel();
 }
 
+/// The agent subscribes to its pod's annotations on the same stream: it
+/// gets those it reads (not the outbound, nor anything else of the pod), and
+/// an edit of the pod (a Job's stop request) is pushed to it.
+#[tokio::test]
+async fn the_agent_gets_its_pods_annotations_and_their_changes() {
+    use remora_contract::annotations::{LIFECYCLE, OUTBOUND, QUIET_PERIOD, STOP};
+    use remora_operator::discovery::resources::POD_ANNOTATIONS;
+    use remora_proto::remora::v1::PodAnnotations;
+    let s = Server::start().await;
+    let with = |extra: &[(&str, &str)]| {
+        let mut a: std::collections::BTreeMap<String, String> =
+            [(LIFECYCLE, r#"{"mode":"Legacy"}"#), (QUIET_PERIOD, "1s")]
+                .iter()
+                .chain(extra)
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        a.retain(|k, _| remora_contract::discovery::sent_to_agent(k));
+        ProxyInfo {
+            ip: Some("127.0.0.1".into()),
+            service_account: "web".into(),
+            outbound: Some("15001:cart.shop:80".into()),
+            agent_annotations: a,
+        }
+    };
+    s.discovery
+        .update(|r| r.apply_proxy(pod("web-0"), with(&[(OUTBOUND, "15001:cart.shop:80")])));
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = open(
+        &mut c,
+        Some(&token(WEB)),
+        DiscoveryRequest {
+            node: node("web-0"),
+            ..request(POD_ANNOTATIONS, &[], None)
+        },
+    )
+    .await
+    .expect("admitted");
+    let first = p.next().await.expect("annotations");
+    assert_eq!(first.type_url, POD_ANNOTATIONS);
+    let read = |r: &DiscoveryResponse| -> std::collections::BTreeMap<String, String> {
+        assert_eq!(r.resources.len(), 1, "{r:?}");
+        decode::<PodAnnotations>(&r.resources[0])
+            .expect("PodAnnotations")
+            .annotations
+    };
+    let a = read(&first);
+    assert_eq!(a.get(QUIET_PERIOD).map(String::as_str), Some("1s"));
+    assert!(a.contains_key(LIFECYCLE), "{a:?}");
+    assert!(
+        !a.contains_key(OUTBOUND),
+        "only what the agent reads: {a:?}"
+    );
+    p.send(request(POD_ANNOTATIONS, &[], Some(&first)));
+
+    s.discovery
+        .update(|r| r.apply_proxy(pod("web-0"), with(&[(STOP, "AppsCompleted")])));
+    let next = p.next().await.expect("the stop pushed");
+    assert_eq!(next.type_url, POD_ANNOTATIONS);
+    assert_ne!(next.version_info, first.version_info);
+    assert_eq!(
+        read(&next).get(STOP).map(String::as_str),
+        Some("AppsCompleted")
+    );
+    s.stop.cancel();
+}
+
 #[tokio::test]
 async fn a_nack_is_counted_and_not_answered_with_the_same_config() {
     let s = Server::start().await;
@@ -582,6 +650,7 @@ async fn a_stream_for_a_pod_not_yet_seen_waits_for_it() {
                 ip: Some("127.0.0.1".into()),
                 service_account: "web".into(),
                 outbound: Some("15001:cart.shop:80".into()),
+                ..Default::default()
             },
         )
     });
@@ -731,6 +800,7 @@ async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
                 outbound: Some(
                     format!("{listen}:cart.shop:80,{listen_static}:example.org:443").into(),
                 ),
+                ..Default::default()
             },
         )
     });

@@ -119,6 +119,8 @@ pub struct SupervisorHandle {
     /// the drain is fixed); what the app containers' preStop hook waits for.
     pub inbound_quiet: watch::Receiver<bool>,
     pub state: watch::Receiver<EnvoyState>,
+    /// The settings in force, read at each use (the pod's annotations over the flags).
+    pub live: LiveSettings,
 }
 
 pub struct Supervisor {
@@ -160,6 +162,7 @@ impl Supervisor {
         extras: Extras,
         readiness: Readiness,
         metrics: Metrics,
+        live: LiveSettings,
     ) -> (Self, SupervisorHandle) {
         let (control, rx) = mpsc::channel(16);
         let (drained_tx, drained) = watch::channel(None);
@@ -168,7 +171,7 @@ impl Supervisor {
         let envoy_guard = Arc::new(readiness.register("envoy", "Envoy is not started yet"));
         let sup = Self {
             admin: EnvoyAdmin::new(cfg.envoy_admin_port),
-            live: LiveSettings::new(&cfg),
+            live: live.clone(),
             base_id: cfg.base_id,
             cfg,
             envoy_bin,
@@ -196,6 +199,7 @@ impl Supervisor {
             drained,
             inbound_quiet,
             state,
+            live,
         };
         (sup, handle)
     }
@@ -650,12 +654,17 @@ mod tests {
         .expect("config");
         std::fs::create_dir_all(&cfg.run_dir).expect("run dir");
         let mut registry = prometheus_client::registry::Registry::default();
+        let live = LiveSettings::new(
+            &cfg,
+            crate::pod_annotations::PodAnnotations::file_only(cfg.annotations_file.clone()),
+        );
         let (sup, handle) = Supervisor::new(
             Arc::new(cfg),
             bin,
             Extras::default(),
             Readiness::new(),
             Metrics::new(&mut registry),
+            live,
         );
         let run = tokio::spawn(sup.run());
         let mut state = handle.state.clone();

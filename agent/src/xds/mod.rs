@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::certs::BundleReceiver;
 use crate::config::RunConfig;
+use crate::pod_annotations::StreamCopy;
 use crate::readiness::Readiness;
 use crate::unix_socket::{SocketError, bind_private};
 pub use upstream::{UpstreamConfig, UpstreamError};
@@ -138,10 +139,12 @@ impl XdsHandle {
 }
 
 /// Start the proxy as configured by the flags: `None` without
-/// `--discovery-address`. `bundles`: the workload certificate source's, if any.
+/// `--discovery-address`. `bundles`: the workload certificate source's, if
+/// any. `pod_annotations` gets the pod's annotations the server pushes.
 pub async fn start(
     cfg: &RunConfig,
     bundles: Option<BundleReceiver>,
+    pod_annotations: watch::Sender<StreamCopy>,
     registry: &mut Registry,
     cancel: CancellationToken,
 ) -> Result<Option<XdsHandle>, XdsError> {
@@ -157,15 +160,22 @@ pub async fn start(
         min_backoff: MIN_BACKOFF,
         max_backoff: MAX_BACKOFF,
     };
-    start_with(cfg.xds_socket_path(), upstream, registry, cancel)
-        .await
-        .map(Some)
+    start_with(
+        cfg.xds_socket_path(),
+        upstream,
+        pod_annotations,
+        registry,
+        cancel,
+    )
+    .await
+    .map(Some)
 }
 
 /// Start the proxy on `socket` towards `upstream`.
 pub async fn start_with(
     socket: PathBuf,
     upstream: UpstreamConfig,
+    pod_annotations: watch::Sender<StreamCopy>,
     registry: &mut Registry,
     cancel: CancellationToken,
 ) -> Result<XdsHandle, XdsError> {
@@ -179,6 +189,7 @@ pub async fn start_with(
         upstream,
         metrics,
         acked,
+        pod_annotations,
         streams: Arc::new(Semaphore::new(MAX_STREAMS)),
         cancel: cancel.clone(),
     });

@@ -15,6 +15,8 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 use futures::Stream;
 use futures::future::BoxFuture;
+use prost::Message as _;
+use remora_proto::remora::v1::PodAnnotations;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -24,9 +26,12 @@ use tokio_util::sync::CancellationToken;
 const STABLE_STREAM: std::time::Duration = std::time::Duration::from_secs(5);
 use tonic::{Request, Response, Status, Streaming};
 
-use super::session::{CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, Reply, Session};
+use super::session::{
+    CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session,
+};
 use super::upstream::{UpstreamConfig, UpstreamError};
 use super::{FirstAcks, XdsMetrics};
+use crate::pod_annotations::StreamCopy;
 
 /// Requests queued towards the upstream stream; more than a whole replay
 /// ([`MAX_TYPES`]). A full queue counts as a failed upstream: the session
@@ -39,6 +44,9 @@ pub(super) struct Shared {
     pub upstream: UpstreamConfig,
     pub metrics: XdsMetrics,
     pub acked: watch::Sender<FirstAcks>,
+    /// The pod's annotations as the server pushes them; `None` while the
+    /// upstream stream is down (the agent reads the downward-API file then).
+    pub pod_annotations: watch::Sender<StreamCopy>,
     pub streams: Arc<Semaphore>,
     pub cancel: CancellationToken,
 }
@@ -70,6 +78,26 @@ impl Shared {
                     "Envoy rejected a discovery response (NACK); it keeps its previous configuration");
             }
         }
+    }
+
+    /// A response of the agent's own type: the pod's annotations, applied
+    /// when they decode (the next read of a setting sees them).
+    fn apply_pod_annotations(&self, resp: &DiscoveryResponse) -> Result<(), String> {
+        let [any] = resp.resources.as_slice() else {
+            return Err(format!(
+                "{} resources of the pod's annotations, not 1",
+                resp.resources.len()
+            ));
+        };
+        let msg = PodAnnotations::decode(any.value.as_slice())
+            .map_err(|e| format!("the pod's annotations do not decode: {e}"))?;
+        let annotations: std::collections::BTreeMap<String, String> =
+            msg.annotations.into_iter().collect();
+        tracing::debug!(version = %resp.version_info, count = annotations.len(),
+            "the pod's annotations, from the discovery server");
+        self.pod_annotations
+            .send_replace(Some(Arc::new(annotations)));
+        Ok(())
     }
 
     fn backoff(&self) -> impl Iterator<Item = std::time::Duration> + use<> {
@@ -171,8 +199,12 @@ fn connect(
     up: &mut Option<mpsc::Sender<DiscoveryRequest>>,
 ) -> Upstream {
     let (tx, rx) = mpsc::channel(UP_QUEUE);
-    for r in session.resume() {
-        // Fits: a replay has at most MAX_TYPES requests.
+    for r in session
+        .resume()
+        .into_iter()
+        .chain(session.own_subscription())
+    {
+        // Fits: a replay has at most MAX_TYPES requests, and one of ours.
         let _ = tx.try_send(r);
     }
     *up = Some(tx);
@@ -216,8 +248,14 @@ async fn proxy_stream(
             Event::Envoy(Ok(Some(req))) => match session.from_envoy(req) {
                 Ok((fwd, reply)) => {
                     shared.observe(&fwd.type_url, &reply);
+                    // Ours goes up right after the first request with the node.
+                    let own = session.own_subscription();
                     match &up {
-                        Some(tx) if tx.try_send(fwd).is_err() => {
+                        Some(tx)
+                            if std::iter::once(fwd)
+                                .chain(own)
+                                .any(|r| tx.try_send(r).is_err()) =>
+                        {
                             Some("the upstream stream does not keep up".into())
                         }
                         // Down: the session has it; the replay carries it.
@@ -257,11 +295,25 @@ async fn proxy_stream(
                     failures = 0;
                     backoff = shared.backoff();
                 }
-                session.from_server(&resp);
-                if down.send(Ok(resp)).await.is_err() {
-                    return;
+                if resp.type_url == POD_ANNOTATIONS_TYPE {
+                    let applied = shared.apply_pod_annotations(&resp);
+                    if let Err(e) = &applied {
+                        tracing::warn!(error = %e, "refused the pod's annotations from the discovery server");
+                    }
+                    let reply = session.own_ack(&resp, applied);
+                    match &up {
+                        Some(tx) if tx.try_send(reply).is_err() => {
+                            Some("the upstream stream does not keep up".into())
+                        }
+                        _ => None,
+                    }
+                } else {
+                    session.from_server(&resp);
+                    if down.send(Ok(resp)).await.is_err() {
+                        return;
+                    }
+                    None
                 }
-                None
             }
             Event::Response(Ok(None)) => Some("the server closed the stream".into()),
             Event::Response(Err(status)) => Some(format!(
@@ -281,6 +333,8 @@ async fn proxy_stream(
                 tracing::info!(%address, %reason, retry_in = ?delay, failures, "ADS upstream still down");
             }
             up = None;
+            // The pod's annotations come from the file until the stream is back.
+            shared.pod_annotations.send_replace(None);
             upstream = Upstream::Waiting(Box::pin(tokio::time::sleep(delay)));
         }
     }

@@ -19,11 +19,21 @@
 //!
 //! Requests Envoy sends while no upstream stream is up are not queued: they
 //! replace the latest of their type, which the replay then carries.
+//!
+//! # The agent's own subscription
+//!
+//! The agent subscribes to its pod's annotations
+//! ([`POD_ANNOTATIONS_TYPE`]) on every upstream stream, once the node has
+//! gone up ([`Session::own_subscription`]), naming the version it last
+//! applied; responses of that type are the agent's and never reach Envoy
+//! ([`Session::own_ack`]).
 
 use std::collections::HashMap;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+pub use remora_contract::discovery::POD_ANNOTATIONS_TYPE;
 
 pub const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -67,6 +77,10 @@ pub struct Session {
     sent: HashMap<String, String>,
     /// Whether the current upstream stream has had a node yet.
     node_sent: bool,
+    /// Whether the agent's own subscription went up on the current stream.
+    own_sent: bool,
+    /// The version of the pod's annotations the agent last applied.
+    own_version: String,
 }
 
 impl Session {
@@ -118,11 +132,55 @@ impl Session {
         // A type Envoy never asked for: Envoy will ignore it; nothing to track.
     }
 
+    /// The agent's subscription to its pod's annotations, once per upstream
+    /// stream, as soon as the node has gone up on it (the server reads the
+    /// node on a stream's first request).
+    pub fn own_subscription(&mut self) -> Option<DiscoveryRequest> {
+        if self.own_sent || !self.node_sent {
+            return None;
+        }
+        self.own_sent = true;
+        Some(DiscoveryRequest {
+            type_url: POD_ANNOTATIONS_TYPE.into(),
+            version_info: self.own_version.clone(),
+            ..Default::default()
+        })
+    }
+
+    /// A response of the agent's own type: the reply to send up, an ACK
+    /// when `applied` (its version is now the agent's), else a NACK that
+    /// keeps the last version and says why.
+    pub fn own_ack(
+        &mut self,
+        resp: &DiscoveryResponse,
+        applied: Result<(), String>,
+    ) -> DiscoveryRequest {
+        let error_detail = match applied {
+            Ok(()) => {
+                self.own_version.clone_from(&resp.version_info);
+                None
+            }
+            Err(message) => Some(RpcStatus {
+                code: tonic::Code::InvalidArgument as i32,
+                message,
+                details: Vec::new(),
+            }),
+        };
+        DiscoveryRequest {
+            type_url: POD_ANNOTATIONS_TYPE.into(),
+            version_info: self.own_version.clone(),
+            response_nonce: resp.nonce.clone(),
+            error_detail,
+            ..Default::default()
+        }
+    }
+
     /// A new upstream stream starts: the requests that resume it (see the
     /// module docs), and forget the old stream's nonces.
     pub fn resume(&mut self) -> Vec<DiscoveryRequest> {
         self.sent.clear();
         self.node_sent = false;
+        self.own_sent = false;
         let mut out: Vec<DiscoveryRequest> = self
             .order
             .iter()
@@ -145,7 +203,6 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::google::rpc::Status as RpcStatus;
 
     fn req(ty: &str, version: &str, nonce: &str, names: &[&str]) -> DiscoveryRequest {
         DiscoveryRequest {
@@ -171,6 +228,43 @@ mod tests {
             id: "sidecar~1~p.ns~ns.svc.cluster.local".into(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_own_subscription_goes_up_once_per_stream_after_the_node() {
+        let mut s = Session::default();
+        assert_eq!(s.own_subscription(), None, "no node yet");
+        s.from_envoy(DiscoveryRequest {
+            node: Some(node()),
+            ..req(CLUSTER_TYPE, "", "", &[])
+        })
+        .expect("ok");
+        let own = s.own_subscription().expect("after the node");
+        assert_eq!(own.type_url, POD_ANNOTATIONS_TYPE);
+        assert_eq!(own.version_info, "");
+        assert_eq!(s.own_subscription(), None, "once a stream");
+
+        // Applied: the ACK names it, and the next stream resumes from it.
+        let ack = s.own_ack(&resp(POD_ANNOTATIONS_TYPE, "a1", "n1"), Ok(()));
+        assert_eq!(
+            (ack.version_info.as_str(), ack.response_nonce.as_str()),
+            ("a1", "n1")
+        );
+        assert!(ack.error_detail.is_none());
+        let nack = s.own_ack(
+            &resp(POD_ANNOTATIONS_TYPE, "a2", "n2"),
+            Err("garbage".into()),
+        );
+        assert_eq!(nack.version_info, "a1", "a NACK keeps the applied version");
+        assert_eq!(
+            nack.error_detail.map(|e| e.message).as_deref(),
+            Some("garbage")
+        );
+
+        let replay = s.resume();
+        assert!(replay[0].node.is_some());
+        let own = s.own_subscription().expect("on the new stream");
+        assert_eq!(own.version_info, "a1");
     }
 
     #[test]

@@ -105,7 +105,9 @@ impl Discovery {
     pub fn snapshot(&self, pod: &PodKey) -> Option<Snapshot> {
         self.read(|r| {
             let p = r.proxy(pod)?;
-            Some(resources::generate(r, p.outbound.as_deref(), &self.domain))
+            let mut s = resources::generate(r, p.outbound.as_deref(), &self.domain);
+            s.pod = resources::pod_annotations(&pod.namespace, &pod.name, &p.agent_annotations);
+            Some(s)
         })
     }
 

@@ -169,6 +169,9 @@ pub struct ProxyInfo {
     pub service_account: String,
     /// `remora.dev/outbound` as the pod carries it.
     pub outbound: Option<Arc<str>>,
+    /// The annotations its agent reads while it runs
+    /// ([`remora_contract::discovery::sent_to_agent`]).
+    pub agent_annotations: BTreeMap<String, String>,
 }
 
 impl ProxyInfo {
@@ -186,9 +189,25 @@ impl ProxyInfo {
                 // The API server sets it; "default" when it did not.
                 service_account: pod.service_account().unwrap_or("default").to_string(),
                 outbound: pod.outbound().map(Arc::from),
+                agent_annotations: agent_annotations(pod),
             },
         ))
     }
+}
+
+/// The pod's annotations its agent reads, with the lifecycle the pod
+/// watch keeps apart.
+fn agent_annotations(pod: &LivePod) -> BTreeMap<String, String> {
+    let mut a: BTreeMap<String, String> = pod
+        .annotations()
+        .iter()
+        .filter(|(k, _)| remora_contract::discovery::sent_to_agent(k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if let Some(l) = pod.lifecycle() {
+        a.insert(remora_contract::annotations::LIFECYCLE.into(), l.into());
+    }
+    a
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

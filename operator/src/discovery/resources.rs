@@ -57,9 +57,14 @@ pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listene
 pub const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 pub const ENDPOINTS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
 
-/// The types served, in the order Envoy wants them pushed (clusters before
-/// their endpoints and before the listeners that use them).
-pub const TYPES: [&str; 3] = [CLUSTER, ENDPOINTS, LISTENER];
+/// The pod's annotations, for its agent (which keeps them from Envoy).
+pub const POD_ANNOTATIONS: &str = remora_contract::discovery::POD_ANNOTATIONS_TYPE;
+
+/// The types served, in the order they are pushed: the agent's first (a
+/// Job's stop request should not wait for Envoy's), then as Envoy wants
+/// them (clusters before their endpoints and before the listeners that use
+/// them).
+pub const TYPES: [&str; 4] = [POD_ANNOTATIONS, CLUSTER, ENDPOINTS, LISTENER];
 
 /// As the agent's static clusters.
 const CONNECT_TIMEOUT: Duration = Duration {
@@ -96,6 +101,8 @@ pub struct Snapshot {
     pub listeners: Typed,
     pub clusters: Typed,
     pub endpoints: Typed,
+    /// Its pod's annotations, for its agent: one resource named after the pod.
+    pub pod: Typed,
     /// The Services it declared (known or not yet): a change to any other
     /// does not concern it.
     pub services: BTreeSet<ServiceHost>,
@@ -109,6 +116,7 @@ impl Snapshot {
             LISTENER => Some(&self.listeners),
             CLUSTER => Some(&self.clusters),
             ENDPOINTS => Some(&self.endpoints),
+            POD_ANNOTATIONS => Some(&self.pod),
             _ => None,
         }
     }
@@ -181,9 +189,29 @@ pub fn generate(registry: &Registry, outbound: Option<&str>, domain: &str) -> Sn
         listeners: Typed::new(listeners),
         clusters: Typed::new(clusters),
         endpoints: Typed::new(endpoints),
+        pod: Typed::default(),
         services,
         skipped,
     }
+}
+
+/// The [`POD_ANNOTATIONS`] resource of pod `namespace/name`.
+pub fn pod_annotations(
+    namespace: &str,
+    name: &str,
+    annotations: &BTreeMap<String, String>,
+) -> Typed {
+    let msg = remora_proto::remora::v1::PodAnnotations {
+        annotations: annotations
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    };
+    let any = Any {
+        type_url: POD_ANNOTATIONS.into(),
+        value: msg.encode_to_vec(),
+    };
+    Typed::new(BTreeMap::from([(format!("{namespace}/{name}"), any)]))
 }
 
 fn socket(ip: &str, port: u16) -> Address {

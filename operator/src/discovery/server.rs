@@ -538,6 +538,7 @@ mod tests {
                     ip: Some("10.0.0.7".into()),
                     service_account: "web".into(),
                     outbound: None,
+                    ..Default::default()
                 },
             )
         });
