@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use crate::config::RunConfig;
 use crate::envoy::admin::PROMETHEUS_STAT_PREFIX;
+use crate::envoy::idle_close;
 use remora_contract::discovery::NodeId;
 
 /// Name of the ADS cluster in xDS mode.
@@ -144,6 +145,7 @@ pub fn generate(
     }
     clusters.extend(extras.clusters.iter().cloned());
 
+    let (idle_monitor, idle_action) = idle_close::overload(&cfg.drain_pressure_path());
     let mut bootstrap = json!({
         "node": node(cfg)?,
         "admin": {
@@ -153,15 +155,20 @@ pub fn generate(
             "listeners": listeners,
             "clusters": clusters,
         },
-        // A bound on downstream connections (Envoy warns at start without one).
         "overload_manager": {
-            "resource_monitors": [{
-                "name": "envoy.resource_monitors.global_downstream_max_connections",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-                    "max_active_downstream_connections": 100000
-                }
-            }]
+            "refresh_interval": idle_close::refresh_interval(),
+            "resource_monitors": [
+                // A bound on downstream connections (Envoy warns at start without one).
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": 100000
+                    }
+                },
+                idle_monitor,
+            ],
+            "actions": [idle_action],
         }
     });
 
@@ -293,6 +300,9 @@ fn inbound_listener(port: u16, cluster: &str, transport_socket: Option<&Value>) 
                 "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                 "stat_prefix": name,
                 "codec_type": "AUTO",
+                // Envoy's default, stated: the drain cuts it (see `idle_close`).
+                "common_http_protocol_options": {"idle_timeout": "3600s"},
+                "drain_timeout": format!("{}s", idle_close::CLOSE_GRACE.as_secs_f64()),
                 "route_config": {
                     "name": name,
                     "virtual_hosts": [{

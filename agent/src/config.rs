@@ -225,15 +225,15 @@ pub struct RunConfig {
     /// xDS server (host:port, TLS) for ADS; empty means static mode. Envoy's
     /// ADS stream goes to the agent's proxy on `<run-dir>/xds.sock`, which
     /// holds the one stream to this address.
-    #[arg(long, env = "REMORA_DISCOVERY_ADDRESS")]
+    #[arg(long, env = env::DISCOVERY_ADDRESS)]
     pub discovery_address: Option<String>,
     /// The name the discovery server's certificate must carry; default the
     /// host of --discovery-address.
-    #[arg(long, env = "REMORA_DISCOVERY_SERVER_NAME")]
+    #[arg(long, env = env::DISCOVERY_SERVER_NAME)]
     pub discovery_server_name: Option<String>,
     /// The bearer token (JWT) shown to the discovery server, read on every
     /// (re)connect since the kubelet rotates it.
-    #[arg(long, env = "REMORA_DISCOVERY_TOKEN_PATH", default_value = remora_contract::discovery::TOKEN_PATH)]
+    #[arg(long, env = env::DISCOVERY_TOKEN_PATH, default_value = remora_contract::discovery::TOKEN_PATH)]
     pub discovery_token_path: PathBuf,
     /// Static mode: an inbound listener `PORT:APP_PORT` (or `APP_PORT` on --inbound-port).
     #[arg(long, env = env::INBOUND, value_delimiter = ',')]
@@ -447,6 +447,11 @@ impl RunConfig {
         self.sds_socket
             .clone()
             .unwrap_or_else(|| self.run_dir.join("sds.sock"))
+    }
+
+    /// What Envoy's overload manager reads to close idle connections in a drain.
+    pub fn drain_pressure_path(&self) -> PathBuf {
+        self.run_dir.join(crate::envoy::idle_close::FILE)
     }
 
     /// The discovery mode's proxy socket, Envoy's ADS endpoint.

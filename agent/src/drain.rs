@@ -26,11 +26,18 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::envoy::admin::{AdminError, EnvoyAdmin, Traffic};
+use crate::envoy::idle_close;
 use crate::lifecycle::DrainSettings;
 use crate::metrics::DrainOutcomeLabel;
 
 /// No admin call of a drain waits longer than this for its answer.
 pub const ADMIN_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+/// Inbound quiet this long means Envoy has closed every idle HTTP
+/// connection (see [`idle_close`]): the app is never let stop sooner, even
+/// with a shorter quiet period, so no idle pooled connection outlives it.
+pub const IDLE_CLOSED: Duration = idle_close::IDLE_AFTER
+    .saturating_add(idle_close::CLOSE_GRACE)
+    .saturating_add(idle_close::REFRESH);
 /// The last count of open connections (for the report) is made in this slot
 /// before the end of the wait, so it never eats into the stop reserve.
 const FINAL_COUNT_SLOT: Duration = Duration::from_millis(200);
@@ -258,7 +265,8 @@ async fn wait_for_quiet<T: DrainTarget>(
                 None
             }
         };
-        if inbound_quiet_at.is_none() && now.duration_since(inbound_since) >= quiet {
+        if inbound_quiet_at.is_none() && now.duration_since(inbound_since) >= quiet.max(IDLE_CLOSED)
+        {
             inbound_quiet_at = Some(now);
             // An app hook waiting returns now and its app gets SIGTERM: the
             // outbound calls of its shutdown start from here, so they get a
@@ -272,7 +280,10 @@ async fn wait_for_quiet<T: DrainTarget>(
                 "inbound traffic has gone quiet: the app may stop"
             );
         }
-        if now.duration_since(any_since) >= quiet && in_flight == Some(0) {
+        if inbound_quiet_at.is_some()
+            && now.duration_since(any_since) >= quiet
+            && in_flight == Some(0)
+        {
             return (DrainOutcome::Quiet, inbound_quiet_at);
         }
         let next = Instant::now() + poll;
@@ -598,6 +609,19 @@ mod tests {
         assert_eq!(r.outcome, DrainOutcome::Quiet);
         assert_eq!(released, ms(3000));
         assert_eq!(Duration::from_secs_f64(r.duration_seconds), ms(6000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_short_quiet_period_still_waits_for_idle_connections_to_be_closed() {
+        let envoy = FakeEnvoy::new(vec![]);
+        let s = DrainSettings {
+            quiet_period: ms(200),
+            ..adaptive()
+        };
+        let (r, released) = drain_timed(&envoy, s).await;
+        assert_eq!(r.outcome, DrainOutcome::Quiet);
+        assert!(released >= IDLE_CLOSED, "{released:?}");
+        assert!(near(released, IDLE_CLOSED), "{released:?}");
     }
 
     #[tokio::test(start_paused = true)]

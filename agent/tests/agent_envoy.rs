@@ -417,6 +417,38 @@ fn app_hook_helper_drains_and_returns_when_inbound_is_quiet() {
     );
 }
 
+/// A keep-alive connection idle in a client's pool hears no
+/// `connection: close` (that rides on responses): Envoy closes it during the
+/// drain, before the app hook lets the app stop, so the client cannot pick
+/// it again for a request the app would no longer answer.
+#[test]
+fn an_idle_keep_alive_connection_is_closed_before_the_app_may_stop() {
+    let mut agent = Agent::builder()
+        .hook()
+        .args(["--quiet-period", "3s"])
+        .start();
+    let mut idle = Conn::open(agent.ports.inbound).expect("connect");
+    assert_eq!(idle.get("/").expect("before").status, 200);
+    assert!(
+        !idle.closed_by_peer().expect("peek"),
+        "open before the drain"
+    );
+    let helper = agent.hook_dir().join(remora_contract::pod::HOOK_HELPER);
+    let out = std::process::Command::new(&helper)
+        .env_clear()
+        .current_dir("/")
+        .output()
+        .expect("the helper runs");
+    assert!(out.status.success(), "{out:?}\n{}", agent.log());
+    assert!(
+        idle.closed_by_peer().expect("peek"),
+        "the idle connection was still open when the app was let stop\n{}",
+        agent.log()
+    );
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
+}
+
 /// A drain the app hook started that no SIGTERM follows (the pod is not
 /// terminating) is undone after the grace period the deadline comes from
 /// (2 s for a 1 s deadline): ready again, and Envoy's inbound listeners,

@@ -7,8 +7,12 @@ use clap::Parser;
 use remora_agent::bootstrap::{self, Extras};
 use remora_agent::config::{Cli, Command, RunConfig};
 
+/// A run config from `args`; its run directory exists (Envoy watches the
+/// drain-pressure file there, and refuses a directory that is not).
 fn cfg(args: &[&str]) -> RunConfig {
-    let mut argv = vec!["remora-agent", "run"];
+    let run_dir = std::env::temp_dir();
+    let mut argv = vec!["remora-agent", "run", "--run-dir"];
+    argv.push(run_dir.to_str().expect("a UTF-8 temp dir"));
     argv.extend_from_slice(args);
     match Cli::try_parse_from(argv).expect("parses").command {
         Command::Run(c) => *c,

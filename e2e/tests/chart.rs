@@ -405,6 +405,93 @@ fn the_policy_cannot_be_silently_off_and_guards_excluded_namespaces() -> anyhow:
     Ok(())
 }
 
+/// With discovery.enabled (which needs the workload CA) the operator serves
+/// xDS on 15010: its Deployment, Service and NetworkPolicy say so, and RBAC
+/// adds only the reads of Services and EndpointSlices; the API server
+/// accepts every object. Without the CA the chart refuses, saying why.
+#[tokio::test]
+async fn discovery_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
+    let err = e2e::chart::render("remora", "remora-system", &["discovery.enabled=true"])
+        .expect_err("discovery without the workload CA");
+    assert!(
+        err.to_string()
+            .contains("discovery.enabled needs workloadCA.enabled"),
+        "{err}"
+    );
+
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart-xds").await?;
+    let ca = ["workloadCA.enabled=true"];
+    let sets = ["workloadCA.enabled=true", "discovery.enabled=true"];
+    let (applied, skipped) = dry_run_chart(&client, "remora", &ns, &sets).await?;
+    assert!(applied.contains(&"Deployment".to_owned()), "{applied:?}");
+    assert!(skipped.is_empty(), "{skipped:?}");
+    let objects = e2e::chart::render("remora", &ns, &sets)?;
+
+    let dep = find(&objects, "Deployment")?;
+    let c = &dep["spec"]["template"]["spec"]["containers"][0];
+    let env: std::collections::BTreeMap<&str, &str> = c["env"]
+        .as_array()
+        .context("env")?
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?, e["value"].as_str()?)))
+        .collect();
+    for (k, v) in [
+        ("REMORA_DISCOVERY", "true"),
+        ("REMORA_DISCOVERY_LISTEN", "0.0.0.0:15010"),
+        ("REMORA_DISCOVERY_DEBOUNCE_QUIET", "100ms"),
+        ("REMORA_DISCOVERY_DEBOUNCE_MAX", "1s"),
+    ] {
+        assert_eq!(env.get(k).copied(), Some(v), "{k}");
+    }
+    let port = remora_contract::discovery::PORT;
+    let name = remora_contract::discovery::PORT_NAME;
+    assert!(
+        c["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["name"] == name && p["containerPort"] == port),
+        "{c:#}"
+    );
+    let svc = find(&objects, "Service")?;
+    assert!(
+        svc["spec"]["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["name"] == name && p["port"] == port && p["targetPort"] == name),
+        "{svc:#}"
+    );
+    let np = find(&objects, "NetworkPolicy")?;
+    assert_eq!(
+        np["spec"]["ingress"],
+        serde_json::json!([
+            {"ports": [{"port": 15012, "protocol": "TCP"}]},
+            {"ports": [{"port": port, "protocol": "TCP"}]},
+        ]),
+        "{np:#}"
+    );
+    let with_ca = e2e::chart::render("remora", &ns, &ca)?;
+    let added = |kind: &str| -> anyhow::Result<Vec<[String; 4]>> {
+        let before = rules(find(&with_ca, kind)?);
+        Ok(rules(find(&objects, kind)?)
+            .into_iter()
+            .filter(|r| !before.contains(r))
+            .collect())
+    };
+    assert_eq!(
+        added("ClusterRole")?,
+        [
+            rule("", "services", "", "list,watch"),
+            rule("discovery.k8s.io", "endpointslices", "", "list,watch"),
+        ]
+    );
+    assert_eq!(added("Role")?, Vec::<[String; 4]>::new());
+    Ok(())
+}
+
 /// With workloadCA.enabled the operator serves the CA on 15012 (its
 /// Deployment, Service and NetworkPolicy say so) and gets exactly the rights
 /// the CA needs, in RBAC and in the admission policy; the API server accepts

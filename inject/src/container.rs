@@ -17,7 +17,7 @@ use remora_contract::pod::{
     HEALTH_PORT, HOOK_DIR, HOOK_VOLUME, PODINFO_DIR, PODINFO_VOLUME, PROXY_CONTAINER, PROXY_UID,
     READY_PATH, RUN_DIR, RUN_VOLUME,
 };
-use remora_contract::{env as env_name, workload_ca};
+use remora_contract::{discovery, env as env_name, workload_ca};
 use remora_crds::SidecarMode;
 
 use crate::resolve::{EffectiveConfig, WorkloadCaWiring};
@@ -166,11 +166,20 @@ pub(crate) fn wire_workload_ca(container: &mut Container, ca: &WorkloadCaWiring)
         env(env_name::TRUST_DOMAIN, ca.trust_domain.clone()),
         env(env_name::CERT_TTL, format_duration(ca.cert_ttl)),
     ]);
+    let envs = container.env.get_or_insert_with(Vec::new);
     if let Some(name) = &ca.server_name {
-        container
-            .env
-            .get_or_insert_with(Vec::new)
-            .push(env(env_name::CA_SERVER_NAME, name.clone()));
+        envs.push(env(env_name::CA_SERVER_NAME, name.clone()));
+    }
+    // The discovery server shows the CA's certificate: the same name checks it.
+    if let Some(address) = &ca.discovery {
+        envs.push(env(env_name::DISCOVERY_ADDRESS, address.clone()));
+        envs.push(env(
+            env_name::DISCOVERY_TOKEN_PATH,
+            discovery::TOKEN_PATH.into(),
+        ));
+        if let Some(name) = &ca.server_name {
+            envs.push(env(env_name::DISCOVERY_SERVER_NAME, name.clone()));
+        }
     }
     container
         .volume_mounts
@@ -193,10 +202,10 @@ pub(crate) fn wire_workload_ca(container: &mut Container, ca: &WorkloadCaWiring)
 
 /// The volumes the sidecar needs, in the order they are added to the pod;
 /// the workload CA's only when it is wired.
-pub(crate) fn sidecar_volumes(workload_ca: bool) -> Vec<Volume> {
+pub(crate) fn sidecar_volumes(workload_ca: Option<&WorkloadCaWiring>) -> Vec<Volume> {
     let mut volumes = vec![run_volume(), podinfo_volume(), hook_volume()];
-    if workload_ca {
-        volumes.extend([token_volume(), trust_bundle_volume()]);
+    if let Some(ca) = workload_ca {
+        volumes.extend([token_volume(ca.discovery.is_some()), trust_bundle_volume()]);
     }
     volumes
 }
@@ -241,21 +250,28 @@ fn podinfo_volume() -> Volume {
     }
 }
 
-/// The pod's service-account token for the CA only: its audience is one
-/// the API server (and everything else) refuses, and the kubelet renews it.
-/// Projected, so it is there even with `automountServiceAccountToken: false`.
-fn token_volume() -> Volume {
+/// The pod's service-account tokens for the CA and (when on) the discovery
+/// server, one audience each: a token one of them is shown cannot be
+/// replayed to the other, and the API server (and everything else) refuses
+/// both. The kubelet renews them. Projected, so they are there even with
+/// `automountServiceAccountToken: false`.
+fn token_volume(discovery: bool) -> Volume {
+    let token = |audience: &str, path: &str| VolumeProjection {
+        service_account_token: Some(ServiceAccountTokenProjection {
+            audience: Some(audience.into()),
+            expiration_seconds: Some(workload_ca::TOKEN_EXPIRATION_SECONDS),
+            path: path.into(),
+        }),
+        ..Default::default()
+    };
+    let mut sources = vec![token(workload_ca::TOKEN_AUDIENCE, workload_ca::TOKEN_FILE)];
+    if discovery {
+        sources.push(token(discovery::TOKEN_AUDIENCE, discovery::TOKEN_FILE));
+    }
     Volume {
         name: workload_ca::TOKEN_VOLUME.into(),
         projected: Some(ProjectedVolumeSource {
-            sources: Some(vec![VolumeProjection {
-                service_account_token: Some(ServiceAccountTokenProjection {
-                    audience: Some(workload_ca::TOKEN_AUDIENCE.into()),
-                    expiration_seconds: Some(workload_ca::TOKEN_EXPIRATION_SECONDS),
-                    path: workload_ca::TOKEN_FILE.into(),
-                }),
-                ..Default::default()
-            }]),
+            sources: Some(sources),
             ..Default::default()
         }),
         ..Default::default()

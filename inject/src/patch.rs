@@ -224,7 +224,7 @@ pub fn mutate(
         ));
     }
     let workload_ca = workload_ca_wiring(cfg, &annotations)?;
-    let our_volumes = sidecar_volumes(workload_ca.is_some());
+    let our_volumes = sidecar_volumes(workload_ca);
     let volume_names = names(&spec["volumes"]);
     if let Some(v) = our_volumes
         .iter()

@@ -38,6 +38,10 @@ pub struct WorkloadCaWiring {
     pub trust_domain: String,
     /// The lifetime the sidecar requests.
     pub cert_ttl: Duration,
+    /// `host:port` of the discovery server (Envoy's ADS), served with the
+    /// CA's certificate under the same `server_name`; `None`: static mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery: Option<String>,
 }
 
 impl Default for ChartDefaults {
@@ -117,14 +121,16 @@ impl EffectiveConfig {
         });
         // Only when wired: pods injected without the CA keep their hash.
         if let (Some(ca), Some(o)) = (&self.workload_ca, fields.as_object_mut()) {
-            o.insert(
-                "workloadCa".into(),
-                serde_json::json!({
-                    "address": ca.address,
-                    "trustDomain": ca.trust_domain,
-                    "certTtl": ca.cert_ttl.as_millis() as u64,
-                }),
-            );
+            let mut wired = serde_json::json!({
+                "address": ca.address,
+                "trustDomain": ca.trust_domain,
+                "certTtl": ca.cert_ttl.as_millis() as u64,
+            });
+            // Only when on, likewise: turning discovery on asks for a restart.
+            if let (Some(d), Some(w)) = (&ca.discovery, wired.as_object_mut()) {
+                w.insert("discovery".into(), serde_json::json!(d));
+            }
+            o.insert("workloadCa".into(), wired);
         }
         let digest = Sha256::digest(fields.to_string().as_bytes());
         let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
@@ -752,6 +758,7 @@ mod tests {
                 server_name: None,
                 trust_domain: "cluster.local".into(),
                 cert_ttl: Duration::from_secs(3600),
+                discovery: None,
             }),
             ..ChartDefaults::default()
         };

@@ -86,6 +86,16 @@ pub async fn run(args: ServeArgs, rt: &Runtime) -> Result<(), AppError> {
         .workload_ca
         .wiring(&args.service_name, &args.operator_namespace);
     if let Some(ca) = &mut workload_ca
+        && args.discovery.enabled
+    {
+        ca.discovery = Some(format!(
+            "{}.{}.svc:{}",
+            args.service_name,
+            args.operator_namespace,
+            remora_contract::discovery::PORT
+        ));
+    }
+    if let Some(ca) = &mut workload_ca
         && args
             .workload_ca
             .address
@@ -390,6 +400,11 @@ async fn dial_by_cluster_ip(
                 let name = format!("{}.{}.svc", args.service_name, args.operator_namespace);
                 ca.address =
                     std::net::SocketAddr::new(ip, remora_contract::workload_ca::PORT).to_string();
+                if ca.discovery.is_some() {
+                    ca.discovery = Some(
+                        std::net::SocketAddr::new(ip, remora_contract::discovery::PORT).to_string(),
+                    );
+                }
                 ca.server_name = Some(name);
             }
         }
@@ -398,7 +413,7 @@ async fn dial_by_cluster_ip(
             tracing::warn!(error = %e, service = %args.service_name, "workload CA: cannot read the Service; sidecars dial its DNS name");
         }
     }
-    tracing::info!(address = %ca.address, server_name = ?ca.server_name, "workload CA: the address sidecars dial");
+    tracing::info!(address = %ca.address, discovery = ?ca.discovery, server_name = ?ca.server_name, "workload CA: the address sidecars dial");
 }
 
 /// The API server's config, from the in-cluster config or KUBECONFIG,

@@ -342,6 +342,7 @@ impl WorkloadCaArgs {
             // its MAX: a longer request would stop the sidecar from starting,
             // and the CA grants at most its own maximum anyway.
             cert_ttl: self.cert_ttl.min(remora_contract::duration::MAX),
+            discovery: None,
         })
     }
 
@@ -535,6 +536,7 @@ mod tests {
                 server_name: None,
                 trust_domain: "cluster.local".into(),
                 cert_ttl: Duration::from_secs(24 * 3600),
+                discovery: None,
             })
         );
         let w = wiring(&[

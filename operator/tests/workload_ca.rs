@@ -23,6 +23,7 @@ fn wiring() -> WorkloadCaWiring {
         server_name: None,
         trust_domain: "mesh.example".into(),
         cert_ttl: Duration::from_secs(12 * 3600),
+        discovery: None,
     }
 }
 
@@ -228,6 +229,59 @@ fn a_ca_dialled_by_its_cluster_ip_is_checked_under_its_name() {
     );
     let (out, _) = injected(&pod(&[]), true);
     assert!(!env(&out).contains_key("REMORA_CA_SERVER_NAME"));
+}
+
+/// With discovery on, the sidecar dials the discovery server where it dials
+/// the CA, checks it under the same name, and proves itself with a token of
+/// the discovery audience, projected next to the CA's (one volume).
+#[test]
+fn the_discovery_server_is_wired_when_on() {
+    let mut c = chart(true);
+    let w = c.workload_ca.as_mut().expect("wiring");
+    w.address = "10.96.0.9:15012".into();
+    w.server_name = Some("remora-operator.remora-system.svc".into());
+    w.discovery = Some("10.96.0.9:15010".into());
+    let (out, warnings) = mutate_chart(&pod(&[]), &c).expect("injected");
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let e = env(&out);
+    assert_eq!(e["REMORA_DISCOVERY_ADDRESS"], "10.96.0.9:15010");
+    assert_eq!(
+        e["REMORA_DISCOVERY_SERVER_NAME"],
+        "remora-operator.remora-system.svc"
+    );
+    assert_eq!(
+        e["REMORA_DISCOVERY_TOKEN_PATH"],
+        remora_contract::discovery::TOKEN_PATH
+    );
+    assert_eq!(
+        volumes(&out)[ca::TOKEN_VOLUME]["projected"]["sources"],
+        json!([
+            {"serviceAccountToken": {"audience": "remora-ca", "expirationSeconds": 3600, "path": "remora-token"}},
+            {"serviceAccountToken": {"audience": "remora-discovery", "expirationSeconds": 3600, "path": "remora-discovery-token"}},
+        ])
+    );
+    let hash =
+        |c: &ChartDefaults| status(&mutate_chart(&pod(&[]), c).expect("injected").0).restart_hash;
+    let on = hash(&c);
+    c.workload_ca.as_mut().expect("wiring").discovery = None;
+    assert_ne!(hash(&c), on, "turning discovery on needs a restart");
+
+    // Off: none of it, and the CA's token alone.
+    let (out, _) = injected(&pod(&[]), true);
+    let e = env(&out);
+    for name in [
+        "REMORA_DISCOVERY_ADDRESS",
+        "REMORA_DISCOVERY_SERVER_NAME",
+        "REMORA_DISCOVERY_TOKEN_PATH",
+    ] {
+        assert!(!e.contains_key(name), "{name} set with discovery off");
+    }
+    assert_eq!(
+        volumes(&out)[ca::TOKEN_VOLUME]["projected"]["sources"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
 }
 
 #[test]

@@ -28,6 +28,7 @@ use crate::bootstrap::{self, BootstrapError, Extras};
 use crate::config::RunConfig;
 use crate::drain::{self, DrainOutcome, DrainReport};
 use crate::envoy::admin::EnvoyAdmin;
+use crate::envoy::idle_close;
 use crate::envoy::process::{BaseId, EnvoyArgs, EnvoyProcess};
 use crate::envoy::ready::{self, Wanted};
 use crate::lifecycle::LiveSettings;
@@ -256,6 +257,12 @@ impl Supervisor {
         }
         let path = self.cfg.bootstrap_path();
         bootstrap::write(&path, &input.bootstrap).map_err(|e| e.to_string())?;
+        // Created once; a restart after a crash in a drain keeps its pressure.
+        let pressure = self.cfg.drain_pressure_path();
+        if !pressure.exists() {
+            idle_close::set(&pressure, false)
+                .map_err(|e| format!("cannot write {}: {e}", pressure.display()))?;
+        }
         if self.cfg.base_id.is_none() {
             // A fresh start picks a free base id again (the old one may be taken by now).
             self.base_id = None;
@@ -329,6 +336,7 @@ impl Supervisor {
         self.app_waits.store(false, Ordering::Release);
         self.drained_tx.send_replace(None);
         self.publish_state(|s| s.draining = false);
+        self.set_idle_close(false);
         self.hot_restart("undo a drain no SIGTERM followed").await;
         if self.candidate.is_some() {
             if let Some(g) = &self.draining_guard {
@@ -347,6 +355,7 @@ impl Supervisor {
         self.release_draining_on_takeover = false;
         self.draining_guard = Some(self.readiness.register("draining", "the proxy is draining"));
         self.publish_state(|s| s.draining = true);
+        self.set_idle_close(true);
         let admin = self.admin.clone();
         let poll = self.cfg.drain_poll_interval;
         let inbound_quiet = self.inbound_quiet_tx.clone();
@@ -354,6 +363,13 @@ impl Supervisor {
         Box::pin(async move {
             drain::run(&admin, settings, poll, started, &inbound_quiet, &app_waits).await
         })
+    }
+
+    /// Whether Envoy closes idle connections (see [`idle_close`]).
+    fn set_idle_close(&self, draining: bool) {
+        if let Err(e) = idle_close::set(&self.cfg.drain_pressure_path(), draining) {
+            tracing::warn!(error = %e, draining, "cannot tell Envoy to close idle connections");
+        }
     }
 
     fn record_drain(&self, report: &DrainReport) {

@@ -98,6 +98,21 @@ impl Conn {
         Self::from_stream(connect_from(source.into(), addr(port))?)
     }
 
+    /// Whether the server has closed this connection (read without waiting).
+    pub fn closed_by_peer(&self) -> std::io::Result<bool> {
+        self.stream.set_nonblocking(true)?;
+        let mut b = [0u8; 1];
+        let r = self.stream.peek(&mut b);
+        self.stream.set_nonblocking(false)?;
+        match r {
+            Ok(0) => Ok(true),
+            Ok(_) => Ok(false),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
     fn from_stream(stream: TcpStream) -> std::io::Result<Self> {
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         Ok(Self {
