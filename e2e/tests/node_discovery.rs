@@ -33,6 +33,7 @@ use kube::Client;
 use kube::api::PostParams;
 use remora_contract::annotations::{INBOUND, OUTBOUND};
 use remora_contract::discovery::cluster_name;
+use remora_contract::env::{DISCOVERY_ADDRESS, DISCOVERY_SERVER_NAME};
 use remora_contract::pod::{ENVOY_ADMIN_PORT, INBOUND_PORT};
 use tokio::time::Instant;
 
@@ -225,11 +226,10 @@ async fn three_clients_reach_every_replica_of_a_service_by_name() -> anyhow::Res
     let cp = name(&caller);
     let env = sidecar_env(&caller);
     let discovery = env
-        .get("REMORA_DISCOVERY_ADDRESS")
+        .get(DISCOVERY_ADDRESS)
         .with_context(|| {
             format!(
-                "the caller's sidecar was injected without REMORA_DISCOVERY_ADDRESS \
-                 (is discovery on in the chart and the injection?); its env: {:?}",
+                "the caller's sidecar was injected without {DISCOVERY_ADDRESS} (is discovery on in the chart and the injection?); its env: {:?}",
                 env.keys().collect::<Vec<_>>()
             )
         })?
@@ -237,7 +237,7 @@ async fn three_clients_reach_every_replica_of_a_service_by_name() -> anyhow::Res
     report(&format!(
         "  {cp} Ready after {} ms, discovery server {discovery} ({})",
         t0.elapsed().as_millis(),
-        env.get("REMORA_DISCOVERY_SERVER_NAME")
+        env.get(DISCOVERY_SERVER_NAME)
             .map_or("no server name", String::as_str)
     ));
 
