@@ -120,16 +120,17 @@ async fn run_one(load: Load) -> anyhow::Result<Vec<Sample>> {
     Ok(samples)
 }
 
-/// The per-client, per-replica table: answers by replica, failures.
-fn table(samples: &[Sample], replicas: &[String]) -> String {
+/// The per-client, per-replica table: answers by replica, failures, and
+/// the TCP connections the client opened into the caller's pod.
+fn table(samples: &[Sample], replicas: &[String], conns: &BTreeMap<String, usize>) -> String {
     let width = replicas.iter().map(String::len).max().unwrap_or(8).max(8);
     let mut out = format!("  {:<12}", "client");
     for r in replicas {
         out.push_str(&format!(" {r:>width$}"));
     }
     out.push_str(&format!(
-        " {:>8} {:>6} {:>6} {:>9} {:>9}\n",
-        "other", "sent", "failed", "p50 ms", "p99 ms"
+        " {:>8} {:>6} {:>6} {:>6} {:>9} {:>9}\n",
+        "other", "sent", "failed", "conns", "p50 ms", "p99 ms"
     ));
     for sum in summarize(samples) {
         let mine: Vec<&Sample> = samples.iter().filter(|s| *s.load == *sum.load).collect();
@@ -147,8 +148,12 @@ fn table(samples: &[Sample], replicas: &[String]) -> String {
             .filter(|s| !s.pod.as_ref().is_some_and(|p| replicas.contains(p)))
             .count();
         out.push_str(&format!(
-            " {other:>8} {:>6} {:>6} {:>9.1} {:>9.1}\n",
-            sum.sent, sum.failed, sum.latency.p50_ms, sum.latency.p99_ms
+            " {other:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1}\n",
+            sum.sent,
+            sum.failed,
+            conns.get(&sum.load).copied().unwrap_or(0),
+            sum.latency.p50_ms,
+            sum.latency.p99_ms
         ));
     }
     out
@@ -279,13 +284,18 @@ async fn three_clients_reach_every_replica_of_a_service_by_name() -> anyhow::Res
     let local = forward.local_addr();
     report(&format!("  {local} → {} (port-forward)", forward.target()));
     let mut samples = Vec::new();
+    let mut conns = BTreeMap::new();
     let t_traffic = Instant::now();
     for kind in [
         Kind::Http1KeepAlive,
         Kind::H2c { connections: 1 },
         Kind::GrpcUnary,
     ] {
-        samples.extend(run_one(Load::new(kind, local, RATE)).await?);
+        let before = forward.connections();
+        let load = Load::new(kind, local, RATE);
+        conns.insert(load.name.clone(), 0);
+        samples.extend(run_one(load.clone()).await?);
+        conns.insert(load.name, forward.connections() - before);
     }
     let traffic_for = t_traffic.elapsed();
     let forward_errors = forward.errors();
@@ -293,7 +303,7 @@ async fn three_clients_reach_every_replica_of_a_service_by_name() -> anyhow::Res
     report(&format!(
         "  per client and replica (answers), {} ms of traffic:\n{}",
         traffic_for.as_millis(),
-        table(&samples, &replicas)
+        table(&samples, &replicas, &conns)
     ));
     if !forward_errors.is_empty() {
         report(&format!("  port-forward errors: {forward_errors:?}"));

@@ -14,6 +14,8 @@
 //! reason kept in [`PortForward::errors`].
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, Client};
@@ -30,7 +32,8 @@ const OPEN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 pub struct PortForward {
     local: SocketAddr,
     target: String,
-    errors: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    errors: Arc<Mutex<Vec<String>>>,
+    accepted: Arc<AtomicUsize>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -50,7 +53,8 @@ impl PortForward {
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("the forward's local address", e))?;
-        let errors = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let accepted = Arc::new(AtomicUsize::new(0));
         let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
         let accept = tokio::spawn(accept_loop(
             listener,
@@ -58,11 +62,13 @@ impl PortForward {
             pod.to_owned(),
             port,
             errors.clone(),
+            accepted.clone(),
         ));
         Ok(Self {
             local,
             target,
             errors,
+            accepted,
             accept,
         })
     }
@@ -75,6 +81,11 @@ impl PortForward {
     /// What the forward leads to, `namespace/pod:port`.
     pub fn target(&self) -> &str {
         &self.target
+    }
+
+    /// Connections accepted so far: each one TCP connection into the pod.
+    pub fn connections(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
     }
 
     /// Every connection that could not be forwarded, or whose stream the
@@ -101,17 +112,19 @@ async fn accept_loop(
     pods: Api<Pod>,
     pod: String,
     port: u16,
-    errors: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    errors: Arc<Mutex<Vec<String>>>,
+    accepted: Arc<AtomicUsize>,
 ) {
     let mut conns = JoinSet::new();
     loop {
-        let accepted = tokio::select! {
+        let next = tokio::select! {
             a = listener.accept() => a,
             // Reap finished connections so the set stays small.
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
-        match accepted {
+        match next {
             Ok((tcp, peer)) => {
+                accepted.fetch_add(1, Ordering::SeqCst);
                 conns.spawn(forward_one(
                     tcp,
                     peer,
@@ -130,7 +143,7 @@ async fn accept_loop(
     }
 }
 
-fn push(errors: &std::sync::Mutex<Vec<String>>, e: String) {
+fn push(errors: &Mutex<Vec<String>>, e: String) {
     errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
 }
 
@@ -142,7 +155,7 @@ async fn forward_one(
     pods: Api<Pod>,
     pod: String,
     port: u16,
-    errors: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    errors: Arc<Mutex<Vec<String>>>,
 ) {
     let _ = tcp.set_nodelay(true);
     let opened = tokio::time::timeout(OPEN_TIMEOUT, pods.portforward(&pod, &[port])).await;
