@@ -11,6 +11,7 @@
 pub mod ingress;
 pub mod istio;
 pub mod pods;
+pub mod port_forward;
 pub mod workload_ca;
 pub mod workloads;
 pub mod zero_loss;
