@@ -4,8 +4,9 @@
 //! the latest a maximum delay after the first one, so a rollout of many
 //! pods is pushed a few times rather than once per pod.
 
-use std::collections::BTreeSet;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use remora_contract::discovery::ServiceHost;
@@ -51,9 +52,18 @@ impl Batch {
     }
 }
 
+/// Snapshots (without the pod's own part) by outbound annotation.
+type SharedSnapshots = HashMap<Option<Arc<str>>, Snapshot>;
+
 /// The registry, shared by the feeds (the watches) and the streams.
 pub struct Discovery {
     registry: RwLock<Registry>,
+    /// One more at each update, under the registry's write lock.
+    revision: AtomicU64,
+    /// Snapshots by outbound annotation, all of one revision: the replicas
+    /// of a workload carry the same annotation, so a change the fleet
+    /// depends on is generated once per distinct annotation, not per proxy.
+    shared: Mutex<(u64, SharedSnapshots)>,
     changes: mpsc::UnboundedSender<Touched>,
     batches: watch::Receiver<Arc<Batch>>,
     /// The cluster's DNS domain (`cluster.local`).
@@ -74,6 +84,8 @@ impl Discovery {
         let (tx, batches) = watch::channel(Arc::new(Batch::default()));
         let me = Arc::new(Self {
             registry: RwLock::default(),
+            revision: AtomicU64::new(0),
+            shared: Mutex::default(),
             changes,
             batches,
             domain: domain.to_string(),
@@ -88,6 +100,7 @@ impl Discovery {
                 .registry
                 .write()
                 .unwrap_or_else(PoisonError::into_inner);
+            self.revision.fetch_add(1, Ordering::Release);
             f(&mut r)
         };
         for t in touched {
@@ -105,7 +118,26 @@ impl Discovery {
     pub fn snapshot(&self, pod: &PodKey) -> Option<Snapshot> {
         self.read(|r| {
             let p = r.proxy(pod)?;
-            let mut s = resources::generate(r, p.outbound.as_deref(), &self.domain);
+            // Read under the registry's read lock: no update runs meanwhile.
+            let revision = self.revision.load(Ordering::Acquire);
+            let cached = {
+                let shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+                (shared.0 == revision)
+                    .then(|| shared.1.get(&p.outbound).cloned())
+                    .flatten()
+            };
+            let mut s = match cached {
+                Some(s) => s,
+                None => {
+                    let s = resources::generate(r, p.outbound.as_deref(), &self.domain);
+                    let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+                    if shared.0 != revision {
+                        *shared = (revision, HashMap::new());
+                    }
+                    shared.1.insert(p.outbound.clone(), s.clone());
+                    s
+                }
+            };
             s.pod = resources::pod_annotations(&pod.namespace, &pod.name, &p.agent_annotations);
             Some(s)
         })

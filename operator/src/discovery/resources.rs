@@ -22,6 +22,7 @@
 //! fails as it would without the mesh.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::cluster::v3::{Cluster, cluster};
 use envoy_types::pb::envoy::config::core::v3::{
@@ -97,15 +98,17 @@ impl Typed {
 
 /// Everything one proxy may see.
 #[derive(Debug, Clone, Default, PartialEq)]
+/// What comes from the outbound annotation is shared (`Arc`): proxies with
+/// the same annotation share one copy (see [`super::push::Discovery::snapshot`]).
 pub struct Snapshot {
-    pub listeners: Typed,
-    pub clusters: Typed,
-    pub endpoints: Typed,
+    pub listeners: Arc<Typed>,
+    pub clusters: Arc<Typed>,
+    pub endpoints: Arc<Typed>,
     /// Its pod's annotations, for its agent: one resource named after the pod.
     pub pod: Typed,
     /// The Services it declared (known or not yet): a change to any other
     /// does not concern it.
-    pub services: BTreeSet<ServiceHost>,
+    pub services: Arc<BTreeSet<ServiceHost>>,
     /// Entries of its annotation that were not used, and why.
     pub skipped: Vec<String>,
 }
@@ -113,9 +116,9 @@ pub struct Snapshot {
 impl Snapshot {
     pub fn of_type(&self, type_url: &str) -> Option<&Typed> {
         match type_url {
-            LISTENER => Some(&self.listeners),
-            CLUSTER => Some(&self.clusters),
-            ENDPOINTS => Some(&self.endpoints),
+            LISTENER => Some(self.listeners.as_ref()),
+            CLUSTER => Some(self.clusters.as_ref()),
+            ENDPOINTS => Some(self.endpoints.as_ref()),
             POD_ANNOTATIONS => Some(&self.pod),
             _ => None,
         }
@@ -186,11 +189,11 @@ pub fn generate(registry: &Registry, outbound: Option<&str>, domain: &str) -> Sn
         }
     }
     Snapshot {
-        listeners: Typed::new(listeners),
-        clusters: Typed::new(clusters),
-        endpoints: Typed::new(endpoints),
+        listeners: Arc::new(Typed::new(listeners)),
+        clusters: Arc::new(Typed::new(clusters)),
+        endpoints: Arc::new(Typed::new(endpoints)),
         pod: Typed::default(),
-        services,
+        services: Arc::new(services),
         skipped,
     }
 }
