@@ -213,4 +213,37 @@ mod tests {
         );
         assert!(d.read(|r| r.proxy(&key).is_none()));
     }
+
+    /// What the agent is sent of its pod, read as the pod watch reads a pod
+    /// (the lifecycle kept apart, everything else Remora does not read gone).
+    #[test]
+    fn a_proxy_keeps_the_annotations_its_agent_reads() {
+        use remora_contract::annotations::{LIFECYCLE, OUTBOUND, QUIET_PERIOD, STATUS, STOP};
+        let pod = k8s_openapi::api::core::v1::Pod {
+            metadata: ObjectMeta {
+                name: Some("job-0".into()),
+                namespace: Some("shop".into()),
+                annotations: Some(
+                    [
+                        (STATUS, "{}"),
+                        (LIFECYCLE, r#"{"mode":"Legacy"}"#),
+                        (QUIET_PERIOD, "1s"),
+                        (STOP, "AppsCompleted"),
+                        (OUTBOUND, "15001:cart.shop:80"),
+                        ("kubectl.kubernetes.io/last-applied-configuration", "{}"),
+                    ]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                ),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let live = crate::cluster::live_pod::read(&pod);
+        let (_, info) = ProxyInfo::read(&live).expect("injected");
+        let keys: Vec<&str> = info.agent_annotations.keys().map(String::as_str).collect();
+        assert_eq!(keys, [LIFECYCLE, QUIET_PERIOD, STOP]);
+        assert_eq!(info.agent_annotations[LIFECYCLE], r#"{"mode":"Legacy"}"#);
+    }
 }
