@@ -454,29 +454,35 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_stop_pushed_on_the_stream_quits_at_once() {
         use std::collections::BTreeMap;
+        type Pushed = tokio::sync::watch::Sender<crate::pod_annotations::StreamCopy>;
         let dir = tempfile::tempdir().expect("tempdir");
-        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
-        let (push, copy) = tokio::sync::watch::channel(None);
         let shutdown = CancellationToken::new();
         let poll = Duration::from_secs(3600);
-        let task = tokio::spawn(watch_stop(
-            PodAnnotations::new(dir.path().join("annotations"), copy),
-            true,
-            poll,
-            tx,
-            shutdown.clone(),
-        ));
-        let pushed = |extra: &[(&str, &str)]| {
-            let mut a: BTreeMap<String, String> =
-                BTreeMap::from([(LIFECYCLE.to_string(), r#"{"mode":"Legacy"}"#.to_string())]);
+        // A stop watcher fed by a stream (and a file that never comes).
+        let watcher = || {
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let (push, copy): (Pushed, _) = tokio::sync::watch::channel(None);
+            let task = tokio::spawn(watch_stop(
+                PodAnnotations::new(dir.path().join("annotations"), copy),
+                true,
+                poll,
+                tx,
+                shutdown.clone(),
+            ));
+            (push, rx, task)
+        };
+        let pushed = |mode: &str, extra: &[(&str, &str)]| {
+            let mut a =
+                BTreeMap::from([(LIFECYCLE.to_string(), format!(r#"{{"mode":"{mode}"}}"#))]);
             a.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
             Some(std::sync::Arc::new(a))
         };
-        push.send_replace(pushed(&[]));
+        let (push, mut rx, task) = watcher();
+        push.send_replace(pushed("Legacy", &[]));
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert!(rx.try_recv().is_err(), "no request yet");
         let started = tokio::time::Instant::now();
-        push.send_replace(pushed(&[(STOP_ANNOTATION, "AppsCompleted")]));
+        push.send_replace(pushed("Legacy", &[(STOP_ANNOTATION, "AppsCompleted")]));
         let got = tokio::time::timeout(Duration::from_secs(1), rx.recv())
             .await
             .expect("not at the next poll of the file");
@@ -485,20 +491,8 @@ mod tests {
         task.await.expect("task");
 
         // Native: ignored, said so, and the task ends.
-        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
-        let (push, copy) = tokio::sync::watch::channel(None);
-        let task = tokio::spawn(watch_stop(
-            PodAnnotations::new(dir.path().join("annotations"), copy),
-            true,
-            poll,
-            tx,
-            shutdown.clone(),
-        ));
-        let mut a = BTreeMap::from([
-            (LIFECYCLE.to_string(), r#"{"mode":"Native"}"#.to_string()),
-            (STOP_ANNOTATION.to_string(), "x".to_string()),
-        ]);
-        push.send_replace(Some(std::sync::Arc::new(std::mem::take(&mut a))));
+        let (push, mut rx, task) = watcher();
+        push.send_replace(pushed("Native", &[(STOP_ANNOTATION, "x")]));
         tokio::time::timeout(Duration::from_secs(1), task)
             .await
             .expect("ends")

@@ -257,6 +257,16 @@ fn rules(role: &Value) -> Vec<[String; 4]> {
         .collect()
 }
 
+/// A container's env entries that have a plain value, by name.
+fn plain_env(c: &Value) -> anyhow::Result<std::collections::BTreeMap<&str, &str>> {
+    Ok(c["env"]
+        .as_array()
+        .context("env")?
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?, e["value"].as_str()?)))
+        .collect())
+}
+
 fn rule(group: &str, resource: &str, names: &str, verbs: &str) -> [String; 4] {
     [group, resource, names, verbs].map(str::to_owned)
 }
@@ -431,12 +441,7 @@ async fn discovery_render_is_accepted_by_the_api_server() -> anyhow::Result<()> 
 
     let dep = find(&objects, "Deployment")?;
     let c = &dep["spec"]["template"]["spec"]["containers"][0];
-    let env: std::collections::BTreeMap<&str, &str> = c["env"]
-        .as_array()
-        .context("env")?
-        .iter()
-        .filter_map(|e| Some((e["name"].as_str()?, e["value"].as_str()?)))
-        .collect();
+    let env = plain_env(c)?;
     for (k, v) in [
         ("REMORA_DISCOVERY", "true"),
         ("REMORA_DISCOVERY_LISTEN", "0.0.0.0:15010"),
@@ -513,12 +518,7 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
 
     let dep = find(&objects, "Deployment")?;
     let c = &dep["spec"]["template"]["spec"]["containers"][0];
-    let env: std::collections::BTreeMap<&str, &str> = c["env"]
-        .as_array()
-        .context("env")?
-        .iter()
-        .filter_map(|e| Some((e["name"].as_str()?, e["value"].as_str()?)))
-        .collect();
+    let env = plain_env(c)?;
     for (k, v) in [
         ("REMORA_WORKLOAD_CA", "true"),
         ("REMORA_WORKLOAD_CA_LISTEN", "0.0.0.0:15012"),

@@ -187,25 +187,11 @@ impl Server {
     }
 }
 
-type Client = AggregatedDiscoveryServiceClient<
-    tower::util::BoxCloneSyncService<
-        http::Request<tonic::body::Body>,
-        http::Response<hyper::body::Incoming>,
-        hyper::Error,
-    >,
->;
+type Client = AggregatedDiscoveryServiceClient<h2_client::Channel>;
 
 fn client(h2: &H2<tonic::body::Body>) -> Client {
-    let sender = h2.sender.clone();
-    let svc = tower::service_fn(move |req: http::Request<tonic::body::Body>| {
-        let mut sender = sender.clone();
-        async move {
-            sender.ready().await?;
-            sender.send_request(req).await
-        }
-    });
     AggregatedDiscoveryServiceClient::with_origin(
-        tower::util::BoxCloneSyncService::new(svc),
+        h2_client::channel(h2),
         format!("https://{SERVER_NAME}").parse().expect("origin"),
     )
 }

@@ -698,26 +698,12 @@ mod attacks {
         }
     }
 
-    type Client = IstioCertificateServiceClient<
-        tower::util::BoxCloneSyncService<
-            http::Request<tonic::body::Body>,
-            http::Response<hyper::body::Incoming>,
-            hyper::Error,
-        >,
-    >;
+    type Client = IstioCertificateServiceClient<h2_client::Channel>;
 
     /// A gRPC client on one HTTP/2 connection.
     fn client(h2: &H2<tonic::body::Body>) -> Client {
-        let sender = h2.sender.clone();
-        let svc = tower::service_fn(move |req: http::Request<tonic::body::Body>| {
-            let mut sender = sender.clone();
-            async move {
-                sender.ready().await?;
-                sender.send_request(req).await
-            }
-        });
         IstioCertificateServiceClient::with_origin(
-            tower::util::BoxCloneSyncService::new(svc),
+            h2_client::channel(h2),
             format!("https://{SERVER_NAME}").parse().expect("origin"),
         )
     }

@@ -60,3 +60,25 @@ where
         conn: tokio::spawn(conn),
     })
 }
+
+/// What a tonic client runs on over one [`H2`] connection
+/// (`SomeServiceClient::with_origin(channel(&h2), origin)`).
+pub type Channel = tower::util::BoxCloneSyncService<
+    http::Request<tonic::body::Body>,
+    http::Response<hyper::body::Incoming>,
+    hyper::Error,
+>;
+
+/// A [`Channel`] on `h2`: every request waits for the connection to be
+/// ready, then goes out on it.
+pub fn channel(h2: &H2<tonic::body::Body>) -> Channel {
+    let sender = h2.sender.clone();
+    let svc = tower::service_fn(move |req: http::Request<tonic::body::Body>| {
+        let mut sender = sender.clone();
+        async move {
+            sender.ready().await?;
+            sender.send_request(req).await
+        }
+    });
+    tower::util::BoxCloneSyncService::new(svc)
+}
