@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use prometheus_client::registry::Registry;
+use remora_agent::certs::CertBundle;
 use remora_agent::certs::ca::CaSource;
 use remora_agent::certs::csr::Identity;
 use remora_agent::certs::renewal::RenewPolicy;
@@ -18,6 +19,7 @@ use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
 use support_sds::ca_double::{CaServer, TestCa};
 use support_sds::*;
+use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 
 fn test_ca(root: Ca, token: &str) -> TestCa {
@@ -106,6 +108,38 @@ impl Rig {
         .await
         .map_err(Into::into)
     }
+
+    /// The serial Envoy presents to `tls`, once it is that of the
+    /// certificate the agent holds and `wanted` accepts. Certificates of
+    /// seconds renew meanwhile, so a serial named beforehand may be gone
+    /// before Envoy shows it: this follows whichever is current.
+    async fn served(
+        &self,
+        tls: &TlsConnector,
+        wanted: impl Fn(&CertBundle) -> bool,
+    ) -> Result<String> {
+        let held = || {
+            self.handle
+                .current()
+                .filter(|b| wanted(b))
+                .map(|b| b.serial.clone())
+        };
+        let port = self.envoy.listener_port;
+        wait_until(
+            DEADLINE,
+            "Envoy presenting the agent's certificate",
+            || async {
+                let before = held();
+                let (_, presented) = roundtrip(port, tls).await.ok()?;
+                // A renewal between the two looks: either one counts.
+                [before, held()]
+                    .contains(&Some(presented.clone()))
+                    .then_some(presented)
+            },
+        )
+        .await
+        .map_err(Into::into)
+    }
 }
 
 #[tokio::test]
@@ -125,9 +159,10 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
     let rig = rig(tmp, src).await?;
     let port = rig.envoy.listener_port;
 
-    // Issue.
+    // Issue. The certificate renews every 2 s from here on, whatever the
+    // test waits for, so each step below follows the one current.
     let first = rig.serial_other_than("").await?;
-    wait_serial(port, &client1, &first).await?;
+    rig.served(&client1, |_| true).await?;
     wait_until(DEADLINE, "readiness", || async {
         rig.readiness.is_ready().then_some(())
     })
@@ -138,28 +173,33 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
         assert_eq!(seen.cluster_ids[0], "cluster-7");
         assert_eq!(seen.ttls[0], 4);
     }
-    let written = remora_agent::certs::file::load_dir(&out)?;
+    // Written file by file, so a renewal may tear a read: read again.
+    let written = wait_until(DEADLINE, "the certificate files", || async {
+        remora_agent::certs::file::load_dir(&out).ok()
+    })
+    .await?;
     // A CA that sends no trust bundle (Istio's): its chain's root alone,
     // not the roots that verify the CA (here the CA's serving root).
     assert!(written.roots_pem.contains(root1_pem.trim()));
     assert!(!written.roots_pem.contains(rig_serving_root.trim()));
 
-    // The token file rotates: the next call must carry the new one.
+    // The token file rotates; from now on the CA takes the new token only.
     std::fs::write(&token, "tok-2\n")?;
     *ca_impl.expected_token.lock().unwrap() = "tok-2".into();
-
-    // Renewal at half of the 4 s lifetime.
-    let second = rig.serial_other_than(&first).await?;
-    wait_serial(port, &client1, &second).await?;
-    assert!(
-        ca_impl
-            .seen
-            .lock()
-            .unwrap()
-            .tokens
+    let rotated = ca_impl.seen.lock().unwrap().tokens.len();
+    // Renewals (at half of the 4 s lifetime) read the new file. The agent
+    // makes one call at a time and serves each answer before the next: once
+    // a second call carried the new token, what it holds came from one.
+    wait_until(DEADLINE, "two renewals with the new token", || async {
+        let seen = ca_impl.seen.lock().unwrap();
+        let renewed = seen.tokens[rotated..]
             .iter()
-            .any(|t| t == "Bearer tok-2")
-    );
+            .filter(|t| *t == "Bearer tok-2");
+        (renewed.count() >= 2).then_some(())
+    })
+    .await?;
+    let second = rig.served(&client1, |_| true).await?;
+    assert_ne!(second, first);
 
     // The CA switches roots: ROOTCA follows, clients of the new root get in,
     // clients of the old one no longer do.
@@ -169,15 +209,11 @@ async fn ca_issues_renews_and_pushes_a_new_root() -> Result<()> {
     let old_root_client = connector(&root2.pem, &root1_client);
     let root2_pem = root2.pem.clone();
     *ca_impl.signer.lock().unwrap() = Arc::new(root2);
-    // (A renewal already in flight may still come from the old root: wait for the new one.)
-    let third = wait_until(DEADLINE, "a certificate from the new root", || async {
-        rig.handle
-            .current()
-            .filter(|b| b.roots_pem.contains(root2_pem.trim()))
-            .map(|b| b.serial.clone())
-    })
-    .await?;
-    wait_serial(port, &client2, &third).await?;
+    // A renewal already in flight may still come from the old root, and the
+    // certificate and ROOTCA reach Envoy apart: the new root's client gets
+    // in once both have, and ROOTCA then holds the new root alone.
+    rig.served(&client2, |b| b.roots_pem.contains(root2_pem.trim()))
+        .await?;
     assert!(
         roundtrip(port, &old_root_client).await.is_err(),
         "ROOTCA was replaced: the old root is no longer trusted"
