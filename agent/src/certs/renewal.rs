@@ -220,6 +220,7 @@ mod tests {
     use super::super::testing::{FakeCa, calls_within, ders, fake_ca, ident};
     use super::*;
     use remora_test_support::pki::Ca;
+    use remora_test_support::wait::wait_until;
     use tokio::sync::watch;
     use tokio::time::Instant;
 
@@ -387,10 +388,15 @@ mod tests {
         rx.wait_for(|b| b.is_some()).await.expect("first");
         let good = out.current().expect("bundle");
         *fail.lock().expect("lock") = true;
-        // Let the renewal and 5 retries happen.
-        while calls.lock().expect("lock").len() < 7 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        // The renewal at 500 s, then retries 1, 2, 4, 8 and 16 s apart.
+        let retried = || std::future::ready((calls.lock().expect("lock").len() >= 7).then_some(()));
+        wait_until(
+            Duration::from_secs(600),
+            "the renewal and 5 retries",
+            retried,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
         let c = calls.lock().expect("lock").clone();
         let gaps: Vec<u64> = c
             .windows(2)
