@@ -619,16 +619,49 @@ async fn an_oversized_request_ends_the_stream() {
     s.stop.cancel();
 }
 
+/// A sidecar can dial before the pod watch brings its new pod: its stream
+/// is not answered until the pod comes, then it is.
 #[tokio::test]
 async fn a_stream_for_a_pod_not_yet_seen_waits_for_it() {
     let s = Server::start_waiting(WAIT).await;
     let h2 = s.connect().await;
     let mut c = client(&h2);
-    let opening = tokio::spawn(async move {
+    let mut opening = std::pin::pin!(async move {
         let mut p = open(&mut c, Some(&token(WEB)), hello("web-1")).await?;
         p.next().await
     });
-    // The pod watch brings the pod, before or while the stream waits.
+    assert!(futures::poll!(opening.as_mut()).is_pending());
+    // Another proxy's stream, sent after it on the same connection, is
+    // answered: by then the server has taken the first one up, and holds it.
+    let mut other = open(&mut client(&h2), Some(&token(DB)), hello("db-0"))
+        .await
+        .expect("admitted");
+    assert_eq!(other.next().await.expect("cds").type_url, CLUSTER);
+    assert!(
+        futures::poll!(opening.as_mut()).is_pending(),
+        "answered before the pod came"
+    );
+    // That the server looked and found no pod cannot be seen on the wire:
+    // the admission such a stream goes through, polled by hand, shows it.
+    let ads = AdsService {
+        auth: TokenReviewDouble,
+        gate: Gate::new(TOKEN_AUDIENCE, GateLimits::default()),
+        discovery: Arc::clone(&s.discovery),
+        metrics: Metrics::default(),
+        events: None,
+        shutdown: CancellationToken::new(),
+        pod_wait: WAIT,
+    };
+    let bearer = format!("Bearer {}", token(WEB));
+    let caller = ads.caller(Some(bearer.as_str()), None).await.expect("web");
+    let first = hello("web-1");
+    let mut admission = std::pin::pin!(ads.entitle(&caller, &first));
+    assert!(
+        futures::poll!(admission.as_mut()).is_pending(),
+        "admitted or refused before the pod came"
+    );
+
+    // The pod watch brings the pod.
     s.discovery.update(|r| {
         r.apply_proxy(
             pod("web-1"),
@@ -640,7 +673,11 @@ async fn a_stream_for_a_pod_not_yet_seen_waits_for_it() {
             },
         )
     });
-    let cds = opening.await.expect("joined").expect("admitted");
+    let admitted = tokio::time::timeout(WAIT, admission)
+        .await
+        .expect("admitted in time");
+    assert_eq!(admitted.expect("admitted"), pod("web-1"));
+    let cds = opening.await.expect("answered");
     assert_eq!(cds.type_url, CLUSTER);
     s.stop.cancel();
 }
@@ -655,9 +692,23 @@ async fn an_open_stream_keeps_its_connection_past_the_idle_time() {
         .await
         .expect("admitted");
     let _eds = subscribed(&mut p).await;
-    // A stream with nothing to say for several idle times is not idle.
-    tokio::time::sleep(idle * 3).await;
+    // The server's own clock: a connection opened once the stream fell
+    // silent, with nothing on it, is closed as idle; the stream has said
+    // nothing for longer than that.
+    let silent = s.connect().await;
+    tokio::time::timeout(WAIT, silent.conn)
+        .await
+        .expect("an idle connection closed within 10 s")
+        .expect("connection task")
+        .expect("closed cleanly");
+    // A stream with nothing to say is not idle: its connection is neither
+    // closed nor closing (a GOAWAY would refuse a new stream).
     assert!(!h2.conn.is_finished(), "closed with a stream open");
+    let mut q = open(&mut c, Some(&token(WEB)), hello("web-0"))
+        .await
+        .expect("a new stream on the connection");
+    assert_eq!(q.next().await.expect("cds").type_url, CLUSTER);
+    drop(q);
     s.discovery
         .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.5"])));
     assert_eq!(p.next().await.expect("push").type_url, ENDPOINTS);
