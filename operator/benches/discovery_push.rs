@@ -484,8 +484,11 @@ async fn main() -> anyhow::Result<()> {
             acks.subscribed.load(std::sync::atomic::Ordering::Relaxed),
             args.proxies
         );
-        if let Some(t) = tasks.iter().find(|t| t.is_finished()) {
-            anyhow::bail!("a proxy ended early: {t:?}");
+        if let Some(i) = tasks.iter().position(|t| t.is_finished()) {
+            let ended = tasks.swap_remove(i).await;
+            anyhow::bail!(
+                "a proxy ended early: {ended:?} (file descriptors: `ulimit -n`, two per proxy)"
+            );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -31,6 +31,9 @@ pub fn limits() -> Limits {
         per_source_requests: 8,
         idle: Duration::from_secs(60),
         max_age: Duration::from_secs(30 * 60),
+        // Each sidecar holds one connection (its agent's one stream): the
+        // CA's 4,096 would cap a replica at 4,096 sidecars.
+        connections: 16_384,
         streams: 16_384,
         streams_per_connection: 4,
         ..Limits::default()
