@@ -642,7 +642,8 @@ async fn main() -> anyhow::Result<()> {
     let doc = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "commit": command_output("git", &["rev-parse", "HEAD"]),
-        "dirty": !command_output("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty(),
+        // Results files are written by the benches: they do not make the code measured dirty.
+        "dirty": !command_output("git", &["status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]).is_empty(),
         "machine": {
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "kernel": command_output("uname", &["-r"]),
