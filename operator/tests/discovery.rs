@@ -179,6 +179,17 @@ impl Server {
         }
     }
 
+    /// `web-0`'s proxy, admitted with its token, its first request sent;
+    /// the connection is kept open as long as the returned one lives.
+    async fn web_0(&self) -> (H2<tonic::body::Body>, Proxy) {
+        let h2 = self.connect().await;
+        let mut c = client(&h2);
+        let p = open(&mut c, Some(&token(WEB)), hello("web-0"))
+            .await
+            .expect("admitted");
+        (h2, p)
+    }
+
     async fn connect(&self) -> H2<tonic::body::Body> {
         let me: IpAddr = "127.0.0.1".parse().expect("ip");
         h2_client::connect(me, self.addr, SERVER_NAME, &self.bundle)
@@ -291,11 +302,7 @@ fn endpoints(r: &DiscoveryResponse) -> Vec<String> {
 #[tokio::test]
 async fn a_proxy_gets_its_declared_service_then_endpoint_changes_as_eds_only() {
     let s = Server::start().await;
-    let h2 = s.connect().await;
-    let mut c = client(&h2);
-    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
-        .await
-        .expect("admitted");
+    let (_h2, mut p) = s.web_0().await;
 
     let cds = p.next().await.expect("cds");
     assert_eq!(cds.type_url, CLUSTER);
@@ -469,11 +476,7 @@ async fn the_agent_gets_its_pods_annotations_and_their_changes() {
 #[tokio::test]
 async fn a_nack_is_counted_and_not_answered_with_the_same_config() {
     let s = Server::start().await;
-    let h2 = s.connect().await;
-    let mut c = client(&h2);
-    let mut p = open(&mut c, Some(&token(WEB)), hello("web-0"))
-        .await
-        .expect("admitted");
+    let (_h2, mut p) = s.web_0().await;
     let eds = subscribed(&mut p).await;
     s.discovery
         .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.9"])));
