@@ -18,6 +18,7 @@ use crate::config::RunConfig;
 use crate::envoy::admin::PROMETHEUS_STAT_PREFIX;
 use crate::envoy::idle_close;
 use remora_contract::discovery::NodeId;
+use remora_contract::pod::HCM_DELAYED_CLOSE_TIMEOUT;
 
 /// Name of the ADS cluster in xDS mode.
 pub use crate::xds::bootstrap::XDS_CLUSTER;
@@ -303,6 +304,7 @@ fn inbound_listener(port: u16, cluster: &str, transport_socket: Option<&Value>) 
                 // Envoy's default, stated: the drain cuts it (see `idle_close`).
                 "common_http_protocol_options": {"idle_timeout": "3600s"},
                 "drain_timeout": format!("{}s", idle_close::CLOSE_GRACE.as_secs_f64()),
+                "delayed_close_timeout": format!("{}s", HCM_DELAYED_CLOSE_TIMEOUT.as_secs_f64()),
                 "route_config": {
                     "name": name,
                     "virtual_hosts": [{

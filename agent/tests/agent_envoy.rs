@@ -420,12 +420,16 @@ fn app_hook_helper_drains_and_returns_when_inbound_is_quiet() {
 /// A keep-alive connection idle in a client's pool hears no
 /// `connection: close` (that rides on responses): Envoy closes it during the
 /// drain, before the app hook lets the app stop, so the client cannot pick
-/// it again for a request the app would no longer answer.
+/// it again for a request the app would no longer answer. With no quiet
+/// period the app is let stop at the earliest (`drain::IDLE_CLOSED`): the
+/// FIN must have come by then, not merely the decision to close (Envoy's
+/// default delayed close would hold the socket open, unread, a second
+/// longer, and a request sent on it meanwhile would be reset).
 #[test]
 fn an_idle_keep_alive_connection_is_closed_before_the_app_may_stop() {
     let mut agent = Agent::builder()
         .hook()
-        .args(["--quiet-period", "3s"])
+        .args(["--quiet-period", "0s"])
         .start();
     let mut idle = Conn::open(agent.ports.inbound).expect("connect");
     assert_eq!(idle.get("/").expect("before").status, 200);

@@ -12,6 +12,13 @@ pub const ENVOY_ADMIN_PORT: u16 = 15000;
 /// by the port name [`INBOUND_PORT_NAME`].
 pub const INBOUND_PORT: u16 = 15006;
 pub const INBOUND_PORT_NAME: &str = "remora-inbound";
+/// The `delayed_close_timeout` of every HTTP connection manager in the
+/// sidecar (the agent's inbound, the discovery server's outbound): none.
+/// With Envoy's default (1 s), a connection Envoy has decided to close stays
+/// open to the client, unread, for that long before the FIN, and a
+/// keep-alive client that reuses it meanwhile has its request reset. A
+/// drain closes every idle connection, so that window would lose requests.
+pub const HCM_DELAYED_CLOSE_TIMEOUT: Duration = Duration::ZERO;
 /// The agent's admin (metrics, quitquitquit, drain, debug), on 127.0.0.1.
 pub const AGENT_ADMIN_PORT: u16 = 15020;
 /// The agent's health port (`/healthz/ready`, `/healthz/live`).

@@ -10,6 +10,9 @@
 //! starts, so every connection idle for [`IDLE_AFTER`] is closed
 //! [`CLOSE_GRACE`] later (the HCM's drain timeout), well within a quiet
 //! period: a client sees the close before it would reuse the connection.
+//! The close is a FIN at once because the HCMs have no delayed close
+//! ([`remora_contract::pod::HCM_DELAYED_CLOSE_TIMEOUT`]); only a request
+//! sent as the FIN travels can still meet it.
 //!
 //! The action is Envoy-wide: HTTP listeners the discovery server sends
 //! (outbound) close their idle connections during a drain too. Static

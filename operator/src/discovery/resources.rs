@@ -49,6 +49,7 @@ use envoy_types::pb::google::protobuf::{Any, Duration};
 use envoy_types::util::pack_any;
 use prost::Message;
 use remora_contract::discovery::{ServiceHost, cluster_name};
+use remora_contract::pod::HCM_DELAYED_CLOSE_TIMEOUT;
 use remora_contract::traffic::OutboundSpec;
 use sha2::{Digest, Sha256};
 
@@ -284,6 +285,12 @@ fn http_filter_chain(name: &str, cluster: &str) -> Filter {
                 ..Default::default()
             },
         )),
+        // The drain's idle close reaches these listeners too (it is
+        // Envoy-wide): no window in which a closing connection looks open.
+        delayed_close_timeout: Some(Duration {
+            seconds: HCM_DELAYED_CLOSE_TIMEOUT.as_secs() as i64,
+            nanos: HCM_DELAYED_CLOSE_TIMEOUT.subsec_nanos() as i32,
+        }),
         http_filters: vec![HttpFilter {
             name: "envoy.filters.http.router".into(),
             config_type: Some(http_filter::ConfigType::TypedConfig(pack_any(
