@@ -8,8 +8,13 @@
 //! - one endpoint change of a Service with N/S dependents;
 //! - one endpoint change of `shared` (N dependents).
 //!
-//! The server runs in this process beside its clients, with the chart's
-//! debounce (100 ms quiet, 1 s max), a test double for TokenReview (every
+//! - a rollout of 100 pods of `rollout` (every proxy's), one every
+//!   `--rollout-step-ms`: pushes per proxy, last change to all ACKed, CPU.
+//!
+//! Each debounce of `--debounce-quiet-ms` (default: the operator's, 100 ms
+//! quiet, 1 s max) is measured in turn in the same run, so a sweep compares
+//! them side by side. The server runs in this process beside its clients,
+//! with a test double for TokenReview (every
 //! proxy shows the same cached token), and the registry fed directly (no
 //! API server, no pod watch). Not covered: the API server's watch latency,
 //! Envoy's own apply time, TLS handshakes after the start, delta xDS (not
@@ -59,8 +64,6 @@ const EXP: u64 = 4_000_000_000;
 const NS: &str = "shop";
 /// Pods of the `rollout` Service, replaced one at a time.
 const ROLLOUT_PODS: usize = 100;
-/// Between two pods of the rollout becoming ready.
-const ROLLOUT_STEP: Duration = Duration::from_millis(10);
 
 #[derive(Debug, Parser)]
 #[command(name = "discovery_push")]
@@ -74,6 +77,16 @@ struct Args {
     /// Endpoint changes measured per case.
     #[arg(long, default_value_t = 20)]
     changes: usize,
+    /// Debounce quiet windows to measure, side by side in this run (ms,
+    /// comma-separated; default: the operator's).
+    #[arg(long, value_delimiter = ',', default_values_t = [Debounce::default().quiet.as_millis() as u64])]
+    debounce_quiet_ms: Vec<u64>,
+    /// The debounce's maximum delay (ms; default: the operator's).
+    #[arg(long, default_value_t = Debounce::default().max_delay.as_millis() as u64)]
+    debounce_max_ms: u64,
+    /// Between two pods of the rollout becoming ready (ms, comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [10u64])]
+    rollout_step_ms: Vec<u64>,
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/results/discovery-push.json"))]
     out: PathBuf,
     /// What cargo passes to every bench.
@@ -349,7 +362,68 @@ async fn main() -> anyhow::Result<()> {
     );
     let started = Instant::now();
     let load_before = command_output("cat", &["/proc/loadavg"]);
+    let mut settings = Vec::new();
+    for &step in &args.rollout_step_ms {
+        for &quiet in &args.debounce_quiet_ms {
+            let debounce = Debounce {
+                quiet: Duration::from_millis(quiet),
+                max_delay: Duration::from_millis(args.debounce_max_ms),
+            };
+            println!(
+                "== debounce {quiet} ms quiet, {} ms max; rollout step {step} ms",
+                args.debounce_max_ms
+            );
+            settings.push(measure(&args, debounce, Duration::from_millis(step)).await?);
+        }
+    }
+    let doc = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "commit": command_output("git", &["rev-parse", "HEAD"]),
+        // Results files are written by the benches: they do not make the code measured dirty.
+        "dirty": !command_output("git", &["status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]).is_empty(),
+        "machine": {
+            "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "kernel": command_output("uname", &["-r"]),
+            "load_average_before": load_before,
+            "load_average_after": command_output("cat", &["/proc/loadavg"]),
+        },
+        "proxies": args.proxies,
+        "services": args.services,
+        "settings": settings,
+        "rss_mib": {"now": rss_mib("VmRSS:"), "peak": rss_mib("VmHWM:")},
+        "duration_seconds": started.elapsed().as_secs_f64(),
+        "measured": "registry update → the last dependent's ACK of an EDS version it had not ACKed before; each setting's debounce is in its figures",
+        "not_covered": [
+            "server and clients share this process and its 2 cores: CPU, allocation and RSS include the clients",
+            "no API server: the registry is fed directly, so watch latency is not in the figures",
+            "no Envoy: the clients ACK at once, Envoy's apply time is not in the figures",
+            "Istio pilot-discovery is not run side by side yet",
+            "delta xDS is not served",
+            "the rollout is 100 endpoint changes a fixed step apart fed to the registry, not pods starting on a node",
+            "RSS is the process's peak over every setting",
+        ],
+    });
+    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    println!(
+        "RSS peak {:.0} MiB (server and clients); wrote {}",
+        rss_mib("VmHWM:"),
+        args.out.display()
+    );
+    Ok(())
+}
 
+/// One setting: a server with `debounce`, every proxy subscribed, the
+/// changes of each case, then the rollout with `step` between pods.
+async fn measure(
+    args: &Args,
+    debounce: Debounce,
+    step: Duration,
+) -> anyhow::Result<serde_json::Value> {
+    let cpu_at_start = cpu_seconds();
     // The workload CA's serving certificate, as the operator has it.
     let p = roots::Policy {
         validity: Duration::from_secs(3600),
@@ -363,10 +437,6 @@ async fn main() -> anyhow::Result<()> {
     let bundle = Arc::new(authority.bundle.clone());
     let (_authority_tx, authority_rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
 
-    let debounce = Debounce {
-        quiet: Duration::from_millis(100),
-        max_delay: Duration::from_secs(1),
-    };
     let (discovery, debouncer) = Discovery::new("cluster.local", debounce);
     tokio::spawn(debouncer);
     let mut next_ip = 0u32;
@@ -493,7 +563,7 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let subscribe_seconds = connect_started.elapsed().as_secs_f64();
-    let cpu_after_subscribe = cpu_seconds();
+    let cpu_after_subscribe = cpu_seconds() - cpu_at_start;
     let alloc_after_subscribe = ALLOC.allocated() as f64 / 1048576.0;
 
     let cases = [Case::OneService, Case::Shared];
@@ -550,7 +620,7 @@ async fn main() -> anyhow::Result<()> {
             };
             ms.push((last - t0).as_secs_f64() * 1000.0);
             // Let the debounce window close before the next change.
-            tokio::time::sleep(Duration::from_millis(150)).await;
+            tokio::time::sleep(debounce.quiet + Duration::from_millis(50)).await;
         }
         let cpu = cpu_seconds() - cpu_before;
         ms.sort_by(f64::total_cmp);
@@ -583,14 +653,15 @@ async fn main() -> anyhow::Result<()> {
             })
             .collect()
     };
+    let cpu_before = cpu_seconds();
     let t0 = Instant::now();
     let mut pods: Vec<String> = (0..ROLLOUT_PODS).map(|r| rollout_ip(0, r)).collect();
-    for step in 1..=ROLLOUT_PODS {
-        pods[step - 1] = rollout_ip(step, step - 1);
+    for pod in 1..=ROLLOUT_PODS {
+        pods[pod - 1] = rollout_ip(pod, pod - 1);
         let eps = pods.clone();
         discovery
             .update(|r| r.apply_slice((NS.into(), "rollout-1".into()), slice("rollout", &eps)));
-        tokio::time::sleep(ROLLOUT_STEP).await;
+        tokio::time::sleep(step).await;
     }
     let last_change = Instant::now();
     let deadline = last_change + Duration::from_secs(60);
@@ -624,11 +695,12 @@ async fn main() -> anyhow::Result<()> {
     pushes.sort_by(f64::total_cmp);
     let rollout = json!({
         "pods": ROLLOUT_PODS,
-        "step_ms": ROLLOUT_STEP.as_millis() as u64,
+        "step_ms": step.as_millis() as u64,
         "dependents": args.proxies,
         "rollout_seconds": (last_change - t0).as_secs_f64(),
         "last_change_to_all_acked_ms": (done.max(last_change) - last_change).as_secs_f64() * 1000.0,
         "eds_pushes_per_proxy": {"p50": percentile(&pushes, 50.0), "max": pushes.last().copied().unwrap_or(f64::NAN)},
+        "cpu_seconds": cpu_seconds() - cpu_before,
     });
     println!(
         "rollout of {ROLLOUT_PODS} pods over {:.1} s, {} dependents: all ACKed the end {:.0} ms after the last change; EDS pushes per proxy p50 {} max {}",
@@ -639,47 +711,20 @@ async fn main() -> anyhow::Result<()> {
         pushes.last().copied().unwrap_or(f64::NAN)
     );
     stop.cancel();
-    let doc = json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "commit": command_output("git", &["rev-parse", "HEAD"]),
-        // Results files are written by the benches: they do not make the code measured dirty.
-        "dirty": !command_output("git", &["status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]).is_empty(),
-        "machine": {
-            "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "kernel": command_output("uname", &["-r"]),
-            "load_average_before": load_before,
-            "load_average_after": command_output("cat", &["/proc/loadavg"]),
-        },
-        "proxies": args.proxies,
-        "services": args.services,
-        "debounce_ms": {"quiet": 100, "max": 1000},
+    // Every client gone before the next setting starts its own.
+    for t in tasks {
+        let _ = t.await;
+    }
+    println!(
+        "subscribed {} proxies in {subscribe_seconds:.1} s; allocated {alloc_after_subscribe:.0} MiB (server and clients)",
+        args.proxies,
+    );
+    Ok(json!({
+        "debounce_ms": {"quiet": debounce.quiet.as_millis() as u64, "max": debounce.max_delay.as_millis() as u64},
         "subscribe_seconds": subscribe_seconds,
         "cpu_seconds_to_subscribe": cpu_after_subscribe,
         "allocated_mib_after_subscribe": alloc_after_subscribe,
-        "rss_mib": {"now": rss_mib("VmRSS:"), "peak": rss_mib("VmHWM:")},
         "rows": rows,
         "rollout": rollout,
-        "duration_seconds": started.elapsed().as_secs_f64(),
-        "measured": "registry update → the last dependent's ACK of an EDS version it had not ACKed before; the 100 ms debounce is in every figure",
-        "not_covered": [
-            "server and clients share this process and its 2 cores: CPU, allocation and RSS include the clients",
-            "no API server: the registry is fed directly, so watch latency is not in the figures",
-            "no Envoy: the clients ACK at once, Envoy's apply time is not in the figures",
-            "Istio pilot-discovery is not run side by side yet",
-            "delta xDS is not served",
-            "the rollout is 100 endpoint changes 10 ms apart fed to the registry, not pods starting on a node",
-        ],
-    });
-    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&doc)? + "\n")
-        .with_context(|| format!("writing {}", args.out.display()))?;
-    println!(
-        "subscribed {} proxies in {subscribe_seconds:.1} s; allocated {alloc_after_subscribe:.0} MiB, RSS peak {:.0} MiB (server and clients); wrote {}",
-        args.proxies,
-        rss_mib("VmHWM:"),
-        args.out.display()
-    );
-    Ok(())
+    }))
 }
