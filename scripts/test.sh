@@ -102,6 +102,16 @@ phase "images"
 
 REMORA_NODE_TESTS=1 cargo test --workspace --locked
 phase "tests"
+# The node tests are #[ignore]d with their reason (a plain `cargo test`
+# lists them so); here they are asked for. node_istio also needs
+# REMORA_ISTIO_TESTS=1 and the istio-proxy image, so it stays ignored.
+node_tests=()
+for f in e2e/tests/node_*.rs; do
+  t=$(basename "$f" .rs)
+  [[ "$t" == node_istio ]] || node_tests+=(--test "$t")
+done
+REMORA_NODE_TESTS=1 cargo test --locked -p e2e "${node_tests[@]}" -- --ignored
+phase "node tests"
 drops=$(bash scripts/cluster.sh status | sed -n 's/^egress guard dropped: //p')
 if [[ "$drops" != 0 ]]; then
   echo "test.sh: the egress guard dropped '$drops' packets: pod or Service traffic tried to leave the machine" >&2

@@ -481,10 +481,9 @@ impl Mesh {
 }
 
 #[tokio::test]
+#[ignore = "needs the real node: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_discovery -- --ignored (root, scripts/cluster.sh, scripts/images.sh)"]
 async fn three_clients_reach_every_replica_of_a_service_by_name() -> anyhow::Result<()> {
-    let Some(node) = Node::for_test("node_discovery").await? else {
-        return Ok(());
-    };
+    let node = Node::for_test("node_discovery").await?;
     let t0 = Instant::now();
     let client = node.client()?;
     let mesh = Mesh::start(node, &client, "discovery", &[], t0).await?;
@@ -580,12 +579,11 @@ fn drain_summary(r: &Value) -> String {
 }
 
 #[tokio::test]
+#[ignore = "needs the real node: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_discovery -- --ignored (root, scripts/cluster.sh, scripts/images.sh)"]
 async fn a_rolling_restart_of_the_callee_loses_nothing_with_quiet_period_zero() -> anyhow::Result<()>
 {
     let test = "node_discovery rolling restart";
-    let Some(node) = Node::for_test(test).await? else {
-        return Ok(());
-    };
+    let node = Node::for_test(test).await?;
     let t0 = Instant::now();
     let client = node.client()?;
     let mesh = Mesh::start(
@@ -766,12 +764,11 @@ async fn scale(client: &Client, ns: &str, name: &str, replicas: i32) -> anyhow::
 }
 
 #[tokio::test]
+#[ignore = "needs the real node: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_discovery -- --ignored (root, scripts/cluster.sh, scripts/images.sh)"]
 async fn calls_go_on_with_the_operator_scaled_to_zero_and_updates_resume_when_it_is_back()
 -> anyhow::Result<()> {
     let test = "node_discovery operator down";
-    let Some(node) = Node::for_test(test).await? else {
-        return Ok(());
-    };
+    let node = Node::for_test(test).await?;
     let t0 = Instant::now();
     let client = node.client()?;
     let remora = install(node, &client).await?;
@@ -1043,12 +1040,11 @@ fn ms_signed(a: std::time::Instant, b: std::time::Instant) -> String {
 }
 
 #[tokio::test]
+#[ignore = "needs the real node: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_discovery -- --ignored (root, scripts/cluster.sh, scripts/images.sh)"]
 async fn a_legacy_jobs_sidecar_stops_within_a_second_of_the_app_exit_through_the_stream()
 -> anyhow::Result<()> {
     let test = "node_discovery legacy job stop";
-    let Some(node) = Node::for_test(test).await? else {
-        return Ok(());
-    };
+    let node = Node::for_test(test).await?;
     let t0 = Instant::now();
     let client = node.client()?;
     install(node, &client).await?;

@@ -171,11 +171,9 @@ fn all_ok(samples: &[Sample], pods: &[Pod]) -> anyhow::Result<()> {
 /// EndpointSlices, and h2c and gRPC straight to the app's port on each pod
 /// (see [`grpc_through_the_sidecar`] for why gRPC not through it).
 #[tokio::test]
+#[ignore = "needs the real node: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_traffic -- --ignored (root, scripts/cluster.sh, scripts/images.sh)"]
 async fn every_client_kind_in_steady_state() -> anyhow::Result<()> {
-    let Some(node) = Node::for_test("node_traffic::every_client_kind_in_steady_state").await?
-    else {
-        return Ok(());
-    };
+    let node = Node::for_test("node_traffic::every_client_kind_in_steady_state").await?;
     let client = node.client()?;
     node.remora(&client).await?;
     let ns = TestNamespace::injected(node, &client, "traffic").await?;
@@ -289,10 +287,9 @@ async fn every_client_kind_in_steady_state() -> anyhow::Result<()> {
 /// gRPC through the Service and the sidecar: the agent's inbound cluster
 /// speaks the client's protocol to the app, so trailers survive.
 #[tokio::test]
+#[ignore = "needs the real node: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_traffic -- --ignored (root, scripts/cluster.sh, scripts/images.sh)"]
 async fn grpc_through_the_sidecar() -> anyhow::Result<()> {
-    let Some(node) = Node::for_test("node_traffic::grpc_through_the_sidecar").await? else {
-        return Ok(());
-    };
+    let node = Node::for_test("node_traffic::grpc_through_the_sidecar").await?;
     let client = node.client()?;
     node.remora(&client).await?;
     let ns = TestNamespace::injected(node, &client, "traffic-h2").await?;

@@ -4,9 +4,10 @@
 //! and Remora installed into it with `helm`, as a user installs it.
 //!
 //! Node tests need root, the node's binaries (`scripts/build-k8s.sh --node`)
-//! and the images (`scripts/images.sh`), so they run only with
-//! `REMORA_NODE_TESTS=1`; otherwise [`Node::for_test`] prints why and the
-//! test returns. Each test gets its own namespace ([`TestNamespace`]).
+//! and the images (`scripts/images.sh`), so they are `#[ignore]`d with that
+//! reason and run when asked for (`-- --ignored`) with `REMORA_NODE_TESTS=1`;
+//! without it [`Node::for_test`] fails saying why. Each test gets its own
+//! namespace ([`TestNamespace`]).
 
 pub mod ingress;
 pub mod istio;
@@ -37,14 +38,11 @@ use kube::{Api, Client, Config};
 use remora_test_support::wait::{WaitError, try_wait_until};
 use tokio::sync::OnceCell;
 
-/// `1` runs the node tests; anything else skips them.
+/// `1` lets the node tests run (CI and scripts/test.sh set it).
 pub const ENV_NODE_TESTS: &str = "REMORA_NODE_TESTS";
 /// Tag of the locally built images (`scripts/images.sh`); default `dev`.
 /// Another tag lets a developer try images built beside the shipped ones.
 pub const ENV_IMAGE_TAG: &str = "REMORA_NODE_IMAGE_TAG";
-/// What a skipped node test prints.
-pub const SKIP_REASON: &str =
-    "skipped: set REMORA_NODE_TESTS=1 (needs root, scripts/build-k8s.sh --node, scripts/images.sh)";
 
 /// The namespace label the webhook selects (`../shared/DESIGN.md`,
 /// `charts/remora/templates/webhook.yaml`).
@@ -93,6 +91,10 @@ pub enum Error {
     NoGuardCounter(String),
     #[error("node tests need root (the node owns cgroups, mounts, iptables)")]
     NotRoot,
+    #[error(
+        "{0}: a node test needs REMORA_NODE_TESTS=1 (root, scripts/build-k8s.sh --node, scripts/images.sh)"
+    )]
+    NotEnabled(String),
     #[error("kubeconfig: {0}")]
     Kubeconfig(#[from] kube::config::KubeconfigError),
     #[error("kubernetes API: {0}")]
@@ -219,15 +221,16 @@ pub struct Node {
 static SHARED: OnceCell<Result<Node, Arc<Error>>> = OnceCell::const_new();
 
 impl Node {
-    /// The node for a test, or `None` (after printing [`SKIP_REASON`]) when
-    /// `REMORA_NODE_TESTS` is not `1`. Every node test starts with
-    /// `let Some(node) = Node::for_test("name").await? else { return Ok(()) };`.
-    pub async fn for_test(test: &str) -> Result<Option<&'static Node>, Error> {
+    /// The node for a test. Node tests are `#[ignore]`d with their reason,
+    /// so a plain `cargo test` lists them as ignored; one asked for
+    /// (`-- --ignored`) without `REMORA_NODE_TESTS=1` fails saying so,
+    /// rather than passing without running. Every node test starts with
+    /// `let node = Node::for_test("name").await?;`.
+    pub async fn for_test(test: &str) -> Result<&'static Node, Error> {
         if std::env::var(ENV_NODE_TESTS).as_deref() != Ok("1") {
-            report(&format!("{test}: {SKIP_REASON}"));
-            return Ok(None);
+            return Err(Error::NotEnabled(test.to_string()));
         }
-        Self::shared().await.map(Some)
+        Self::shared().await
     }
 
     /// Once per process: `bash scripts/cluster.sh up` (a no-op when the node
