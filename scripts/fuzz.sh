@@ -16,14 +16,50 @@
 # crashes) is printed and written to $FUZZ_OUT/summary.txt. To grow the
 # committed corpus, minimise the queue with scripts/fuzz.sh's `cmin` step:
 #   FUZZ_CMIN=1 scripts/fuzz.sh TARGET   (writes $FUZZ_OUT/<target>/cmin)
+# then keep a few of those: $FUZZ_OUT/<target>/keep holds the FUZZ_KEEP
+# (default 30) inputs of cmin/ up to 4 KiB that cover the most tuples,
+# picked greedily; commit them as fuzz/corpus/<target>/afl-<the first 12
+# hex digits of their sha256>.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Keep in step with fuzz/Cargo.toml (afl = "=...").
 CARGO_AFL_VERSION=0.18.2
-TARGETS_ALL=(admission_review contract_annotations bootstrap_override sds_request)
+TARGETS_ALL=(admission_review contract_annotations bootstrap_override sds_request discovery_request xds_response)
 
 log() { printf '[fuzz] %s\n' "$*" >&2; }
+
+# keep TARGET: the FUZZ_KEEP inputs of $out/TARGET/cmin (up to 4 KiB)
+# covering the most tuples (afl-showmap's edge:hit-bucket lines), picked
+# greedily, into $out/TARGET/keep; says on stderr how many they cover.
+keep() {
+  local t=$1 maps="$out/$1/maps" f
+  rm -rf "$maps" "$out/$t/keep"
+  mkdir -p "$maps" "$out/$t/keep"
+  for f in "$out/$t/cmin"/*; do
+    # Small ones only: the seeds already hold the large shapes.
+    [ "$(stat -c %s "$f")" -le 4096 ] || continue
+    afl-showmap -q -o "$maps/$(basename "$f")" -- "$bindir/$t" <"$f" >/dev/null 2>&1 || true
+  done
+  (cd "$maps" && awk -v n="${FUZZ_KEEP:-30}" '
+    { tuples[FILENAME] = tuples[FILENAME] " " $0; all[$0] = 1 }
+    END {
+      for (k = 0; k < n; k++) {
+        best = ""; gain = 0
+        for (f in tuples) {
+          g = 0; m = split(tuples[f], ts, " ")
+          for (i = 1; i <= m; i++) if (!(ts[i] in covered)) g++
+          if (g > gain) { gain = g; best = f }
+        }
+        if (best == "") break
+        m = split(tuples[best], ts, " ")
+        for (i = 1; i <= m; i++) covered[ts[i]] = 1
+        delete tuples[best]; print best
+      }
+      total = 0; for (x in all) total++; c = 0; for (x in covered) c++
+      printf "covered %d of the %d tuples of those up to 4 KiB\n", c, total > "/dev/stderr"
+    }' *) | while read -r f; do cp "$out/$t/cmin/$f" "$out/$t/keep/"; done
+}
 
 cache="${REMORA_CACHE:-$HOME/.cache/remora}/cargo-afl/$CARGO_AFL_VERSION"
 export PATH="$cache/bin:$PATH"
@@ -108,6 +144,12 @@ for t in "${targets[@]}"; do
   done
   if [ -n "${FUZZ_CMIN:-}" ]; then
     rm -rf "$out/$t/cmin"
-    cargo afl cmin -i "$out/$t/default/queue" -o "$out/$t/cmin" -- "$bindir/$t" >&2
+    # The bash afl-cmin: the bundled Python one (what `cargo afl cmin` runs)
+    # reads no tuples from these binaries' batched traces and keeps 0 files.
+    afl-cmin.bash -i "$out/$t/default/queue" -o "$out/$t/cmin" -- "$bindir/$t" \
+      >"$out/$t/cmin.log" 2>&1 || { log "$t: afl-cmin failed, see $out/$t/cmin.log"; continue; }
+    log "$t: $(ls "$out/$t/cmin" | wc -l) inputs after afl-cmin -> $out/$t/cmin"
+    covered=$(keep "$t" 2>&1 >/dev/null)
+    log "$t: $(ls "$out/$t/keep" | wc -l) inputs kept ($covered) -> $out/$t/keep"
   fi
 done

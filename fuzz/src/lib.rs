@@ -22,15 +22,20 @@ use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec, WorkloadSe
 use remora_inject::resolve::{ChartDefaults, LifecycleEntry};
 use remora_inject::review::{self, StaticView};
 
+pub mod discovery;
+pub mod xds_proxy;
+
 /// A fuzz target: untrusted bytes in, a panic on any bug.
 pub type Target = fn(&[u8]);
 
 /// Every target by name: the name is its corpus directory and AFL binary.
-pub const TARGETS: [(&str, Target); 4] = [
+pub const TARGETS: [(&str, Target); 6] = [
     ("admission_review", admission_review),
     ("contract_annotations", contract_annotations),
     ("bootstrap_override", bootstrap_override),
     ("sds_request", sds_request),
+    ("discovery_request", discovery::discovery_request),
+    ("xds_response", xds_proxy::xds_response),
 ];
 
 /// The operator's namespace in the fixed cluster below.

@@ -15,8 +15,6 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 use futures::Stream;
 use futures::future::BoxFuture;
-use prost::Message as _;
-use remora_proto::remora::v1::PodAnnotations;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -27,7 +25,7 @@ const STABLE_STREAM: std::time::Duration = std::time::Duration::from_secs(5);
 use tonic::{Request, Response, Status, Streaming};
 
 use super::session::{
-    CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session,
+    CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session, pod_annotations,
 };
 use super::upstream::{UpstreamConfig, UpstreamError};
 use super::{FirstAcks, XdsMetrics};
@@ -83,16 +81,7 @@ impl Shared {
     /// A response of the agent's own type: the pod's annotations, applied
     /// when they decode (the next read of a setting sees them).
     fn apply_pod_annotations(&self, resp: &DiscoveryResponse) -> Result<(), String> {
-        let [any] = resp.resources.as_slice() else {
-            return Err(format!(
-                "{} resources of the pod's annotations, not 1",
-                resp.resources.len()
-            ));
-        };
-        let msg = PodAnnotations::decode(any.value.as_slice())
-            .map_err(|e| format!("the pod's annotations do not decode: {e}"))?;
-        let annotations: std::collections::BTreeMap<String, String> =
-            msg.annotations.into_iter().collect();
+        let annotations = pod_annotations(resp)?;
         tracing::debug!(version = %resp.version_info, count = annotations.len(),
             "the pod's annotations, from the discovery server");
         self.pod_annotations

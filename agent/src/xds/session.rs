@@ -1,7 +1,8 @@
 //! What the proxy remembers of one Envoy stream, apart from any connection:
 //! Envoy's latest request per type URL (to resume on a new upstream stream)
 //! and the nonces sent down (to tell ACKs from NACKs). Pure, so the resume
-//! and ACK rules are tested without sockets.
+//! and ACK rules are tested without sockets, and fuzzed (fuzz/, target
+//! `xds_response`) as the proxy runs them.
 //!
 //! # What is replayed on a new upstream stream
 //!
@@ -26,14 +27,16 @@
 //! ([`POD_ANNOTATIONS_TYPE`]) on every upstream stream, once the node has
 //! gone up ([`Session::own_subscription`]), naming the version it last
 //! applied; responses of that type are the agent's and never reach Envoy
-//! ([`Session::own_ack`]).
+//! ([`pod_annotations`] reads them, [`Session::own_ack`] answers them).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
+use prost::Message as _;
 pub use remora_contract::discovery::POD_ANNOTATIONS_TYPE;
+use remora_proto::remora::v1::PodAnnotations;
 
 pub const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -200,6 +203,20 @@ impl Session {
     }
 }
 
+/// The pod's annotations a response of [`POD_ANNOTATIONS_TYPE`] carries:
+/// exactly one `remora.v1.PodAnnotations`, or why not (the NACK's message).
+pub fn pod_annotations(resp: &DiscoveryResponse) -> Result<BTreeMap<String, String>, String> {
+    let [any] = resp.resources.as_slice() else {
+        return Err(format!(
+            "{} resources of the pod's annotations, not 1",
+            resp.resources.len()
+        ));
+    };
+    let msg = PodAnnotations::decode(any.value.as_slice())
+        .map_err(|e| format!("the pod's annotations do not decode: {e}"))?;
+    Ok(msg.annotations.into_iter().collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -265,6 +282,38 @@ mod tests {
         assert!(replay[0].node.is_some());
         let own = s.own_subscription().expect("on the new stream");
         assert_eq!(own.version_info, "a1");
+    }
+
+    #[test]
+    fn pod_annotations_are_one_message_or_refused_saying_why() {
+        use envoy_types::pb::google::protobuf::Any;
+        let one = Any {
+            type_url: POD_ANNOTATIONS_TYPE.into(),
+            value: PodAnnotations {
+                annotations: [("remora.dev/stop".to_string(), "true".to_string())].into(),
+            }
+            .encode_to_vec(),
+        };
+        let with = |resources: Vec<Any>| DiscoveryResponse {
+            resources,
+            ..resp(POD_ANNOTATIONS_TYPE, "a1", "n1")
+        };
+        assert_eq!(
+            pod_annotations(&with(vec![one.clone()])),
+            Ok(BTreeMap::from([("remora.dev/stop".into(), "true".into())]))
+        );
+        let garbage = Any {
+            value: vec![0x0a, 0xff, 0xff],
+            ..one.clone()
+        };
+        for (resources, why) in [
+            (vec![], "0 resources"),
+            (vec![one.clone(), one], "2 resources"),
+            (vec![garbage], "do not decode"),
+        ] {
+            let e = pod_annotations(&with(resources)).expect_err("refused");
+            assert!(e.contains(why), "{e}");
+        }
     }
 
     #[test]

@@ -7,8 +7,10 @@
 //! - [`resources`]: what one proxy may see (LDS, CDS, EDS), only for the
 //!   Services it declared in `remora.dev/outbound`;
 //! - [`push`]: changes debounced into batches the streams follow;
-//! - [`server`]: the ADS service (authentication, per-type versions,
-//!   ACK/NACK), served by [`crate::grpc_server`].
+//! - [`session`]: what one stream does with each request (per-type
+//!   versions, nonces, ACK/NACK, scope), pure;
+//! - [`server`]: the ADS service (authentication, then each stream's
+//!   session), served by [`crate::grpc_server`].
 
 pub mod feed;
 pub mod push;
@@ -16,6 +18,7 @@ pub mod registry;
 pub mod resources;
 pub mod serve;
 pub mod server;
+pub mod session;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -90,8 +93,11 @@ impl Metrics {
     pub fn pushes_total(&self, t: &str) -> u64 {
         self.pushes.get_or_create(&Self::ty(t)).get()
     }
-    pub fn out_of_scope(&self, t: &str) {
-        self.out_of_scope.get_or_create(&Self::ty(t)).inc();
+    /// `n` names of type `t` asked for outside the proxy's scope.
+    pub fn out_of_scope(&self, t: &str, n: usize) {
+        self.out_of_scope
+            .get_or_create(&Self::ty(t))
+            .inc_by(u64::try_from(n).unwrap_or(u64::MAX));
     }
     pub fn out_of_scope_total(&self, t: &str) -> u64 {
         self.out_of_scope.get_or_create(&Self::ty(t)).get()

@@ -8,24 +8,20 @@
 //! ([`NodeId`]) naming an injected pod in the caller's namespace, running
 //! under the caller's ServiceAccount (and the token's own pod, when the
 //! token is bound to one). Otherwise the stream ends at once with
-//! UNAUTHENTICATED, INVALID_ARGUMENT or PERMISSION_DENIED saying why.
+//! UNAUTHENTICATED, INVALID_ARGUMENT or PERMISSION_DENIED saying why
+//! ([`entitled_now`], pure, is that rule).
 //!
-//! Then, per type (LDS, CDS, EDS): each response has the type's version
-//! (a digest of its content) and a nonce; a request whose nonce is not the
-//! last one sent is stale and ignored; an ACK records the version; a NACK
-//! (an `error_detail`) is logged with Envoy's message and counted, and
-//! nothing is re-sent until the content changes (Envoy keeps its last good
-//! configuration). Names asked for outside the proxy's scope are not
-//! returned (and counted). Any other type ends the stream with
-//! INVALID_ARGUMENT: Remora's sidecars ask only for these three, so another
-//! is a misconfigured client, told so rather than left waiting.
+//! Then each request goes through the stream's [`Session`] (pure: versions,
+//! nonces, ACK/NACK, scope, refused types; see [`super::session`]); this
+//! module does what it decides: sends, counts, logs a NACK with Envoy's
+//! message and raises it as a Warning Event on the proxy's pod, or ends
+//! the stream with the session's status.
 //!
 //! Pushes follow the debounced batches ([`super::push`]): a batch that
 //! concerns the proxy recomputes its resources, and only the types whose
 //! version changed are sent (EDS alone when only endpoints changed).
 
 use crate::pod_events::{PodEvents, Warning};
-use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,6 +40,7 @@ use super::Metrics;
 use super::push::{Batch, Discovery};
 use super::registry::PodKey;
 use super::resources::{self, Snapshot};
+use super::session::{Push, Reply, Session};
 use crate::grpc_server::Peer;
 use crate::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, bearer};
 
@@ -55,6 +52,10 @@ const QUEUE: usize = 4;
 /// How long a stream waits for its proxy to take a response: one that
 /// reads nothing for this long is cut, rather than holding its task.
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most of a node id's part a refusal echoes, in characters: a DNS
+/// name's length, so a real pod's name is never cut, and a made-up one
+/// cannot swell the status (a trailer) and the log line to a request's size.
+const MAX_ECHOED: usize = 253;
 
 /// Why a stream was refused.
 #[derive(Debug, thiserror::Error)]
@@ -173,8 +174,7 @@ impl<A: Authenticate> AdsService<A> {
         caller: &Caller,
         first: &DiscoveryRequest,
     ) -> Result<PodKey, Refusal> {
-        let node = first.node.as_ref().ok_or(Refusal::NoNode)?;
-        let id: NodeId = node.id.parse().map_err(Refusal::BadNode)?;
+        let id = node_id(first)?;
         let caller = caller.clone();
         let deadline = tokio::time::Instant::now() + self.pod_wait;
         // Subscribed before the first look: a batch after it is seen.
@@ -191,11 +191,33 @@ impl<A: Authenticate> AdsService<A> {
     }
 }
 
+/// The node id of a stream's first request.
+fn node_id(first: &DiscoveryRequest) -> Result<NodeId, Refusal> {
+    let node = first.node.as_ref().ok_or(Refusal::NoNode)?;
+    node.id.parse().map_err(Refusal::BadNode)
+}
+
+/// Which pod `caller` is served as, from the node of its first request
+/// `first`, as the registry of `d` stands now (a pod it does not know yet
+/// is [`Refusal::UnknownPod`]; [`AdsService::entitle`] waits a little for it).
+pub fn entitled_now(
+    d: &Discovery,
+    caller: &Caller,
+    first: &DiscoveryRequest,
+) -> Result<PodKey, Refusal> {
+    entitled(d, caller, &node_id(first)?)
+}
+
+/// A part of a node id, as a refusal echoes it.
+fn echo(s: &str) -> String {
+    s.chars().take(MAX_ECHOED).collect()
+}
+
 /// Whether `caller` may be served as node `id`.
 fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refusal> {
     if caller.namespace != id.namespace {
         return Err(Refusal::OtherNamespace {
-            node: id.namespace.clone(),
+            node: echo(&id.namespace),
             caller: caller.namespace.clone(),
         });
     }
@@ -204,7 +226,7 @@ fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refus
     {
         return Err(Refusal::OtherPod {
             token: pod.clone(),
-            node: id.pod.clone(),
+            node: echo(&id.pod),
         });
     }
     let key = PodKey {
@@ -213,7 +235,7 @@ fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refus
     };
     let proxy = d
         .read(|r| r.proxy(&key).cloned())
-        .ok_or_else(|| Refusal::UnknownPod(key.namespace.clone(), key.name.clone()))?;
+        .ok_or_else(|| Refusal::UnknownPod(echo(&key.namespace), echo(&key.name)))?;
     let pod = format!("{}/{}", key.namespace, key.name);
     if proxy.service_account != caller.service_account {
         return Err(Refusal::OtherServiceAccount {
@@ -226,7 +248,7 @@ fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refus
         && ip != id.ip
     {
         return Err(Refusal::OtherIp {
-            node: id.ip.clone(),
+            node: echo(&id.ip),
             pod,
             actual: ip,
         });
@@ -278,9 +300,7 @@ impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
             discovery: Arc::clone(&self.discovery),
             metrics: self.metrics.clone(),
             events: self.events.clone(),
-            types: BTreeMap::new(),
-            nonce_prefix: format!("{:08x}", rand::random::<u32>()),
-            nonce: 0,
+            session: Session::new(format!("{:08x}", rand::random::<u32>())),
             snapshot: Snapshot::default(),
             tx,
         };
@@ -300,27 +320,13 @@ impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
     }
 }
 
-/// One type's state on one stream.
-#[derive(Debug, Default)]
-struct TypeState {
-    /// The names last asked for (empty: all).
-    names: Vec<String>,
-    /// What was last sent: version, names, nonce.
-    sent: Option<(String, Vec<String>, String)>,
-    acked: Option<String>,
-}
-
 /// One proxy's stream.
 struct ProxyStream {
     pod: PodKey,
     discovery: Arc<Discovery>,
     metrics: Metrics,
     events: Option<PodEvents>,
-    types: BTreeMap<&'static str, TypeState>,
-    /// Random per stream, so an answer to a nonce of an earlier stream of
-    /// the same proxy (sent before a reconnect) never matches this one's.
-    nonce_prefix: String,
-    nonce: u64,
+    session: Session,
     snapshot: Snapshot,
     tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
 }
@@ -395,109 +401,58 @@ impl ProxyStream {
 
     async fn push(&mut self) -> Result<(), End> {
         self.recompute();
-        let subscribed: Vec<&'static str> = resources::TYPES
-            .into_iter()
-            .filter(|t| self.types.contains_key(t))
-            .collect();
-        for t in subscribed {
-            self.send_if_changed(t).await?;
+        for p in self.session.push(&self.snapshot) {
+            self.send(p).await?;
         }
         Ok(())
     }
 
     async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), End> {
-        let Some(t) = resources::TYPES.into_iter().find(|t| *t == req.type_url) else {
-            self.metrics.refused("unknown_type");
-            return Err(End::Status(Status::invalid_argument(format!(
-                "type {:?} is not served: only listeners, clusters and cluster load assignments",
-                req.type_url.chars().take(128).collect::<String>()
-            ))));
-        };
-        let state = self.types.entry(t).or_default();
-        if !req.response_nonce.is_empty() {
-            match &state.sent {
-                Some((version, _, nonce)) if *nonce == req.response_nonce => {
-                    if let Some(e) = &req.error_detail {
-                        self.metrics.nack(t);
-                        tracing::warn!(pod = ?self.pod, r#type = short_type(t), version,
-                            error = %e.message, "discovery: the proxy refused the configuration (NACK)");
-                        if let Some(events) = &self.events {
-                            events.warn(Warning {
-                                namespace: self.pod.namespace.clone(),
-                                pod: self.pod.name.clone(),
-                                reason: "ConfigurationRefused",
-                                action: "PushConfiguration",
-                                note: format!(
-                                    "Envoy refused {} version {version} and keeps its last good one: {}",
-                                    short_type(t),
-                                    e.message
-                                ),
-                            });
-                        }
-                    } else {
-                        state.acked = Some(version.clone());
-                    }
-                }
-                // An answer to an older response: a newer one is on its way.
-                _ => return Ok(()),
+        let outcome = match self.session.on_request(req, &self.snapshot) {
+            Ok(o) => o,
+            Err(e) => {
+                self.metrics.refused(e.reason());
+                return Err(End::Status(e.status()));
             }
+        };
+        if let Reply::Nack { version, detail } = &outcome.reply {
+            self.nacked(outcome.type_url, version, detail);
         }
-        state.names = req.resource_names;
-        // A proxy resuming on a new stream (its agent reconnected) names the
-        // version it holds: if that is what this stream would send, it is
-        // taken as sent and accepted, so a reconnect costs no resend.
-        if state.sent.is_none()
-            && req.response_nonce.is_empty()
-            && !req.version_info.is_empty()
-            && self
-                .snapshot
-                .of_type(t)
-                .is_some_and(|typed| typed.version == req.version_info)
-        {
-            state.sent = Some((req.version_info.clone(), state.names.clone(), String::new()));
-            state.acked = Some(req.version_info);
-            return Ok(());
+        match outcome.push {
+            Some(p) => self.send(p).await,
+            None => Ok(()),
         }
-        self.send_if_changed(t).await
     }
 
-    /// Send type `t` unless what it would send is what was last sent.
-    async fn send_if_changed(&mut self, t: &'static str) -> Result<(), End> {
-        let Some(typed) = self.snapshot.of_type(t) else {
-            return Ok(());
-        };
-        let state = self.types.entry(t).or_default();
-        if let Some((version, names, _)) = &state.sent
-            && *version == typed.version
-            && *names == state.names
-        {
-            return Ok(());
+    /// The proxy refused version `version` of type `t`: counted, logged and
+    /// raised on its pod.
+    fn nacked(&self, t: &'static str, version: &str, detail: &str) {
+        self.metrics.nack(t);
+        tracing::warn!(pod = ?self.pod, r#type = short_type(t), version,
+            error = %detail, "discovery: the proxy refused the configuration (NACK)");
+        if let Some(events) = &self.events {
+            events.warn(Warning {
+                namespace: self.pod.namespace.clone(),
+                pod: self.pod.name.clone(),
+                reason: "ConfigurationRefused",
+                action: "PushConfiguration",
+                note: format!(
+                    "Envoy refused {} version {version} and keeps its last good one: {detail}",
+                    short_type(t),
+                ),
+            });
         }
-        let resources = if state.names.is_empty() {
-            typed.resources.values().cloned().collect()
-        } else {
-            let mut out = Vec::new();
-            for n in &state.names {
-                match typed.resources.get(n) {
-                    Some(r) => out.push(r.clone()),
-                    None => self.metrics.out_of_scope(t),
-                }
-            }
-            out
-        };
-        self.nonce += 1;
-        let nonce = format!("{}-{}", self.nonce_prefix, self.nonce);
-        state.sent = Some((typed.version.clone(), state.names.clone(), nonce.clone()));
-        let response = DiscoveryResponse {
-            version_info: typed.version.clone(),
-            resources,
-            type_url: t.to_string(),
-            nonce,
-            ..Default::default()
-        };
-        self.metrics.pushed(t);
+    }
+
+    /// Send what the session decided, counting it.
+    async fn send(&mut self, p: Push) -> Result<(), End> {
+        if p.out_of_scope > 0 {
+            self.metrics
+                .out_of_scope(&p.response.type_url, p.out_of_scope);
+        }
+        self.metrics.pushed(&p.response.type_url);
         self.tx
-            .send_timeout(Ok(response), SEND_TIMEOUT)
+            .send_timeout(Ok(p.response), SEND_TIMEOUT)
             .await
             .map_err(|e| match e {
                 mpsc::error::SendTimeoutError::Timeout(_) => {
@@ -589,6 +544,48 @@ mod tests {
             let e = entitled(&d, &c, &id).expect_err("refused");
             assert_eq!(e.reason(), reason, "{e}");
             assert_eq!(e.status().code(), tonic::Code::PermissionDenied, "{e}");
+        }
+    }
+
+    #[test]
+    fn a_refusal_echoes_a_made_up_node_id_bounded() {
+        let d = setup();
+        let huge = "x".repeat(200_000);
+        for (c, id) in [
+            // Another namespace, another pod than the token's, an unknown
+            // pod, another IP: each echoes a part of the node id.
+            (
+                caller("shop", "web", None),
+                format!("sidecar~10.0.0.7~web-0.{huge}~{huge}.svc.cluster.local"),
+            ),
+            (
+                caller("shop", "web", Some("web-0")),
+                format!("sidecar~10.0.0.7~{huge}.shop~shop.svc.cluster.local"),
+            ),
+            (
+                caller("shop", "web", None),
+                format!("sidecar~10.0.0.7~{huge}.shop~shop.svc.cluster.local"),
+            ),
+            (
+                caller("shop", "web", None),
+                format!("sidecar~{huge}~web-0.shop~shop.svc.cluster.local"),
+            ),
+        ] {
+            let first = DiscoveryRequest {
+                node: Some(envoy_types::pb::envoy::config::core::v3::Node {
+                    id,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let e = entitled_now(&d, &c, &first).expect_err("refused");
+            let status = e.status();
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{e}");
+            assert!(
+                status.message().len() < 2 * MAX_ECHOED + 200,
+                "{} bytes",
+                status.message().len()
+            );
         }
     }
 }
