@@ -206,6 +206,8 @@ fn envoy_exiting_zero_means_agent_exits_zero_without_restart() {
     assert!(!agent.log().contains("restarting"));
 }
 
+/// A connection with a request in flight (half its head sent) holds an
+/// exit-on-zero drain; an idle one would not (the drain closes it).
 #[test]
 fn sigterm_exit_on_zero_waits_for_held_connection() {
     let mut agent = Agent::builder()
@@ -228,11 +230,15 @@ fn sigterm_exit_on_zero_waits_for_held_connection() {
     // Outbound keeps working while inbound drains: a new connection through Envoy.
     let r = get(agent.ports.outbound, "/").expect("outbound during drain");
     assert_eq!(r.status, 200);
-    // Inbound still serves the held connection, telling it to go away.
+    // Inbound still serves the held connection (telling it to go away once
+    // Envoy has the drain); a request on a new one stays in flight, half sent.
     let r = held
         .get("/")
         .expect("request on held connection during drain");
     assert_eq!(r.status, 200);
+    let mut held = Conn::open(agent.ports.inbound).expect("connect during the drain");
+    held.send(b"GET / HTTP/1.1\r\nhost: test\r\n")
+        .expect("half a request");
 
     // Well past the minimum drain duration, the open connection keeps the agent up.
     let past_minimum = Instant::now() + Duration::from_millis(1500);
@@ -244,6 +250,14 @@ fn sigterm_exit_on_zero_waits_for_held_connection() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // The rest of the request: answered, and the connection told to close.
+    held.send(b"content-length: 0\r\n\r\n").expect("the rest");
+    let r = held.read_response().expect("the held request's answer");
+    assert_eq!(
+        (r.status, r.header("connection")),
+        (200, Some("close")),
+        "{r:?}"
+    );
     let closed = Instant::now();
     drop(held);
     let status = agent.wait_exit(Duration::from_secs(5));
@@ -547,6 +561,9 @@ fn drain_deadline_bounds_the_drain_and_is_reported() {
         .start();
     let mut held = Conn::open(agent.ports.inbound).expect("connect");
     assert_eq!(held.get("/").expect("request").status, 200);
+    // A request in flight that never ends (half its head): only the
+    // deadline ends this drain.
+    held.send(b"GET / HTTP/1.1\r\n").expect("half a request");
     let start = Instant::now();
     agent.signal(Signal::SIGTERM);
     let status = agent.wait_exit(Duration::from_secs(10));

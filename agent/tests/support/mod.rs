@@ -138,6 +138,18 @@ impl Conn {
         let req =
             format!("{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n{extra}\r\n");
         self.stream.write_all(req.as_bytes())?;
+        self.read_response()
+    }
+
+    /// Write raw bytes: e.g. half of a request's head, which keeps a
+    /// request in flight (its connection active, never idle) until the
+    /// rest follows.
+    pub fn send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(bytes)
+    }
+
+    /// Read one response off the connection.
+    pub fn read_response(&mut self) -> std::io::Result<HttpResponse> {
         let head_end = loop {
             if let Some(p) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
                 break p + 4;
