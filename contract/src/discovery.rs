@@ -89,6 +89,14 @@ impl FromStr for NodeId {
         if ip.is_empty() || pod.is_empty() || namespace.is_empty() || domain.is_empty() {
             return Err(bad("has an empty part"));
         }
+        // As long as Kubernetes allows each (an IPv6 address in text, a DNS
+        // subdomain, a DNS label, a DNS name): nothing longer is kept, so a
+        // refusal that names a part echoes at most this much.
+        if ip.len() > 45 || pod.len() > 253 || namespace.len() > 63 || domain.len() > 253 {
+            return Err(bad(
+                "has a part longer than Kubernetes allows (IP 45, pod 253, namespace 63, domain 253 bytes)",
+            ));
+        }
         Ok(Self {
             ip: ip.into(),
             pod: pod.into(),
@@ -179,6 +187,30 @@ mod tests {
             "sidecar~1~a.b~b.svc.cluster.local~more",
         ] {
             assert!(bad.parse::<NodeId>().is_err(), "{bad:?} parsed");
+        }
+        // Each part at Kubernetes' longest parses; one byte more does not,
+        // and the refusal stays short however long the id.
+        let (ip, pod, ns, domain) = (
+            "1".repeat(45),
+            "p".repeat(253),
+            "n".repeat(63),
+            "d".repeat(253),
+        );
+        let longest = format!("sidecar~{ip}~{pod}.{ns}~{ns}.svc.{domain}");
+        assert!(longest.parse::<NodeId>().is_ok());
+        for long in [
+            format!("sidecar~{ip}1~{pod}.{ns}~{ns}.svc.{domain}"),
+            format!("sidecar~{ip}~{pod}p.{ns}~{ns}.svc.{domain}"),
+            format!("sidecar~{ip}~{pod}.{ns}n~{ns}n.svc.{domain}"),
+            format!("sidecar~{ip}~{pod}.{ns}~{ns}.svc.{domain}d"),
+            format!(
+                "sidecar~1~{}.shop~shop.svc.cluster.local",
+                "x".repeat(1 << 20)
+            ),
+        ] {
+            let e = long.parse::<NodeId>().expect_err("too long");
+            assert!(e.contains("longer than Kubernetes allows"), "{e}");
+            assert!(e.len() < 1024, "{} bytes", e.len());
         }
     }
 

@@ -52,10 +52,6 @@ const QUEUE: usize = 4;
 /// How long a stream waits for its proxy to take a response: one that
 /// reads nothing for this long is cut, rather than holding its task.
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
-/// The most of a node id's part a refusal echoes, in characters: a DNS
-/// name's length, so a real pod's name is never cut, and a made-up one
-/// cannot swell the status (a trailer) and the log line to a request's size.
-const MAX_ECHOED: usize = 253;
 
 /// Why a stream was refused.
 #[derive(Debug, thiserror::Error)]
@@ -208,16 +204,11 @@ pub fn entitled_now(
     entitled(d, caller, &node_id(first)?)
 }
 
-/// A part of a node id, as a refusal echoes it.
-fn echo(s: &str) -> String {
-    s.chars().take(MAX_ECHOED).collect()
-}
-
 /// Whether `caller` may be served as node `id`.
 fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refusal> {
     if caller.namespace != id.namespace {
         return Err(Refusal::OtherNamespace {
-            node: echo(&id.namespace),
+            node: id.namespace.clone(),
             caller: caller.namespace.clone(),
         });
     }
@@ -226,7 +217,7 @@ fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refus
     {
         return Err(Refusal::OtherPod {
             token: pod.clone(),
-            node: echo(&id.pod),
+            node: id.pod.clone(),
         });
     }
     let key = PodKey {
@@ -235,7 +226,7 @@ fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refus
     };
     let proxy = d
         .read(|r| r.proxy(&key).cloned())
-        .ok_or_else(|| Refusal::UnknownPod(echo(&key.namespace), echo(&key.name)))?;
+        .ok_or_else(|| Refusal::UnknownPod(key.namespace.clone(), key.name.clone()))?;
     let pod = format!("{}/{}", key.namespace, key.name);
     if proxy.service_account != caller.service_account {
         return Err(Refusal::OtherServiceAccount {
@@ -248,7 +239,7 @@ fn entitled(d: &Discovery, caller: &Caller, id: &NodeId) -> Result<PodKey, Refus
         && ip != id.ip
     {
         return Err(Refusal::OtherIp {
-            node: echo(&id.ip),
+            node: id.ip.clone(),
             pod,
             actual: ip,
         });
@@ -553,7 +544,7 @@ mod tests {
         let huge = "x".repeat(200_000);
         for (c, id) in [
             // Another namespace, another pod than the token's, an unknown
-            // pod, another IP: each echoes a part of the node id.
+            // pod, another IP: each refusal would echo a part of the id.
             (
                 caller("shop", "web", None),
                 format!("sidecar~10.0.0.7~web-0.{huge}~{huge}.svc.cluster.local"),
@@ -580,9 +571,11 @@ mod tests {
             };
             let e = entitled_now(&d, &c, &first).expect_err("refused");
             let status = e.status();
-            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{e}");
+            // Refused as a bad node before any part of it is compared:
+            // nothing longer than Kubernetes allows is kept to be echoed.
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{e}");
             assert!(
-                status.message().len() < 2 * MAX_ECHOED + 200,
+                status.message().len() < 1024,
                 "{} bytes",
                 status.message().len()
             );
