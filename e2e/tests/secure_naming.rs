@@ -19,7 +19,9 @@
 //! - without a declaration and with the impostor not meshed (a pod
 //!   injected without the CA, or before this version), the client reaches
 //!   it in plain text and `server-0` over mTLS; a client without a sidecar
-//!   still reaches `server-0`'s permissive inbound listener in plain text.
+//!   still reaches `server-0`'s permissive inbound listener in plain text,
+//!   while a TLS client offering the mesh's ALPN without a certificate is
+//!   refused there.
 //!
 //! The agent binary must be built (`cargo build -p remora-agent`, or set
 //! `REMORA_AGENT_BIN`); Envoy is found as the other tests find it.
@@ -417,6 +419,78 @@ async fn h2c_calls(listen: u16, n: usize) -> anyhow::Result<BTreeMap<String, usi
     Ok(counted)
 }
 
+/// Accepts any server certificate: the test is about the server's check.
+#[derive(Debug)]
+struct AnyServer(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyServer {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A GET over TLS offering the mesh's ALPN, with no client certificate:
+/// the raw response, or why there was none.
+async fn tls_get_without_a_certificate(port: u16) -> anyhow::Result<String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyServer(provider)))
+        .with_no_client_auth();
+    config.alpn_protocols = vec![remora_contract::mesh::MTLS_ALPN.as_bytes().to_vec()];
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    let name = rustls::pki_types::ServerName::try_from("server-0.shop")?;
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await?;
+    tls.write_all(b"GET / HTTP/1.1\r\nHost: cart.shop\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut out = String::new();
+    tls.read_to_string(&mut out).await?;
+    ensure!(!out.is_empty(), "the connection closed without an answer");
+    Ok(out)
+}
+
 /// The client Envoy's endpoints of `cart`, as `ip:port`.
 async fn cart_endpoints(admin: u16) -> BTreeSet<String> {
     let body = get(admin, "/clusters")
@@ -595,6 +669,18 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
         direct.as_ref().map(|r| r.0) == Some(200),
         "plain text to the permissive listener: {direct:?}"
     );
+    // The mesh's ALPN without a client certificate: the handshake is refused
+    // and nothing reaches server-0's app.
+    let before = server_served.load(Ordering::SeqCst);
+    let anonymous = tls_get_without_a_certificate(server_in).await;
+    ensure!(
+        anonymous.is_err(),
+        "an anonymous TLS client was answered: {anonymous:?}"
+    );
+    if let Err(e) = &anonymous {
+        println!("the mesh's ALPN without a client certificate: {e:#}");
+    }
+    ensure!(server_served.load(Ordering::SeqCst) == before);
     let answered = server_served.load(Ordering::SeqCst);
     println!(
         "apps answered: server-0 {answered}, impostor-0 {}",
