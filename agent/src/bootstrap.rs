@@ -2,7 +2,12 @@
 //!
 //! Static mode: one INBOUND listener per `--inbound` (HTTP, so that a drain
 //! answers with `connection: close`) and one OUTBOUND TCP listener per
-//! `--outbound` (its cluster originating mTLS with `--outbound-tls`).
+//! `--outbound` (its cluster originating mTLS with `--outbound-tls`). An
+//! inbound listener takes mTLS only with `--inbound-tls`; with the workload
+//! CA and without it, it is permissive: a TLS ClientHello offering the
+//! mesh's ALPN ([`remora_contract::mesh::MTLS_ALPN`], which only a Remora
+//! client's sidecar sends) gets the mesh's mTLS, anything else the plain
+//! HTTP chain as before, so clients without a sidecar keep working.
 //! Discovery mode (`--discovery-address`): LDS and CDS over ADS through the
 //! agent's proxy socket ([`crate::xds`]), the inbound listeners static, no
 //! static outbound listeners (the server sends them). Both modes get the
@@ -60,6 +65,10 @@ pub struct Extras {
     pub clusters: Vec<Value>,
     /// A `transport_socket` put on every inbound listener's filter chain.
     pub inbound_transport_socket: Option<Value>,
+    /// Without `inbound_transport_socket`: the `transport_socket` of a
+    /// second filter chain on every inbound listener, for the mesh's mTLS
+    /// (matched by ALPN), the plain chain kept (permissive).
+    pub inbound_mesh_transport_socket: Option<Value>,
     /// A `transport_socket` put on the upstream cluster of the outbound
     /// listener on each port (upstream mTLS).
     pub outbound_transport_sockets: std::collections::BTreeMap<u16, Value>,
@@ -116,11 +125,15 @@ pub fn generate(
         // through, and HTTP/1.1 stays HTTP/1.1.
         app["typed_extension_protocol_options"] = downstream_protocol_options();
         clusters.push(app);
-        listeners.push(inbound_listener(
-            port,
-            &cluster,
-            extras.inbound_transport_socket.as_ref(),
-        ));
+        let tls = match (
+            &extras.inbound_transport_socket,
+            &extras.inbound_mesh_transport_socket,
+        ) {
+            (Some(ts), _) => InboundTls::Required(ts),
+            (None, Some(ts)) => InboundTls::Permissive(ts),
+            (None, None) => InboundTls::None,
+        };
+        listeners.push(inbound_listener(port, &cluster, tls));
     }
     // With a discovery server, outbound listeners come from it (only the
     // listeners that exist whatever the server says stay static), but their
@@ -292,7 +305,19 @@ fn router_filter() -> Value {
     })
 }
 
-fn inbound_listener(port: u16, cluster: &str, transport_socket: Option<&Value>) -> Value {
+/// TLS on an inbound listener.
+#[derive(Debug, Clone, Copy)]
+enum InboundTls<'a> {
+    /// Plain text only.
+    None,
+    /// Every connection through this transport socket (`--inbound-tls`).
+    Required(&'a Value),
+    /// The mesh's mTLS through this transport socket when the ClientHello
+    /// offers [`remora_contract::mesh::MTLS_ALPN`], plain text otherwise.
+    Permissive(&'a Value),
+}
+
+fn inbound_listener(port: u16, cluster: &str, tls: InboundTls<'_>) -> Value {
     let name = format!("inbound_{port}");
     let mut chain = json!({
         "filters": [{
@@ -318,16 +343,38 @@ fn inbound_listener(port: u16, cluster: &str, transport_socket: Option<&Value>) 
             }
         }]
     });
-    if let Some(ts) = transport_socket {
-        chain["transport_socket"] = ts.clone();
-    }
-    json!({
+    let mut listener = json!({
         "name": name,
         "address": socket_address("0.0.0.0", port),
         // INBOUND is what `drain_listeners?inboundonly` drains.
         "traffic_direction": "INBOUND",
-        "filter_chains": [chain]
-    })
+    });
+    match tls {
+        InboundTls::None => listener["filter_chains"] = json!([chain]),
+        InboundTls::Required(ts) => {
+            chain["transport_socket"] = ts.clone();
+            listener["filter_chains"] = json!([chain]);
+        }
+        InboundTls::Permissive(ts) => {
+            let mut mesh = chain.clone();
+            mesh["name"] = json!("mesh-mtls");
+            mesh["filter_chain_match"] = json!({
+                "transport_protocol": "tls",
+                "application_protocols": [remora_contract::mesh::MTLS_ALPN]
+            });
+            mesh["transport_socket"] = ts.clone();
+            chain["name"] = json!("plaintext");
+            listener["filter_chains"] = json!([mesh, chain]);
+            // Reads the ClientHello (SNI, ALPN) for the chain match; a
+            // plain-text client's first bytes end it at once (HTTP speaks
+            // first, so nothing waits on the listener filter's timeout).
+            listener["listener_filters"] = json!([{
+                "name": "envoy.filters.listener.tls_inspector",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector"}
+            }]);
+        }
+    }
+    listener
 }
 
 fn outbound_listener(port: u16, cluster: &str) -> Value {

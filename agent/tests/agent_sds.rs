@@ -96,24 +96,18 @@ fn readiness_waits_for_certificates() {
     agent.wait_ready();
 }
 
-/// Certificates configured but used by no listener (no `--inbound-tls`):
-/// Envoy never asks for them, so readiness does not wait for them, whether
-/// they are there, never come (an empty directory), or come from a CA that
-/// is down.
+/// Certificates configured but used by no listener (no `--inbound-tls`, no
+/// workload CA): Envoy never asks for them, so readiness does not wait for
+/// them, whether they are there or never come (an empty directory).
 #[test]
 fn certificates_no_listener_uses_do_not_hold_readiness() {
     let root = Ca::new("unused root");
     let certs = tempfile::tempdir().expect("tempdir");
     write_certs(certs.path(), &root.leaf(), &root.pem);
     let empty = tempfile::tempdir().expect("tempdir");
-    let ca_down = free_port();
     for args in [
         vec![format!("--cert-dir={}", certs.path().display())],
         vec![format!("--cert-dir={}", empty.path().display())],
-        vec![
-            format!("--ca-address=http://127.0.0.1:{ca_down}"),
-            format!("--token-path={}", empty.path().join("token").display()),
-        ],
     ] {
         let mut agent = Agent::builder().args(args.clone()).spawn();
         agent.wait_ready();
@@ -125,4 +119,31 @@ fn certificates_no_listener_uses_do_not_hold_readiness() {
             r.body
         );
     }
+}
+
+/// With the workload CA wired, the inbound listener takes the mesh's mTLS
+/// beside plain text (permissive): the pod is meshed, and is ready only
+/// once it can serve meshed clients, so a CA that is down holds readiness
+/// on the certificates (plain text alone would take calls a meshed client
+/// then cannot make).
+#[test]
+fn the_workload_ca_down_holds_readiness_of_a_permissive_inbound() {
+    let empty = tempfile::tempdir().expect("tempdir");
+    let ca_down = free_port();
+    let agent = Agent::builder()
+        .arg(format!("--ca-address=http://127.0.0.1:{ca_down}"))
+        .arg(format!(
+            "--token-path={}",
+            empty.path().join("token").display()
+        ))
+        .spawn();
+    let body = wait_until_blocking(
+        Duration::from_secs(20),
+        "a 503 naming the certificates",
+        || {
+            let r = get(agent.ports.health, "/healthz/ready").ok()?;
+            (r.status == 503 && r.body.contains("certificates:")).then_some(r.body)
+        },
+    );
+    assert!(body.contains("certificates:"), "{body}");
 }

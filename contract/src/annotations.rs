@@ -33,6 +33,16 @@ pub const INBOUND_TLS: &str = "remora.dev/inbound-tls";
 /// `--outbound-tls`): the outbound listener on PORT originates mTLS and
 /// accepts only a server presenting that identity.
 pub const OUTBOUND_TLS: &str = "remora.dev/outbound-tls";
+/// On a Service: the ServiceAccounts (of its namespace) whose pods may serve
+/// it, `sa1,sa2`. With the workload CA and discovery on, a client's sidecar
+/// is sent only endpoints whose pods run under one of them and have a
+/// Remora sidecar wired to the CA, and accepts only those identities in the
+/// mTLS handshake (secure naming). A value that does not parse
+/// ([`crate::mesh::parse_identities`]) admits no endpoint. Without it, the
+/// identities are those of the meshed pods behind the Service's
+/// EndpointSlices, and endpoints without a meshed sidecar are reached in
+/// plain text.
+pub const IDENTITIES: &str = "remora.dev/identities";
 
 // Per-field overrides, `remora.dev/<kebab-case-field>`: the strongest layer.
 pub const MODE: &str = "remora.dev/sidecar-mode";

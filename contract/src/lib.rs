@@ -15,6 +15,7 @@ pub mod downward;
 pub mod duration;
 pub mod env;
 pub mod lifecycle;
+pub mod mesh;
 pub mod mode;
 pub mod mounted;
 pub mod overlay;

@@ -89,4 +89,11 @@ pub struct SidecarStatus {
     /// Which layers contributed, weakest first.
     #[serde(default)]
     pub sources: Vec<String>,
+    /// The sidecar's inbound listener ports on which it accepts the mesh's
+    /// mTLS besides plain text: every inbound port when the workload CA is
+    /// wired, else none. A client's sidecar originates mTLS to an endpoint
+    /// only on these ports; a pod injected before this existed has none
+    /// (its sidecar takes plain text only), so upgrades keep working.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mtls_ports: Vec<u16>,
 }

@@ -25,6 +25,11 @@
 //!   configuration and calls go on; a change meanwhile (edge scaled to 2) is
 //!   not seen; once the operator is back the agent's proxy reconnects and
 //!   the caller's Envoy gets the new endpoint set;
+//! - secure naming: a Service declaring `remora.dev/identities: cart`
+//!   with an impostor Deployment (another ServiceAccount) behind it: the
+//!   caller's Envoy is never sent the impostor, every call is mTLS to a
+//!   `cart` replica, and an EndpointSlice naming the impostor's address as
+//!   a `cart` pod (stale, or forged) is refused at the handshake;
 //! - a Legacy-mode Job's sidecar stops within a second or so of its app's
 //!   exit: the operator's stop request (`remora.dev/stop`) reaches the agent
 //!   on the discovery stream, not at the kubelet's next downward-API refresh
@@ -544,6 +549,290 @@ async fn three_clients_reach_every_replica_of_a_service_by_name() -> anyhow::Res
     mesh.ns.delete().await?;
     report(&format!(
         "  node_discovery: {} ms in all",
+        t0.elapsed().as_millis()
+    ));
+    assert_eq!(
+        node.guard_drops().await?,
+        0,
+        "the egress guard dropped packets: something left the machine"
+    );
+    Ok(())
+}
+
+/// A counter of an Envoy's `/stats` text, 0 when absent.
+fn envoy_stat(stats: &str, name: &str) -> u64 {
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(": "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The Envoy of `pod`'s sidecar: its `/stats` text.
+async fn envoy_stats(client: &Client, ns: &str, pod: &str) -> anyhow::Result<String> {
+    let (_, stats) = node::pod_http_get(client, ns, pod, ENVOY_ADMIN_PORT, "/stats").await?;
+    Ok(stats)
+}
+
+/// `name` of the test app, `replicas` under ServiceAccount `sa`, its pods
+/// also labelled `svc: <service>` (what the Service selects).
+fn workload(
+    name: &str,
+    replicas: i32,
+    sa: &str,
+    service: &str,
+    annotations: &[(&str, &str)],
+) -> anyhow::Result<Deployment> {
+    let port = APP_PORT.to_string();
+    let mut d = pods::test_app_deployment(name, replicas, annotations, &["--port", &port])?;
+    let template = &mut d.spec.as_mut().context("spec")?.template;
+    template
+        .metadata
+        .get_or_insert_with(Default::default)
+        .labels
+        .get_or_insert_with(Default::default)
+        .insert("svc".into(), service.into());
+    template
+        .spec
+        .as_mut()
+        .context("pod spec")?
+        .service_account_name = Some(sa.into());
+    Ok(d)
+}
+
+/// Secure naming (issue 29): Service `cart` declares
+/// `remora.dev/identities: cart` and selects two Deployments: `cart` (2
+/// replicas under ServiceAccount `cart`) and `impostor` (1 replica under
+/// ServiceAccount `impostor`, same labels for the Service, its own
+/// sidecar and certificate from the same CA). The attack: whoever may
+/// create Deployments in the namespace puts a server of their own behind
+/// a Service its clients trust. The caller names `cart` in its outbound
+/// annotation; its Envoy is never given the impostor's endpoint, every
+/// call is answered by a `cart` replica, and the calls are mTLS (the
+/// handshakes counted on the caller's cluster and on the servers'
+/// inbound listeners).
+///
+/// Then the check that holds even when the endpoints are wrong: Service
+/// `cart-stale` (no selector, the same declaration) gets an EndpointSlice
+/// written by hand, as a stale or forged one would read: the impostor's
+/// address, named as a `cart` pod. The caller's Envoy is sent it (the
+/// record says `cart`) and refuses the certificate the impostor's sidecar
+/// shows (`ssl.fail_verify_san`): every call on it fails, none reaches the
+/// impostor's app.
+#[tokio::test]
+#[ignore = "needs the real node: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_discovery -- --ignored (root, scripts/cluster.sh, scripts/images.sh)"]
+async fn a_server_under_an_unexpected_service_account_is_refused() -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use remora_contract::annotations::IDENTITIES;
+    let node = Node::for_test("node_discovery").await?;
+    let t0 = Instant::now();
+    let client = node.client()?;
+    install(node, &client).await?;
+    let ns = TestNamespace::injected(node, &client, "naming").await?;
+    let n = ns.name().to_string();
+    node::wait_injected(&client, &n, DEADLINE).await?;
+    ca::wait_trust_bundle(&client, &n, DEADLINE).await?;
+    for sa in ["cart", "impostor"] {
+        let account: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": sa}}))?;
+        ns.api::<ServiceAccount>()
+            .create(&PostParams::default(), &account)
+            .await?;
+    }
+    let inbound = format!("{INBOUND_PORT}:{APP_PORT}");
+    for (name, replicas) in [("cart", 2), ("impostor", 1)] {
+        let d = workload(name, replicas, name, "cart", &[(INBOUND, &inbound)])?;
+        ns.api::<Deployment>()
+            .create(&PostParams::default(), &d)
+            .await?;
+    }
+    for (svc, selector) in [("cart", Some(json!({"svc": "cart"}))), ("cart-stale", None)] {
+        let mut spec =
+            json!({"ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": INBOUND_PORT}]});
+        if let Some(sel) = selector {
+            spec["selector"] = sel;
+        }
+        let service: Service = serde_json::from_value(json!({
+            "metadata": {"name": svc, "annotations": {IDENTITIES: "cart"}},
+            "spec": spec
+        }))?;
+        ns.api::<Service>()
+            .create(&PostParams::default(), &service)
+            .await?;
+    }
+    let outbound = format!(
+        "{OUTBOUND_PORT}:cart.{n}:{SERVICE_PORT},{}:cart-stale.{n}:{SERVICE_PORT}",
+        OUTBOUND_PORT + 1
+    );
+    let port = APP_PORT.to_string();
+    ns.api::<Deployment>()
+        .create(
+            &PostParams::default(),
+            &pods::test_app_deployment(CALLER, 1, &[(OUTBOUND, &outbound)], &["--port", &port])?,
+        )
+        .await?;
+    let carts = wait_deployment_rolled_out(&client, &n, "cart", DEADLINE).await?;
+    let impostor = wait_deployment_rolled_out(&client, &n, "impostor", DEADLINE)
+        .await?
+        .into_iter()
+        .next()
+        .context("no impostor pod")?;
+    pods::wait_service_endpoints(&client, &n, "cart", 3, DEADLINE).await?;
+    let caller = wait_deployment_rolled_out(&client, &n, CALLER, DEADLINE)
+        .await?
+        .into_iter()
+        .next()
+        .context("no caller pod")?;
+    let cp = name(&caller);
+    let impostor_host = format!("{}:{INBOUND_PORT}", pod_ip(&impostor)?);
+    report(&format!(
+        "  {n}: cart {:?} and impostor {} ({impostor_host}) behind Service cart, ready after {} ms",
+        names(&carts),
+        name(&impostor),
+        t0.elapsed().as_millis()
+    ));
+
+    // The caller's Envoy holds the cart replicas, and the impostor not even
+    // as an unhealthy host: it was never sent.
+    let cluster = cluster_name(&format!("cart.{n}.svc.cluster.local"), SERVICE_PORT);
+    let want = hosts_of(&carts)?;
+    wait_envoy_hosts(&client, &n, &cp, &cluster, &want, DEADLINE).await?;
+    let all = all_hosts(&envoy_clusters(&client, &n, &cp).await?, &cluster);
+    ensure!(
+        all == want,
+        "the caller's Envoy holds {all:?} for cart, not only {want:?}"
+    );
+
+    // Calls through the caller's sidecar: every one answered, by cart alone.
+    let forward = PortForward::start(&client, &n, &cp, OUTBOUND_PORT).await?;
+    let mut samples = Vec::new();
+    for load in [
+        Load::new(Kind::Http1KeepAlive, forward.local_addr(), RATE),
+        Load::new(Kind::GrpcUnary, forward.local_addr(), RATE),
+    ] {
+        samples.extend(run_one(load).await?);
+    }
+    drop(forward);
+    let replicas = names(&carts);
+    report(&format!(
+        "  calls to Service cart through the caller's sidecar:\n{}",
+        table(
+            &samples,
+            &[replicas.clone(), vec![name(&impostor)]].concat(),
+            &BTreeMap::new()
+        )
+    ));
+    let failed = samples.iter().filter(|s| !s.outcome.is_ok()).count();
+    ensure!(
+        failed == 0,
+        "{failed} calls failed: {:?}",
+        failures(&samples, Duration::ZERO)
+    );
+    let answered: BTreeSet<&str> = samples.iter().filter_map(|s| s.pod.as_deref()).collect();
+    let want_pods: BTreeSet<&str> = replicas.iter().map(String::as_str).collect();
+    ensure!(
+        answered == want_pods,
+        "answered by {answered:?}, the cart replicas are {want_pods:?}"
+    );
+
+    // And they were mTLS: handshakes on the caller's cluster and on the
+    // cart replicas' inbound listeners, none on the impostor's.
+    let caller_stats = envoy_stats(&client, &n, &cp).await?;
+    let handshakes = envoy_stat(&caller_stats, &format!("cluster.{cluster}.ssl.handshake"));
+    let plain = envoy_stat(
+        &caller_stats,
+        &format!("cluster.{cluster}.plaintext.total_match_count"),
+    );
+    let inbound_tls = format!("listener.0.0.0.0_{INBOUND_PORT}.ssl.handshake");
+    let mut served = Vec::new();
+    for p in carts.iter().chain([&impostor]) {
+        let stats = envoy_stats(&client, &n, &name(p)).await?;
+        served.push((name(p), envoy_stat(&stats, &inbound_tls)));
+    }
+    report(&format!(
+        "  mTLS handshakes: the caller's cluster {handshakes} (plain-text matches {plain}); inbound per server {served:?}"
+    ));
+    ensure!(
+        handshakes >= 1 && plain == 0,
+        "calls to cart were not all mTLS"
+    );
+    ensure!(
+        served.iter().filter(|(_, h)| *h >= 1).count() >= 1
+            && served.last().is_some_and(|(_, h)| *h == 0),
+        "handshakes on the servers' inbound listeners: {served:?}"
+    );
+
+    // The stale record: the impostor's address named as a cart pod.
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {
+            "name": "cart-stale-1",
+            "labels": {"kubernetes.io/service-name": "cart-stale"}
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": INBOUND_PORT, "protocol": "TCP"}],
+        "endpoints": [{
+            "addresses": [pod_ip(&impostor)?],
+            "conditions": {"ready": true},
+            "targetRef": {"kind": "Pod", "namespace": n, "name": name(&carts[0])}
+        }]
+    }))?;
+    ns.api::<EndpointSlice>()
+        .create(&PostParams::default(), &slice)
+        .await?;
+    let stale = cluster_name(&format!("cart-stale.{n}.svc.cluster.local"), SERVICE_PORT);
+    let held = wait_for("the stale endpoint sent", DEADLINE, || async {
+        let clusters = envoy_clusters(&client, &n, &cp)
+            .await
+            .map_err(|e| node::Error::Failed {
+                what: "reading the caller's Envoy clusters".into(),
+                detail: format!("{e:#}"),
+            })?;
+        let hosts = all_hosts(&clusters, &stale);
+        Ok(if hosts.contains(&impostor_host) {
+            Check::Done(hosts)
+        } else {
+            Check::NotYet(format!("hosts {hosts:?}"))
+        })
+    })
+    .await?;
+    report(&format!("  the caller's Envoy holds {stale} → {held:?}"));
+    // The requests the impostor's sidecar passed to its app, before and
+    // after the calls on the stale endpoint.
+    let impostor_rq = "cluster.inbound|8080.upstream_rq_total";
+    let rq_before = envoy_stat(
+        &envoy_stats(&client, &n, &name(&impostor)).await?,
+        impostor_rq,
+    );
+    let mut refused = Vec::new();
+    for _ in 0..5 {
+        let (status, body) = node::pod_http_get(&client, &n, &cp, OUTBOUND_PORT + 1, "/").await?;
+        refused.push((status.as_u16(), body));
+    }
+    let stats = envoy_stats(&client, &n, &cp).await?;
+    let san = envoy_stat(&stats, &format!("cluster.{stale}.ssl.fail_verify_san"));
+    report(&format!(
+        "  5 calls on the stale endpoint: statuses {:?}, first body {:?}; SAN refusals {san}",
+        refused.iter().map(|r| r.0).collect::<Vec<_>>(),
+        refused.first().map(|r| r.1.as_str())
+    ));
+    ensure!(
+        refused.iter().all(|(s, _)| *s == 503),
+        "a call on the stale endpoint was answered"
+    );
+    ensure!(san >= 1, "no handshake refused for the SAN");
+    let rq_after = envoy_stat(
+        &envoy_stats(&client, &n, &name(&impostor)).await?,
+        impostor_rq,
+    );
+    ensure!(
+        rq_after == rq_before,
+        "the impostor's app was called {} times",
+        rq_after - rq_before
+    );
+
+    ns.delete().await?;
+    report(&format!(
+        "  node_discovery secure naming: {} ms in all",
         t0.elapsed().as_millis()
     ));
     assert_eq!(

@@ -16,8 +16,10 @@
 //!
 //! Namespace `shop`: pod `web-0` (10.0.0.7, ServiceAccount `web`, calling
 //! `cart.shop:80` (HTTP), `db.shop:5432` (TCP) and `example.org:443`
-//! (static)), pod `db-0` (ServiceAccount `db`); the caller holds `web`'s
-//! token, not bound to a pod. Nonces are `fuzz-<n>`, so seeds can ACK.
+//! (static)), pod `db-0` (ServiceAccount `db`), pod `cart-0` (10.0.1.1,
+//! ServiceAccount `cart`, meshed: reached over mTLS, the workload CA being
+//! on); the caller holds `web`'s token, not bound to a pod. Nonces are
+//! `fuzz-<n>`, so seeds can ACK.
 //!
 //! # What is checked
 //!
@@ -79,6 +81,7 @@ fn slice(service: &str, port: u16, ips: &[&str]) -> SliceInfo {
         service: Some(host(service)),
         ports: BTreeMap::from([(String::new(), port)]),
         ready: ips.iter().filter_map(|ip| ip.parse().ok()).collect(),
+        ..SliceInfo::default()
     }
 }
 
@@ -96,6 +99,7 @@ fn web(stop: Option<&str>) -> ProxyInfo {
             })
             .into_iter()
             .collect(),
+        ..ProxyInfo::default()
     }
 }
 
@@ -104,47 +108,57 @@ pub fn world() -> &'static World {
     static WORLD: OnceLock<World> = OnceLock::new();
     WORLD.get_or_init(|| {
         // The debounce task is not run: nothing here waits for a batch.
-        let (d, _debounce) = Discovery::new("cluster.local", Debounce::default());
+        // With the workload CA, as the operator's discovery always runs.
+        let (d, _debounce) =
+            Discovery::new("cluster.local", Some("cluster.local"), Debounce::default());
         let port = |port, protocol| ServicePort {
             port,
             name: String::new(),
             protocol,
         };
         d.update(|r| {
-            [
-                r.apply_service(
-                    host("cart"),
-                    ServiceInfo {
-                        ports: vec![port(80, Protocol::Http)],
-                    },
-                ),
-                r.apply_service(
-                    host("db"),
-                    ServiceInfo {
-                        ports: vec![port(5432, Protocol::Tcp)],
-                    },
-                ),
-                r.apply_proxy(pod("web-0"), web(None)),
-                r.apply_proxy(
-                    pod("db-0"),
-                    ProxyInfo {
-                        ip: Some("10.0.0.9".into()),
-                        service_account: "db".into(),
-                        ..ProxyInfo::default()
-                    },
-                ),
-            ]
-            .into_iter()
-            .flatten()
-            .chain(r.apply_slice(
-                ("shop".into(), "cart-1".into()),
-                slice("cart", 8080, &["10.0.1.1", "10.0.1.2"]),
-            ))
-            .chain(r.apply_slice(
+            let mut t = Vec::new();
+            t.extend(r.apply_service(
+                host("cart"),
+                ServiceInfo {
+                    ports: vec![port(80, Protocol::Http)],
+                    ..ServiceInfo::default()
+                },
+            ));
+            t.extend(r.apply_service(
+                host("db"),
+                ServiceInfo {
+                    ports: vec![port(5432, Protocol::Tcp)],
+                    ..ServiceInfo::default()
+                },
+            ));
+            t.extend(r.apply_proxy(pod("web-0"), web(None)));
+            t.extend(r.apply_proxy(
+                pod("db-0"),
+                ProxyInfo {
+                    ip: Some("10.0.0.9".into()),
+                    service_account: "db".into(),
+                    ..ProxyInfo::default()
+                },
+            ));
+            // 10.0.1.1 is a meshed pod's: reached over mTLS.
+            t.extend(r.apply_proxy(
+                pod("cart-0"),
+                ProxyInfo {
+                    ip: Some("10.0.1.1".into()),
+                    service_account: "cart".into(),
+                    mtls_ports: [8080].into(),
+                    ..ProxyInfo::default()
+                },
+            ));
+            let mut cart = slice("cart", 8080, &["10.0.1.1", "10.0.1.2"]);
+            cart.pods = [("10.0.1.1".parse().expect("ip"), "cart-0".to_string())].into();
+            t.extend(r.apply_slice(("shop".into(), "cart-1".into()), cart));
+            t.extend(r.apply_slice(
                 ("shop".into(), "db-1".into()),
                 slice("db", 5432, &["10.0.2.1"]),
-            ))
-            .collect::<Vec<_>>()
+            ));
+            t
         });
         let web0 = pod("web-0");
         let before = d.snapshot(&web0).expect("web-0 is known");

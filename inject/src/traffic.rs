@@ -90,16 +90,24 @@ pub(crate) fn workload_ca_wiring<'c>(
 }
 
 /// Give the sidecar its listeners and their mTLS settings (as env), or
-/// refuse the pod. `ca_wired`: whether it gets the workload CA.
+/// refuse the pod. `ca_wired`: whether it gets the workload CA. Returns
+/// the inbound ports on which it accepts the mesh's mTLS (every inbound
+/// port with the CA: the agent's inbound listeners are then permissive or,
+/// with `remora.dev/inbound-tls`, mTLS only), for `remora.dev/status`.
 pub(crate) fn plumb(
     container: &mut Container,
     annotations: &BTreeMap<String, String>,
     app_containers: &[Value],
     ca_wired: bool,
     warnings: &mut Vec<String>,
-) -> Result<(), PlumbingError> {
+) -> Result<Vec<u16>, PlumbingError> {
     let plumbed = plumb_traffic(container, annotations, app_containers, warnings)?;
-    plumb_tls(container, annotations, &plumbed, ca_wired, warnings)
+    plumb_tls(container, annotations, &plumbed, ca_wired, warnings)?;
+    Ok(if ca_wired {
+        plumbed.inbound_ports
+    } else {
+        Vec::new()
+    })
 }
 
 /// One static listener the sidecar will get.
@@ -285,6 +293,7 @@ fn plumb_traffic(
     }
     Ok(Plumbed {
         has_inbound: all.iter().any(|l| l.inbound),
+        inbound_ports: all.iter().filter(|l| l.inbound).map(|l| l.port).collect(),
         outbound_ports: all.iter().filter(|l| !l.inbound).map(|l| l.port).collect(),
     })
 }
@@ -292,6 +301,7 @@ fn plumb_traffic(
 /// The static listeners the sidecar got, as the TLS annotations need them.
 struct Plumbed {
     has_inbound: bool,
+    inbound_ports: Vec<u16>,
     outbound_ports: Vec<u16>,
 }
 

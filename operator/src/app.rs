@@ -323,8 +323,11 @@ fn start_discovery(
     use crate::pki::workload_ca::{ServingCert, authn};
     let d_args = &args.discovery;
     let metrics = discovery::Metrics::register(registry);
+    // Discovery requires the workload CA (see flags): calls between meshed
+    // workloads are mTLS, with secure naming.
     let (state, debounce) = push::Discovery::new(
         &d_args.cluster_domain,
+        Some(&args.workload_ca.trust_domain),
         push::Debounce {
             quiet: d_args.debounce_quiet,
             max_delay: d_args.debounce_max,

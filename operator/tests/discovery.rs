@@ -77,6 +77,7 @@ fn slice(ips: &[&str]) -> SliceInfo {
         service: Some(cart()),
         ports: [("http".to_string(), 8080)].into(),
         ready: ips.iter().map(|i| i.parse().expect("ip")).collect(),
+        ..Default::default()
     }
 }
 
@@ -114,6 +115,7 @@ impl Server {
         let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
         let (discovery, debounce) = Discovery::new(
             "cluster.local",
+            None,
             Debounce {
                 quiet: Duration::from_millis(10),
                 max_delay: Duration::from_millis(50),
@@ -130,6 +132,7 @@ impl Server {
                         name: "http".into(),
                         protocol: Protocol::Http,
                     }],
+                    ..Default::default()
                 },
             ));
             t.extend(r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.1"])));
@@ -428,6 +431,7 @@ async fn the_agent_gets_its_pods_annotations_and_their_changes() {
             service_account: "web".into(),
             outbound: Some("15001:cart.shop:80".into()),
             agent_annotations: a,
+            ..Default::default()
         }
     };
     s.discovery

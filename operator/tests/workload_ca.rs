@@ -212,6 +212,15 @@ fn the_ca_is_wired_when_enabled() {
         s.volumes.iter().any(|n| n == ca::TRUST_BUNDLE_VOLUME),
         "{s:?}"
     );
+    // Its inbound listener (15006 in front of the app's 8080) accepts the
+    // mesh's mTLS: clients' sidecars may originate it to that port.
+    assert_eq!(s.mtls_ports, [15006], "{s:?}");
+    let two = injected(
+        &pod(&[("remora.dev/inbound", "15006:8080,15007:9090")]),
+        true,
+    )
+    .0;
+    assert_eq!(status(&two).mtls_ports, [15006, 15007]);
 }
 
 #[test]
@@ -302,6 +311,12 @@ fn no_ca_when_disabled_or_opted_out() {
             ["remora-run", "remora-podinfo", "remora-hook"],
             "{what}"
         );
+        // No certificate, no mTLS: clients reach it in plain text.
+        assert!(status(out).mtls_ports.is_empty(), "{what}");
+        let raw = out["metadata"]["annotations"]["remora.dev/status"]
+            .as_str()
+            .expect("status");
+        assert!(!raw.contains("mtlsPorts"), "{what}: {raw}");
     }
     // Explicitly "true" is the default.
     let on = injected(&pod(&[("remora.dev/workload-ca", "true")]), true).0;

@@ -9,8 +9,9 @@ use super::store::{ROOT_CA, WORKLOAD_CERT};
 use crate::bootstrap::Extras;
 use crate::config::RunConfig;
 
-/// Name of the static cluster that reaches the agent's SDS socket.
-pub const SDS_CLUSTER: &str = "sds-grpc";
+/// Name of the static cluster that reaches the agent's SDS socket (the
+/// discovery server's clusters name it too).
+pub const SDS_CLUSTER: &str = remora_contract::mesh::SDS_CLUSTER;
 
 /// The static cluster `sds-grpc`: HTTP/2 (gRPC) to the Unix socket `socket`.
 /// Goes into `static_resources.clusters`.
@@ -36,14 +37,18 @@ pub fn sds_cluster(socket: &Path) -> Value {
 
 /// What SDS adds to the generated bootstrap: the `sds-grpc` cluster always
 /// (xDS-delivered configs may use its secrets), with `--inbound-tls`
-/// mTLS from `default`/`ROOTCA` on every inbound listener, and with
-/// `--outbound-tls` mTLS on the named outbound listeners' clusters.
+/// mTLS from `default`/`ROOTCA` on every inbound listener, else with the
+/// workload CA (`--ca-address`) the mesh's mTLS beside plain text on
+/// them (permissive), and with `--outbound-tls` mTLS on the named outbound
+/// listeners' clusters.
 pub fn extras(cfg: &RunConfig, socket: &Path) -> Extras {
     Extras {
         clusters: vec![sds_cluster(socket)],
         inbound_transport_socket: cfg
             .inbound_tls
             .then(|| inbound_tls_transport_socket(&cfg.inbound_tls_san)),
+        inbound_mesh_transport_socket: (!cfg.inbound_tls && cfg.ca_address.is_some())
+            .then(|| inbound_tls_transport_socket(&[])),
         outbound_transport_sockets: cfg
             .outbound_tls
             .iter()
@@ -101,7 +106,11 @@ fn workload_tls_context(sans: &[String]) -> Value {
 /// The inbound mTLS transport socket: a `DownstreamTlsContext` presenting
 /// `default` and verifying clients against `ROOTCA` (both from SDS),
 /// requiring a client certificate; with `sans`, a client must carry one of them.
-/// Goes into each inbound filter chain's `transport_socket`.
+/// Goes into each inbound filter chain's `transport_socket` (`--inbound-tls`),
+/// or into the mesh's filter chain of a permissive inbound listener, where
+/// any certificate of the mesh is admitted (who may call is not the
+/// server's sidecar's to say; which server is called is the client's,
+/// secure naming).
 pub fn inbound_tls_transport_socket(sans: &[String]) -> Value {
     json!({
         "name": "envoy.transport_sockets.tls",
@@ -326,6 +335,14 @@ mod tests {
             }
         );
         assert_eq!(UsedSecrets::of_bootstrap(&json!([1, {"a": null}])), none);
+        // The workload CA wired: the permissive inbound listener uses both.
+        assert_eq!(
+            used(
+                &["--inbound", "15006:8080", "--ca-address", "ca:15012"],
+                None
+            ),
+            UsedSecrets::BOTH
+        );
         // `--outbound-tls`: the outbound cluster uses both, with no inbound TLS.
         assert_eq!(
             used(
@@ -428,5 +445,72 @@ mod tests {
                 .get("match_typed_subject_alt_names")
                 .is_none()
         );
+    }
+
+    /// The inbound listener of `args`' bootstrap.
+    fn inbound(args: &[&str]) -> Value {
+        let c = cfg(args);
+        let b = crate::bootstrap::generate(&c, &extras(&c, Path::new("/run/sds.sock")), None)
+            .expect("bootstrap");
+        b["static_resources"]["listeners"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l["name"] == "inbound_15006"))
+            .cloned()
+            .expect("inbound listener")
+    }
+
+    #[test]
+    fn the_workload_ca_makes_the_inbound_listener_permissive() {
+        let l = inbound(&["--inbound", "15006:8080", "--ca-address", "ca:15012"]);
+        assert_eq!(
+            l["listener_filters"][0]["name"],
+            "envoy.filters.listener.tls_inspector"
+        );
+        let chains = l["filter_chains"].as_array().expect("chains");
+        assert_eq!(chains.len(), 2);
+        let (mesh, plain) = (&chains[0], &chains[1]);
+        // Only a ClientHello offering the mesh's ALPN is terminated here.
+        assert_eq!(
+            mesh["filter_chain_match"],
+            json!({"transport_protocol": "tls", "application_protocols": ["remora-mtls"]})
+        );
+        let tls = &mesh["transport_socket"]["typed_config"];
+        assert_eq!(tls["require_client_certificate"], true);
+        // Any certificate of the mesh: which server is called is the
+        // client's check (secure naming), not who calls.
+        assert!(
+            tls["common_tls_context"]["combined_validation_context"]["default_validation_context"]
+                .get("match_typed_subject_alt_names")
+                .is_none()
+        );
+        // Everything else: the plain HTTP chain as before, same routes.
+        assert!(plain.get("filter_chain_match").is_none());
+        assert!(plain.get("transport_socket").is_none());
+        assert_eq!(mesh["filters"], plain["filters"]);
+
+        // `--inbound-tls` stays mTLS only; without the CA, plain text only.
+        let strict = inbound(&[
+            "--inbound",
+            "15006:8080",
+            "--ca-address",
+            "ca:15012",
+            "--inbound-tls",
+        ]);
+        assert_eq!(strict["filter_chains"].as_array().map(Vec::len), Some(1));
+        assert!(strict["filter_chains"][0]["transport_socket"].is_object());
+        assert!(strict.get("listener_filters").is_none());
+        for args in [
+            &["--inbound", "15006:8080"][..],
+            &["--inbound", "15006:8080", "--cert-dir", "/c"],
+        ] {
+            let plain = inbound(args);
+            assert_eq!(
+                plain["filter_chains"].as_array().map(Vec::len),
+                Some(1),
+                "{args:?}"
+            );
+            assert!(plain["filter_chains"][0].get("transport_socket").is_none());
+            assert!(plain.get("listener_filters").is_none());
+        }
     }
 }

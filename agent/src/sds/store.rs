@@ -31,9 +31,9 @@ use crate::certs::{self, BundleReceiver, CertError};
 pub const SECRET_TYPE_URL: &str =
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 /// Istio's name of the workload identity secret.
-pub const WORKLOAD_CERT: &str = "default";
+pub const WORKLOAD_CERT: &str = remora_contract::mesh::WORKLOAD_SECRET;
 /// Istio's name of the trust bundle secret.
-pub const ROOT_CA: &str = "ROOTCA";
+pub const ROOT_CA: &str = remora_contract::mesh::ROOT_SECRET;
 pub const FILE_CERT_PREFIX: &str = "file-cert:";
 pub const FILE_ROOT_PREFIX: &str = "file-root:";
 

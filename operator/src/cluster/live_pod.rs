@@ -132,6 +132,10 @@ pub struct Injected {
     /// The hash of its restart-only settings, when recorded.
     #[serde(default)]
     pub restart_hash: Option<Box<str>>,
+    /// The inbound ports on which its sidecar accepts the mesh's mTLS
+    /// (the discovery server reads them: secure naming).
+    #[serde(default)]
+    pub mtls_ports: Box<[u16]>,
 }
 
 impl Injected {

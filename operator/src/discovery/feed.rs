@@ -9,7 +9,9 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher;
 use kube::{Api, Client};
+use remora_contract::annotations::IDENTITIES;
 use remora_contract::discovery::ServiceHost;
+use remora_contract::mesh::MAX_IDENTITIES_BYTES;
 use tokio_util::sync::CancellationToken;
 
 use super::push::Discovery;
@@ -32,13 +34,7 @@ impl Watches {
             "services",
             Api::<Service>::all(client.clone()),
             watcher::Config::default(),
-            |s: &mut Service| {
-                // Only the spec's ports and type are read.
-                s.metadata.managed_fields = None;
-                s.metadata.annotations = None;
-                s.metadata.labels = None;
-                s.status = None;
-            },
+            trim_service,
             shutdown.clone(),
         );
         let slices = SharedWatch::start(
@@ -88,6 +84,39 @@ impl Watches {
             self.slices.listed(),
             self.pods.listed()
         );
+    }
+}
+
+/// What discovery reads of a Service: the spec's ports and type, and the
+/// identities it declares (bounded: a longer value is kept just over the
+/// bound, which then fails to parse: closed).
+fn trim_service(s: &mut Service) {
+    s.metadata.managed_fields = None;
+    s.metadata.labels = None;
+    s.status = None;
+    if let Some(a) = s.metadata.annotations.as_mut() {
+        a.retain(|k, _| k == IDENTITIES);
+        if let Some(v) = a.get_mut(IDENTITIES) {
+            truncate(v, MAX_IDENTITIES_BYTES + 1);
+        }
+    }
+    if s.metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.is_empty())
+    {
+        s.metadata.annotations = None;
+    }
+}
+
+/// `v` cut to at most `max` bytes, on a character boundary.
+fn truncate(v: &mut String, max: usize) {
+    if v.len() > max {
+        let mut end = max;
+        while !v.is_char_boundary(end) {
+            end -= 1;
+        }
+        v.truncate(end);
     }
 }
 
@@ -163,7 +192,7 @@ mod tests {
 
     #[test]
     fn a_service_turned_external_name_leaves_the_registry() {
-        let (d, _debounce) = Discovery::new("cluster.local", Debounce::default());
+        let (d, _debounce) = Discovery::new("cluster.local", None, Debounce::default());
         let host = ServiceHost {
             name: "cart".into(),
             namespace: "shop".into(),
@@ -178,8 +207,39 @@ mod tests {
     }
 
     #[test]
+    fn a_service_keeps_only_its_declared_identities_and_bounded() {
+        use remora_contract::mesh::parse_identities;
+        let mut svc = (*service(None)).clone();
+        svc.metadata.annotations = Some(
+            [
+                (IDENTITIES.to_string(), "cart".to_string()),
+                (
+                    "kubectl.kubernetes.io/last-applied-configuration".into(),
+                    "{}".into(),
+                ),
+            ]
+            .into(),
+        );
+        trim_service(&mut svc);
+        assert_eq!(
+            svc.metadata.annotations,
+            Some([(IDENTITIES.to_string(), "cart".to_string())].into())
+        );
+        // Oversized: cut just over the bound, so it still fails to parse.
+        let long = format!("cart,{}", "é".repeat(MAX_IDENTITIES_BYTES));
+        svc.metadata.annotations = Some([(IDENTITIES.to_string(), long)].into());
+        trim_service(&mut svc);
+        let kept = &svc.metadata.annotations.as_ref().expect("kept")[IDENTITIES];
+        assert!(kept.len() <= MAX_IDENTITIES_BYTES + 1);
+        assert!(parse_identities(kept).is_err());
+        svc.metadata.annotations = Some([("other".to_string(), String::new())].into());
+        trim_service(&mut svc);
+        assert_eq!(svc.metadata.annotations, None);
+    }
+
+    #[test]
     fn only_injected_pods_are_proxies() {
-        let (d, _debounce) = Discovery::new("cluster.local", Debounce::default());
+        let (d, _debounce) = Discovery::new("cluster.local", None, Debounce::default());
         let key = PodKey {
             namespace: "shop".into(),
             name: "web-0".into(),
@@ -225,7 +285,7 @@ mod tests {
                 namespace: Some("shop".into()),
                 annotations: Some(
                     [
-                        (STATUS, "{}"),
+                        (STATUS, r#"{"mtlsPorts":[15006,15007]}"#),
                         (LIFECYCLE, r#"{"mode":"Legacy"}"#),
                         (QUIET_PERIOD, "1s"),
                         (STOP, "AppsCompleted"),
@@ -245,5 +305,7 @@ mod tests {
         let keys: Vec<&str> = info.agent_annotations.keys().map(String::as_str).collect();
         assert_eq!(keys, [LIFECYCLE, QUIET_PERIOD, STOP]);
         assert_eq!(info.agent_annotations[LIFECYCLE], r#"{"mode":"Legacy"}"#);
+        // What its sidecar accepts, as the webhook recorded it.
+        assert_eq!(info.mtls_ports, [15006, 15007].into());
     }
 }

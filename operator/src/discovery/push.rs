@@ -68,6 +68,9 @@ pub struct Discovery {
     batches: watch::Receiver<Arc<Batch>>,
     /// The cluster's DNS domain (`cluster.local`).
     pub domain: String,
+    /// The workload CA's trust domain when it is on: meshed endpoints are
+    /// then reached over mTLS (secure naming, see [`resources`]).
+    pub trust_domain: Option<String>,
 }
 
 impl Discovery {
@@ -75,6 +78,7 @@ impl Discovery {
     /// [`Discovery`] is dropped.
     pub fn new(
         domain: &str,
+        trust_domain: Option<&str>,
         debounce: Debounce,
     ) -> (
         Arc<Self>,
@@ -89,6 +93,7 @@ impl Discovery {
             changes,
             batches,
             domain: domain.to_string(),
+            trust_domain: trust_domain.map(str::to_string),
         });
         (me, run(rx, tx, debounce))
     }
@@ -129,7 +134,12 @@ impl Discovery {
             let mut s = match cached {
                 Some(s) => s,
                 None => {
-                    let s = resources::generate(r, p.outbound.as_deref(), &self.domain);
+                    let s = resources::generate(
+                        r,
+                        p.outbound.as_deref(),
+                        &self.domain,
+                        self.trust_domain.as_deref(),
+                    );
                     let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
                     if shared.0 != revision {
                         *shared = (revision, HashMap::new());

@@ -1,9 +1,11 @@
 //! What the discovery server knows of the cluster, pure: Services (their
-//! ports and what protocol each speaks), the ready endpoints of each
-//! Service port (from its EndpointSlices), and the proxies (injected pods:
-//! IP, ServiceAccount, `remora.dev/outbound`). Fed change by change from
-//! the shared watches; each change says what it touched, so the server
-//! recomputes only the proxies that depend on it.
+//! ports, what protocol each speaks, the identities they declare), the
+//! ready endpoints of each Service port (from its EndpointSlices, with the
+//! pod each names) and the proxies (injected pods: IP, ServiceAccount,
+//! `remora.dev/outbound`, the ports on which their sidecar accepts the
+//! mesh's mTLS). Fed change by change from the shared watches; each change
+//! says what it touched, so the server recomputes only the proxies that
+//! depend on it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
@@ -11,7 +13,9 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use remora_contract::annotations::IDENTITIES;
 use remora_contract::discovery::ServiceHost;
+use remora_contract::mesh::parse_identities;
 
 use crate::cluster::live_pod::LivePod;
 
@@ -72,6 +76,10 @@ pub struct ServicePort {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ServiceInfo {
     pub ports: Vec<ServicePort>,
+    /// `remora.dev/identities`: the ServiceAccounts whose pods may serve it,
+    /// `None` when it declares none. A value that does not parse declares
+    /// the empty set: no endpoint is admitted (fail closed).
+    pub identities: Option<BTreeSet<String>>,
 }
 
 impl ServiceInfo {
@@ -86,6 +94,22 @@ impl ServiceInfo {
         if spec.type_.as_deref() == Some("ExternalName") {
             return None;
         }
+        let identities = svc
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(IDENTITIES))
+            .map(|raw| {
+                parse_identities(raw).unwrap_or_else(|reason| {
+                    // Info, not warn: whoever writes Services writes the log.
+                    tracing::info!(
+                        service = %format_args!("{}/{}", host.namespace, host.name),
+                        %reason,
+                        "{IDENTITIES} does not parse: no endpoint of the Service is sent"
+                    );
+                    BTreeSet::new()
+                })
+            });
         let all = spec.ports.as_deref().unwrap_or_default();
         let ports = if all.len() > MAX_PORTS {
             Vec::new()
@@ -101,7 +125,7 @@ impl ServiceInfo {
                 })
                 .collect()
         };
-        Some((host, Self { ports }))
+        Some((host, Self { ports, identities }))
     }
 
     pub fn port(&self, port: u16) -> Option<&ServicePort> {
@@ -109,14 +133,17 @@ impl ServiceInfo {
     }
 }
 
-/// One EndpointSlice, as discovery reads it: its ready addresses and its
-/// ports by name.
+/// One EndpointSlice, as discovery reads it: its ready addresses, the pods
+/// they belong to, and its ports by name.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SliceInfo {
     pub service: Option<ServiceHost>,
     /// Port name (empty for unnamed) → target port.
     pub ports: BTreeMap<String, u16>,
     pub ready: BTreeSet<IpAddr>,
+    /// Ready address → the pod of the slice's namespace its `targetRef`
+    /// names (the EndpointSlice controller's record of whose it is).
+    pub pods: BTreeMap<IpAddr, String>,
 }
 
 impl SliceInfo {
@@ -144,20 +171,31 @@ impl SliceInfo {
             })
             .collect();
         let endpoints = slice.endpoints.as_deref().unwrap_or_default();
-        let ready = if endpoints.len() > MAX_SLICE_ENDPOINTS {
-            BTreeSet::new()
-        } else {
-            endpoints
+        let mut ready = BTreeSet::new();
+        let mut pods = BTreeMap::new();
+        if endpoints.len() <= MAX_SLICE_ENDPOINTS {
+            // No condition is ready: the API's "unknown" means serve it.
+            let serving = endpoints
                 .iter()
-                // No condition is ready: the API's "unknown" means serve it.
-                .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) != Some(false))
-                .flat_map(|e| e.addresses.iter().filter_map(|a| a.parse().ok()))
-                .collect()
-        };
+                .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) != Some(false));
+            for e in serving {
+                let pod = e.target_ref.as_ref().filter(|r| {
+                    r.kind.as_deref() == Some("Pod")
+                        && r.namespace.as_deref().is_none_or(|n| n == namespace)
+                });
+                for ip in e.addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()) {
+                    ready.insert(ip);
+                    if let Some(name) = pod.and_then(|r| r.name.clone()) {
+                        pods.insert(ip, name);
+                    }
+                }
+            }
+        }
         Self {
             service,
             ports,
             ready,
+            pods,
         }
     }
 }
@@ -172,6 +210,9 @@ pub struct ProxyInfo {
     /// The annotations its agent reads while it runs
     /// ([`remora_contract::discovery::sent_to_agent`]).
     pub agent_annotations: BTreeMap<String, String>,
+    /// The inbound ports on which its sidecar accepts the mesh's mTLS
+    /// (`remora.dev/status`): none unless the workload CA is wired.
+    pub mtls_ports: BTreeSet<u16>,
 }
 
 impl ProxyInfo {
@@ -190,6 +231,10 @@ impl ProxyInfo {
                 service_account: pod.service_account().unwrap_or("default").to_string(),
                 outbound: pod.outbound().map(Arc::from),
                 agent_annotations: agent_annotations(pod),
+                mtls_ports: pod
+                    .injected()
+                    .map(|i| i.mtls_ports.iter().copied().collect())
+                    .unwrap_or_default(),
             },
         ))
     }
@@ -216,6 +261,19 @@ pub struct PodKey {
     pub name: String,
 }
 
+/// What discovery knows of the pod behind one endpoint, as secure naming
+/// needs it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Backend {
+    /// A pod whose sidecar accepts the mesh's mTLS on the endpoint's port,
+    /// running under this ServiceAccount.
+    Meshed { service_account: String },
+    /// Anything else: an address no pod is named for, a pod Remora did not
+    /// inject or injected without the workload CA (or before it recorded
+    /// its mTLS ports), a port its sidecar does not listen on.
+    Plain,
+}
+
 /// What one change touched.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Touched {
@@ -236,6 +294,9 @@ pub struct Registry {
     slices: BTreeMap<(String, String), SliceInfo>,
     /// Service → the slices naming it.
     by_service: BTreeMap<ServiceHost, BTreeSet<(String, String)>>,
+    /// Pod → the slices with an endpoint naming it (their Services'
+    /// endpoints change with what the pod's sidecar accepts).
+    by_pod: BTreeMap<PodKey, BTreeSet<(String, String)>>,
     proxies: BTreeMap<PodKey, ProxyInfo>,
 }
 
@@ -259,6 +320,13 @@ impl Registry {
             return Vec::new();
         }
         let mut touched = self.delete_slice(&key);
+        for name in slice.pods.values() {
+            let pod = PodKey {
+                namespace: key.0.clone(),
+                name: name.clone(),
+            };
+            self.by_pod.entry(pod).or_default().insert(key.clone());
+        }
         if let Some(svc) = &slice.service {
             self.by_service
                 .entry(svc.clone())
@@ -277,6 +345,18 @@ impl Registry {
         let Some(old) = self.slices.remove(key) else {
             return Vec::new();
         };
+        for name in old.pods.values() {
+            let pod = PodKey {
+                namespace: key.0.clone(),
+                name: name.clone(),
+            };
+            if let Some(keys) = self.by_pod.get_mut(&pod) {
+                keys.remove(key);
+                if keys.is_empty() {
+                    self.by_pod.remove(&pod);
+                }
+            }
+        }
         let Some(svc) = old.service else {
             return Vec::new();
         };
@@ -289,17 +369,46 @@ impl Registry {
         vec![Touched::Endpoints(svc)]
     }
 
-    pub fn apply_proxy(&mut self, key: PodKey, info: ProxyInfo) -> Option<Touched> {
-        if self.proxies.get(&key) == Some(&info) {
-            return None;
+    /// A proxy's pod created or changed: its own configuration, and the
+    /// endpoints of the Services it serves if what its sidecar accepts
+    /// (ServiceAccount, mTLS ports) changed.
+    pub fn apply_proxy(&mut self, key: PodKey, info: ProxyInfo) -> Vec<Touched> {
+        let old = self.proxies.get(&key);
+        if old == Some(&info) {
+            return Vec::new();
         }
+        let serving = |p: &ProxyInfo| (p.service_account.clone(), p.mtls_ports.clone());
+        let served_changed = old.map(serving) != Some(serving(&info));
         self.proxies.insert(key.clone(), info);
-        Some(Touched::Pod(key))
+        let mut touched = vec![Touched::Pod(key.clone())];
+        if served_changed {
+            touched.extend(self.services_served_by(&key));
+        }
+        touched
     }
 
-    pub fn delete_proxy(&mut self, key: &PodKey) -> Option<Touched> {
-        self.proxies.remove(key)?;
-        Some(Touched::Pod(key.clone()))
+    pub fn delete_proxy(&mut self, key: &PodKey) -> Vec<Touched> {
+        if self.proxies.remove(key).is_none() {
+            return Vec::new();
+        }
+        let mut touched = vec![Touched::Pod(key.clone())];
+        touched.extend(self.services_served_by(key));
+        touched
+    }
+
+    /// The endpoints of every Service with an endpoint naming `pod`.
+    fn services_served_by(&self, pod: &PodKey) -> Vec<Touched> {
+        let services: BTreeSet<&ServiceHost> = self
+            .by_pod
+            .get(pod)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.get(k)?.service.as_ref())
+            .collect();
+        services
+            .into_iter()
+            .map(|s| Touched::Endpoints(s.clone()))
+            .collect()
     }
 
     pub fn service(&self, host: &ServiceHost) -> Option<&ServiceInfo> {
@@ -311,19 +420,52 @@ impl Registry {
     }
 
     /// The ready endpoints of `host`'s port `port`: each ready address of
-    /// its slices at the target port of the slice port of the same name.
-    pub fn endpoints(&self, host: &ServiceHost, port: u16) -> BTreeSet<SocketAddr> {
+    /// its slices at the target port of the slice port of the same name,
+    /// with what is known of its pod. An address two slices name for
+    /// different pods is taken as meshed if either says so (it is then
+    /// reached over mTLS, whose identity check fails closed).
+    pub fn endpoints(&self, host: &ServiceHost, port: u16) -> BTreeMap<SocketAddr, Backend> {
+        let mut out = BTreeMap::new();
         let Some(sp) = self.services.get(host).and_then(|s| s.port(port)) else {
-            return BTreeSet::new();
+            return out;
         };
-        self.by_service
+        let slices = self
+            .by_service
             .get(host)
             .into_iter()
             .flatten()
-            .filter_map(|k| self.slices.get(k))
-            .filter_map(|s| s.ports.get(&sp.name).map(|p| (s, *p)))
-            .flat_map(|(s, p)| s.ready.iter().map(move |ip| SocketAddr::new(*ip, p)))
-            .collect()
+            .filter_map(|k| Some((&k.0, self.slices.get(k)?)));
+        for (namespace, s) in slices {
+            let Some(target) = s.ports.get(&sp.name).copied() else {
+                continue;
+            };
+            for ip in &s.ready {
+                let backend = self.backend(namespace, s.pods.get(ip), target);
+                let slot = out
+                    .entry(SocketAddr::new(*ip, target))
+                    .or_insert(Backend::Plain);
+                if *slot == Backend::Plain {
+                    *slot = backend;
+                }
+            }
+        }
+        out
+    }
+
+    /// What the pod `name` of `namespace` accepts on `port`.
+    fn backend(&self, namespace: &str, name: Option<&String>, port: u16) -> Backend {
+        let proxy = name.and_then(|name| {
+            self.proxies.get(&PodKey {
+                namespace: namespace.to_string(),
+                name: name.clone(),
+            })
+        });
+        match proxy {
+            Some(p) if p.mtls_ports.contains(&port) => Backend::Meshed {
+                service_account: p.service_account.clone(),
+            },
+            _ => Backend::Plain,
+        }
     }
 }
 
@@ -443,13 +585,13 @@ mod tests {
         );
         let eps: Vec<String> = r
             .endpoints(&h, 80)
-            .iter()
+            .keys()
             .map(ToString::to_string)
             .collect();
         assert_eq!(eps, ["10.0.0.1:8080", "10.0.0.2:8080"]);
         let db: Vec<String> = r
             .endpoints(&h, 9000)
-            .iter()
+            .keys()
             .map(ToString::to_string)
             .collect();
         assert_eq!(db, ["10.0.0.1:5432", "10.0.0.2:5432"]);
@@ -483,5 +625,130 @@ mod tests {
         let many: Vec<_> = (1..=101).map(|p| (p, None, None)).collect();
         let (_, info) = ServiceInfo::read(&service("cart", &many)).expect("read");
         assert!(info.ports.is_empty());
+    }
+
+    fn proxy(sa: &str, mtls_ports: &[u16]) -> ProxyInfo {
+        ProxyInfo {
+            service_account: sa.into(),
+            mtls_ports: mtls_ports.iter().copied().collect(),
+            ..Default::default()
+        }
+    }
+
+    fn pod(name: &str) -> PodKey {
+        PodKey {
+            namespace: "shop".into(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn an_endpoint_is_meshed_when_its_pods_sidecar_takes_mtls_on_its_port() {
+        use k8s_openapi::api::core::v1::ObjectReference;
+        let mut r = Registry::default();
+        let (h, info) =
+            ServiceInfo::read(&service("cart", &[(80, Some("http"), None)])).expect("service");
+        r.apply_service(h.clone(), info);
+        let mut s = slice(
+            "cart",
+            &[("http", 15006)],
+            &[
+                ("10.0.0.1", None),
+                ("10.0.0.2", None),
+                ("10.0.0.3", None),
+                ("10.0.0.4", None),
+                ("10.0.0.5", None),
+            ],
+        );
+        let refs = [
+            (Some("Pod"), Some("shop"), "a"),
+            (Some("Pod"), None, "b"),
+            (Some("Pod"), Some("elsewhere"), "a"),
+            (Some("Node"), Some("shop"), "a"),
+        ];
+        for (e, (kind, ns, name)) in s.endpoints.iter_mut().flatten().zip(refs) {
+            e.target_ref = Some(ObjectReference {
+                kind: kind.map(str::to_string),
+                namespace: ns.map(str::to_string),
+                name: Some(name.into()),
+                ..Default::default()
+            });
+        }
+        let read = SliceInfo::read(&s);
+        let named: Vec<(String, &str)> = read
+            .pods
+            .iter()
+            .map(|(ip, p)| (ip.to_string(), p.as_str()))
+            .collect();
+        // Only pods of the slice's namespace are taken at their word.
+        assert_eq!(
+            named,
+            [("10.0.0.1".to_string(), "a"), ("10.0.0.2".to_string(), "b")]
+        );
+        let key = ("shop".to_string(), "cart-abc".to_string());
+        r.apply_slice(key.clone(), read);
+
+        assert_eq!(
+            r.apply_proxy(pod("a"), proxy("cart", &[15006])),
+            [Touched::Pod(pod("a")), Touched::Endpoints(h.clone())]
+        );
+        // b's sidecar has no certificate (no mTLS port).
+        r.apply_proxy(pod("b"), proxy("cart", &[]));
+        let meshed = |sa: &str| Backend::Meshed {
+            service_account: sa.into(),
+        };
+        let backends =
+            |r: &Registry| -> Vec<Backend> { r.endpoints(&h, 80).into_values().collect() };
+        assert_eq!(
+            backends(&r),
+            [
+                meshed("cart"),
+                Backend::Plain,
+                Backend::Plain,
+                Backend::Plain,
+                Backend::Plain
+            ]
+        );
+        // What b's sidecar accepts changes: the Service's endpoints do.
+        assert_eq!(
+            r.apply_proxy(pod("b"), proxy("other", &[15006])),
+            [Touched::Pod(pod("b")), Touched::Endpoints(h.clone())]
+        );
+        assert_eq!(backends(&r)[1], meshed("other"));
+        // Anything else of it concerns its own proxy only.
+        let mut b = proxy("other", &[15006]);
+        b.outbound = Some("15001:x.y:80".into());
+        assert_eq!(r.apply_proxy(pod("b"), b.clone()), [Touched::Pod(pod("b"))]);
+        assert_eq!(r.apply_proxy(pod("b"), b), []);
+        // mTLS on another port than the endpoint's is plain text there.
+        r.apply_proxy(pod("a"), proxy("cart", &[15007]));
+        assert_eq!(backends(&r)[0], Backend::Plain);
+        assert_eq!(
+            r.delete_proxy(&pod("b")),
+            [Touched::Pod(pod("b")), Touched::Endpoints(h.clone())]
+        );
+        assert_eq!(backends(&r)[1], Backend::Plain);
+        // The slice gone, a pod's change no longer touches the Service.
+        r.delete_slice(&key);
+        assert_eq!(
+            r.apply_proxy(pod("a"), proxy("cart", &[15006])),
+            [Touched::Pod(pod("a"))]
+        );
+    }
+
+    #[test]
+    fn declared_identities_parse_or_admit_none() {
+        let mut svc = service("cart", &[(80, None, None)]);
+        let read = |svc: &Service| ServiceInfo::read(svc).expect("read").1.identities;
+        assert_eq!(read(&svc), None, "not declared");
+        for (raw, want) in [
+            ("cart, cart-v2", vec!["cart", "cart-v2"]),
+            ("spiffe://cluster.local/ns/shop/sa/cart", vec![]),
+            ("", vec![]),
+        ] {
+            svc.metadata.annotations = Some([(IDENTITIES.to_string(), raw.to_string())].into());
+            let want: BTreeSet<String> = want.into_iter().map(str::to_string).collect();
+            assert_eq!(read(&svc), Some(want), "{raw:?}");
+        }
     }
 }

@@ -15,6 +15,24 @@
 //!   until that Service exists, and the proxy depends on it meanwhile, so
 //!   it moves to EDS when the Service appears.
 //!
+//! With the workload CA (the server knows the mesh's trust domain), a
+//! Service port's cluster originates mTLS to its meshed endpoints and
+//! plain text to the others, per endpoint ([`reach`], secure naming):
+//!
+//! - each endpoint of the load assignment is marked in its
+//!   `envoy.transport_socket_match` metadata, `tlsMode: mtls` or
+//!   `tlsMode: plaintext`, and the cluster's `transport_socket_matches`
+//!   pick mTLS (presenting SDS `default`, verifying with `ROOTCA`, offering
+//!   ALPN [`MTLS_ALPN`] so the server's sidecar terminates it) or a raw
+//!   socket by that mark. The cluster's default transport socket is the
+//!   same mTLS, so an endpoint without a mark is never reached in plain text;
+//! - the mTLS accepts only the SPIFFE identities of [`accepted`]: the
+//!   ServiceAccounts the Service declares (`remora.dev/identities`), else
+//!   those of the meshed pods behind it. An endpoint whose pod runs under
+//!   a ServiceAccount the Service does not declare is not sent at all, and
+//!   if one is reached anyway (a stale load assignment, an address reused
+//!   by another pod) its certificate fails the check.
+//!
 //! The HTTP clusters speak upstream what the client spoke downstream
 //! (`use_downstream_protocol_config`), as the agent's inbound cluster does:
 //! gRPC and h2c stay HTTP/2 and HTTP/1.1 stays HTTP/1.1 without trusting
@@ -26,8 +44,10 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::cluster::v3::{Cluster, cluster};
 use envoy_types::pb::envoy::config::core::v3::{
-    Address, AggregatedConfigSource, ApiVersion, ConfigSource, Http1ProtocolOptions,
-    Http2ProtocolOptions, SocketAddress, TrafficDirection, address, config_source, socket_address,
+    Address, AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, GrpcService,
+    Http1ProtocolOptions, Http2ProtocolOptions, Metadata, SocketAddress, TrafficDirection,
+    TransportSocket, address, api_config_source, config_source, grpc_service, socket_address,
+    transport_socket,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -42,18 +62,26 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
     HttpConnectionManager, HttpFilter, http_connection_manager, http_filter,
 };
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
+use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+    CertificateValidationContext, CommonTlsContext, SdsSecretConfig, SubjectAltNameMatcher,
+    UpstreamTlsContext, common_tls_context, subject_alt_name_matcher,
+};
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     HttpProtocolOptions, http_protocol_options,
 };
-use envoy_types::pb::google::protobuf::{Any, Duration};
+use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
+use envoy_types::pb::google::protobuf::{Any, Duration, Struct, Value, value};
 use envoy_types::util::pack_any;
 use prost::Message;
 use remora_contract::discovery::{ServiceHost, cluster_name};
+use remora_contract::mesh::{MTLS_ALPN, ROOT_SECRET, SDS_CLUSTER, WORKLOAD_SECRET};
 use remora_contract::pod::HCM_DELAYED_CLOSE_TIMEOUT;
 use remora_contract::traffic::OutboundSpec;
+use remora_contract::workload_ca::spiffe_id;
 use sha2::{Digest, Sha256};
 
-use super::registry::{Protocol, Registry};
+use super::registry::{Backend, Protocol, Registry};
 
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -73,6 +101,66 @@ const CONNECT_TIMEOUT: Duration = Duration {
     seconds: 1,
     nanos: 0,
 };
+
+/// The endpoint metadata key Envoy matches `transport_socket_matches` on,
+/// the field and its two values.
+const TRANSPORT_SOCKET_MATCH: &str = "envoy.transport_socket_match";
+const TLS_MODE: &str = "tlsMode";
+const MTLS: &str = "mtls";
+const PLAINTEXT: &str = "plaintext";
+
+/// How a client's sidecar reaches one endpoint of a Service: the secure
+/// naming rule, in one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// mTLS, accepting only the Service's identities ([`accepted`]).
+    Mtls,
+    /// Plain text: the endpoint has no meshed sidecar on that port, and
+    /// the Service declares no identities.
+    Plaintext,
+    /// Not sent: the Service declares identities and this endpoint is not
+    /// a meshed pod running under one of them.
+    Withheld,
+}
+
+/// How an endpoint behind `backend` is reached, `declared` being the
+/// Service's `remora.dev/identities` (`None`: not declared). Called only
+/// with the workload CA on; without it every endpoint is plain text.
+pub fn reach(declared: Option<&BTreeSet<String>>, backend: &Backend) -> Reach {
+    match (backend, declared) {
+        (Backend::Meshed { service_account }, Some(ids)) if !ids.contains(service_account) => {
+            Reach::Withheld
+        }
+        (Backend::Meshed { .. }, _) => Reach::Mtls,
+        (Backend::Plain, Some(_)) => Reach::Withheld,
+        (Backend::Plain, None) => Reach::Plaintext,
+    }
+}
+
+/// The ServiceAccounts whose certificates a client accepts for a Service
+/// port: the declared ones, else those of its meshed endpoints (Istio's
+/// rule). A change to this set is a cluster change.
+pub fn accepted<'a>(
+    declared: Option<&BTreeSet<String>>,
+    backends: impl IntoIterator<Item = &'a Backend>,
+) -> BTreeSet<String> {
+    match declared {
+        Some(ids) => ids.clone(),
+        None => backends
+            .into_iter()
+            .filter_map(|b| match b {
+                Backend::Meshed { service_account } => Some(service_account.clone()),
+                Backend::Plain => None,
+            })
+            .collect(),
+    }
+}
+
+/// The mesh's mTLS for one Service port's cluster: the SPIFFE IDs it accepts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Mtls {
+    spiffe_ids: Vec<String>,
+}
 
 /// Resources of one type by name, and their version: a digest of their
 /// content, so an unchanged type keeps its version and is not re-sent.
@@ -128,7 +216,15 @@ impl Snapshot {
 
 /// The resources of a proxy whose pod carries `outbound`
 /// (`remora.dev/outbound`, comma-separated `PORT:HOST:PORT`).
-pub fn generate(registry: &Registry, outbound: Option<&str>, domain: &str) -> Snapshot {
+///
+/// `trust_domain`: the workload CA's, when it is on (meshed endpoints are
+/// then reached over mTLS, see the module doc); `None`, plain text.
+pub fn generate(
+    registry: &Registry,
+    outbound: Option<&str>,
+    domain: &str,
+    trust_domain: Option<&str>,
+) -> Snapshot {
     let mut listeners = BTreeMap::new();
     let mut clusters = BTreeMap::new();
     let mut endpoints = BTreeMap::new();
@@ -169,9 +265,44 @@ pub fn generate(registry: &Registry, outbound: Option<&str>, domain: &str) -> Sn
                     Protocol::Tcp => tcp_filter(&name, &cluster),
                 };
                 listeners.insert(name.clone(), pack_any(listener(&name, spec.port, filter)));
-                clusters.insert(cluster.clone(), pack_any(eds_cluster(&cluster, protocol)));
                 let eps = registry.endpoints(&host, spec.upstream_port);
-                endpoints.insert(cluster.clone(), pack_any(load_assignment(&cluster, &eps)));
+                let (mtls, eps) = match trust_domain {
+                    Some(td) => {
+                        let declared = registry.service(&host).and_then(|s| s.identities.as_ref());
+                        let ids = accepted(declared, eps.values());
+                        // None accepted: a SAN no certificate carries (an
+                        // empty ServiceAccount name), never "any of the
+                        // mesh", which an empty list would mean to Envoy.
+                        let none = [String::new()];
+                        let ids = if ids.is_empty() {
+                            none.iter().collect::<Vec<_>>()
+                        } else {
+                            ids.iter().collect()
+                        };
+                        let mtls = Mtls {
+                            spiffe_ids: ids
+                                .into_iter()
+                                .map(|sa| spiffe_id(td, &host.namespace, sa))
+                                .collect(),
+                        };
+                        let eps = eps
+                            .iter()
+                            .map(|(a, b)| (*a, reach(declared, b)))
+                            .filter(|(_, r)| *r != Reach::Withheld)
+                            .collect();
+                        (Some(mtls), eps)
+                    }
+                    None => (None, eps.keys().map(|a| (*a, Reach::Plaintext)).collect()),
+                };
+                clusters.insert(
+                    cluster.clone(),
+                    pack_any(eds_cluster(&cluster, protocol, mtls.as_ref())),
+                );
+                let marked = mtls.is_some();
+                endpoints.insert(
+                    cluster.clone(),
+                    pack_any(load_assignment(&cluster, &eps, marked)),
+                );
             }
             None => {
                 let cluster = format!(
@@ -306,7 +437,7 @@ fn http_filter_chain(name: &str, cluster: &str) -> Filter {
     }
 }
 
-fn eds_cluster(name: &str, protocol: Protocol) -> Cluster {
+fn eds_cluster(name: &str, protocol: Protocol, mtls: Option<&Mtls>) -> Cluster {
     let mut options = HashMap::new();
     if protocol == Protocol::Http {
         let o = HttpProtocolOptions {
@@ -326,8 +457,35 @@ fn eds_cluster(name: &str, protocol: Protocol) -> Cluster {
             pack_any(o),
         );
     }
+    let (transport_socket, transport_socket_matches) = match mtls {
+        Some(m) => {
+            let tls = mtls_socket(&m.spiffe_ids);
+            let matches = vec![
+                cluster::TransportSocketMatch {
+                    name: MTLS.into(),
+                    r#match: Some(tls_mode(MTLS)),
+                    transport_socket: Some(tls.clone()),
+                },
+                cluster::TransportSocketMatch {
+                    name: PLAINTEXT.into(),
+                    r#match: Some(tls_mode(PLAINTEXT)),
+                    transport_socket: Some(TransportSocket {
+                        name: "envoy.transport_sockets.raw_buffer".into(),
+                        config_type: Some(transport_socket::ConfigType::TypedConfig(pack_any(
+                            RawBuffer::default(),
+                        ))),
+                    }),
+                },
+            ];
+            // Unmarked endpoints get mTLS: never plain text by omission.
+            (Some(tls), matches)
+        }
+        None => (None, Vec::new()),
+    };
     Cluster {
         name: name.to_string(),
+        transport_socket,
+        transport_socket_matches,
         cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
             cluster::DiscoveryType::Eds as i32,
         )),
@@ -347,6 +505,91 @@ fn eds_cluster(name: &str, protocol: Protocol) -> Cluster {
     }
 }
 
+/// `{tlsMode: mode}`: one field, so its encoding (a protobuf map) is the
+/// same every time and the version follows content only.
+fn tls_mode(mode: &str) -> Struct {
+    Struct {
+        fields: HashMap::from([(
+            TLS_MODE.to_string(),
+            Value {
+                kind: Some(value::Kind::StringValue(mode.to_string())),
+            },
+        )]),
+    }
+}
+
+/// The agent's SDS secret `name`, waited for (no initial fetch timeout):
+/// the cluster warms until its certificate is there, as the agent's own
+/// static listeners do (agent/src/sds/bootstrap.rs).
+fn sds_secret(name: &str) -> SdsSecretConfig {
+    SdsSecretConfig {
+        name: name.to_string(),
+        sds_config: Some(ConfigSource {
+            resource_api_version: ApiVersion::V3 as i32,
+            initial_fetch_timeout: Some(Duration::default()),
+            config_source_specifier: Some(config_source::ConfigSourceSpecifier::ApiConfigSource(
+                ApiConfigSource {
+                    api_type: api_config_source::ApiType::Grpc as i32,
+                    transport_api_version: ApiVersion::V3 as i32,
+                    grpc_services: vec![GrpcService {
+                        target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+                            grpc_service::EnvoyGrpc {
+                                cluster_name: SDS_CLUSTER.into(),
+                                ..Default::default()
+                            },
+                        )),
+                        ..Default::default()
+                    }],
+                    set_node_on_first_message_only: true,
+                    ..Default::default()
+                },
+            )),
+            ..Default::default()
+        }),
+    }
+}
+
+/// The mesh's mTLS to an endpoint: the workload certificate presented,
+/// the peer verified with the mesh's roots and accepted only if it carries
+/// one of `spiffe_ids` (never empty) as URI SAN.
+fn mtls_socket(spiffe_ids: &[String]) -> TransportSocket {
+    let sans = spiffe_ids
+        .iter()
+        .map(|id| SubjectAltNameMatcher {
+            san_type: subject_alt_name_matcher::SanType::Uri as i32,
+            matcher: Some(StringMatcher {
+                match_pattern: Some(string_matcher::MatchPattern::Exact(id.clone())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .collect();
+    let tls = UpstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            alpn_protocols: vec![MTLS_ALPN.into()],
+            tls_certificate_sds_secret_configs: vec![sds_secret(WORKLOAD_SECRET)],
+            validation_context_type: Some(
+                common_tls_context::ValidationContextType::CombinedValidationContext(
+                    common_tls_context::CombinedCertificateValidationContext {
+                        default_validation_context: Some(CertificateValidationContext {
+                            match_typed_subject_alt_names: sans,
+                            ..Default::default()
+                        }),
+                        validation_context_sds_secret_config: Some(sds_secret(ROOT_SECRET)),
+                        ..Default::default()
+                    },
+                ),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(transport_socket::ConfigType::TypedConfig(pack_any(tls))),
+    }
+}
+
 fn dns_cluster(name: &str, host: &str, port: u16) -> Cluster {
     Cluster {
         name: name.to_string(),
@@ -355,26 +598,42 @@ fn dns_cluster(name: &str, host: &str, port: u16) -> Cluster {
         )),
         dns_lookup_family: cluster::DnsLookupFamily::V4Preferred as i32,
         connect_timeout: Some(CONNECT_TIMEOUT),
-        load_assignment: Some(load_assignment_of(name, [(host.to_string(), port)])),
+        load_assignment: Some(load_assignment_of(name, [(host.to_string(), port, None)])),
         ..Default::default()
     }
 }
 
-fn load_assignment(name: &str, eps: &BTreeSet<std::net::SocketAddr>) -> ClusterLoadAssignment {
-    load_assignment_of(name, eps.iter().map(|a| (a.ip().to_string(), a.port())))
+/// The endpoints and how each is reached; `marked`: with the mesh's
+/// transport socket matches (a mark per endpoint).
+fn load_assignment(
+    name: &str,
+    eps: &BTreeMap<std::net::SocketAddr, Reach>,
+    marked: bool,
+) -> ClusterLoadAssignment {
+    load_assignment_of(
+        name,
+        eps.iter().map(|(a, r)| {
+            let mark = marked.then_some(if *r == Reach::Mtls { MTLS } else { PLAINTEXT });
+            (a.ip().to_string(), a.port(), mark)
+        }),
+    )
 }
 
-fn load_assignment_of(
+fn load_assignment_of<'a>(
     name: &str,
-    eps: impl IntoIterator<Item = (String, u16)>,
+    eps: impl IntoIterator<Item = (String, u16, Option<&'a str>)>,
 ) -> ClusterLoadAssignment {
     let lb_endpoints: Vec<LbEndpoint> = eps
         .into_iter()
-        .map(|(ip, port)| LbEndpoint {
+        .map(|(ip, port, mark)| LbEndpoint {
             host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
                 address: Some(socket(&ip, port)),
                 ..Default::default()
             })),
+            metadata: mark.map(|m| Metadata {
+                filter_metadata: HashMap::from([(TRANSPORT_SOCKET_MATCH.to_string(), tls_mode(m))]),
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .collect();
@@ -400,7 +659,8 @@ pub fn decode<M: Message + Default>(any: &Any) -> Option<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::discovery::registry::{ServiceInfo, ServicePort, SliceInfo};
+    use crate::discovery::registry::{PodKey, ProxyInfo, ServiceInfo, ServicePort, SliceInfo};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::UpstreamTlsContext;
 
     const DOMAIN: &str = "cluster.local";
 
@@ -419,6 +679,7 @@ mod tests {
                         name: "p".into(),
                         protocol,
                     }],
+                    ..Default::default()
                 },
             );
             r.apply_slice(
@@ -431,6 +692,7 @@ mod tests {
                         "10.0.0.2".parse().expect("ip"),
                     ]
                     .into(),
+                    ..Default::default()
                 },
             );
         }
@@ -451,6 +713,7 @@ mod tests {
                 "15001:cart.shop:80, 15002:db.shop.svc.cluster.local:5432,15003:api.example.com:443",
             ),
             DOMAIN,
+            None,
         );
         assert_eq!(
             s.listeners.resources.keys().collect::<Vec<_>>(),
@@ -497,7 +760,7 @@ mod tests {
 
         // A host of Service shape with no such Service is a static upstream,
         // until the Service exists.
-        let ext = generate(&r, Some("15001:example.org:443"), DOMAIN);
+        let ext = generate(&r, Some("15001:example.org:443"), DOMAIN, None);
         assert_eq!(
             ext.clusters.resources.keys().collect::<Vec<_>>(),
             ["outbound|15001|example.org|443"]
@@ -506,17 +769,17 @@ mod tests {
         assert_eq!(ext.services.len(), 1, "it depends on Service example.org");
 
         // Nothing declared, nothing seen.
-        let none = generate(&r, None, DOMAIN);
+        let none = generate(&r, None, DOMAIN, None);
         assert!(none.listeners.resources.is_empty() && none.clusters.resources.is_empty());
     }
 
     #[test]
     fn versions_follow_content_per_type() {
         let mut r = registry();
-        let a = generate(&r, Some("15001:cart.shop:80"), DOMAIN);
+        let a = generate(&r, Some("15001:cart.shop:80"), DOMAIN, None);
         assert_eq!(
             a,
-            generate(&r, Some("15001:cart.shop:80"), DOMAIN),
+            generate(&r, Some("15001:cart.shop:80"), DOMAIN, None),
             "deterministic"
         );
         let host = ServiceHost {
@@ -529,9 +792,10 @@ mod tests {
                 service: Some(host),
                 ports: [("p".to_string(), 8000)].into(),
                 ready: ["10.0.0.9".parse().expect("ip")].into(),
+                ..Default::default()
             },
         );
-        let b = generate(&r, Some("15001:cart.shop:80"), DOMAIN);
+        let b = generate(&r, Some("15001:cart.shop:80"), DOMAIN, None);
         assert_eq!(a.listeners.version, b.listeners.version);
         assert_eq!(a.clusters.version, b.clusters.version);
         assert_ne!(a.endpoints.version, b.endpoints.version, "only EDS changed");
@@ -543,8 +807,254 @@ mod tests {
             &registry(),
             Some("nonsense,15001:cart.shop:80,15001:db.shop:5432,99999:x:1"),
             DOMAIN,
+            None,
         );
         assert_eq!(s.listeners.resources.len(), 1);
         assert_eq!(s.skipped.len(), 3, "{:?}", s.skipped);
+    }
+
+    #[test]
+    fn reach_is_mtls_to_meshed_pods_and_withheld_outside_a_declared_set() {
+        let meshed = |sa: &str| Backend::Meshed {
+            service_account: sa.into(),
+        };
+        let declared: BTreeSet<String> = ["cart".to_string()].into();
+        assert_eq!(reach(None, &meshed("cart")), Reach::Mtls);
+        assert_eq!(reach(None, &meshed("other")), Reach::Mtls);
+        assert_eq!(reach(None, &Backend::Plain), Reach::Plaintext);
+        assert_eq!(reach(Some(&declared), &meshed("cart")), Reach::Mtls);
+        assert_eq!(reach(Some(&declared), &meshed("other")), Reach::Withheld);
+        // Declared: a pod that cannot prove an identity is never sent.
+        assert_eq!(reach(Some(&declared), &Backend::Plain), Reach::Withheld);
+        let backends = [meshed("b"), Backend::Plain, meshed("a"), meshed("b")];
+        assert_eq!(
+            accepted(None, &backends).into_iter().collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        assert_eq!(accepted(Some(&declared), &backends), declared);
+    }
+
+    const TD: &str = "mesh.example";
+    const CART_CLUSTER: &str = "outbound|80||cart.shop.svc.cluster.local";
+
+    /// `cart` (port 80 → 8000) served by 10.0.0.1 (pod cart-0, meshed, SA
+    /// cart), 10.0.0.2 (impostor-0, meshed, SA impostor) and 10.0.0.3
+    /// (plain-0, injected without the CA); `identities` its annotation.
+    fn served(identities: Option<&[&str]>) -> Registry {
+        let mut r = registry();
+        let host = ServiceHost {
+            name: "cart".into(),
+            namespace: "shop".into(),
+        };
+        r.apply_service(
+            host.clone(),
+            ServiceInfo {
+                ports: vec![ServicePort {
+                    port: 80,
+                    name: "p".into(),
+                    protocol: Protocol::Http,
+                }],
+                identities: identities.map(|ids| ids.iter().map(|i| i.to_string()).collect()),
+            },
+        );
+        let eps = [
+            ("10.0.0.1", "cart-0", "cart", true),
+            ("10.0.0.2", "impostor-0", "impostor", true),
+            ("10.0.0.3", "plain-0", "cart", false),
+        ];
+        r.apply_slice(
+            ("shop".into(), "cart".into()),
+            SliceInfo {
+                service: Some(host),
+                ports: [("p".to_string(), 8000)].into(),
+                ready: eps.iter().map(|e| e.0.parse().expect("ip")).collect(),
+                pods: eps
+                    .iter()
+                    .map(|e| (e.0.parse().expect("ip"), e.1.to_string()))
+                    .collect(),
+            },
+        );
+        for (ip, pod, sa, meshed) in eps {
+            r.apply_proxy(
+                PodKey {
+                    namespace: "shop".into(),
+                    name: pod.into(),
+                },
+                ProxyInfo {
+                    ip: Some(ip.into()),
+                    service_account: sa.into(),
+                    mtls_ports: if meshed {
+                        [8000].into()
+                    } else {
+                        BTreeSet::new()
+                    },
+                    ..Default::default()
+                },
+            );
+        }
+        r
+    }
+
+    /// The load assignment as `(address, mark)`.
+    fn marks(s: &Snapshot) -> Vec<(String, Option<String>)> {
+        let cla: ClusterLoadAssignment = decode(&s.endpoints.resources[CART_CLUSTER]).expect("cla");
+        cla.endpoints
+            .iter()
+            .flat_map(|l| &l.lb_endpoints)
+            .map(|e| {
+                let Some(lb_endpoint::HostIdentifier::Endpoint(ep)) = &e.host_identifier else {
+                    panic!("an endpoint");
+                };
+                let Some(address::Address::SocketAddress(a)) =
+                    ep.address.as_ref().and_then(|a| a.address.as_ref())
+                else {
+                    panic!("a socket address");
+                };
+                let mark = e.metadata.as_ref().map(|m| {
+                    match &m.filter_metadata[TRANSPORT_SOCKET_MATCH].fields[TLS_MODE].kind {
+                        Some(value::Kind::StringValue(v)) => v.clone(),
+                        other => panic!("{other:?}"),
+                    }
+                });
+                (a.address.clone(), mark)
+            })
+            .collect()
+    }
+
+    /// The SANs a transport socket accepts, and its context.
+    fn tls_of(ts: &TransportSocket) -> (Vec<String>, CommonTlsContext) {
+        assert_eq!(ts.name, "envoy.transport_sockets.tls");
+        let Some(transport_socket::ConfigType::TypedConfig(any)) = &ts.config_type else {
+            panic!("typed config");
+        };
+        let tls: UpstreamTlsContext = decode(any).expect("tls");
+        let ctx = tls.common_tls_context.expect("context");
+        let Some(common_tls_context::ValidationContextType::CombinedValidationContext(v)) =
+            &ctx.validation_context_type
+        else {
+            panic!("combined validation");
+        };
+        let sans = v
+            .default_validation_context
+            .as_ref()
+            .expect("default context")
+            .match_typed_subject_alt_names
+            .iter()
+            .map(|m| {
+                assert_eq!(m.san_type, subject_alt_name_matcher::SanType::Uri as i32);
+                match m.matcher.as_ref().and_then(|m| m.match_pattern.as_ref()) {
+                    Some(string_matcher::MatchPattern::Exact(e)) => e.clone(),
+                    other => panic!("{other:?}"),
+                }
+            })
+            .collect();
+        (sans, ctx)
+    }
+
+    fn cart_cluster(s: &Snapshot) -> Cluster {
+        decode(&s.clusters.resources[CART_CLUSTER]).expect("cluster")
+    }
+
+    fn id(sa: &str) -> String {
+        format!("spiffe://{TD}/ns/shop/sa/{sa}")
+    }
+
+    #[test]
+    fn without_the_workload_ca_everything_is_plain_text() {
+        let s = generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, None);
+        let c = cart_cluster(&s);
+        assert!(c.transport_socket.is_none() && c.transport_socket_matches.is_empty());
+        let m = marks(&s);
+        assert_eq!(m.len(), 3);
+        assert!(m.iter().all(|(_, mark)| mark.is_none()), "{m:?}");
+    }
+
+    #[test]
+    fn meshed_endpoints_get_mtls_to_the_identities_behind_the_service() {
+        let s = generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, Some(TD));
+        assert_eq!(
+            marks(&s),
+            [
+                ("10.0.0.1".to_string(), Some(MTLS.to_string())),
+                ("10.0.0.2".to_string(), Some(MTLS.to_string())),
+                ("10.0.0.3".to_string(), Some(PLAINTEXT.to_string())),
+            ]
+        );
+        let c = cart_cluster(&s);
+        let names: Vec<&str> = c
+            .transport_socket_matches
+            .iter()
+            .map(|m| m.name.as_str())
+            .collect();
+        assert_eq!(names, [MTLS, PLAINTEXT]);
+        assert_eq!(
+            c.transport_socket_matches[1]
+                .transport_socket
+                .as_ref()
+                .map(|t| t.name.as_str()),
+            Some("envoy.transport_sockets.raw_buffer")
+        );
+        let (sans, ctx) = tls_of(
+            c.transport_socket_matches[0]
+                .transport_socket
+                .as_ref()
+                .expect("mtls"),
+        );
+        // Istio's rule without a declaration: every meshed pod's identity.
+        assert_eq!(sans, [id("cart"), id("impostor")]);
+        assert_eq!(ctx.alpn_protocols, [MTLS_ALPN]);
+        assert_eq!(
+            ctx.tls_certificate_sds_secret_configs
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect::<Vec<_>>(),
+            [WORKLOAD_SECRET]
+        );
+        // An endpoint without a mark gets the same mTLS, not plain text.
+        assert_eq!(
+            c.transport_socket,
+            c.transport_socket_matches[0].transport_socket
+        );
+        assert_eq!(
+            s,
+            generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, Some(TD)),
+            "deterministic, versions included"
+        );
+    }
+
+    #[test]
+    fn declared_identities_withhold_every_other_endpoint_and_pin_the_san() {
+        let s = generate(
+            &served(Some(&["cart"])),
+            Some("15001:cart.shop:80"),
+            DOMAIN,
+            Some(TD),
+        );
+        // The impostor (another ServiceAccount) and the plain pod (no
+        // identity to prove) are not sent.
+        assert_eq!(
+            marks(&s),
+            [("10.0.0.1".to_string(), Some(MTLS.to_string()))]
+        );
+        let c = cart_cluster(&s);
+        let (sans, _) = tls_of(c.transport_socket.as_ref().expect("default"));
+        assert_eq!(sans, [id("cart")]);
+
+        // A declaration that does not parse (read as the empty set):
+        // nothing sent, and the SAN no certificate carries.
+        let none = generate(
+            &served(Some(&[])),
+            Some("15001:cart.shop:80"),
+            DOMAIN,
+            Some(TD),
+        );
+        assert!(marks(&none).is_empty());
+        let (sans, _) = tls_of(
+            cart_cluster(&none)
+                .transport_socket
+                .as_ref()
+                .expect("default"),
+        );
+        assert_eq!(sans, [format!("spiffe://{TD}/ns/shop/sa/")]);
     }
 }

@@ -473,7 +473,7 @@ mod tests {
     use crate::discovery::registry::ProxyInfo;
 
     fn setup() -> Arc<Discovery> {
-        let (d, _debounce) = Discovery::new("cluster.local", Debounce::default());
+        let (d, _debounce) = Discovery::new("cluster.local", None, Debounce::default());
         d.update(|r| {
             r.apply_proxy(
                 PodKey {
