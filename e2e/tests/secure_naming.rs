@@ -30,8 +30,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::process::Stdio;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use remora_contract::discovery::{ServiceHost, TOKEN_AUDIENCE as DISCOVERY_AUDIENCE};
@@ -42,8 +41,9 @@ use remora_operator::discovery::registry::{
 };
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
 use remora_operator::pki::workload_ca::service::{CaService, Lifetimes};
-use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
+use remora_operator::pki::workload_ca::{ServingCert, testing};
 use remora_test_support::jwt;
+use remora_test_support::named_backend::{self, NamedBackend};
 use remora_test_support::ports::free_port;
 use remora_test_support::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -90,20 +90,7 @@ struct ControlPlane {
 
 impl ControlPlane {
     async fn start() -> anyhow::Result<Self> {
-        let policy = roots::Policy {
-            validity: Duration::from_secs(3600),
-            settle: Duration::from_secs(60),
-            overlap: Duration::from_secs(120),
-        };
-        let now = SystemTime::now();
-        let r = roots::apply(
-            None,
-            roots::Step::Create,
-            &policy,
-            now - Duration::from_secs(60),
-        )?;
-        let authority =
-            Authority::new(&r, &[SERVER_NAME.to_string()], now).map_err(anyhow::Error::msg)?;
+        let authority = testing::authority(&[SERVER_NAME]).map_err(anyhow::Error::msg)?;
         let bundle = authority.bundle.clone();
         let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
         let stop = CancellationToken::new();
@@ -172,36 +159,6 @@ impl ControlPlane {
             stop,
         })
     }
-}
-
-/// An HTTP app answering every request with an empty 200 naming it in
-/// `x-backend`, counting what it answered.
-async fn app(name: &'static str) -> anyhow::Result<(u16, Arc<AtomicUsize>)> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let served = Arc::new(AtomicUsize::new(0));
-    let count = Arc::clone(&served);
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let count = Arc::clone(&count);
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |_req| {
-                    count.fetch_add(1, Ordering::SeqCst);
-                    async move {
-                        http::Response::builder()
-                            .header("x-backend", name)
-                            .body(String::new())
-                    }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(
-                    hyper_util::rt::TokioExecutor::new(),
-                )
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                .await;
-            });
-        }
-    });
-    Ok((port, served))
 }
 
 /// One HTTP/1.1 GET on a connection of its own (never retried): the
@@ -407,7 +364,7 @@ async fn h2c_calls(listen: u16, n: usize) -> anyhow::Result<BTreeMap<String, usi
         let r = send.send_request(req).await?;
         let who = if r.status() == 200 {
             r.headers()
-                .get("x-backend")
+                .get(named_backend::HEADER)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("?")
                 .to_string()
@@ -518,8 +475,9 @@ async fn wait_endpoints(admin: u16, want: &[u16], why: &str) -> anyhow::Result<(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> anyhow::Result<()> {
     let cp = ControlPlane::start().await?;
-    let (server_app, server_served) = app("server-0").await?;
-    let (impostor_app, impostor_served) = app("impostor-0").await?;
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let server_app = NamedBackend::start(any, "server-0").await?;
+    let impostor_app = NamedBackend::start(any, "impostor-0").await?;
     let (server_in, impostor_in, listen) = (free_port(), free_port(), free_port());
 
     // What the watches would bring: cart declares `server`; its two slices
@@ -549,7 +507,7 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
         "server-0",
         2,
         "server",
-        &[format!("--inbound={server_in}:{server_app}")],
+        &[format!("--inbound={server_in}:{}", server_app.addr.port())],
     )
     .await?;
     let mut impostor = Sidecar::start(
@@ -557,7 +515,10 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
         "impostor-0",
         3,
         "impostor",
-        &[format!("--inbound={impostor_in}:{impostor_app}")],
+        &[format!(
+            "--inbound={impostor_in}:{}",
+            impostor_app.addr.port()
+        )],
     )
     .await?;
     let mut client = Sidecar::start(
@@ -596,7 +557,7 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
         h2 == BTreeMap::from([("server-0".to_string(), 10)]),
         "{h2:?}"
     );
-    ensure!(impostor_served.load(Ordering::SeqCst) == 0);
+    ensure!(impostor_app.served() == 0);
     let (s, c) = (
         stat(server.envoy_admin, &server_tls).await,
         stat(client.envoy_admin, &client_tls).await,
@@ -622,7 +583,7 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
     let refused = stat(client.envoy_admin, &client_san).await;
     println!("handshakes refused for the SAN: {refused}");
     ensure!(
-        impostor_served.load(Ordering::SeqCst) == 0,
+        impostor_app.served() == 0,
         "a call reached the impostor's app"
     );
     ensure!(refused >= 1, "no SAN refusal counted");
@@ -671,7 +632,7 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
     );
     // The mesh's ALPN without a client certificate: the handshake is refused
     // and nothing reaches server-0's app.
-    let before = server_served.load(Ordering::SeqCst);
+    let before = server_app.served();
     let anonymous = tls_get_without_a_certificate(server_in).await;
     ensure!(
         anonymous.is_err(),
@@ -680,11 +641,11 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
     if let Err(e) = &anonymous {
         println!("the mesh's ALPN without a client certificate: {e:#}");
     }
-    ensure!(server_served.load(Ordering::SeqCst) == before);
-    let answered = server_served.load(Ordering::SeqCst);
+    ensure!(server_app.served() == before);
+    let answered = server_app.served();
     println!(
         "apps answered: server-0 {answered}, impostor-0 {}",
-        impostor_served.load(Ordering::SeqCst)
+        impostor_app.served()
     );
     cp.stop.cancel();
     Ok(())

@@ -586,7 +586,7 @@ mod attacks {
     use std::net::{IpAddr, SocketAddr};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::{Duration, SystemTime};
+    use std::time::Duration;
 
     use futures::StreamExt;
     use remora_operator::pki::workload_ca::authn::{
@@ -594,7 +594,7 @@ mod attacks {
     };
     use remora_operator::pki::workload_ca::serve::{Limits, serve};
     use remora_operator::pki::workload_ca::service::{CaService, Lifetimes};
-    use remora_operator::pki::workload_ca::{Authority, Metrics, roots};
+    use remora_operator::pki::workload_ca::{Metrics, testing};
     use remora_proto::istio::v1::auth::IstioCertificateRequest;
     use remora_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
     use remora_test_support::h2_client::{self, H2};
@@ -652,15 +652,7 @@ mod attacks {
 
     impl Ca {
         async fn start(limits: Limits, gate: GateLimits) -> Self {
-            let p = roots::Policy {
-                validity: Duration::from_secs(3600),
-                settle: Duration::from_secs(60),
-                overlap: Duration::from_secs(120),
-            };
-            let now = SystemTime::now();
-            let r = roots::apply(None, roots::Step::Create, &p, now - Duration::from_secs(60))
-                .expect("root");
-            let authority = Authority::new(&r, &[SERVER_NAME.to_string()], now).expect("authority");
+            let authority = testing::authority(&[SERVER_NAME]).expect("authority");
             let bundle = authority.bundle.clone();
             let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
             let reviewer = CountingReviewer::default();

@@ -1,7 +1,7 @@
 //! Helpers shared by Remora's tests, benchmarks and the e2e harness, so each
 //! exists once: free ports, a test PKI, JWT-shaped tokens, the kubelet's
 //! atomic volume writer, locating Envoy and sibling binaries, waiting with
-//! a deadline, inline label/annotation maps, the webhook's HTTPS client,
+//! a deadline, inline label/annotation maps, an app that names itself, the webhook's HTTPS client,
 //! an HTTP/2-over-TLS connection from a chosen source address, and an xDS
 //! server double.
 //!
@@ -15,6 +15,7 @@ pub mod h2_client;
 pub mod jwt;
 pub mod kubelet;
 pub mod maps;
+pub mod named_backend;
 pub mod pki;
 pub mod ports;
 pub mod wait;

@@ -9,7 +9,8 @@
 //!   rotated with an overlap ([`crate::pki::rotation`]);
 //! - [`crate::controllers::trust_bundle`]: the trust bundle as a ConfigMap
 //!   in every injected namespace (the leader's work);
-//! - [`serve`]: the bounded TLS gRPC server.
+//! - [`serve`]: the bounded TLS gRPC server;
+//! - [`testing`]: a ready CA for tests and benchmarks.
 
 pub mod authn;
 
@@ -18,6 +19,7 @@ pub mod roots;
 pub mod serve;
 pub mod service;
 pub mod signer;
+pub mod testing;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};

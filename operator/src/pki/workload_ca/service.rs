@@ -208,7 +208,7 @@ fn attach_trust_bundle<T>(
 mod tests {
     use super::*;
     use crate::pki::workload_ca::authn::GateLimits;
-    use crate::pki::workload_ca::roots;
+    use crate::pki::workload_ca::testing;
     use rcgen::{CertificateParams, KeyPair, SanType};
     use remora_test_support::jwt;
 
@@ -248,22 +248,8 @@ mod tests {
     }
 
     fn service(ready: bool) -> CaService<FakeReviewer> {
-        let p = roots::Policy {
-            validity: Duration::from_secs(3600),
-            settle: Duration::from_secs(60),
-            overlap: Duration::from_secs(120),
-        };
-        let now = SystemTime::now();
-        let r = roots::apply(
-            None,
-            roots::Step::Create,
-            &p,
-            now - Duration::from_secs(600),
-        )
-        .expect("root");
-        let names = vec!["ca.test".to_string()];
         let authority =
-            ready.then(|| Arc::new(Authority::new(&r, &names, now).expect("authority")));
+            ready.then(|| Arc::new(testing::authority(&["ca.test"]).expect("authority")));
         let (_tx, rx) = watch::channel(authority);
         CaService {
             auth: FakeReviewer,
