@@ -8,11 +8,10 @@
 //! start to carry `connection: close`, when each container exited) is
 //! printed, with Envoy's command line as pilot-agent started it.
 //!
-//! Opt-in: `REMORA_NODE_TESTS=1 REMORA_ISTIO_TESTS=1`, after
-//! `scripts/images.sh istio-proxy`. CI runs every node test and does not
-//! build Istio (the image is not in images.sh's default set), so without
-//! the opt-in these return; with it, a missing image fails the test, saying
-//! how to build it, rather than skipping a contender silently.
+//! Ignored without the node, like every node test; CI builds the
+//! `istio-proxy` image (`scripts/images.sh istio-proxy`) and runs them. A
+//! missing image fails the test, saying how to build it, rather than
+//! skipping a contender silently.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,7 +29,6 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::Client;
 use kube::api::{DeleteParams, PostParams};
 
-const ENV_ISTIO_TESTS: &str = "REMORA_ISTIO_TESTS";
 const APP: &str = "web";
 const APP_CONTAINER: &str = "app";
 const APP_PORT: u16 = 8080;
@@ -51,14 +49,8 @@ fn outbound_url() -> String {
     format!("http://127.0.0.1:{OUTBOUND_PORT}/")
 }
 
-/// The node, when both opt-ins are set and the image is there.
+/// The node, with Istio's image on it.
 async fn istio_node(test: &str) -> anyhow::Result<&'static Node> {
-    // Asked first: without it, the node is not even brought up.
-    anyhow::ensure!(
-        std::env::var(ENV_ISTIO_TESTS).as_deref() == Ok("1"),
-        "{test}: set {}=1 {ENV_ISTIO_TESTS}=1 (after scripts/images.sh istio-proxy) to run Istio's pilot-agent",
-        node::ENV_NODE_TESTS
-    );
     let node = Node::for_test(test).await?;
     istio::require_image().await?;
     Ok(node)
@@ -558,25 +550,25 @@ async fn sidecar(profile: Profile) -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-#[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 REMORA_ISTIO_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
+#[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
 async fn istio_defaults() -> anyhow::Result<()> {
     sidecar(Profile::Defaults).await
 }
 
 #[tokio::test]
-#[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 REMORA_ISTIO_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
+#[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
 async fn istio_best() -> anyhow::Result<()> {
     sidecar(Profile::Best).await
 }
 
 #[tokio::test]
-#[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 REMORA_ISTIO_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
+#[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
 async fn istio_legacy_defaults() -> anyhow::Result<()> {
     sidecar(Profile::LegacyDefaults).await
 }
 
 #[tokio::test]
-#[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 REMORA_ISTIO_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
+#[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
 async fn istio_legacy_best() -> anyhow::Result<()> {
     sidecar(Profile::LegacyBest).await
 }
