@@ -153,6 +153,7 @@ pub struct RunConfig {
     #[serde(with = "duration_text")]
     pub parent_shutdown_duration: Duration,
     /// On termination, wait this long after draining starts (unless exit-on-zero).
+    /// Given without --drain-mode, the drain is fixed: the duration is honoured.
     /// Alias: TERMINATION_DRAIN_DURATION_SECONDS.
     #[arg(long, env = env::TERMINATION_DRAIN_DURATION, value_parser = duration::parse, default_value = defaults::TERMINATION_DRAIN_DURATION)]
     #[serde(with = "duration_text")]
@@ -169,6 +170,7 @@ pub struct RunConfig {
     pub minimum_drain_duration: Duration,
     /// How a drain ends: adaptive (when the pod is no longer used, see
     /// --quiet-period) or fixed (--termination-drain-duration, or exit-on-zero).
+    /// Default: adaptive, or fixed when a termination drain duration is given.
     #[arg(long, env = env::DRAIN_MODE, value_parser = parse_drain_mode, default_value = defaults::DRAIN_MODE.as_str())]
     pub drain_mode: DrainMode,
     /// Adaptive drain: no new connection or request for this long, and none in
@@ -363,11 +365,15 @@ impl RunConfig {
         matches: &ArgMatches,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, ConfigError> {
-        for (field, var) in ISTIO_ALIASES {
-            if !matches!(
+        let given = |field: &str| {
+            !matches!(
                 matches.value_source(field),
                 None | Some(ValueSource::DefaultValue)
-            ) {
+            )
+        };
+        let mut termination_given = given("termination_drain_duration");
+        for (field, var) in ISTIO_ALIASES {
+            if given(field) {
                 continue;
             }
             let Some(raw) = env(var) else { continue };
@@ -389,9 +395,14 @@ impl RunConfig {
                     // Istio's variable is whole seconds; a duration string is accepted too.
                     self.termination_drain_duration =
                         duration::parse_seconds(&raw).map_err(|e| invalid(e.to_string()))?;
+                    termination_given = true;
                 }
                 _ => {}
             }
+        }
+        let mode_given = given("drain_mode").then_some(self.drain_mode);
+        if let Some(m) = DrainMode::asked(mode_given, termination_given) {
+            self.drain_mode = m;
         }
         if self.drain_poll_interval.is_zero() {
             return Err(ConfigError::Invalid {
@@ -678,6 +689,38 @@ pub(crate) mod tests {
         .expect("flags parse");
         assert_eq!(c.termination_drain_duration, Duration::from_secs(2));
         assert!(!c.exit_on_zero_active_connections);
+    }
+
+    /// An explicit termination drain duration is honoured (Istio's `0s`
+    /// means exit at once), unless a drain mode is given as well.
+    #[test]
+    fn a_given_termination_drain_duration_makes_the_drain_fixed() {
+        assert_eq!(
+            run(&[], &[]).expect("defaults").drain_mode,
+            DrainMode::Adaptive
+        );
+        for (args, env) in [
+            (&["--termination-drain-duration", "0s"][..], &[][..]),
+            (&[], &[("TERMINATION_DRAIN_DURATION_SECONDS", "0")][..]),
+        ] {
+            let c = run(args, env).expect("parses");
+            assert_eq!(
+                (c.drain_mode, c.termination_drain_duration),
+                (DrainMode::Fixed, Duration::ZERO),
+                "{args:?} {env:?}"
+            );
+        }
+        let c = run(
+            &[
+                "--termination-drain-duration",
+                "0s",
+                "--drain-mode",
+                "Adaptive",
+            ],
+            &[],
+        )
+        .expect("parses");
+        assert_eq!(c.drain_mode, DrainMode::Adaptive);
     }
 
     #[test]

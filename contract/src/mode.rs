@@ -61,6 +61,16 @@ pub enum DrainMode {
 impl DrainMode {
     pub const ALL: [Self; 2] = [Self::Adaptive, Self::Fixed];
 
+    /// The mode one layer of settings (flags, a `SidecarLifecycle`, the
+    /// pod's annotations) asks for: its own, or [`Self::Fixed`] when it sets
+    /// a termination drain duration and no mode. Only a fixed drain reads
+    /// that duration, so setting it alone means wanting it: Istio's
+    /// `terminationDrainDuration: 0s` is honoured as given, not turned into
+    /// the adaptive quiet period.
+    pub fn asked(mode: Option<Self>, sets_termination_drain_duration: bool) -> Option<Self> {
+        mode.or(sets_termination_drain_duration.then_some(Self::Fixed))
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Adaptive => "Adaptive",

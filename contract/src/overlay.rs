@@ -116,6 +116,7 @@ impl Overlay {
             value::parse_concurrency
         );
         field!(o.log_level, annotations::LOG_LEVEL, str::parse::<LogLevel>);
+        o.drain_mode = DrainMode::asked(o.drain_mode, o.termination_drain_duration.is_some());
         (o, problems)
     }
 
@@ -147,7 +148,7 @@ impl Overlay {
             o.exit_on_zero_active_connections = s.exit_on_zero_active_connections;
             o.minimum_drain_duration =
                 dur("shutdown.minimumDrainDuration", &s.minimum_drain_duration);
-            o.drain_mode = s.drain_mode;
+            o.drain_mode = DrainMode::asked(s.drain_mode, o.termination_drain_duration.is_some());
             o.quiet_period = dur("shutdown.quietPeriod", &s.quiet_period);
         }
         o.drain_deadline = dur("drainDeadline", &l.drain_deadline);
@@ -269,6 +270,35 @@ mod tests {
                 log_level: Some(LogLevel::Debug),
             }
         );
+    }
+
+    /// A termination drain duration alone asks for a fixed drain, in the
+    /// per-field keys and in `remora.dev/lifecycle`; a mode given beside it wins.
+    #[test]
+    fn a_termination_drain_duration_alone_asks_for_a_fixed_drain() {
+        let alone = ann(&[(annotations::TERMINATION_DRAIN_DURATION, "0s")]);
+        assert_eq!(
+            Overlay::from_annotations(&alone).0.drain_mode,
+            Some(DrainMode::Fixed)
+        );
+        let both = ann(&[
+            (annotations::TERMINATION_DRAIN_DURATION, "0s"),
+            (annotations::DRAIN_MODE, "adaptive"),
+        ]);
+        assert_eq!(
+            Overlay::from_annotations(&both).0.drain_mode,
+            Some(DrainMode::Adaptive)
+        );
+        let json = ann(&[(
+            annotations::LIFECYCLE,
+            r#"{"shutdown":{"terminationDrainDuration":"0s"}}"#,
+        )]);
+        assert_eq!(
+            Overlay::from_pod_annotations(&json).0.drain_mode,
+            Some(DrainMode::Fixed)
+        );
+        let quiet = ann(&[(annotations::QUIET_PERIOD, "1s")]);
+        assert_eq!(Overlay::from_annotations(&quiet).0.drain_mode, None);
     }
 
     #[test]

@@ -206,7 +206,8 @@ impl EffectiveConfig {
             if let Some(b) = s.exit_on_zero_active_connections {
                 self.exit_on_zero_active_connections = b;
             }
-            if let Some(m) = s.drain_mode {
+            let sets_termination = s.termination_drain_duration.is_some();
+            if let Some(m) = DrainMode::asked(s.drain_mode, sets_termination) {
                 self.drain_mode = m;
             }
         }
@@ -713,6 +714,53 @@ mod tests {
                 "namespace:shop/ns"
             ]
         );
+    }
+
+    /// A `SidecarLifecycle` that sets terminationDrainDuration and no
+    /// drainMode gets the fixed drain it asks for; a drainMode beside it wins.
+    #[test]
+    fn a_termination_drain_duration_alone_makes_the_drain_fixed() {
+        let fixed = entry(
+            "remora-system",
+            "default",
+            "2026-01-01T00:00:00Z",
+            None,
+            "0s",
+        );
+        let cfg = resolve(
+            &ChartDefaults::default(),
+            std::slice::from_ref(&fixed),
+            "remora-system",
+            "shop",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        assert_eq!(
+            (cfg.drain_mode, cfg.termination_drain_duration),
+            (DrainMode::Fixed, Duration::ZERO)
+        );
+        let mut adaptive = fixed;
+        if let Some(s) = adaptive.spec.shutdown.as_mut() {
+            s.drain_mode = Some(DrainMode::Adaptive);
+        }
+        let cfg = resolve(
+            &ChartDefaults::default(),
+            &[adaptive],
+            "remora-system",
+            "shop",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        assert_eq!(cfg.drain_mode, DrainMode::Adaptive);
+        let none = resolve(
+            &ChartDefaults::default(),
+            &[],
+            "remora-system",
+            "shop",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        assert_eq!(none.drain_mode, DrainMode::Adaptive);
     }
 
     #[test]
