@@ -634,6 +634,25 @@ fn drain_helper_blocks_until_drained_then_sigterm_stops() {
     assert_eq!(status.code(), Some(0));
 }
 
+/// Istio's `TERMINATION_DRAIN_DURATION_SECONDS=0` alone (no drain mode) is
+/// honoured: the drain is the fixed one and ends when the 0 s elapse, not
+/// after the adaptive quiet period.
+#[test]
+fn istios_termination_drain_of_zero_is_honoured() {
+    let mut agent = Agent::builder()
+        .env("TERMINATION_DRAIN_DURATION_SECONDS", "0")
+        .start();
+    assert_eq!(agent.debug()["config"]["drain_mode"], "Fixed");
+    agent.signal(Signal::SIGTERM);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "{}", agent.log());
+    assert!(
+        agent.log().contains("\"outcome\":\"elapsed\""),
+        "{}",
+        agent.log()
+    );
+}
+
 #[test]
 fn hot_restart_keeps_a_live_connection() {
     let dir = tempfile::tempdir().expect("tempdir");
