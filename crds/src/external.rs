@@ -48,11 +48,7 @@ pub const MAX_SELECTED: usize = 256;
     derive = "PartialEq",
     derive = "Default",
     doc = "ExternalService names a service outside the cluster (hosts, ports with their protocol) and where it is served: listed addresses, or the ExternalWorkloads of its namespace its workloadSelector matches. A pod reaches it through its sidecar by naming one of its hosts in remora.dev/outbound.",
-    printcolumn(
-        name = "Hosts",
-        type_ = "string",
-        json_path = ".spec.hosts"
-    ),
+    printcolumn(name = "Hosts", type_ = "string", json_path = ".spec.hosts"),
     printcolumn(
         name = "Accepted",
         type_ = "string",
@@ -110,8 +106,7 @@ pub struct ExternalServiceSpec {
 pub struct ExternalHost(pub String);
 
 /// Lowercase DNS labels, at least two.
-pub const HOST_PATTERN: &str =
-    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$";
+pub const HOST_PATTERN: &str = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$";
 pub const HOST_MAX_LEN: usize = 253;
 
 impl JsonSchema for ExternalHost {
@@ -153,7 +148,10 @@ pub struct ExternalPort {
     #[schemars(range(min = 1, max = 65535))]
     pub number: i32,
     /// Its name, which endpoints' port maps use.
-    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
     pub name: String,
     /// What it speaks: HTTP, HTTP2 and GRPC are proxied per request (HTTP/1.1,
     /// h2c and gRPC alike), TCP and TLS (the app's own) per connection.
@@ -206,7 +204,10 @@ pub struct WorkloadEndpoint {
     /// over the mesh's mTLS and must prove that identity. Unset: plain text,
     /// or the app's own TLS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"))]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
     pub service_account: Option<String>,
 }
 
@@ -226,11 +227,7 @@ pub struct WorkloadEndpoint {
     derive = "PartialEq",
     derive = "Default",
     doc = "ExternalWorkload is one endpoint outside the cluster (a VM, possibly running remora-agent): its address, ports, labels and identity. ExternalServices of its namespace select it by label.",
-    printcolumn(
-        name = "Address",
-        type_ = "string",
-        json_path = ".spec.address"
-    ),
+    printcolumn(name = "Address", type_ = "string", json_path = ".spec.address"),
     printcolumn(
         name = "ServiceAccount",
         type_ = "string",

@@ -3,7 +3,8 @@
 //! ready endpoints of each Service port (from its EndpointSlices, with the
 //! pod each names) and the proxies (injected pods: IP, ServiceAccount,
 //! `remora.dev/outbound`, the ports on which their sidecar accepts the
-//! mesh's mTLS). Fed change by change from the shared watches; each change
+//! mesh's mTLS), and the services outside the cluster
+//! ([`super::external`]). Fed change by change from the shared watches; each change
 //! says what it touched, so the server recomputes only the proxies that
 //! depend on it.
 
@@ -17,6 +18,7 @@ use remora_contract::annotations::IDENTITIES;
 use remora_contract::discovery::ServiceHost;
 use remora_contract::mesh::parse_identities;
 
+use super::external::Externals;
 use crate::cluster::live_pod::LivePod;
 
 /// The label an EndpointSlice names its Service by.
@@ -298,9 +300,19 @@ pub struct Registry {
     /// endpoints change with what the pod's sidecar accepts).
     by_pod: BTreeMap<PodKey, BTreeSet<(String, String)>>,
     proxies: BTreeMap<PodKey, ProxyInfo>,
+    externals: Externals,
 }
 
 impl Registry {
+    /// The services outside the cluster.
+    pub fn externals(&self) -> &Externals {
+        &self.externals
+    }
+
+    pub fn externals_mut(&mut self) -> &mut Externals {
+        &mut self.externals
+    }
+
     pub fn apply_service(&mut self, host: ServiceHost, info: ServiceInfo) -> Option<Touched> {
         if self.services.get(&host) == Some(&info) {
             return None;
