@@ -98,6 +98,13 @@ pub struct ExternalServiceSpec {
     /// labels match (the first 256 by name).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workload_selector: Option<WorkloadSelector>,
+    /// How long the sidecar waits for a connection to an endpoint, in the
+    /// duration grammar of every Remora resource. Envoy takes only more
+    /// than 0s: a 0s the schema lets through is refused by each proxy
+    /// that names the service, which keeps its previous configuration and
+    /// raises a Warning Event on its pod naming Envoy's error. Default: 1s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect_timeout: Option<crate::DurationString>,
 }
 
 /// A DNS name of an ExternalService.
@@ -209,6 +216,11 @@ pub struct WorkloadEndpoint {
         regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
     )]
     pub service_account: Option<String>,
+    /// Its share of the calls against the other endpoints of the same
+    /// service (Envoy's load-balancing weight). Default: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 4294967295_i64))]
+    pub weight: Option<i64>,
 }
 
 /// Spec of an `ExternalWorkload`: one endpoint outside the cluster, which

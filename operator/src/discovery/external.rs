@@ -60,6 +60,15 @@ pub struct ExternalEndpoint {
     /// It runs remora-agent with this ServiceAccount's certificate (of the
     /// ExternalService's namespace).
     pub service_account: Option<String>,
+    /// Envoy's load-balancing weight (unset: 1).
+    pub weight: Option<u32>,
+}
+
+/// What is known of one endpoint of an ExternalService port.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EndpointMeta {
+    pub service_account: Option<String>,
+    pub weight: Option<u32>,
 }
 
 impl ExternalEndpoint {
@@ -75,6 +84,11 @@ impl ExternalEndpoint {
                 .filter_map(|(n, p)| Some((n.clone(), u16::try_from(*p).ok().filter(|p| *p > 0)?)))
                 .collect(),
             service_account: e.service_account.clone().filter(|s| !s.is_empty()),
+            // Out of range (the CRD refuses it): the default.
+            weight: e
+                .weight
+                .and_then(|w| u32::try_from(w).ok())
+                .filter(|w| *w > 0),
         })
     }
 }
@@ -95,6 +109,8 @@ pub struct ExternalInfo {
     pub hosts: BTreeSet<String>,
     pub ports: Vec<ExternalPort>,
     pub source: Source,
+    /// `None`: the default (as the agent's static clusters).
+    pub connect_timeout: Option<std::time::Duration>,
 }
 
 impl ExternalInfo {
@@ -159,6 +175,8 @@ impl ExternalInfo {
                 hosts,
                 ports,
                 source,
+                // One that does not parse (the CRD refuses it): the default.
+                connect_timeout: spec.connect_timeout.as_ref().and_then(|d| d.parse().ok()),
             },
         ))
     }
@@ -313,8 +331,8 @@ impl Externals {
     }
 
     /// The endpoints of the ExternalService `key` for its port `port`, with
-    /// the ServiceAccount each proves (if it runs remora-agent).
-    pub fn endpoints(&self, key: &ObjKey, port: u16) -> BTreeMap<SocketAddr, Option<String>> {
+    /// the ServiceAccount each proves (if it runs remora-agent) and its weight.
+    pub fn endpoints(&self, key: &ObjKey, port: u16) -> BTreeMap<SocketAddr, EndpointMeta> {
         let mut out = BTreeMap::new();
         let Some(s) = self.services.get(key) else {
             return out;
@@ -325,7 +343,10 @@ impl Externals {
         let mut add = |e: &ExternalEndpoint| {
             let at = e.ports.get(&p.name).copied().unwrap_or(p.target);
             out.entry(SocketAddr::new(e.ip, at))
-                .or_insert_with(|| e.service_account.clone());
+                .or_insert_with(|| EndpointMeta {
+                    service_account: e.service_account.clone(),
+                    weight: e.weight,
+                });
         };
         match &s.source {
             Source::Endpoints(eps) => eps.iter().for_each(&mut add),
@@ -429,6 +450,7 @@ mod tests {
                                 .map(|(n, p)| (n.clone(), i32::from(*p)))
                                 .collect(),
                             service_account: e.service_account.clone(),
+                            weight: e.weight.map(i64::from),
                         })
                         .collect(),
                 ),
@@ -456,6 +478,7 @@ mod tests {
                 ],
                 endpoints,
                 workload_selector,
+                connect_timeout: None,
             },
             status: None,
         }
@@ -466,6 +489,7 @@ mod tests {
             ip: ip.parse().expect("ip"),
             ports: ports.iter().map(|(n, p)| (n.to_string(), *p)).collect(),
             service_account: sa.map(str::to_string),
+            weight: None,
         }
     }
 
@@ -478,7 +502,7 @@ mod tests {
         (ns.into(), name.into())
     }
 
-    fn addrs(m: &BTreeMap<SocketAddr, Option<String>>) -> Vec<String> {
+    fn addrs(m: &BTreeMap<SocketAddr, EndpointMeta>) -> Vec<String> {
         m.keys().map(ToString::to_string).collect()
     }
 
@@ -504,7 +528,12 @@ mod tests {
         let k = k.clone();
         let tls = x.endpoints(&k, 443);
         assert_eq!(addrs(&tls), ["192.0.2.1:8443", "192.0.2.2:443"]);
-        assert_eq!(tls.values().next(), Some(&Some("api".to_string())));
+        assert_eq!(
+            tls.values()
+                .next()
+                .and_then(|m| m.service_account.as_deref()),
+            Some("api")
+        );
         assert_eq!(
             addrs(&x.endpoints(&k, 80)),
             ["192.0.2.1:8080", "192.0.2.2:8080"]

@@ -79,7 +79,7 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     HttpProtocolOptions, http_protocol_options,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
-use envoy_types::pb::google::protobuf::{Any, Duration, Struct, Value, value};
+use envoy_types::pb::google::protobuf::{Any, Duration, Struct, UInt32Value, Value, value};
 use envoy_types::util::pack_any;
 use prost::Message;
 use remora_contract::discovery::{ServiceHost, cluster_name};
@@ -89,7 +89,7 @@ use remora_contract::traffic::OutboundSpec;
 use remora_contract::workload_ca::spiffe_id;
 use sha2::{Digest, Sha256};
 
-use super::external::external_key;
+use super::external::{EndpointMeta, external_key};
 use super::registry::{Backend, Protocol, Registry};
 
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
@@ -333,13 +333,19 @@ pub fn generate(
                             .insert(name.clone(), pack_any(listener(&name, spec.port, filter)));
                         let eps = registry.externals().endpoints(key, spec.upstream_port);
                         let (mtls, eps) = external_reach(&key.0, &eps, trust_domain);
-                        clusters.insert(
-                            cluster.clone(),
-                            pack_any(eds_cluster(&cluster, protocol, mtls.as_ref())),
-                        );
+                        let mut c = eds_cluster(&cluster, protocol, mtls.as_ref());
+                        if let Some(t) = info.connect_timeout {
+                            // Whatever it says: Envoy judges it (a NACK
+                            // keeps the proxy's previous configuration).
+                            c.connect_timeout = Some(Duration {
+                                seconds: i64::try_from(t.as_secs()).unwrap_or(i64::MAX),
+                                nanos: i32::try_from(t.subsec_nanos()).unwrap_or_default(),
+                            });
+                        }
+                        clusters.insert(cluster.clone(), pack_any(c));
                         endpoints.insert(
                             cluster.clone(),
-                            pack_any(load_assignment(&cluster, &eps, mtls.is_some())),
+                            pack_any(weighted_load_assignment(&cluster, eps, mtls.is_some())),
                         );
                     }
                     None => {
@@ -370,42 +376,43 @@ pub fn generate(
     }
 }
 
+/// Endpoints, how each is reached and its weight.
+type Weighted = BTreeMap<std::net::SocketAddr, (Reach, Option<u32>)>;
+
 /// How a client's sidecar reaches the endpoints of an ExternalService of
 /// namespace `namespace` (secure naming outside the cluster): with the
 /// workload CA on, an endpoint that declares a ServiceAccount runs
 /// remora-agent and is reached over the mesh's mTLS, accepting only the
 /// identities of that namespace's declared ServiceAccounts; any other is
 /// plain text (or the app's own TLS, which the sidecar passes through).
-/// No endpoint declaring one: no mTLS at all.
+/// No endpoint declaring one: no mTLS at all. Each with its weight.
 fn external_reach(
     namespace: &str,
-    eps: &BTreeMap<std::net::SocketAddr, Option<String>>,
+    eps: &BTreeMap<std::net::SocketAddr, EndpointMeta>,
     trust_domain: Option<&str>,
-) -> (Option<Mtls>, BTreeMap<std::net::SocketAddr, Reach>) {
-    let ids: BTreeSet<&String> = eps.values().flatten().collect();
-    match trust_domain {
-        Some(td) if !ids.is_empty() => {
-            let mtls = Mtls {
-                spiffe_ids: ids
-                    .into_iter()
-                    .map(|sa| spiffe_id(td, namespace, sa))
-                    .collect(),
+) -> (Option<Mtls>, Weighted) {
+    let ids: BTreeSet<&String> = eps
+        .values()
+        .filter_map(|m| m.service_account.as_ref())
+        .collect();
+    let mtls = trust_domain.filter(|_| !ids.is_empty()).map(|td| Mtls {
+        spiffe_ids: ids
+            .into_iter()
+            .map(|sa| spiffe_id(td, namespace, sa))
+            .collect(),
+    });
+    let eps = eps
+        .iter()
+        .map(|(a, m)| {
+            let r = if mtls.is_some() && m.service_account.is_some() {
+                Reach::Mtls
+            } else {
+                Reach::Plaintext
             };
-            let eps = eps
-                .iter()
-                .map(|(a, sa)| {
-                    let r = if sa.is_some() {
-                        Reach::Mtls
-                    } else {
-                        Reach::Plaintext
-                    };
-                    (*a, r)
-                })
-                .collect();
-            (Some(mtls), eps)
-        }
-        _ => (None, eps.keys().map(|a| (*a, Reach::Plaintext)).collect()),
-    }
+            (*a, (r, m.weight))
+        })
+        .collect();
+    (mtls, eps)
 }
 
 /// The [`POD_ANNOTATIONS`] resource of pod `namespace/name`.
@@ -676,7 +683,10 @@ fn dns_cluster(name: &str, host: &str, port: u16) -> Cluster {
         )),
         dns_lookup_family: cluster::DnsLookupFamily::V4Preferred as i32,
         connect_timeout: Some(CONNECT_TIMEOUT),
-        load_assignment: Some(load_assignment_of(name, [(host.to_string(), port, None)])),
+        load_assignment: Some(load_assignment_of(
+            name,
+            [(host.to_string(), port, None, None)],
+        )),
         ..Default::default()
     }
 }
@@ -688,22 +698,32 @@ fn load_assignment(
     eps: &BTreeMap<std::net::SocketAddr, Reach>,
     marked: bool,
 ) -> ClusterLoadAssignment {
+    weighted_load_assignment(name, eps.iter().map(|(a, r)| (*a, (*r, None))), marked)
+}
+
+/// As [`load_assignment`], each endpoint with its weight (`None`: Envoy's 1).
+fn weighted_load_assignment(
+    name: &str,
+    eps: impl IntoIterator<Item = (std::net::SocketAddr, (Reach, Option<u32>))>,
+    marked: bool,
+) -> ClusterLoadAssignment {
     load_assignment_of(
         name,
-        eps.iter().map(|(a, r)| {
-            let mark = marked.then_some(if *r == Reach::Mtls { MTLS } else { PLAINTEXT });
-            (a.ip().to_string(), a.port(), mark)
+        eps.into_iter().map(|(a, (r, weight))| {
+            let mark = marked.then_some(if r == Reach::Mtls { MTLS } else { PLAINTEXT });
+            (a.ip().to_string(), a.port(), mark, weight)
         }),
     )
 }
 
 fn load_assignment_of<'a>(
     name: &str,
-    eps: impl IntoIterator<Item = (String, u16, Option<&'a str>)>,
+    eps: impl IntoIterator<Item = (String, u16, Option<&'a str>, Option<u32>)>,
 ) -> ClusterLoadAssignment {
     let lb_endpoints: Vec<LbEndpoint> = eps
         .into_iter()
-        .map(|(ip, port, mark)| LbEndpoint {
+        .map(|(ip, port, mark, weight)| LbEndpoint {
+            load_balancing_weight: weight.map(|value| UInt32Value { value }),
             host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
                 address: Some(socket(&ip, port)),
                 ..Default::default()
@@ -1152,6 +1172,7 @@ mod tests {
             ip: ip.parse().expect("ip"),
             ports: ports.iter().map(|(n, p)| (n.to_string(), *p)).collect(),
             service_account: sa.map(str::to_string),
+            weight: None,
         };
         let ports = vec![
             ExternalPort {
@@ -1173,6 +1194,7 @@ mod tests {
             hosts: hosts.iter().map(|h| h.to_string()).collect(),
             ports: ports.clone(),
             source: Source::Endpoints(eps),
+            connect_timeout: None,
         };
         r.externals_mut().apply_service(
             ("shop".into(), "api".into()),
