@@ -81,7 +81,10 @@ async fn crds_refuse_invalid_external_services_with_readable_messages() -> anyho
         ),
     ] {
         services
-            .create(&PostParams::default(), &object("ExternalService", name, spec)?)
+            .create(
+                &PostParams::default(),
+                &object("ExternalService", name, spec)?,
+            )
             .await?;
     }
     workloads
@@ -172,7 +175,10 @@ async fn crds_refuse_invalid_external_services_with_readable_messages() -> anyho
         &workloads,
         "ExternalWorkload",
         vec![
-            (json!({"labels": {}}), vec!["spec.address", "Required value"]),
+            (
+                json!({"labels": {}}),
+                vec!["spec.address", "Required value"],
+            ),
             (
                 json!({"address": "fe80::1%eth0"}),
                 vec!["must be an IPv4 or IPv6 address"],
