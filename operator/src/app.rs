@@ -340,7 +340,7 @@ async fn start_discovery(
     // ExternalServices of the operator's namespace may claim any host.
     let mesh_ns = args.operator_namespace.clone();
     state.update(|r| {
-        r.externals_mut().mesh_namespace = Some(mesh_ns);
+        r.set_mesh_namespace(Some(mesh_ns));
         Vec::new()
     });
     let externals = feed::externals_served(client).await;

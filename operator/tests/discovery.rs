@@ -1100,13 +1100,13 @@ async fn the_real_envoy_reaches_an_external_host_and_keeps_serving_through_a_nac
     let workload = |w| WorkloadInfo::read(&w).expect("a workload");
     s.discovery.update(|r| {
         let (k, i) = ExternalInfo::read(&es).expect("an external service");
-        let mut t = r.externals_mut().apply_service(k, i);
+        let mut t = r.apply_external_service(k, i);
         for w in [
             api_workload("api-a", a, port, None),
             api_workload("api-b", b, port, None),
         ] {
             let (k, i) = workload(w);
-            t.extend(r.externals_mut().apply_workload(k, i));
+            t.extend(r.apply_external_workload(k, i));
         }
         t.extend(r.apply_proxy(
             pod("envoy-x"),
@@ -1146,6 +1146,19 @@ async fn the_real_envoy_reaches_an_external_host_and_keeps_serving_through_a_nac
     )
     .await
     .expect("Envoy took it");
+    let want = format!("outbound_{listen}::127.0.0.1:{listen}");
+    wait_until(
+        Duration::from_secs(30),
+        "Envoy has the outbound listener",
+        || async {
+            admin(admin_port, "/listeners")
+                .await
+                .filter(|l| l.contains(&want))
+                .map(|_| ())
+        },
+    )
+    .await
+    .expect("Envoy took the listener");
     let both = |counted: &std::collections::BTreeMap<String, usize>| {
         counted.keys().map(String::as_str).collect::<Vec<_>>() == [a, b]
     };
@@ -1161,7 +1174,7 @@ async fn the_real_envoy_reaches_an_external_host_and_keeps_serving_through_a_nac
     zero.spec.connect_timeout = Some(remora_crds::DurationString::new("0s"));
     s.discovery.update(|r| {
         let (k, i) = ExternalInfo::read(&zero).expect("an external service");
-        r.externals_mut().apply_service(k, i)
+        r.apply_external_service(k, i)
     });
     wait_until(WAIT, "the NACK counted", || async {
         (s.metrics.nacks_total(CLUSTER) > 0).then_some(())

@@ -22,11 +22,9 @@ use std::net::{IpAddr, SocketAddr};
 
 use remora_contract::discovery::ServiceHost;
 use remora_crds::external::{
-    ExternalService, ExternalWorkload, MAX_ENDPOINTS, MAX_HOSTS, MAX_LABELS, MAX_PORTS,
-    MAX_SELECTED, WorkloadEndpoint, host_owner,
+    ExternalProtocol, ExternalService, ExternalWorkload, MAX_ENDPOINTS, MAX_HOSTS, MAX_LABELS,
+    MAX_PORTS, MAX_SELECTED, WorkloadEndpoint, host_owner,
 };
-
-use super::registry::{Protocol, Touched};
 
 /// (namespace, name) of an object.
 pub type ObjKey = (String, String);
@@ -46,7 +44,7 @@ pub fn external_key(host: &str) -> ServiceHost {
 pub struct ExternalPort {
     pub port: u16,
     pub name: String,
-    pub protocol: Protocol,
+    pub protocol: ExternalProtocol,
     /// The endpoints' port when their map does not name this one.
     pub target: u16,
 }
@@ -141,11 +139,7 @@ impl ExternalInfo {
                     Some(ExternalPort {
                         port,
                         name: p.name.clone(),
-                        protocol: if p.protocol.is_http() {
-                            Protocol::Http
-                        } else {
-                            Protocol::Tcp
-                        },
+                        protocol: p.protocol,
                         target,
                     })
                 })
@@ -250,7 +244,7 @@ impl Externals {
         }
     }
 
-    pub fn apply_service(&mut self, key: ObjKey, info: ExternalInfo) -> Vec<Touched> {
+    pub fn apply_service(&mut self, key: ObjKey, info: ExternalInfo) -> Vec<ServiceHost> {
         if self.services.get(&key) == Some(&info) {
             return Vec::new();
         }
@@ -262,13 +256,13 @@ impl Externals {
                     .or_default()
                     .insert((info.created, key.clone()));
             }
-            push_new(&mut touched, Touched::Service(external_key(host)));
+            push_new(&mut touched, external_key(host));
         }
         self.services.insert(key, info);
         touched
     }
 
-    pub fn delete_service(&mut self, key: &ObjKey) -> Vec<Touched> {
+    pub fn delete_service(&mut self, key: &ObjKey) -> Vec<ServiceHost> {
         let Some(old) = self.services.remove(key) else {
             return Vec::new();
         };
@@ -281,12 +275,12 @@ impl Externals {
                         self.claims.remove(host);
                     }
                 }
-                Touched::Service(external_key(host))
+                external_key(host)
             })
             .collect()
     }
 
-    pub fn apply_workload(&mut self, key: ObjKey, info: WorkloadInfo) -> Vec<Touched> {
+    pub fn apply_workload(&mut self, key: ObjKey, info: WorkloadInfo) -> Vec<ServiceHost> {
         if self.workloads.get(&key) == Some(&info) {
             return Vec::new();
         }
@@ -298,7 +292,7 @@ impl Externals {
         touched
     }
 
-    pub fn delete_workload(&mut self, key: &ObjKey) -> Vec<Touched> {
+    pub fn delete_workload(&mut self, key: &ObjKey) -> Vec<ServiceHost> {
         let Some(old) = self.workloads.remove(key) else {
             return Vec::new();
         };
@@ -306,7 +300,7 @@ impl Externals {
     }
 
     /// The hosts of the ExternalServices of `namespace` selecting `labels`.
-    fn selecting(&self, namespace: &str, labels: &BTreeMap<String, String>) -> Vec<Touched> {
+    fn selecting(&self, namespace: &str, labels: &BTreeMap<String, String>) -> Vec<ServiceHost> {
         let mut out = Vec::new();
         let of_ns = self
             .services
@@ -317,7 +311,7 @@ impl Externals {
                 && selects(sel, labels)
             {
                 for h in &s.hosts {
-                    push_new(&mut out, Touched::Service(external_key(h)));
+                    push_new(&mut out, external_key(h));
                 }
             }
         }
@@ -402,7 +396,7 @@ fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, String
     selector.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
 
-fn push_new(v: &mut Vec<Touched>, t: Touched) {
+fn push_new(v: &mut Vec<ServiceHost>, t: ServiceHost) {
     if !v.contains(&t) {
         v.push(t);
     }
@@ -493,7 +487,7 @@ mod tests {
         }
     }
 
-    fn apply(x: &mut Externals, es: &ExternalService) -> Vec<Touched> {
+    fn apply(x: &mut Externals, es: &ExternalService) -> Vec<ServiceHost> {
         let (k, i) = ExternalInfo::read(es).expect("read");
         x.apply_service(k, i)
     }
@@ -519,10 +513,7 @@ mod tests {
                 ep("192.0.2.2", &[], None),
             ]),
         );
-        assert_eq!(
-            apply(&mut x, &es),
-            [Touched::Service(external_key("api.example.com"))]
-        );
+        assert_eq!(apply(&mut x, &es), [external_key("api.example.com")]);
         assert_eq!(apply(&mut x, &es), [], "unchanged");
         let (k, _) = x.holder("api.example.com").expect("held");
         let k = k.clone();
@@ -540,10 +531,7 @@ mod tests {
         );
         assert!(x.endpoints(&k, 81).is_empty(), "no such port");
         assert_eq!(x.state(&k).map(|s| s.endpoints), Some(4));
-        assert_eq!(
-            x.delete_service(&k),
-            [Touched::Service(external_key("api.example.com"))]
-        );
+        assert_eq!(x.delete_service(&k), [external_key("api.example.com")]);
         assert!(x.holder("api.example.com").is_none());
     }
 
@@ -567,7 +555,7 @@ mod tests {
             let (k, i) = WorkloadInfo::read(w).expect("read");
             x.apply_workload(k, i)
         };
-        let host = Touched::Service(external_key("vm.example.com"));
+        let host = external_key("vm.example.com");
         assert_eq!(
             touch(&mut x, &wl("shop", "vm-1", "192.0.2.7", "vm")),
             vec![host.clone()]

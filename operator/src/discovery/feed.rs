@@ -244,9 +244,9 @@ fn external_service_changed(d: &Discovery, c: &Change<ExternalService>) {
     };
     match (c, ExternalInfo::read(o)) {
         (Change::Applied(_), Some((key, info))) => {
-            d.update(|r| r.externals_mut().apply_service(key, info));
+            d.update(|r| r.apply_external_service(key, info));
         }
-        _ => d.update(|r| r.externals_mut().delete_service(&(ns, name))),
+        _ => d.update(|r| r.delete_external_service(&(ns, name))),
     }
 }
 
@@ -257,10 +257,10 @@ fn external_workload_changed(d: &Discovery, c: &Change<ExternalWorkload>) {
     };
     match (c, WorkloadInfo::read(o)) {
         (Change::Applied(_), Some((key, info))) => {
-            d.update(|r| r.externals_mut().apply_workload(key, info));
+            d.update(|r| r.apply_external_workload(key, info));
         }
         // Deleted, or no longer an endpoint (no IP).
-        _ => d.update(|r| r.externals_mut().delete_workload(&(ns, name))),
+        _ => d.update(|r| r.delete_external_workload(&(ns, name))),
     }
 }
 
@@ -421,5 +421,56 @@ mod tests {
         assert_eq!(info.agent_annotations[LIFECYCLE], r#"{"mode":"Legacy"}"#);
         // What its sidecar accepts, as the webhook recorded it.
         assert_eq!(info.mtls_ports, [15006, 15007].into());
+    }
+
+    #[test]
+    fn external_services_and_workloads_feed_the_registry() {
+        use remora_crds::external::{
+            ExternalHost, ExternalPort, ExternalProtocol, ExternalServiceSpec,
+            ExternalWorkloadSpec, WorkloadEndpoint,
+        };
+        let (d, _debounce) = Discovery::new("cluster.local", None, Debounce::default());
+        let meta = |name: &str| ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("shop".into()),
+            ..Default::default()
+        };
+        let es = Arc::new(ExternalService {
+            metadata: meta("api"),
+            spec: ExternalServiceSpec {
+                hosts: vec![ExternalHost("api.example.com".into())],
+                ports: vec![ExternalPort {
+                    number: 443,
+                    name: "https".into(),
+                    protocol: ExternalProtocol::Tls,
+                    target_port: None,
+                }],
+                workload_selector: Some(remora_crds::WorkloadSelector::default()),
+                ..Default::default()
+            },
+            status: None,
+        });
+        let wl = |address: &str| {
+            Arc::new(ExternalWorkload {
+                metadata: meta("vm-1"),
+                spec: ExternalWorkloadSpec {
+                    endpoint: WorkloadEndpoint {
+                        address: address.into(),
+                        ..Default::default()
+                    },
+                    labels: Default::default(),
+                },
+            })
+        };
+        let key = ("shop".to_string(), "api".to_string());
+        let endpoints = || d.read(|r| r.externals().endpoints(&key, 443).len());
+        external_service_changed(&d, &Change::Applied(Arc::clone(&es)));
+        external_workload_changed(&d, &Change::Applied(wl("192.0.2.1")));
+        assert_eq!(endpoints(), 1);
+        // No longer an IP: no longer an endpoint.
+        external_workload_changed(&d, &Change::Applied(wl("vm.example.com")));
+        assert_eq!(endpoints(), 0);
+        external_service_changed(&d, &Change::Deleted(es));
+        assert!(d.read(|r| r.externals().holder("api.example.com").is_none()));
     }
 }

@@ -322,9 +322,10 @@ pub fn generate(
                     Some((key, info)) => {
                         let cluster = cluster_name(&ext, spec.upstream_port);
                         // A port it does not declare has no endpoints.
-                        let protocol = info
-                            .port(spec.upstream_port)
-                            .map_or(Protocol::Tcp, |p| p.protocol);
+                        let protocol = match info.port(spec.upstream_port) {
+                            Some(p) if p.protocol.is_http() => Protocol::Http,
+                            _ => Protocol::Tcp,
+                        };
                         let filter = match protocol {
                             Protocol::Http => http_filter_chain(&name, &cluster),
                             Protocol::Tcp => tcp_filter(&name, &cluster),
@@ -1178,13 +1179,13 @@ mod tests {
             ExternalPort {
                 port: 443,
                 name: "https".into(),
-                protocol: Protocol::Tcp,
+                protocol: remora_crds::external::ExternalProtocol::Tls,
                 target: 443,
             },
             ExternalPort {
                 port: 80,
                 name: "http".into(),
-                protocol: Protocol::Http,
+                protocol: remora_crds::external::ExternalProtocol::Http,
                 target: 8080,
             },
         ];
@@ -1196,7 +1197,7 @@ mod tests {
             source: Source::Endpoints(eps),
             connect_timeout: None,
         };
-        r.externals_mut().apply_service(
+        r.apply_external_service(
             ("shop".into(), "api".into()),
             info(
                 &["api.example.com"],
@@ -1206,7 +1207,7 @@ mod tests {
                 ],
             ),
         );
-        r.externals_mut().apply_service(
+        r.apply_external_service(
             ("shop".into(), "cart".into()),
             info(&["cart.shop"], vec![ep("192.0.2.9", &[], None)]),
         );
@@ -1292,8 +1293,7 @@ mod tests {
         // 192.0.2.1 declares one on every port: mTLS there too.
         assert!(c.transport_socket.is_some());
         let mut r = with_externals();
-        r.externals_mut()
-            .delete_service(&("shop".into(), "api".into()));
+        r.delete_external_service(&("shop".into(), "api".into()));
         let s = generate(&r, Some("15001:api.example.com:443"), DOMAIN, Some(TD));
         // Gone: a static upstream again, as before it existed.
         assert!(
