@@ -184,11 +184,20 @@ async fn operator_nacks(client: &Client, remora: &Remora, ty: &str) -> anyhow::R
     let needle = format!("remora_operator_xds_nacks_total{{type=\"{ty}\"}} ");
     let mut total = 0;
     for p in remora.operator_pods(client).await? {
-        let Some(name) = p.metadata.name else {
+        // The webhook server's port (named `https`), by number: the API
+        // server's proxy did not take the name.
+        let port = p
+            .spec
+            .iter()
+            .flat_map(|s| &s.containers)
+            .flat_map(|c| c.ports.iter().flatten())
+            .find(|cp| cp.name.as_deref() == Some("https"))
+            .map(|cp| cp.container_port);
+        let (Some(name), Some(port)) = (p.metadata.name, port) else {
             continue;
         };
         let path = format!(
-            "/api/v1/namespaces/{}/pods/https:{name}:https/proxy/metrics",
+            "/api/v1/namespaces/{}/pods/https:{name}:{port}/proxy/metrics",
             remora.namespace
         );
         let req = http::Request::get(path).body(Vec::new())?;
