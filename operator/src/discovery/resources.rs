@@ -1164,7 +1164,7 @@ mod tests {
 
     /// `api.example.com` (443 TLS, 80 HTTP → 8080) served by 192.0.2.1
     /// (running remora-agent as ServiceAccount `api`, 443 on 8443) and
-    /// 192.0.2.2 (plain), and an ExternalService of namespace shop claiming
+    /// 192.0.2.2 (plain, weight 3), and an ExternalService of namespace shop claiming
     /// `cart.shop`, the name of a Service that exists.
     fn with_externals() -> Registry {
         use crate::discovery::external::{ExternalEndpoint, ExternalInfo, ExternalPort, Source};
@@ -1203,7 +1203,10 @@ mod tests {
                 &["api.example.com"],
                 vec![
                     ep("192.0.2.1", &[("https", 8443)], Some("api")),
-                    ep("192.0.2.2", &[], None),
+                    ExternalEndpoint {
+                        weight: Some(3),
+                        ..ep("192.0.2.2", &[], None)
+                    },
                 ],
             ),
         );
@@ -1238,7 +1241,12 @@ mod tests {
         assert!(c.eds_cluster_config.is_some());
         assert!(c.transport_socket.is_none(), "no workload CA, no mTLS");
         let cla: ClusterLoadAssignment = decode(&s.endpoints.resources[API_TLS]).expect("cla");
-        assert_eq!(cla.endpoints[0].lb_endpoints.len(), 2);
+        let weights: Vec<Option<u32>> = cla.endpoints[0]
+            .lb_endpoints
+            .iter()
+            .map(|e| e.load_balancing_weight.as_ref().map(|w| w.value))
+            .collect();
+        assert_eq!(weights, [None, Some(3)]);
         let http: ClusterLoadAssignment =
             decode(&s.endpoints.resources["outbound|80||api.example.com"]).expect("cla");
         assert_eq!(http.endpoints[0].lb_endpoints.len(), 2);
