@@ -8,6 +8,8 @@
 //! default would silently override the weaker layers. The built-in defaults
 //! are named in each field's description and live in [`defaults`].
 
+pub mod external;
+
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
@@ -335,17 +337,29 @@ pub mod condition {
 pub fn crds()
 -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
 {
-    vec![SidecarLifecycle::crd()]
+    vec![
+        SidecarLifecycle::crd(),
+        external::ExternalService::crd(),
+        external::ExternalWorkload::crd(),
+    ]
 }
 
-/// The CRDs as multi-document YAML, as committed under `charts/remora/crds/`.
+/// The CRDs as multi-document YAML (`remora-operator crds`).
 pub fn crd_yaml() -> Result<String, CrdError> {
-    let mut out = String::new();
-    for crd in crds() {
-        out.push_str("---\n");
-        out.push_str(&serde_saphyr::to_string(&crd).map_err(|e| CrdError::Yaml(e.to_string()))?);
-    }
-    Ok(out)
+    Ok(crd_files()?.into_iter().map(|(_, y)| y).collect())
+}
+
+/// Each CRD's YAML document and its file under `charts/remora/crds/`
+/// (`<plural>.<group>.yaml`).
+pub fn crd_files() -> Result<Vec<(String, String)>, CrdError> {
+    crds()
+        .into_iter()
+        .map(|crd| {
+            let name = format!("{}.yaml", crd.metadata.name.as_deref().unwrap_or_default());
+            let yaml = serde_saphyr::to_string(&crd).map_err(|e| CrdError::Yaml(e.to_string()))?;
+            Ok((name, format!("---\n{yaml}")))
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -66,3 +66,59 @@ fn cross_field_rules_fail() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// The ExternalService's rules that the local evaluator supports (`isIP`,
+/// a Kubernetes library, is checked against the real API server in
+/// e2e/tests/external_crd.rs).
+fn external_errors(spec: Value) -> anyhow::Result<Vec<String>> {
+    let crd = serde_json::to_value(remora_crds::crds().remove(1))?;
+    let schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone();
+    let obj = json!({
+        "apiVersion": "remora.dev/v1alpha1",
+        "kind": "ExternalService",
+        "metadata": {"name": "x", "namespace": "shop"},
+        "spec": spec
+    });
+    match Validator::new().validate(&schema, &obj, None) {
+        Ok(()) => Ok(vec![]),
+        Err(errs) => Ok(errs.into_iter().map(|e| e.to_string()).collect()),
+    }
+}
+
+#[test]
+fn external_service_rules() -> anyhow::Result<()> {
+    let ports = json!([{"number": 443, "name": "https", "protocol": "TLS"},
+                       {"number": 80, "name": "http", "protocol": "HTTP"}]);
+    let ok = json!({"hosts": ["api.example.com"], "ports": ports,
+                    "workloadSelector": {"matchLabels": {"app": "api"}}});
+    assert_eq!(external_errors(ok)?, Vec::<String>::new());
+    for (spec, want) in [
+        (
+            json!({"hosts": ["api.example.com"], "ports": ports}),
+            "exactly one of endpoints and workloadSelector",
+        ),
+        (
+            json!({"hosts": ["api.example.com"], "ports": ports,
+                   "workloadSelector": {}, "endpoints": []}),
+            "exactly one of endpoints and workloadSelector",
+        ),
+        (
+            json!({"hosts": ["cart.shop.svc.cluster.local"], "ports": ports, "workloadSelector": {}}),
+            "cluster Service's name",
+        ),
+        (
+            json!({"hosts": ["cart.shop.svc"], "ports": ports, "workloadSelector": {}}),
+            "cluster Service's name",
+        ),
+        (
+            json!({"hosts": ["api.example.com"], "workloadSelector": {},
+                   "ports": [{"number": 1, "name": "a", "protocol": "TCP"},
+                             {"number": 2, "name": "a", "protocol": "TCP"}]}),
+            "port names must be unique",
+        ),
+    ] {
+        let e = external_errors(spec.clone())?;
+        assert!(e.iter().any(|m| m.contains(want)), "{spec}: {e:?}");
+    }
+    Ok(())
+}

@@ -491,6 +491,13 @@ async fn discovery_render_is_accepted_by_the_api_server() -> anyhow::Result<()> 
         [
             rule("", "services", "", "list,watch"),
             rule("discovery.k8s.io", "endpointslices", "", "list,watch"),
+            rule(
+                "remora.dev",
+                "externalservices,externalworkloads",
+                "",
+                "list,watch"
+            ),
+            rule("remora.dev", "externalservices/status", "", "patch"),
         ]
     );
     assert_eq!(added("Role")?, Vec::<[String; 4]>::new());

@@ -137,17 +137,18 @@ pub async fn run(args: ServeArgs, rt: &Runtime) -> Result<(), AppError> {
     };
     // Discovery needs pods on every replica: then the process has one pod
     // watch, which the leader's controllers share.
-    let pods = match (&trust_bundle, args.discovery.enabled) {
+    let (pods, external_status) = match (&trust_bundle, args.discovery.enabled) {
         (Some(tb), true) => {
             let pods = crate::cluster::live_pod::live_pods(
                 client.clone(),
                 pod_watch_metrics.clone(),
                 rt.shutdown_token().clone(),
             );
-            start_discovery(&args, &client, &kube_config, &mut registry, rt, tb, &pods)?;
-            Some(pods)
+            let external_status =
+                start_discovery(&args, &client, &kube_config, &mut registry, rt, tb, &pods).await?;
+            (Some(pods), external_status)
         }
-        _ => None,
+        _ => (None, None),
     };
     let server = webhook_server(tls, args.shutdown_grace, Some(&mut registry));
     let ctx = Arc::new(LeaderContext {
@@ -172,6 +173,7 @@ pub async fn run(args: ServeArgs, rt: &Runtime) -> Result<(), AppError> {
         lifecycles: view.lifecycle_watch(),
         trust_bundle,
         trust_bundle_period: Duration::from_secs(5),
+        external_status,
     });
     let state = Arc::new(AppState {
         injector: Injector {
@@ -309,8 +311,9 @@ async fn start_workload_ca(
 /// EndpointSlice watches, the registry fed from them and from `pods`, the
 /// debounce, and the ADS server with the workload CA's serving certificate
 /// (`--discovery` requires `--workload-ca`, see flags). Not ready until
-/// the watches have listed.
-fn start_discovery(
+/// the watches have listed. Returns what the leader needs to write
+/// ExternalServices' status, when the API server serves them.
+async fn start_discovery(
     args: &ServeArgs,
     client: &Client,
     kube_config: &kube::Config,
@@ -318,7 +321,7 @@ fn start_discovery(
     rt: &Runtime,
     ca: &TrustBundle,
     pods: &crate::cluster::watch::SharedWatch<crate::cluster::live_pod::LivePod>,
-) -> Result<(), AppError> {
+) -> Result<Option<crate::leader::tasks::ExternalStatus>, AppError> {
     use crate::discovery::{self, feed, push, serve, server};
     use crate::pki::workload_ca::{ServingCert, authn};
     let d_args = &args.discovery;
@@ -334,11 +337,27 @@ fn start_discovery(
         },
     );
     rt.spawn_until_shutdown("discovery-debounce", debounce);
-    let watches = feed::Watches::start(client, pods.clone(), rt.shutdown_token().clone());
+    // ExternalServices of the operator's namespace may claim any host.
+    let mesh_ns = args.operator_namespace.clone();
+    state.update(|r| {
+        r.set_mesh_namespace(Some(mesh_ns));
+        Vec::new()
+    });
+    let externals = feed::externals_served(client).await;
+    let watches =
+        feed::Watches::start(client, pods.clone(), externals, rt.shutdown_token().clone());
     watches.feed(&state);
+    let external_status =
+        watches
+            .externals
+            .as_ref()
+            .map(|x| crate::leader::tasks::ExternalStatus {
+                discovery: Arc::clone(&state),
+                services: x.services.clone(),
+            });
     let synced = rt.not_ready_until(
         "discovery",
-        "discovery caches synced (Services, EndpointSlices, pods)",
+        "discovery caches synced (Services, EndpointSlices, pods, external services)",
     );
     rt.spawn_until_shutdown("discovery-synced", async move {
         watches.synced().await;
@@ -372,7 +391,7 @@ fn start_discovery(
         ),
     );
     tracing::info!(listen = %d_args.listen, "discovery serving");
-    Ok(())
+    Ok(external_status)
 }
 
 /// Warning Events on pods from the servers that answer them (the CA's

@@ -976,3 +976,231 @@ async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
     envoy.kill().await.expect("Envoy stopped");
     s.stop.cancel();
 }
+
+/// Envoy's bootstrap for a sidecar of pod `pod` (namespace shop) whose ADS
+/// goes to `s` as the agent's does (TLS, `token` in the stream's metadata).
+fn envoy_bootstrap(s: &Server, pod: &str, token: &str, admin_port: u16) -> serde_json::Value {
+    serde_json::json!({
+        "node": {
+            "id": format!("sidecar~127.0.0.1~{pod}.shop~shop.svc.cluster.local"),
+            "cluster": format!("{pod}.shop")
+        },
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{
+                    "envoy_grpc": {"cluster_name": "xds"},
+                    "initial_metadata": [{"key": "authorization", "value": format!("Bearer {token}")}]
+                }]
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"}
+        },
+        "static_resources": {"clusters": [{
+            "name": "xds",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}
+                }
+            },
+            "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": "127.0.0.1", "port_value": s.addr.port()}
+            }}}]}]},
+            "transport_socket": {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "sni": SERVER_NAME,
+                    "common_tls_context": {
+                        "alpn_protocols": ["h2"],
+                        "validation_context": {"trusted_ca": {"inline_string": s.bundle}}
+                    }
+                }
+            }
+        }]}
+    })
+}
+
+/// ExternalWorkload `name` of namespace shop at `ip`, serving port `http`
+/// on `port`, labelled app=api, with `weight`.
+fn api_workload(
+    name: &str,
+    ip: &str,
+    port: u16,
+    weight: Option<i64>,
+) -> remora_crds::external::ExternalWorkload {
+    use remora_crds::external::{ExternalWorkload, ExternalWorkloadSpec, WorkloadEndpoint};
+    ExternalWorkload {
+        metadata: kube::api::ObjectMeta {
+            namespace: Some("shop".into()),
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        spec: ExternalWorkloadSpec {
+            endpoint: WorkloadEndpoint {
+                address: ip.into(),
+                ports: [("http".to_string(), i32::from(port))].into(),
+                service_account: None,
+                weight,
+            },
+            labels: [("app".to_string(), "api".to_string())].into(),
+        },
+    }
+}
+
+/// A service outside the cluster, reached by its own host name: the real
+/// Envoy gets an EDS cluster for `api.example.com` whose endpoints are the
+/// ExternalWorkloads its ExternalService selects (two backends on
+/// loopback), and balances one connection's requests over both. Then a
+/// configuration the CRD accepts but Envoy refuses (a connect timeout of
+/// 0s): Envoy NACKs it, the NACK is counted and raised as a Warning naming
+/// Envoy's error, and the proxy keeps serving its previous configuration.
+#[tokio::test]
+async fn the_real_envoy_reaches_an_external_host_and_keeps_serving_through_a_nack() {
+    use remora_crds::external::{
+        ExternalHost, ExternalPort, ExternalProtocol, ExternalService, ExternalServiceSpec,
+    };
+    use remora_operator::discovery::external::{ExternalInfo, WorkloadInfo};
+    let s = Server::start().await;
+    let (listen, admin_port, port) = (
+        remora_test_support::ports::free_port(),
+        remora_test_support::ports::free_port(),
+        remora_test_support::ports::free_port(),
+    );
+    let (a, b) = ("127.0.0.2", "127.0.0.3");
+    backend(a, port).await.expect("backend a");
+    backend(b, port).await.expect("backend b");
+    let es = ExternalService {
+        metadata: kube::api::ObjectMeta {
+            namespace: Some("shop".into()),
+            name: Some("api".into()),
+            ..Default::default()
+        },
+        spec: ExternalServiceSpec {
+            hosts: vec![ExternalHost("api.example.com".into())],
+            ports: vec![ExternalPort {
+                number: 80,
+                name: "http".into(),
+                protocol: ExternalProtocol::Http,
+                target_port: None,
+            }],
+            endpoints: None,
+            workload_selector: Some(remora_crds::WorkloadSelector {
+                match_labels: [("app".to_string(), "api".to_string())].into(),
+            }),
+            connect_timeout: None,
+        },
+        status: None,
+    };
+    let workload = |w| WorkloadInfo::read(&w).expect("a workload");
+    s.discovery.update(|r| {
+        let (k, i) = ExternalInfo::read(&es).expect("an external service");
+        let mut t = r.apply_external_service(k, i);
+        for w in [
+            api_workload("api-a", a, port, None),
+            api_workload("api-b", b, port, None),
+        ] {
+            let (k, i) = workload(w);
+            t.extend(r.apply_external_workload(k, i));
+        }
+        t.extend(r.apply_proxy(
+            pod("envoy-x"),
+            ProxyInfo {
+                ip: Some("127.0.0.1".into()),
+                service_account: "web".into(),
+                outbound: Some(format!("{listen}:api.example.com:80").into()),
+                ..Default::default()
+            },
+        ));
+        t
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("envoy.json");
+    let bootstrap = envoy_bootstrap(&s, "envoy-x", &token(WEB), admin_port);
+    std::fs::write(&path, bootstrap.to_string()).expect("bootstrap written");
+    let mut envoy =
+        tokio::process::Command::new(remora_test_support::bins::envoy_bin().expect("Envoy binary"))
+            .args(["--disable-hot-restart", "--log-level", "error", "-c"])
+            .arg(&path)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("Envoy starts");
+    const API: &str = "outbound|80||api.example.com";
+    wait_until(
+        Duration::from_secs(30),
+        "Envoy has both endpoints of api.example.com",
+        || async {
+            admin(admin_port, "/clusters")
+                .await
+                .filter(|c| {
+                    c.contains(&format!("{API}::{a}:{port}::"))
+                        && c.contains(&format!("{API}::{b}:{port}::"))
+                })
+                .map(|_| ())
+        },
+    )
+    .await
+    .expect("Envoy took it");
+    let want = format!("outbound_{listen}::127.0.0.1:{listen}");
+    wait_until(
+        Duration::from_secs(30),
+        "Envoy has the outbound listener",
+        || async {
+            admin(admin_port, "/listeners")
+                .await
+                .filter(|l| l.contains(&want))
+                .map(|_| ())
+        },
+    )
+    .await
+    .expect("Envoy took the listener");
+    let both = |counted: &std::collections::BTreeMap<String, usize>| {
+        counted.keys().map(String::as_str).collect::<Vec<_>>() == [a, b]
+    };
+    let counted = calls(listen, 20, false).await;
+    assert!(both(&counted), "{counted:?}");
+    for t in [LISTENER, CLUSTER, ENDPOINTS] {
+        assert_eq!(s.metrics.nacks_total(t), 0, "{t} NACKed");
+    }
+
+    // A connect timeout of 0s: the schema's duration grammar takes it,
+    // Envoy takes only more than 0s.
+    let mut zero = es.clone();
+    zero.spec.connect_timeout = Some(remora_crds::DurationString::new("0s"));
+    s.discovery.update(|r| {
+        let (k, i) = ExternalInfo::read(&zero).expect("an external service");
+        r.apply_external_service(k, i)
+    });
+    wait_until(WAIT, "the NACK counted", || async {
+        (s.metrics.nacks_total(CLUSTER) > 0).then_some(())
+    })
+    .await
+    .expect("Envoy refused the cluster");
+    let w = tokio::time::timeout(WAIT, s.warnings.lock().await.recv())
+        .await
+        .expect("a warning in time")
+        .expect("a warning");
+    assert_eq!(
+        (w.namespace.as_str(), w.pod.as_str(), w.reason),
+        ("shop", "envoy-x", "ConfigurationRefused")
+    );
+    println!("external: Envoy's refusal as the pod's Warning: {}", w.note);
+    assert!(
+        w.note.contains("cds") && w.note.contains("ConnectTimeout"),
+        "Envoy's error: {w:?}"
+    );
+    // The previous configuration still serves, both endpoints included.
+    let stats = admin(admin_port, "/stats?filter=cds.update_rejected")
+        .await
+        .expect("stats");
+    assert!(stats.contains("cds.update_rejected: 1"), "{stats}");
+    let counted = calls(listen, 20, false).await;
+    assert!(both(&counted), "after the NACK: {counted:?}");
+    envoy.kill().await.expect("Envoy stopped");
+    s.stop.cancel();
+}

@@ -1,7 +1,9 @@
-//! The registry fed from the shared watches: one of Services and one of
-//! EndpointSlices (started here, trimmed to what discovery reads), and the
-//! process's pod watch ([`crate::cluster::live_pod::live_pods`], which the
-//! leader's controllers share when discovery is on).
+//! The registry fed from the shared watches: one of Services, one of
+//! EndpointSlices, and when the API server serves them one of
+//! ExternalServices and one of ExternalWorkloads (started here, trimmed to
+//! what discovery reads), and the process's pod watch
+//! ([`crate::cluster::live_pod::live_pods`], which the leader's controllers
+//! share when discovery is on).
 
 use std::sync::Arc;
 
@@ -14,6 +16,9 @@ use remora_contract::discovery::ServiceHost;
 use remora_contract::mesh::MAX_IDENTITIES_BYTES;
 use tokio_util::sync::CancellationToken;
 
+use remora_crds::external::{ExternalService, ExternalWorkload};
+
+use super::external::{ExternalInfo, WorkloadInfo};
 use super::push::Discovery;
 use super::registry::{PodKey, ProxyInfo, SERVICE_NAME_LABEL, ServiceInfo, SliceInfo};
 use crate::cluster::live_pod::LivePod;
@@ -24,12 +29,76 @@ pub struct Watches {
     pub services: SharedWatch<Service>,
     pub slices: SharedWatch<EndpointSlice>,
     pub pods: SharedWatch<LivePod>,
+    /// `None` when the API server does not serve the external-service CRDs
+    /// (an install upgraded without them, see [`externals_served`]).
+    pub externals: Option<ExternalWatches>,
+}
+
+/// The watches of services outside the cluster.
+pub struct ExternalWatches {
+    pub services: SharedWatch<ExternalService>,
+    pub workloads: SharedWatch<ExternalWorkload>,
+}
+
+impl ExternalWatches {
+    pub fn start(client: &Client, shutdown: CancellationToken) -> Self {
+        Self {
+            services: SharedWatch::start(
+                "externalservices",
+                Api::<ExternalService>::all(client.clone()),
+                watcher::Config::default(),
+                |s: &mut ExternalService| {
+                    s.metadata.managed_fields = None;
+                    s.metadata.annotations = None;
+                    s.metadata.labels = None;
+                },
+                shutdown.clone(),
+            ),
+            workloads: SharedWatch::start(
+                "externalworkloads",
+                Api::<ExternalWorkload>::all(client.clone()),
+                watcher::Config::default(),
+                |w: &mut ExternalWorkload| {
+                    w.metadata.managed_fields = None;
+                    w.metadata.annotations = None;
+                    w.metadata.labels = None;
+                },
+                shutdown,
+            ),
+        }
+    }
+}
+
+/// Whether the API server serves the external-service CRDs to this
+/// replica (installed, and listable under its RBAC). Helm installs a
+/// chart's CRDs only on first install: an upgraded install may lack them,
+/// and discovery must then still become ready, without external services.
+pub async fn externals_served(client: &Client) -> bool {
+    let lp = kube::api::ListParams::default().limit(1);
+    let (services, workloads) = (
+        Api::<ExternalService>::all(client.clone()),
+        Api::<ExternalWorkload>::all(client.clone()),
+    );
+    match tokio::join!(services.list_metadata(&lp), workloads.list_metadata(&lp)) {
+        (Ok(_), Ok(_)) => true,
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!(error = %e, "the ExternalService and ExternalWorkload CRDs are not served (apply charts/remora/crds/ and restart): discovery runs without external services");
+            false
+        }
+    }
 }
 
 impl Watches {
     /// Start the Service and EndpointSlice watches until `shutdown`; `pods`
     /// is the process's pod watch.
-    pub fn start(client: &Client, pods: SharedWatch<LivePod>, shutdown: CancellationToken) -> Self {
+    /// `externals`: whether to watch the external-service CRDs too.
+    pub fn start(
+        client: &Client,
+        pods: SharedWatch<LivePod>,
+        externals: bool,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let externals = externals.then(|| ExternalWatches::start(client, shutdown.clone()));
         let services = SharedWatch::start(
             "services",
             Api::<Service>::all(client.clone()),
@@ -54,6 +123,7 @@ impl Watches {
             services,
             slices,
             pods,
+            externals,
         }
     }
 
@@ -75,6 +145,18 @@ impl Watches {
             pod_changed(&d, c);
             true
         });
+        if let Some(x) = &self.externals {
+            let d = Arc::clone(discovery);
+            x.services.observe(move |c| {
+                external_service_changed(&d, c);
+                true
+            });
+            let d = Arc::clone(discovery);
+            x.workloads.observe(move |c| {
+                external_workload_changed(&d, c);
+                true
+            });
+        }
     }
 
     /// Returns once every watch has its first listing.
@@ -82,7 +164,12 @@ impl Watches {
         tokio::join!(
             self.services.listed(),
             self.slices.listed(),
-            self.pods.listed()
+            self.pods.listed(),
+            async {
+                if let Some(x) = &self.externals {
+                    tokio::join!(x.services.listed(), x.workloads.listed());
+                }
+            }
         );
     }
 }
@@ -147,6 +234,33 @@ fn slice_changed(d: &Discovery, c: &Change<EndpointSlice>) {
     match c {
         Change::Applied(s) => d.update(|r| r.apply_slice((ns, name), SliceInfo::read(s))),
         Change::Deleted(_) => d.update(|r| r.delete_slice(&(ns, name))),
+    }
+}
+
+fn external_service_changed(d: &Discovery, c: &Change<ExternalService>) {
+    let o = c.object();
+    let (Some(ns), Some(name)) = (o.metadata.namespace.clone(), o.metadata.name.clone()) else {
+        return;
+    };
+    match (c, ExternalInfo::read(o)) {
+        (Change::Applied(_), Some((key, info))) => {
+            d.update(|r| r.apply_external_service(key, info));
+        }
+        _ => d.update(|r| r.delete_external_service(&(ns, name))),
+    }
+}
+
+fn external_workload_changed(d: &Discovery, c: &Change<ExternalWorkload>) {
+    let o = c.object();
+    let (Some(ns), Some(name)) = (o.metadata.namespace.clone(), o.metadata.name.clone()) else {
+        return;
+    };
+    match (c, WorkloadInfo::read(o)) {
+        (Change::Applied(_), Some((key, info))) => {
+            d.update(|r| r.apply_external_workload(key, info));
+        }
+        // Deleted, or no longer an endpoint (no IP).
+        _ => d.update(|r| r.delete_external_workload(&(ns, name))),
     }
 }
 
@@ -307,5 +421,56 @@ mod tests {
         assert_eq!(info.agent_annotations[LIFECYCLE], r#"{"mode":"Legacy"}"#);
         // What its sidecar accepts, as the webhook recorded it.
         assert_eq!(info.mtls_ports, [15006, 15007].into());
+    }
+
+    #[test]
+    fn external_services_and_workloads_feed_the_registry() {
+        use remora_crds::external::{
+            ExternalHost, ExternalPort, ExternalProtocol, ExternalServiceSpec,
+            ExternalWorkloadSpec, WorkloadEndpoint,
+        };
+        let (d, _debounce) = Discovery::new("cluster.local", None, Debounce::default());
+        let meta = |name: &str| ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("shop".into()),
+            ..Default::default()
+        };
+        let es = Arc::new(ExternalService {
+            metadata: meta("api"),
+            spec: ExternalServiceSpec {
+                hosts: vec![ExternalHost("api.example.com".into())],
+                ports: vec![ExternalPort {
+                    number: 443,
+                    name: "https".into(),
+                    protocol: ExternalProtocol::Tls,
+                    target_port: None,
+                }],
+                workload_selector: Some(remora_crds::WorkloadSelector::default()),
+                ..Default::default()
+            },
+            status: None,
+        });
+        let wl = |address: &str| {
+            Arc::new(ExternalWorkload {
+                metadata: meta("vm-1"),
+                spec: ExternalWorkloadSpec {
+                    endpoint: WorkloadEndpoint {
+                        address: address.into(),
+                        ..Default::default()
+                    },
+                    labels: Default::default(),
+                },
+            })
+        };
+        let key = ("shop".to_string(), "api".to_string());
+        let endpoints = || d.read(|r| r.externals().endpoints(&key, 443).len());
+        external_service_changed(&d, &Change::Applied(Arc::clone(&es)));
+        external_workload_changed(&d, &Change::Applied(wl("192.0.2.1")));
+        assert_eq!(endpoints(), 1);
+        // No longer an IP: no longer an endpoint.
+        external_workload_changed(&d, &Change::Applied(wl("vm.example.com")));
+        assert_eq!(endpoints(), 0);
+        external_service_changed(&d, &Change::Deleted(es));
+        assert!(d.read(|r| r.externals().holder("api.example.com").is_none()));
     }
 }

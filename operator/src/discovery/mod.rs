@@ -3,7 +3,8 @@
 //! replica, off by default (`--discovery`).
 //!
 //! - [`registry`]: Services, their ready endpoints and the proxies' pods,
-//!   pure, fed from the shared watches;
+//!   pure, fed from the shared watches, with [`external`]: the services
+//!   outside the cluster (ExternalService, ExternalWorkload);
 //! - [`resources`]: what one proxy may see (LDS, CDS, EDS), only for the
 //!   Services it declared in `remora.dev/outbound`;
 //! - [`push`]: changes debounced into batches the streams follow;
@@ -12,6 +13,7 @@
 //! - [`server`]: the ADS service (authentication, then each stream's
 //!   session), served by [`crate::grpc_server`].
 
+pub mod external;
 pub mod feed;
 pub mod push;
 pub mod registry;

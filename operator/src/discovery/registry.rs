@@ -3,7 +3,8 @@
 //! ready endpoints of each Service port (from its EndpointSlices, with the
 //! pod each names) and the proxies (injected pods: IP, ServiceAccount,
 //! `remora.dev/outbound`, the ports on which their sidecar accepts the
-//! mesh's mTLS). Fed change by change from the shared watches; each change
+//! mesh's mTLS), and the services outside the cluster
+//! ([`super::external`]). Fed change by change from the shared watches; each change
 //! says what it touched, so the server recomputes only the proxies that
 //! depend on it.
 
@@ -17,6 +18,7 @@ use remora_contract::annotations::IDENTITIES;
 use remora_contract::discovery::ServiceHost;
 use remora_contract::mesh::parse_identities;
 
+use super::external::{ExternalInfo, Externals, ObjKey, WorkloadInfo};
 use crate::cluster::live_pod::LivePod;
 
 /// The label an EndpointSlice names its Service by.
@@ -255,6 +257,12 @@ fn agent_annotations(pod: &LivePod) -> BTreeMap<String, String> {
     a
 }
 
+/// Who holds the hosts `keys` ([`super::external::external_key`]) changed:
+/// a change of what their dependents get, listeners and clusters included.
+fn hosts_touched(keys: Vec<ServiceHost>) -> Vec<Touched> {
+    keys.into_iter().map(Touched::Service).collect()
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PodKey {
     pub namespace: String,
@@ -298,9 +306,36 @@ pub struct Registry {
     /// endpoints change with what the pod's sidecar accepts).
     by_pod: BTreeMap<PodKey, BTreeSet<(String, String)>>,
     proxies: BTreeMap<PodKey, ProxyInfo>,
+    externals: Externals,
 }
 
 impl Registry {
+    /// The services outside the cluster.
+    pub fn externals(&self) -> &Externals {
+        &self.externals
+    }
+
+    /// The operator's namespace, whose ExternalServices may claim any host.
+    pub fn set_mesh_namespace(&mut self, namespace: Option<String>) {
+        self.externals.mesh_namespace = namespace;
+    }
+
+    pub fn apply_external_service(&mut self, key: ObjKey, info: ExternalInfo) -> Vec<Touched> {
+        hosts_touched(self.externals.apply_service(key, info))
+    }
+
+    pub fn delete_external_service(&mut self, key: &ObjKey) -> Vec<Touched> {
+        hosts_touched(self.externals.delete_service(key))
+    }
+
+    pub fn apply_external_workload(&mut self, key: ObjKey, info: WorkloadInfo) -> Vec<Touched> {
+        hosts_touched(self.externals.apply_workload(key, info))
+    }
+
+    pub fn delete_external_workload(&mut self, key: &ObjKey) -> Vec<Touched> {
+        hosts_touched(self.externals.delete_workload(key))
+    }
+
     pub fn apply_service(&mut self, host: ServiceHost, info: ServiceInfo) -> Option<Touched> {
         if self.services.get(&host) == Some(&info) {
             return None;

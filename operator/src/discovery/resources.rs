@@ -7,6 +7,14 @@
 //!   connection manager (codec AUTO: HTTP/1.1, h2c and gRPC) routing to the
 //!   Service port's EDS cluster, balanced per request; a TCP proxy instead
 //!   when the port's `appProtocol` or name says TCP ([`Protocol::of`]).
+//! - A host an ExternalService holds ([`super::external`]; a Service of
+//!   that name wins): the same listener and an EDS cluster of its
+//!   endpoints' addresses, by the protocol of its port (TCP for a port it
+//!   does not declare). Addresses only: a DNS name stays a static upstream
+//!   (below), so no external endpoint needs a DNS cluster. With the
+//!   workload CA, an endpoint that declares a ServiceAccount runs
+//!   remora-agent and is reached over mTLS accepting only that identity
+//!   ([`external_reach`]); the others in plain text (or the app's own TLS).
 //! - Any other host: a TCP proxy to a STRICT_DNS cluster, named and shaped
 //!   as the agent's static mode makes it (agent/src/bootstrap.rs), so a pod
 //!   moving to discovery keeps its static upstreams as they were. That
@@ -71,7 +79,7 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     HttpProtocolOptions, http_protocol_options,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
-use envoy_types::pb::google::protobuf::{Any, Duration, Struct, Value, value};
+use envoy_types::pb::google::protobuf::{Any, Duration, Struct, UInt32Value, Value, value};
 use envoy_types::util::pack_any;
 use prost::Message;
 use remora_contract::discovery::{ServiceHost, cluster_name};
@@ -81,6 +89,7 @@ use remora_contract::traffic::OutboundSpec;
 use remora_contract::workload_ca::spiffe_id;
 use sha2::{Digest, Sha256};
 
+use super::external::{EndpointMeta, external_key};
 use super::registry::{Backend, Protocol, Registry};
 
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
@@ -305,18 +314,56 @@ pub fn generate(
                 );
             }
             None => {
-                let cluster = format!(
-                    "outbound|{}|{}|{}",
-                    spec.port, spec.host, spec.upstream_port
-                );
-                listeners.insert(
-                    name.clone(),
-                    pack_any(listener(&name, spec.port, tcp_filter(&name, &cluster))),
-                );
-                clusters.insert(
-                    cluster.clone(),
-                    pack_any(dns_cluster(&cluster, &spec.host, spec.upstream_port)),
-                );
+                // A host an ExternalService holds, else a static upstream;
+                // either way the proxy depends on who holds it.
+                let ext = spec.host.trim_end_matches('.').to_ascii_lowercase();
+                services.insert(external_key(&ext));
+                match registry.externals().holder(&ext) {
+                    Some((key, info)) => {
+                        let cluster = cluster_name(&ext, spec.upstream_port);
+                        // A port it does not declare has no endpoints.
+                        let protocol = match info.port(spec.upstream_port) {
+                            Some(p) if p.protocol.is_http() => Protocol::Http,
+                            _ => Protocol::Tcp,
+                        };
+                        let filter = match protocol {
+                            Protocol::Http => http_filter_chain(&name, &cluster),
+                            Protocol::Tcp => tcp_filter(&name, &cluster),
+                        };
+                        listeners
+                            .insert(name.clone(), pack_any(listener(&name, spec.port, filter)));
+                        let eps = registry.externals().endpoints(key, spec.upstream_port);
+                        let (mtls, eps) = external_reach(&key.0, &eps, trust_domain);
+                        let mut c = eds_cluster(&cluster, protocol, mtls.as_ref());
+                        if let Some(t) = info.connect_timeout {
+                            // Whatever it says: Envoy judges it (a NACK
+                            // keeps the proxy's previous configuration).
+                            c.connect_timeout = Some(Duration {
+                                seconds: i64::try_from(t.as_secs()).unwrap_or(i64::MAX),
+                                nanos: i32::try_from(t.subsec_nanos()).unwrap_or_default(),
+                            });
+                        }
+                        clusters.insert(cluster.clone(), pack_any(c));
+                        endpoints.insert(
+                            cluster.clone(),
+                            pack_any(weighted_load_assignment(&cluster, eps, mtls.is_some())),
+                        );
+                    }
+                    None => {
+                        let cluster = format!(
+                            "outbound|{}|{}|{}",
+                            spec.port, spec.host, spec.upstream_port
+                        );
+                        listeners.insert(
+                            name.clone(),
+                            pack_any(listener(&name, spec.port, tcp_filter(&name, &cluster))),
+                        );
+                        clusters.insert(
+                            cluster.clone(),
+                            pack_any(dns_cluster(&cluster, &spec.host, spec.upstream_port)),
+                        );
+                    }
+                }
             }
         }
     }
@@ -328,6 +375,45 @@ pub fn generate(
         services: Arc::new(services),
         skipped,
     }
+}
+
+/// Endpoints, how each is reached and its weight.
+type Weighted = BTreeMap<std::net::SocketAddr, (Reach, Option<u32>)>;
+
+/// How a client's sidecar reaches the endpoints of an ExternalService of
+/// namespace `namespace` (secure naming outside the cluster): with the
+/// workload CA on, an endpoint that declares a ServiceAccount runs
+/// remora-agent and is reached over the mesh's mTLS, accepting only the
+/// identities of that namespace's declared ServiceAccounts; any other is
+/// plain text (or the app's own TLS, which the sidecar passes through).
+/// No endpoint declaring one: no mTLS at all. Each with its weight.
+fn external_reach(
+    namespace: &str,
+    eps: &BTreeMap<std::net::SocketAddr, EndpointMeta>,
+    trust_domain: Option<&str>,
+) -> (Option<Mtls>, Weighted) {
+    let ids: BTreeSet<&String> = eps
+        .values()
+        .filter_map(|m| m.service_account.as_ref())
+        .collect();
+    let mtls = trust_domain.filter(|_| !ids.is_empty()).map(|td| Mtls {
+        spiffe_ids: ids
+            .into_iter()
+            .map(|sa| spiffe_id(td, namespace, sa))
+            .collect(),
+    });
+    let eps = eps
+        .iter()
+        .map(|(a, m)| {
+            let r = if mtls.is_some() && m.service_account.is_some() {
+                Reach::Mtls
+            } else {
+                Reach::Plaintext
+            };
+            (*a, (r, m.weight))
+        })
+        .collect();
+    (mtls, eps)
 }
 
 /// The [`POD_ANNOTATIONS`] resource of pod `namespace/name`.
@@ -598,7 +684,10 @@ fn dns_cluster(name: &str, host: &str, port: u16) -> Cluster {
         )),
         dns_lookup_family: cluster::DnsLookupFamily::V4Preferred as i32,
         connect_timeout: Some(CONNECT_TIMEOUT),
-        load_assignment: Some(load_assignment_of(name, [(host.to_string(), port, None)])),
+        load_assignment: Some(load_assignment_of(
+            name,
+            [(host.to_string(), port, None, None)],
+        )),
         ..Default::default()
     }
 }
@@ -610,22 +699,32 @@ fn load_assignment(
     eps: &BTreeMap<std::net::SocketAddr, Reach>,
     marked: bool,
 ) -> ClusterLoadAssignment {
+    weighted_load_assignment(name, eps.iter().map(|(a, r)| (*a, (*r, None))), marked)
+}
+
+/// As [`load_assignment`], each endpoint with its weight (`None`: Envoy's 1).
+fn weighted_load_assignment(
+    name: &str,
+    eps: impl IntoIterator<Item = (std::net::SocketAddr, (Reach, Option<u32>))>,
+    marked: bool,
+) -> ClusterLoadAssignment {
     load_assignment_of(
         name,
-        eps.iter().map(|(a, r)| {
-            let mark = marked.then_some(if *r == Reach::Mtls { MTLS } else { PLAINTEXT });
-            (a.ip().to_string(), a.port(), mark)
+        eps.into_iter().map(|(a, (r, weight))| {
+            let mark = marked.then_some(if r == Reach::Mtls { MTLS } else { PLAINTEXT });
+            (a.ip().to_string(), a.port(), mark, weight)
         }),
     )
 }
 
 fn load_assignment_of<'a>(
     name: &str,
-    eps: impl IntoIterator<Item = (String, u16, Option<&'a str>)>,
+    eps: impl IntoIterator<Item = (String, u16, Option<&'a str>, Option<u32>)>,
 ) -> ClusterLoadAssignment {
     let lb_endpoints: Vec<LbEndpoint> = eps
         .into_iter()
-        .map(|(ip, port, mark)| LbEndpoint {
+        .map(|(ip, port, mark, weight)| LbEndpoint {
+            load_balancing_weight: weight.map(|value| UInt32Value { value }),
             host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
                 address: Some(socket(&ip, port)),
                 ..Default::default()
@@ -755,7 +854,8 @@ mod tests {
             decode(&s.endpoints.resources["outbound|80||cart.shop.svc.cluster.local"])
                 .expect("cla");
         assert_eq!(cla.endpoints[0].lb_endpoints.len(), 2);
-        assert_eq!(s.services.len(), 2);
+        // Two Services, and who holds api.example.com (no one yet).
+        assert_eq!(s.services.len(), 3);
         assert!(s.skipped.is_empty());
 
         // A host of Service shape with no such Service is a static upstream,
@@ -766,7 +866,11 @@ mod tests {
             ["outbound|15001|example.org|443"]
         );
         assert!(ext.endpoints.resources.is_empty());
-        assert_eq!(ext.services.len(), 1, "it depends on Service example.org");
+        assert_eq!(
+            ext.services.len(),
+            2,
+            "it depends on Service example.org, and on who holds the host"
+        );
 
         // Nothing declared, nothing seen.
         let none = generate(&r, None, DOMAIN, None);
@@ -1056,5 +1160,154 @@ mod tests {
                 .expect("default"),
         );
         assert_eq!(sans, [format!("spiffe://{TD}/ns/shop/sa/")]);
+    }
+
+    /// `api.example.com` (443 TLS, 80 HTTP → 8080) served by 192.0.2.1
+    /// (running remora-agent as ServiceAccount `api`, 443 on 8443) and
+    /// 192.0.2.2 (plain, weight 3), and an ExternalService of namespace shop claiming
+    /// `cart.shop`, the name of a Service that exists.
+    fn with_externals() -> Registry {
+        use crate::discovery::external::{ExternalEndpoint, ExternalInfo, ExternalPort, Source};
+        let mut r = registry();
+        let ep = |ip: &str, ports: &[(&str, u16)], sa: Option<&str>| ExternalEndpoint {
+            ip: ip.parse().expect("ip"),
+            ports: ports.iter().map(|(n, p)| (n.to_string(), *p)).collect(),
+            service_account: sa.map(str::to_string),
+            weight: None,
+        };
+        let ports = vec![
+            ExternalPort {
+                port: 443,
+                name: "https".into(),
+                protocol: remora_crds::external::ExternalProtocol::Tls,
+                target: 443,
+            },
+            ExternalPort {
+                port: 80,
+                name: "http".into(),
+                protocol: remora_crds::external::ExternalProtocol::Http,
+                target: 8080,
+            },
+        ];
+        let info = |hosts: &[&str], eps| ExternalInfo {
+            created: 1,
+            generation: Some(1),
+            hosts: hosts.iter().map(|h| h.to_string()).collect(),
+            ports: ports.clone(),
+            source: Source::Endpoints(eps),
+            connect_timeout: None,
+        };
+        r.apply_external_service(
+            ("shop".into(), "api".into()),
+            info(
+                &["api.example.com"],
+                vec![
+                    ep("192.0.2.1", &[("https", 8443)], Some("api")),
+                    ExternalEndpoint {
+                        weight: Some(3),
+                        ..ep("192.0.2.2", &[], None)
+                    },
+                ],
+            ),
+        );
+        r.apply_external_service(
+            ("shop".into(), "cart".into()),
+            info(&["cart.shop"], vec![ep("192.0.2.9", &[], None)]),
+        );
+        r
+    }
+
+    const API_TLS: &str = "outbound|443||api.example.com";
+
+    #[test]
+    fn an_external_host_gets_an_eds_cluster_of_its_endpoints() {
+        let r = with_externals();
+        let s = generate(
+            &r,
+            Some("15001:API.example.com.:443,15002:api.example.com:80,15003:cart.shop:80"),
+            DOMAIN,
+            None,
+        );
+        assert!(s.skipped.is_empty(), "{:?}", s.skipped);
+        assert_eq!(
+            filter_name(&s.listeners.resources["outbound_15001"]),
+            "envoy.filters.network.tcp_proxy"
+        );
+        assert_eq!(
+            filter_name(&s.listeners.resources["outbound_15002"]),
+            "envoy.filters.network.http_connection_manager"
+        );
+        let c: Cluster = decode(&s.clusters.resources[API_TLS]).expect("cluster");
+        assert!(c.eds_cluster_config.is_some());
+        assert!(c.transport_socket.is_none(), "no workload CA, no mTLS");
+        let cla: ClusterLoadAssignment = decode(&s.endpoints.resources[API_TLS]).expect("cla");
+        let weights: Vec<Option<u32>> = cla.endpoints[0]
+            .lb_endpoints
+            .iter()
+            .map(|e| e.load_balancing_weight.as_ref().map(|w| w.value))
+            .collect();
+        assert_eq!(weights, [None, Some(3)]);
+        let http: ClusterLoadAssignment =
+            decode(&s.endpoints.resources["outbound|80||api.example.com"]).expect("cla");
+        assert_eq!(http.endpoints[0].lb_endpoints.len(), 2);
+        // A Service of that name wins over any ExternalService.
+        assert!(
+            s.clusters
+                .resources
+                .contains_key("outbound|80||cart.shop.svc.cluster.local")
+        );
+        // It depends on who holds each host (and on Service cart.shop).
+        assert!(
+            s.services
+                .contains(&crate::discovery::external::external_key("api.example.com"))
+        );
+    }
+
+    #[test]
+    fn external_endpoints_running_the_agent_get_mtls_to_their_identity() {
+        let s = generate(
+            &with_externals(),
+            Some("15001:api.example.com:443"),
+            DOMAIN,
+            Some(TD),
+        );
+        let c: Cluster = decode(&s.clusters.resources[API_TLS]).expect("cluster");
+        let (sans, _) = tls_of(c.transport_socket.as_ref().expect("mtls"));
+        assert_eq!(sans, [id("api")]);
+        let cla: ClusterLoadAssignment = decode(&s.endpoints.resources[API_TLS]).expect("cla");
+        let marks: Vec<Option<String>> = cla.endpoints[0]
+            .lb_endpoints
+            .iter()
+            .map(|e| {
+                e.metadata.as_ref().and_then(|m| {
+                    match &m.filter_metadata[TRANSPORT_SOCKET_MATCH].fields[TLS_MODE].kind {
+                        Some(value::Kind::StringValue(v)) => Some(v.clone()),
+                        _ => None,
+                    }
+                })
+            })
+            .collect();
+        assert_eq!(marks, [Some(MTLS.into()), Some(PLAINTEXT.into())]);
+
+        // No endpoint declares an identity: plain (the app's own TLS).
+        let s = generate(
+            &with_externals(),
+            Some("15001:api.example.com:80"),
+            DOMAIN,
+            Some(TD),
+        );
+        let c: Cluster =
+            decode(&s.clusters.resources["outbound|80||api.example.com"]).expect("cluster");
+        // 192.0.2.1 declares one on every port: mTLS there too.
+        assert!(c.transport_socket.is_some());
+        let mut r = with_externals();
+        r.delete_external_service(&("shop".into(), "api".into()));
+        let s = generate(&r, Some("15001:api.example.com:443"), DOMAIN, Some(TD));
+        // Gone: a static upstream again, as before it existed.
+        assert!(
+            s.clusters
+                .resources
+                .contains_key("outbound|15001|api.example.com|443")
+        );
     }
 }

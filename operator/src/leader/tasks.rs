@@ -38,6 +38,16 @@ pub struct LeaderContext {
     pub trust_bundle: Option<TrustBundle>,
     /// How often the trust bundle's namespaces are checked.
     pub trust_bundle_period: Duration,
+    /// With discovery and the external-service CRDs: the registry and the
+    /// ExternalService watch, whose statuses the leader writes.
+    pub external_status: Option<ExternalStatus>,
+}
+
+/// What the leader needs to write ExternalServices' status.
+#[derive(Clone)]
+pub struct ExternalStatus {
+    pub discovery: Arc<crate::discovery::push::Discovery>,
+    pub services: SharedWatch<remora_crds::external::ExternalService>,
 }
 
 /// What the leader needs to distribute the workload CA's trust bundle.
@@ -55,7 +65,11 @@ pub struct TrustBundle {
 /// Each gets `token`, cancelled when leadership ends or shutdown begins, and
 /// must return soon after (the elector aborts it after --shutdown-grace).
 async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
-    if ctx.controller.is_none() && !ctx.stop_completed_jobs && ctx.trust_bundle.is_none() {
+    if ctx.controller.is_none()
+        && !ctx.stop_completed_jobs
+        && ctx.trust_bundle.is_none()
+        && ctx.external_status.is_none()
+    {
         // Nothing to do is no reason to give up leadership, nor to watch.
         return token.cancelled().await;
     }
@@ -125,6 +139,21 @@ async fn lead(ctx: Arc<LeaderContext>, token: CancellationToken) {
                 targets,
                 period,
                 signing,
+                token,
+            )
+        }));
+    }
+    if let Some(ExternalStatus {
+        discovery,
+        services,
+    }) = ctx.external_status.clone()
+    {
+        let client = client.clone();
+        tasks.spawn(supervise("external-status", token.clone(), move |token| {
+            crate::controllers::external_status::run(
+                client.clone(),
+                Arc::clone(&discovery),
+                services.clone(),
                 token,
             )
         }));

@@ -155,6 +155,7 @@ async fn the_webhook_and_the_leaders_controllers_share_one_watch_per_kind() -> a
         lifecycles: view.lifecycle_watch(),
         trust_bundle: None,
         trust_bundle_period: Duration::from_secs(5),
+        external_status: None,
         kube: config,
     });
     // On the leader's own runtime and client, as in the binary.
