@@ -1,7 +1,8 @@
 //! Istio's real pilot-discovery run on the host against the node's API
 //! server, as /work/shared/PEERS.md found it works: plaintext xDS on
-//! loopback, no cloud probing, its debounce left at Istio's defaults
-//! unless the caller passes its environment variables.
+//! loopback, no cloud probing, no CA. Its debounce stays at Istio's
+//! defaults unless the caller passes its environment variables; its
+//! connection-rate guard is lifted (see [`Istiod::start`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -92,6 +93,15 @@ impl Istiod {
             ("REVISION", "default"),
             ("ENABLE_CA_SERVER", "false"),
             ("PILOT_ENABLE_ANALYSIS", "false"),
+            // Its guard against reconnect storms admits 25 new streams a
+            // second on 2 cores and refuses (RESOURCE_EXHAUSTED) a stream
+            // that would wait over 1 s; Envoy retries with backoff, the
+            // bench's clients never retry. Off so N proxies subscribe at
+            // once, as Remora's do: it bounds admission, not pushes. Off is
+            // x/time/rate's `Inf`, which is f64::MAX (100,000/s still
+            // refused a stream when 1,000 subscribed at once on these 2
+            // cores; "+Inf" parses but is not `Inf` and refuses too).
+            ("PILOT_MAX_REQUESTS_PER_SECOND", "1.7976931348623157e308"),
         ];
         vars.extend(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         let proc = Proc::spawn_with_env("pilot-discovery", bin, &args, &vars, dir)

@@ -270,6 +270,8 @@ pub struct Convergence {
     pub p99_at_most_ms: Option<f64>,
 }
 
+type ProxyTask = tokio::task::JoinHandle<Result<(), proxy::ProxyError>>;
+
 const CONVERGENCE: &str = "pilot_proxy_convergence_time";
 
 /// Everything a run holds: the cluster, its client and the contenders.
@@ -513,7 +515,7 @@ impl Run<'_> {
                 &board,
                 &[(who.clone(), vec![SHARED.into()])],
                 &self.endpoints,
-                &[],
+                &mut [],
                 Duration::from_secs(30),
             )
             .await;
@@ -561,7 +563,7 @@ impl Run<'_> {
             &board,
             &proxies,
             &self.endpoints,
-            &tasks,
+            &mut tasks,
             Duration::from_secs(300),
         )
         .await?;
@@ -580,11 +582,11 @@ impl Run<'_> {
             let name = service_name(j);
             let who: Vec<usize> = (0..n).filter(|i| i % args.services == j).collect();
             one_service_dependents = who.len();
-            one_service_ms.push(self.change(&name, k, &who, &board, &tasks).await?);
+            one_service_ms.push(self.change(&name, k, &who, &board, &mut tasks).await?);
         }
         let all: Vec<usize> = (0..n).collect();
         for k in 0..args.changes {
-            shared_ms.push(self.change(SHARED, k, &all, &board, &tasks).await?);
+            shared_ms.push(self.change(SHARED, k, &all, &board, &mut tasks).await?);
         }
         let u2 = Usage::of(pid)?;
 
@@ -600,7 +602,7 @@ impl Run<'_> {
             tokio::time::sleep(Duration::from_millis(args.rollout_step_ms)).await;
         }
         let write_seconds = t0.elapsed().as_secs_f64();
-        let done = wait_acked(&board, &all, last.0, &tasks, Duration::from_secs(120)).await?;
+        let done = wait_acked(&board, &all, last.0, &mut tasks, Duration::from_secs(120)).await?;
         let mut pushes: Vec<f64> = (0..n)
             .map(|i| board.with(i, |s| (s.eds_responses - before[i]) as f64))
             .collect();
@@ -672,7 +674,7 @@ impl Run<'_> {
         k: usize,
         who: &[usize],
         board: &Arc<Board>,
-        tasks: &[tokio::task::JoinHandle<Result<(), proxy::ProxyError>>],
+        tasks: &mut [ProxyTask],
     ) -> anyhow::Result<f64> {
         let (ip, ips) = self.endpoints.replace(service, k);
         let t0 = Instant::now();
@@ -688,13 +690,15 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-fn ended(tasks: &[tokio::task::JoinHandle<Result<(), proxy::ProxyError>>]) -> anyhow::Result<()> {
-    if let Some(i) = tasks.iter().position(|t| t.is_finished()) {
-        anyhow::bail!(
-            "proxy task {i} ended early (its error is reported when the phase stops; file descriptors: `ulimit -n`)"
-        );
+fn ended(tasks: &mut [ProxyTask]) -> anyhow::Result<()> {
+    let Some(t) = tasks.iter_mut().find(|t| t.is_finished()) else {
+        return Ok(());
+    };
+    match futures::FutureExt::now_or_never(t) {
+        Some(Ok(Err(e))) => anyhow::bail!("a proxy ended early: {e}"),
+        Some(Err(e)) => anyhow::bail!("a proxy's task failed: {e}"),
+        _ => anyhow::bail!("a proxy ended early"),
     }
-    Ok(())
 }
 
 /// When the last of `who` ACKed `ip`, waiting up to `limit`.
@@ -702,7 +706,7 @@ async fn wait_acked(
     board: &Board,
     who: &[usize],
     ip: Ipv4Addr,
-    tasks: &[tokio::task::JoinHandle<Result<(), proxy::ProxyError>>],
+    tasks: &mut [ProxyTask],
     limit: Duration,
 ) -> anyhow::Result<Instant> {
     let deadline = Instant::now() + limit;
@@ -725,7 +729,7 @@ async fn wait_subscribed(
     board: &Board,
     proxies: &[(Identity, Vec<String>)],
     endpoints: &Endpoints,
-    tasks: &[tokio::task::JoinHandle<Result<(), proxy::ProxyError>>],
+    tasks: &mut [ProxyTask],
     limit: Duration,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + limit;
