@@ -757,3 +757,57 @@ async fn wait_subscribed(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn istiod_env_is_key_value() {
+        assert_eq!(
+            key_value("PILOT_DEBOUNCE_AFTER=50ms"),
+            Ok(("PILOT_DEBOUNCE_AFTER".into(), "50ms".into()))
+        );
+        assert!(key_value("PILOT_DEBOUNCE_AFTER").is_err());
+        assert!(key_value("=1").is_err());
+    }
+
+    #[test]
+    fn proxies_of_one_workload_declare_the_same_services() {
+        let p = plan("ns", 5, 2);
+        assert_eq!(p[0].1, p[2].1);
+        assert_ne!(p[0].1, p[1].1);
+        assert_eq!(p[3].0.workload, "w-1");
+        assert_eq!(p[3].1, ["shared", "svc-1", "rollout"]);
+        assert_ne!(p[0].0.ip, p[1].0.ip);
+    }
+
+    #[test]
+    fn a_change_replaces_one_endpoint_with_a_fresh_address() {
+        let mut e = Endpoints {
+            next: 0,
+            current: HashMap::new(),
+        };
+        let ips: Vec<Ipv4Addr> = (0..3).map(|_| e.fresh()).collect();
+        e.current.insert("s".into(), ips.clone());
+        let (new, all) = e.replace("s", 4);
+        assert!(!ips.contains(&new));
+        assert_eq!(all, [ips[0], new, ips[2]]);
+        // A Service with no endpoints yet gets its first.
+        let (first, all) = e.replace("t", 0);
+        assert_eq!(all, [first]);
+    }
+
+    #[test]
+    fn bad_bounds_are_refused() {
+        let args = |extra: &[&str]| {
+            let mut v = vec!["discovery-bench", "--kubeconfig", "k"];
+            v.extend_from_slice(extra);
+            <Args as clap::Parser>::parse_from(v)
+        };
+        assert!(check(&args(&[])).is_ok());
+        assert!(check(&args(&["--proxies", "0"])).is_err());
+        assert!(check(&args(&["--services", "0"])).is_err());
+        assert!(check(&args(&["--rollout-pods", "0"])).is_err());
+    }
+}
