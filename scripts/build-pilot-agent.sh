@@ -11,11 +11,9 @@
 # renders Envoy's bootstrap from (images/istio-proxy adapts it to run
 # without istiod).
 #
-# The proxy serves no Istio release tag here, only pseudo-versions;
-# ISTIO_VERSION is a commit on release-1.31 whose agent code is that of
-# 1.31.0-rc.0 and later. Four dependency versions it pins are not served
-# either: a scratch module requires it and replaces them with served ones.
-# Built with Istio's release flags (tags, -trimpath, static).
+# Which Istio, and how its module resolves, is scripts/lib/istio-module.sh
+# (shared with scripts/build-pilot-discovery.sh). Built with Istio's release
+# flags (tags, -trimpath, static).
 #
 # A binary already in the cache is not rebuilt, so a warm run takes a second.
 # Usage: scripts/build-pilot-agent.sh [--print-path]
@@ -23,78 +21,36 @@
 # Env: ISTIO_VERSION (v0.0.0-20260827124520-eed52ebb66ad), REMORA_CACHE,
 #      BUILD_NICE (10: the build shares the machine with cargo).
 set -euo pipefail
+# shellcheck source=lib/istio-module.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/istio-module.sh"
 
-ISTIO_VERSION="${ISTIO_VERSION:-v0.0.0-20260827124520-eed52ebb66ad}"
-CACHE="${REMORA_CACHE:-$HOME/.cache/remora}"
-ISTIO_DIR="$CACHE/istio/$ISTIO_VERSION"
-BIN="$ISTIO_DIR/bin/pilot-agent"
-TEMPLATE="$ISTIO_DIR/bin/envoy_bootstrap.json"
-NICE="${BUILD_NICE:-10}"
+NAME=build-pilot-agent
+BIN="$ISTIO_CACHE/bin/pilot-agent"
+TEMPLATE="$ISTIO_CACHE/bin/envoy_bootstrap.json"
 
 case "${1:-}" in
   "") ;;
   --print-path) echo "$BIN"; exit 0 ;;
-  *) echo "build-pilot-agent: unknown argument $1 (usage: build-pilot-agent.sh [--print-path])" >&2; exit 2 ;;
+  *) echo "$NAME: unknown argument $1 (usage: $NAME.sh [--print-path])" >&2; exit 2 ;;
 esac
 
-log() { echo "build-pilot-agent: $(date -u +%H:%M:%S) $*"; }
-
-if [[ -x "$BIN" && -f "$TEMPLATE" ]]; then
-  log "pilot-agent $ISTIO_VERSION cached in $(dirname "$BIN")"
-  exit 0
-fi
-
-command -v go >/dev/null || { echo "build-pilot-agent: go not found on PATH" >&2; exit 1; }
-
+cached() { [[ -x "$BIN" && -f "$TEMPLATE" ]]; }
+if cached; then istio_log $NAME "pilot-agent $ISTIO_VERSION cached in $(dirname "$BIN")"; exit 0; fi
 # Two runs (two worktrees) would build the same thing twice; the second
 # waits and then finds the cache filled.
-mkdir -p "$ISTIO_DIR"
-if command -v flock >/dev/null; then
-  exec 9>"$CACHE/.build-pilot-agent.lock"
-  flock 9
-  if [[ -x "$BIN" && -f "$TEMPLATE" ]]; then
-    log "pilot-agent $ISTIO_VERSION cached in $(dirname "$BIN")"
-    exit 0
-  fi
-fi
+istio_lock $NAME
+if cached; then istio_log $NAME "pilot-agent $ISTIO_VERSION cached in $(dirname "$BIN")"; exit 0; fi
 
 T0=$(date +%s)
-SRC="$ISTIO_DIR/src"
-rm -rf "$SRC"
-mkdir -p "$SRC"
-cd "$SRC"
-# go-control-plane's pseudo-versions that commit pins and istio.io/{api,
-# client-go} at their 1.31.1 release: the nearest ones the proxy serves.
-GCP_PSEUDO=0.20260729145720-a2d8c7492908
-cat >go.mod <<EOF
-module remora.invalid/pilot-agent-build
-
-go 1.26.0
-
-replace (
-	github.com/envoyproxy/go-control-plane/contrib => github.com/envoyproxy/go-control-plane/contrib v1.36.1-$GCP_PSEUDO
-	github.com/envoyproxy/go-control-plane/envoy => github.com/envoyproxy/go-control-plane/envoy v1.37.1-$GCP_PSEUDO
-	istio.io/api => istio.io/api v1.31.1
-	istio.io/client-go => istio.io/client-go v1.31.1
-)
-EOF
-nice -n "$NICE" go get "istio.io/istio@$ISTIO_VERSION" "istio.io/istio/pilot/cmd/pilot-agent@$ISTIO_VERSION"
-log "resolved modules in $(( $(date +%s) - T0 ))s"
-
+istio_module istio.io/istio/pilot/cmd/pilot-agent
+istio_log $NAME "resolved modules in $(( $(date +%s) - T0 ))s"
 MODDIR=$(go list -m -f '{{.Dir}}' istio.io/istio)
 [[ -f "$MODDIR/tools/packaging/common/envoy_bootstrap.json" ]] ||
-  { echo "build-pilot-agent: no bootstrap template in $MODDIR" >&2; exit 1; }
+  { echo "$NAME: no bootstrap template in $MODDIR" >&2; exit 1; }
 
-# Temp file and rename: an interrupted build never leaves a half-written
-# binary that a later run would take for a cached one.
-log "building pilot-agent -> $BIN"
-mkdir -p "$(dirname "$BIN")"
-CGO_ENABLED=0 nice -n "$NICE" go build -trimpath \
-  -tags=agent,disable_pgv,grpcnotrace,retrynotrace \
-  -ldflags "-s -w -X istio.io/istio/pkg/version.buildVersion=$ISTIO_VERSION" \
-  -o "$BIN.tmp.$$" istio.io/istio/pilot/cmd/pilot-agent
+istio_log $NAME "building pilot-agent -> $BIN"
+istio_build istio.io/istio/pilot/cmd/pilot-agent agent,disable_pgv,grpcnotrace,retrynotrace "$BIN"
 install -m 0644 "$MODDIR/tools/packaging/common/envoy_bootstrap.json" "$TEMPLATE.tmp.$$"
 mv -f "$TEMPLATE.tmp.$$" "$TEMPLATE"
-mv -f "$BIN.tmp.$$" "$BIN"
-log "built pilot-agent ($(du -h "$BIN" | cut -f1)) in $(( $(date +%s) - T0 ))s"
+istio_log $NAME "built pilot-agent ($(du -h "$BIN" | cut -f1)) in $(( $(date +%s) - T0 ))s"
 echo "$BIN"

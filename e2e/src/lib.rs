@@ -7,6 +7,7 @@ pub mod agentbench;
 pub mod certs;
 pub mod chart;
 pub mod controlplane;
+pub mod discovery_bench;
 pub mod hostile;
 pub mod jobpod;
 pub mod load;

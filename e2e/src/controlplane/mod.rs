@@ -9,7 +9,7 @@
 
 pub mod kubelet;
 mod pki;
-mod process;
+pub mod process;
 
 use std::collections::BTreeMap;
 use std::future::Future;

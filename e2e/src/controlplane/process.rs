@@ -28,6 +28,17 @@ impl Proc {
         args: &[String],
         dir: &Path,
     ) -> Result<Self, Error> {
+        Self::spawn_with_env(name, bin, args, &[], dir)
+    }
+
+    /// [`Proc::spawn`] with `env` added to the inherited environment.
+    pub fn spawn_with_env(
+        name: &'static str,
+        bin: &Path,
+        args: &[String],
+        env: &[(&str, &str)],
+        dir: &Path,
+    ) -> Result<Self, Error> {
         let log = dir.join(format!("{name}.log"));
         let out =
             File::create(&log).map_err(|e| Error::io(format!("creating {}", log.display()), e))?;
@@ -36,6 +47,7 @@ impl Proc {
             .map_err(|e| Error::io(format!("cloning {}", log.display()), e))?;
         let child = Command::new(bin)
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)

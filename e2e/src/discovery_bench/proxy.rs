@@ -1,0 +1,351 @@
+//! One simulated sidecar: a real gRPC ADS client (state of the world) from
+//! a loopback address of its own, subscribing as Envoy does: CDS first,
+//! then EDS for the EDS clusters CDS names, and LDS; every response ACKed
+//! at once. It records when it ACKed each endpoint address it had not seen
+//! before, and how many EDS responses it got. It never retries: a stream
+//! that fails ends the proxy with the error.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+use envoy_types::pb::envoy::config::cluster::v3::cluster::{ClusterDiscoveryType, DiscoveryType};
+use envoy_types::pb::envoy::config::core::v3::{Node, address, socket_address};
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use futures::StreamExt;
+use prost::Message;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+pub const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub const ENDPOINTS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+
+/// The name Remora's serving certificate carries (the bench's own CA).
+pub const REMORA_SERVER_NAME: &str = "remora-operator.ops.svc";
+/// Large enough for istiod's CDS and LDS of every Service in the cluster.
+const MAX_MESSAGE: usize = 64 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("proxy {0}: connecting: {1}")]
+    Connect(usize, String),
+    #[error("proxy {0}: {1}")]
+    Status(usize, tonic::Status),
+    #[error("proxy {0}: the server ended the stream")]
+    Ended(usize),
+    #[error("proxy {0}: its request stream closed")]
+    Send(usize),
+}
+
+/// Whom the proxies dial.
+#[derive(Clone)]
+pub enum Target {
+    /// Remora's discovery server: TLS with the bench's CA, a bearer token.
+    Remora {
+        addr: SocketAddr,
+        bundle: Arc<String>,
+        token: Arc<String>,
+    },
+    /// istiod's plaintext xDS port (`--grpcAddr`).
+    Istiod { addr: SocketAddr },
+}
+
+/// Who proxy `index` is.
+#[derive(Clone, Debug)]
+pub struct Identity {
+    pub index: usize,
+    pub ip: Ipv4Addr,
+    pub namespace: String,
+    /// Its workload (`app` label; proxies of one workload declare the same Services).
+    pub workload: String,
+}
+
+impl Identity {
+    pub fn pod(&self) -> String {
+        format!("p-{}", self.index)
+    }
+
+    /// Istio's sidecar node id, which Remora reads the same way.
+    pub fn node_id(&self) -> String {
+        let ns = &self.namespace;
+        format!(
+            "sidecar~{}~{}.{ns}~{ns}.svc.cluster.local",
+            self.ip,
+            self.pod()
+        )
+    }
+
+    /// The metadata pilot-agent sends that istiod reads to place a proxy
+    /// with no pod behind it (labels pick its Sidecar resource).
+    fn istio_metadata(&self) -> Struct {
+        let s = |v: &str| Value {
+            kind: Some(Kind::StringValue(v.to_string())),
+        };
+        let labels = Struct {
+            fields: [("app".to_string(), s(&self.workload))].into(),
+        };
+        let fields = [
+            ("ISTIO_VERSION", s("1.31.0")),
+            ("CLUSTER_ID", s("Kubernetes")),
+            ("NAMESPACE", s(&self.namespace)),
+            ("NAME", s(&self.pod())),
+            ("SERVICE_ACCOUNT", s("web")),
+            ("WORKLOAD_NAME", s(&self.workload)),
+            ("INSTANCE_IPS", s(&self.ip.to_string())),
+            ("INTERCEPTION_MODE", s("REDIRECT")),
+            (
+                "LABELS",
+                Value {
+                    kind: Some(Kind::StructValue(labels)),
+                },
+            ),
+        ];
+        Struct {
+            fields: fields
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+        }
+    }
+}
+
+/// What one proxy saw.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// Endpoint address → when the EDS response first carrying it was ACKed.
+    pub first_ack: HashMap<Ipv4Addr, Instant>,
+    pub eds_responses: u64,
+    /// EDS clusters in its latest CDS response.
+    pub eds_clusters: usize,
+}
+
+/// What every proxy of a phase saw, by index.
+pub struct Board {
+    seen: Vec<Mutex<Seen>>,
+}
+
+impl Board {
+    pub fn new(proxies: usize) -> Arc<Self> {
+        Arc::new(Self {
+            seen: (0..proxies).map(|_| Mutex::default()).collect(),
+        })
+    }
+
+    pub fn with<T>(&self, i: usize, f: impl FnOnce(&Seen) -> T) -> T {
+        f(&self.seen[i].lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn with_mut<T>(&self, i: usize, f: impl FnOnce(&mut Seen) -> T) -> T {
+        f(&mut self.seen[i].lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// When the last of `who` ACKed `ip`, or `None` while one has not.
+    pub fn all_acked(&self, who: &[usize], ip: Ipv4Addr) -> Option<Instant> {
+        let mut last: Option<Instant> = None;
+        for &i in who {
+            let t = self.with(i, |s| s.first_ack.get(&ip).copied())?;
+            last = Some(last.map_or(t, |l| l.max(t)));
+        }
+        last
+    }
+}
+
+fn request(t: &str, names: Vec<String>, ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
+    DiscoveryRequest {
+        type_url: t.into(),
+        resource_names: names,
+        version_info: ack.map(|r| r.version_info.clone()).unwrap_or_default(),
+        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+async fn open(
+    target: &Target,
+    who: &Identity,
+    rx: mpsc::UnboundedReceiver<DiscoveryRequest>,
+) -> Result<tonic::Streaming<DiscoveryResponse>, ProxyError> {
+    let i = who.index;
+    let requests = UnboundedReceiverStream::new(rx);
+    let status = |s| ProxyError::Status(i, s);
+    match target {
+        Target::Remora {
+            addr,
+            bundle,
+            token,
+        } => {
+            let h2 = remora_test_support::h2_client::connect(
+                IpAddr::V4(who.ip),
+                *addr,
+                REMORA_SERVER_NAME,
+                bundle,
+            )
+            .await
+            .map_err(|e| ProxyError::Connect(i, e.to_string()))?;
+            let origin = format!("https://{REMORA_SERVER_NAME}")
+                .parse()
+                .map_err(|e: http::uri::InvalidUri| ProxyError::Connect(i, e.to_string()))?;
+            let mut c = AggregatedDiscoveryServiceClient::with_origin(
+                remora_test_support::h2_client::channel(&h2),
+                origin,
+            )
+            .max_decoding_message_size(MAX_MESSAGE);
+            let mut req = tonic::Request::new(requests);
+            let bearer = format!("Bearer {token}")
+                .parse()
+                .map_err(|_| ProxyError::Connect(i, "token is no header value".into()))?;
+            req.metadata_mut().insert("authorization", bearer);
+            // The connection's task lives as long as the stream uses it.
+            Ok(c.stream_aggregated_resources(req)
+                .await
+                .map_err(status)?
+                .into_inner())
+        }
+        Target::Istiod { addr } => {
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .map_err(|e| ProxyError::Connect(i, e.to_string()))?
+                .local_address(Some(IpAddr::V4(who.ip)))
+                .tcp_nodelay(true)
+                .connect()
+                .await
+                .map_err(|e| ProxyError::Connect(i, e.to_string()))?;
+            let mut c = AggregatedDiscoveryServiceClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE);
+            Ok(c.stream_aggregated_resources(requests)
+                .await
+                .map_err(status)?
+                .into_inner())
+        }
+    }
+}
+
+/// Run proxy `who` against `target` until `stop`, recording into `board`.
+pub async fn run(
+    target: Target,
+    who: Identity,
+    board: Arc<Board>,
+    stop: CancellationToken,
+) -> Result<(), ProxyError> {
+    let i = who.index;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let send = |r| tx.send(r).map_err(|_| ProxyError::Send(i));
+    send(DiscoveryRequest {
+        node: Some(Node {
+            id: who.node_id(),
+            cluster: who.workload.clone(),
+            metadata: matches!(target, Target::Istiod { .. }).then(|| who.istio_metadata()),
+            ..Default::default()
+        }),
+        ..request(CLUSTER, Vec::new(), None)
+    })?;
+    let mut stream = tokio::select! {
+        _ = stop.cancelled() => return Ok(()),
+        s = open(&target, &who, rx) => s?,
+    };
+    let mut eds_names: Vec<String> = Vec::new();
+    let mut listeners_asked = false;
+    loop {
+        let resp = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            r = stream.next() => match r {
+                Some(r) => r.map_err(|s| ProxyError::Status(i, s))?,
+                None => return Err(ProxyError::Ended(i)),
+            },
+        };
+        match resp.type_url.as_str() {
+            CLUSTER => {
+                let mut names: Vec<String> = resp
+                    .resources
+                    .iter()
+                    .filter_map(|a| Cluster::decode(a.value.as_slice()).ok())
+                    .filter(|c| {
+                        c.cluster_discovery_type
+                            == Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32))
+                    })
+                    .map(|c| c.name)
+                    .collect();
+                names.sort();
+                board.with_mut(i, |s| s.eds_clusters = names.len());
+                send(request(CLUSTER, Vec::new(), Some(&resp)))?;
+                // Envoy asks for the endpoints of its EDS clusters (again
+                // when they change), then for listeners once.
+                if names != eds_names {
+                    eds_names = names;
+                    send(request(ENDPOINTS, eds_names.clone(), None))?;
+                }
+                if !listeners_asked {
+                    listeners_asked = true;
+                    send(request(LISTENER, Vec::new(), None))?;
+                }
+            }
+            ENDPOINTS => {
+                send(request(ENDPOINTS, eds_names.clone(), Some(&resp)))?;
+                let acked = Instant::now();
+                let ips: Vec<Ipv4Addr> = resp
+                    .resources
+                    .iter()
+                    .filter_map(|a| ClusterLoadAssignment::decode(a.value.as_slice()).ok())
+                    .flat_map(|c| c.endpoints)
+                    .flat_map(|l| l.lb_endpoints)
+                    .filter_map(|e| match e.host_identifier? {
+                        HostIdentifier::Endpoint(e) => match e.address?.address? {
+                            address::Address::SocketAddress(s) => {
+                                matches!(
+                                    s.port_specifier,
+                                    Some(socket_address::PortSpecifier::PortValue(_))
+                                )
+                                .then_some(())?;
+                                s.address.parse().ok()
+                            }
+                            _ => None,
+                        },
+                        _ => None,
+                    })
+                    .collect();
+                board.with_mut(i, |s| {
+                    s.eds_responses += 1;
+                    for ip in ips {
+                        s.first_ack.entry(ip).or_insert(acked);
+                    }
+                });
+            }
+            t => send(request(t, Vec::new(), Some(&resp)))?,
+        }
+    }
+}
+
+/// Proxy `i`'s address: 127.10.x.y, one per pod.
+pub fn proxy_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(127, 10, (i / 250) as u8, (i % 250 + 1) as u8)
+}
+
+/// Start `n` proxies against `target` (a few at a time, as a rollout
+/// would, not all at once).
+pub async fn start_all(
+    target: &Target,
+    identities: &[Identity],
+    board: &Arc<Board>,
+    stop: &CancellationToken,
+) -> Vec<tokio::task::JoinHandle<Result<(), ProxyError>>> {
+    let mut tasks = Vec::with_capacity(identities.len());
+    for (k, who) in identities.iter().enumerate() {
+        tasks.push(tokio::spawn(run(
+            target.clone(),
+            who.clone(),
+            Arc::clone(board),
+            stop.clone(),
+        )));
+        if k % 50 == 49 {
+            tokio::task::yield_now().await;
+        }
+    }
+    tasks
+}
