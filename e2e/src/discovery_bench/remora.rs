@@ -14,18 +14,18 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use remora_contract::discovery::TOKEN_AUDIENCE;
 use remora_operator::cluster::live_pod;
 use remora_operator::discovery::Metrics;
-use remora_operator::discovery::feed::Watches;
+use remora_operator::discovery::feed::{self, Watches};
 use remora_operator::discovery::push::{Debounce, Discovery};
 use remora_operator::discovery::registry::{PodKey, ProxyInfo};
 use remora_operator::discovery::serve::{limits, serve as serve_ads};
 use remora_operator::discovery::server::AdsService;
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
-use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
+use remora_operator::pki::workload_ca::{ServingCert, testing};
 use remora_test_support::jwt;
 use tokio_util::sync::CancellationToken;
 
@@ -94,16 +94,7 @@ pub async fn serve(plan: Plan) -> Result<(), RemoraError> {
         .map_err(RemoraError::Client)?;
     let stop = CancellationToken::new();
     // The workload CA's serving certificate, as the operator has it.
-    let p = roots::Policy {
-        validity: Duration::from_secs(24 * 3600),
-        settle: Duration::from_secs(60),
-        overlap: Duration::from_secs(120),
-    };
-    let now = SystemTime::now();
-    let r = roots::apply(None, roots::Step::Create, &p, now - Duration::from_secs(60))
-        .map_err(|e| RemoraError::Ca(e.to_string()))?;
-    let authority = Authority::new(&r, &[REMORA_SERVER_NAME.to_string()], now)
-        .map_err(|e| RemoraError::Ca(e.to_string()))?;
+    let authority = testing::authority(&[REMORA_SERVER_NAME]).map_err(RemoraError::Ca)?;
     let bundle = authority.bundle.clone();
     let (_authority_tx, authority_rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
 
@@ -112,7 +103,9 @@ pub async fn serve(plan: Plan) -> Result<(), RemoraError> {
     let (discovery, debouncer) = Discovery::new("cluster.local", None, Debounce::default());
     tokio::spawn(debouncer);
     let pods = live_pod::live_pods(client.clone(), live_pod::Metrics::default(), stop.clone());
-    let watches = Watches::start(&client, pods, stop.clone());
+    // The external-service CRDs are watched when served, as the operator does.
+    let externals = feed::externals_served(&client).await;
+    let watches = Watches::start(&client, pods, externals, stop.clone());
     watches.feed(&discovery);
     watches.synced().await;
     discovery.update(|r| {
