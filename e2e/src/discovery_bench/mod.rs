@@ -188,6 +188,7 @@ pub async fn serve_remora(args: &Args, dir: PathBuf) -> anyhow::Result<()> {
     remora::serve(remora::Plan {
         proxies: plan(&args.namespace, n, args.services),
         dir,
+        kubeconfig: args.kubeconfig.clone(),
     })
     .await?;
     Ok(())

@@ -40,6 +40,8 @@ const SERVICE_ACCOUNT: &str = "web";
 pub enum RemoraError {
     #[error("the kube client: {0}")]
     Client(kube::Error),
+    #[error("the kubeconfig: {0}")]
+    Config(String),
     #[error("the bench's CA: {0}")]
     Ca(String),
     #[error("{0}: {1}")]
@@ -85,13 +87,23 @@ pub struct Plan {
     pub proxies: Vec<(Identity, Vec<String>)>,
     /// Where it writes `addr` and `bundle.pem` once it serves.
     pub dir: PathBuf,
+    /// The API server to watch (the bench's `--kubeconfig`).
+    pub kubeconfig: PathBuf,
+}
+
+/// A client of the API server `kubeconfig` names.
+async fn client(kubeconfig: &Path) -> Result<kube::Client, RemoraError> {
+    use kube::config::{Config, KubeConfigOptions, Kubeconfig};
+    let kc = Kubeconfig::read_from(kubeconfig).map_err(|e| RemoraError::Config(e.to_string()))?;
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| RemoraError::Config(e.to_string()))?;
+    kube::Client::try_from(config).map_err(RemoraError::Client)
 }
 
 /// Run the server until killed (the child's whole life).
 pub async fn serve(plan: Plan) -> Result<(), RemoraError> {
-    let client = kube::Client::try_default()
-        .await
-        .map_err(RemoraError::Client)?;
+    let client = client(&plan.kubeconfig).await?;
     let stop = CancellationToken::new();
     // The workload CA's serving certificate, as the operator has it.
     let authority = testing::authority(&[REMORA_SERVER_NAME]).map_err(RemoraError::Ca)?;
