@@ -325,13 +325,14 @@ fn start_discovery(
     let metrics = discovery::Metrics::register(registry);
     // Discovery requires the workload CA (see flags): calls between meshed
     // workloads are mTLS, with secure naming.
-    let (state, debounce) = push::Discovery::new(
+    let (state, debounce) = push::Discovery::with_push_throttle(
         &d_args.cluster_domain,
         Some(&args.workload_ca.trust_domain),
         push::Debounce {
             quiet: d_args.debounce_quiet,
             max_delay: d_args.debounce_max,
         },
+        d_args.push_throttle,
     );
     rt.spawn_until_shutdown("discovery-debounce", debounce);
     let watches = feed::Watches::start(client, pods.clone(), rt.shutdown_token().clone());
