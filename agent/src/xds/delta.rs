@@ -440,7 +440,9 @@ mod tests {
         s.from_envoy(req(LISTENER_TYPE, &[], &[], "")).expect("ok");
 
         let replay = s.resume();
-        let shape: Vec<(&str, Vec<String>, Vec<(String, String)>, bool)> = replay
+        // (type, names subscribed, versions held, node?)
+        type Shape<'a> = (&'a str, Vec<String>, Vec<(String, String)>, bool);
+        let shape: Vec<Shape> = replay
             .iter()
             .map(|r| {
                 let mut held: Vec<(String, String)> = r

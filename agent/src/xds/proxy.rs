@@ -179,11 +179,11 @@ pub(super) trait Flavor: Default + Send + 'static {
     type Request: Send + 'static;
     type Response: Send + 'static;
     fn response_type(resp: &Self::Response) -> &str;
-    fn from_envoy(
+    fn on_envoy(
         &mut self,
         req: Self::Request,
     ) -> Result<(Self::Request, Reply, String), SessionError>;
-    fn from_server(&mut self, resp: &Self::Response);
+    fn on_server(&mut self, resp: &Self::Response);
     fn own_subscription(&mut self) -> Option<Self::Request>;
     fn own_ack(&mut self, resp: &Self::Response, applied: Result<(), String>) -> Self::Request;
     fn resume(&mut self) -> Vec<Self::Request>;
@@ -202,7 +202,7 @@ impl Flavor for Session {
     fn response_type(resp: &DiscoveryResponse) -> &str {
         &resp.type_url
     }
-    fn from_envoy(
+    fn on_envoy(
         &mut self,
         req: DiscoveryRequest,
     ) -> Result<(DiscoveryRequest, Reply, String), SessionError> {
@@ -210,7 +210,7 @@ impl Flavor for Session {
         let t = fwd.type_url.clone();
         Ok((fwd, reply, t))
     }
-    fn from_server(&mut self, resp: &DiscoveryResponse) {
+    fn on_server(&mut self, resp: &DiscoveryResponse) {
         Session::from_server(self, resp);
     }
     fn own_subscription(&mut self) -> Option<DiscoveryRequest> {
@@ -245,7 +245,7 @@ impl Flavor for DeltaSession {
     fn response_type(resp: &DeltaDiscoveryResponse) -> &str {
         &resp.type_url
     }
-    fn from_envoy(
+    fn on_envoy(
         &mut self,
         req: DeltaDiscoveryRequest,
     ) -> Result<(DeltaDiscoveryRequest, Reply, String), SessionError> {
@@ -253,7 +253,7 @@ impl Flavor for DeltaSession {
         let t = fwd.type_url.clone();
         Ok((fwd, reply, t))
     }
-    fn from_server(&mut self, resp: &DeltaDiscoveryResponse) {
+    fn on_server(&mut self, resp: &DeltaDiscoveryResponse) {
         DeltaSession::from_server(self, resp);
     }
     fn own_subscription(&mut self) -> Option<DeltaDiscoveryRequest> {
@@ -366,7 +366,7 @@ async fn proxy_stream<F: Flavor>(
             e = upstream.next() => e,
         };
         let failed: Option<String> = match event {
-            Event::Envoy(Ok(Some(req))) => match session.from_envoy(req) {
+            Event::Envoy(Ok(Some(req))) => match session.on_envoy(req) {
                 Ok((fwd, reply, type_url)) => {
                     shared.observe(&type_url, &reply);
                     // Ours goes up right after the first request with the node.
@@ -429,7 +429,7 @@ async fn proxy_stream<F: Flavor>(
                         _ => None,
                     }
                 } else {
-                    session.from_server(&resp);
+                    session.on_server(&resp);
                     if down.send(Ok(resp)).await.is_err() {
                         return;
                     }

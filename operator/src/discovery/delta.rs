@@ -274,7 +274,7 @@ impl DeltaSession {
         for n in &removed {
             state.held.remove(n);
         }
-        let nonce = self.nonces.next();
+        let nonce = self.nonces.fresh();
         state
             .pending
             .push_back((nonce.clone(), typed.version.clone()));

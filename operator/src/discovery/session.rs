@@ -89,7 +89,7 @@ impl Nonces {
         }
     }
 
-    pub fn next(&mut self) -> String {
+    pub fn fresh(&mut self) -> String {
         self.n += 1;
         format!("{}-{}", self.prefix, self.n)
     }
@@ -314,7 +314,7 @@ impl Session {
             }
             out
         };
-        let nonce = self.nonces.next();
+        let nonce = self.nonces.fresh();
         state.sent = Some((typed.version.clone(), state.names.clone(), nonce.clone()));
         Some(Push {
             type_url: t,
