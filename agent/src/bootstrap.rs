@@ -538,8 +538,8 @@ mod tests {
             "istiod.istio-system.svc:15010",
             "--discovery-delta=false",
         ]);
-        let b = generate(&sotw, &Extras::default(), None).expect("generates");
-        assert_eq!(b["dynamic_resources"]["ads_config"]["api_type"], "GRPC");
+        let sotw = generate(&sotw, &Extras::default(), None).expect("generates");
+        assert_eq!(sotw["dynamic_resources"]["ads_config"]["api_type"], "GRPC");
         let clusters = b["static_resources"]["clusters"]
             .as_array()
             .expect("clusters");
