@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 
 # Keep in step with fuzz/Cargo.toml (afl = "=...").
 CARGO_AFL_VERSION=0.18.2
-TARGETS_ALL=(admission_review contract_annotations bootstrap_override sds_request discovery_request xds_response)
+TARGETS_ALL=(admission_review contract_annotations bootstrap_override sds_request discovery_request discovery_delta xds_response)
 
 log() { printf '[fuzz] %s\n' "$*" >&2; }
 

@@ -192,7 +192,8 @@ pub fn generate(
         if let Some(c) = bootstrap["static_resources"]["clusters"].as_array_mut() {
             c.push(crate::xds::bootstrap::ads_cluster(&cfg.xds_socket_path()));
         }
-        bootstrap["dynamic_resources"] = crate::xds::bootstrap::dynamic_resources();
+        bootstrap["dynamic_resources"] =
+            crate::xds::bootstrap::dynamic_resources(cfg.discovery_delta);
     }
 
     if let Some(patch) = override_doc {
@@ -527,6 +528,18 @@ mod tests {
         );
         assert_eq!(b["dynamic_resources"]["lds_config"]["ads"], json!({}));
         assert_eq!(b["dynamic_resources"]["cds_config"]["ads"], json!({}));
+        // Delta by default; state of the world on request.
+        assert_eq!(
+            b["dynamic_resources"]["ads_config"]["api_type"],
+            "DELTA_GRPC"
+        );
+        let sotw = cfg(&[
+            "--discovery-address",
+            "istiod.istio-system.svc:15010",
+            "--discovery-delta=false",
+        ]);
+        let sotw = generate(&sotw, &Extras::default(), None).expect("generates");
+        assert_eq!(sotw["dynamic_resources"]["ads_config"]["api_type"], "GRPC");
         let clusters = b["static_resources"]["clusters"]
             .as_array()
             .expect("clusters");

@@ -237,6 +237,11 @@ pub struct RunConfig {
     /// (re)connect since the kubelet rotates it.
     #[arg(long, env = env::DISCOVERY_TOKEN_PATH, default_value = remora_contract::discovery::TOKEN_PATH)]
     pub discovery_token_path: PathBuf,
+    /// Envoy's ADS is delta xDS (`DELTA_GRPC`); false: state of the world,
+    /// for a discovery server without delta (see the xDS proxy's bootstrap).
+    #[arg(long, env = "REMORA_DISCOVERY_DELTA", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub discovery_delta: bool,
     /// Static mode: an inbound listener `PORT:APP_PORT` (or `APP_PORT` on --inbound-port).
     #[arg(long, env = env::INBOUND, value_delimiter = ',')]
     pub inbound: Vec<InboundSpec>,

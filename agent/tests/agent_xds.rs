@@ -58,6 +58,8 @@ async fn discovery_mode_gets_its_listener_through_the_agents_proxy() {
     let mut agent = tokio::task::spawn_blocking(move || {
         let mut agent = Agent::builder()
             .arg(format!("--discovery-address={addr}"))
+            // The double serves state of the world only.
+            .arg("--discovery-delta=false")
             .arg("--discovery-server-name=discovery.remora.test")
             .arg(format!("--ca-root-cert={}", roots.display()))
             .arg(format!("--discovery-token-path={}", token.display()))

@@ -101,7 +101,7 @@ impl Rig {
             "node": {"id": node_id, "cluster": "web.shop"},
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
             "static_resources": {"clusters": [xds::bootstrap::ads_cluster(&socket)]},
-            "dynamic_resources": xds::bootstrap::dynamic_resources(),
+            "dynamic_resources": xds::bootstrap::dynamic_resources(false),
         });
         let envoy = Envoy::start(tmp.path(), &bootstrap, 0).await?;
         Ok(Self {

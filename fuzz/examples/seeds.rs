@@ -1,12 +1,15 @@
-//! Writes the seed inputs of the `discovery_request` and `xds_response`
-//! fuzz targets (fuzz/src/discovery.rs and fuzz/src/xds_proxy.rs say what
-//! an input is) under the directory given, by default fuzz/corpus:
+//! Writes the seed inputs of the `discovery_request`, `discovery_delta`
+//! and `xds_response` fuzz targets (fuzz/src/discovery.rs,
+//! fuzz/src/discovery_delta.rs and fuzz/src/xds_proxy.rs say what an input
+//! is) under the directory given, by default fuzz/corpus:
 //! `cargo run -p remora-fuzz --example seeds`. The versions in the
 //! discovery seeds are the fixed world's, so ACKs and resumes reach past
 //! the nonce check.
 
 use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DiscoveryRequest, DiscoveryResponse,
+};
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::rpc::Status;
 use std::path::{Path, PathBuf};
@@ -67,7 +70,164 @@ fn main() -> std::io::Result<()> {
         PathBuf::from,
     );
     write(&dir.join("discovery_request"), discovery_request())?;
+    write(&dir.join("discovery_delta"), discovery_delta())?;
     write(&dir.join("xds_response"), xds_response())
+}
+
+fn delta(t: &str, sub: &[&str], unsub: &[&str], nonce: u64) -> DeltaDiscoveryRequest {
+    DeltaDiscoveryRequest {
+        type_url: t.into(),
+        resource_names_subscribe: sub.iter().map(|n| n.to_string()).collect(),
+        resource_names_unsubscribe: unsub.iter().map(|n| n.to_string()).collect(),
+        response_nonce: if nonce == 0 {
+            String::new()
+        } else {
+            format!("{NONCE_PREFIX}-{nonce}")
+        },
+        ..Default::default()
+    }
+}
+
+fn delta_first(node: &str, r: DeltaDiscoveryRequest) -> DeltaDiscoveryRequest {
+    DeltaDiscoveryRequest {
+        node: Some(Node {
+            id: node.into(),
+            cluster: "web.shop".into(),
+            ..Default::default()
+        }),
+        ..r
+    }
+}
+
+fn discovery_delta() -> Vec<(&'static str, Vec<u8>)> {
+    let w = world();
+    // What web-0 holds of type `t`, as the world's snapshot has it.
+    let held = |t: &str| {
+        w.before
+            .of_type(t)
+            .expect("served")
+            .versions
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect()
+    };
+    let nack = DeltaDiscoveryRequest {
+        error_detail: Some(Status {
+            code: 3,
+            message: "Proto constraint validation failed: cluster outbound|80: bad".into(),
+            details: vec![],
+        }),
+        ..delta(CLUSTER, &[], &[], 1)
+    };
+    let names: Vec<String> = (0..=remora_operator::discovery::delta::MAX_NAMES)
+        .map(|i| format!("n{i}"))
+        .collect();
+    let too_many: Vec<&str> = names.iter().map(String::as_str).collect();
+    let seeds: Vec<(&str, Vec<DeltaDiscoveryRequest>)> = vec![
+        (
+            "first-request.bin",
+            vec![delta_first(WEB0, delta(CLUSTER, &[], &[], 0))],
+        ),
+        (
+            // As Envoy and its agent subscribe, each response ACKed.
+            "ack.bin",
+            vec![
+                delta_first(WEB0, delta(CLUSTER, &[], &[], 0)),
+                delta(POD_ANNOTATIONS, &[], &[], 0),
+                delta(CLUSTER, &[], &[], 1),
+                delta(POD_ANNOTATIONS, &[], &[], 2),
+                delta(ENDPOINTS, &[CART], &[], 0),
+                delta(ENDPOINTS, &[], &[], 3),
+                delta(LISTENER, &[], &[], 0),
+                delta(LISTENER, &[], &[], 4),
+            ],
+        ),
+        (
+            "nack.bin",
+            vec![delta_first(WEB0, delta(CLUSTER, &[], &[], 0)), nack],
+        ),
+        (
+            // A reconnecting agent names what Envoy holds: one stale.
+            "resume.bin",
+            vec![
+                delta_first(
+                    WEB0,
+                    DeltaDiscoveryRequest {
+                        initial_resource_versions: held(CLUSTER),
+                        ..delta(CLUSTER, &[], &[], 0)
+                    },
+                ),
+                DeltaDiscoveryRequest {
+                    initial_resource_versions: held(ENDPOINTS),
+                    ..delta(ENDPOINTS, &[CART], &[], 0)
+                },
+                DeltaDiscoveryRequest {
+                    initial_resource_versions: [(
+                        "outbound_15001".to_string(),
+                        "stale".to_string(),
+                    )]
+                    .into(),
+                    ..delta(LISTENER, &[], &[], 0)
+                },
+            ],
+        ),
+        (
+            // Names in and out of the scope, then the wildcard dropped.
+            "unsubscribe.bin",
+            vec![
+                delta_first(WEB0, delta(ENDPOINTS, &[CART, "zz", "*"], &[], 0)),
+                delta(ENDPOINTS, &[], &[CART], 1),
+                delta(ENDPOINTS, &[CART], &["*", "zz"], 0),
+                delta(ENDPOINTS, &["*"], &[], 0),
+            ],
+        ),
+        (
+            // Answers to responses never sent, or answered already.
+            "stale.bin",
+            vec![
+                delta_first(WEB0, delta(CLUSTER, &[], &[], 0)),
+                delta(CLUSTER, &[], &[], 1),
+                delta(CLUSTER, &[], &[], 1),
+            ],
+        ),
+        (
+            "too-many-names.bin",
+            vec![
+                delta_first(WEB0, delta(CLUSTER, &[], &[], 0)),
+                delta(ENDPOINTS, &too_many, &[], 0),
+            ],
+        ),
+        (
+            "unknown-type.bin",
+            vec![delta_first(
+                WEB0,
+                delta(
+                    "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+                    &[],
+                    &[],
+                    0,
+                ),
+            )],
+        ),
+        (
+            "other-pod.bin",
+            vec![delta_first(
+                "sidecar~10.0.0.9~db-0.shop~shop.svc.cluster.local",
+                delta(CLUSTER, &[], &[], 0),
+            )],
+        ),
+    ];
+    seeds
+        .into_iter()
+        .map(|(name, reqs)| {
+            let mut out = Vec::new();
+            for r in &reqs {
+                r.encode_length_delimited(&mut out).expect("a Vec grows");
+            }
+            (name, out)
+        })
+        .chain([("empty", Vec::new())])
+        .collect()
 }
 
 fn discovery_request() -> Vec<(&'static str, Vec<u8>)> {

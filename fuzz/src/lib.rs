@@ -23,18 +23,20 @@ use remora_inject::resolve::{ChartDefaults, LifecycleEntry};
 use remora_inject::review::{self, StaticView};
 
 pub mod discovery;
+pub mod discovery_delta;
 pub mod xds_proxy;
 
 /// A fuzz target: untrusted bytes in, a panic on any bug.
 pub type Target = fn(&[u8]);
 
 /// Every target by name: the name is its corpus directory and AFL binary.
-pub const TARGETS: [(&str, Target); 6] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("admission_review", admission_review),
     ("contract_annotations", contract_annotations),
     ("bootstrap_override", bootstrap_override),
     ("sds_request", sds_request),
     ("discovery_request", discovery::discovery_request),
+    ("discovery_delta", discovery_delta::discovery_delta),
     ("xds_response", xds_proxy::xds_response),
 ];
 

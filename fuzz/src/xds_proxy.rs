@@ -116,6 +116,9 @@ pub fn run(data: &[u8]) -> usize {
                         assert!(new && m.asked.len() >= MAX_TYPES);
                         return handled;
                     }
+                    Err(e @ SessionError::TooManyNames(_)) => {
+                        panic!("state of the world keeps no names to count: {e}")
+                    }
                 };
                 if new {
                     m.asked.push(req.type_url.clone());

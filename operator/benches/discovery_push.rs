@@ -12,13 +12,15 @@
 //!   `--rollout-step-ms`: pushes per proxy, last change to all ACKed, CPU.
 //!
 //! Each debounce of `--debounce-quiet-ms` (default: the operator's, 100 ms
-//! quiet, 1 s max) is measured in turn in the same run, so a sweep compares
-//! them side by side. The server runs in this process beside its clients,
+//! quiet, 1 s max) and each push throttle of `--push-throttle` (default:
+//! the operator's, 100 pushes at once) is measured in turn in the same run,
+//! so a sweep compares them side by side. The server runs in this process beside its clients,
 //! with a test double for TokenReview (every
 //! proxy shows the same cached token), and the registry fed directly (no
 //! API server, no pod watch). Not covered: the API server's watch latency,
-//! Envoy's own apply time, TLS handshakes after the start, delta xDS (not
-//! served), and Istio's pilot-discovery (not yet run side by side). CPU
+//! Envoy's own apply time, TLS handshakes after the start, delta xDS (served,
+//! but these clients speak state of the world), and Istio's pilot-discovery
+//! (not yet run side by side). CPU
 //! seconds and the allocator's bytes are the whole process's: the clients'
 //! share is in them.
 //!
@@ -40,7 +42,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, Discovery
 use futures::StreamExt;
 use remora_contract::discovery::{ServiceHost, TOKEN_AUDIENCE};
 use remora_operator::discovery::Metrics;
-use remora_operator::discovery::push::{Debounce, Discovery};
+use remora_operator::discovery::push::{DEFAULT_PUSH_THROTTLE, Debounce, Discovery};
 use remora_operator::discovery::registry::{
     PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
 };
@@ -81,6 +83,10 @@ struct Args {
     /// comma-separated; default: the operator's).
     #[arg(long, value_delimiter = ',', default_values_t = [Debounce::default().quiet.as_millis() as u64])]
     debounce_quiet_ms: Vec<u64>,
+    /// Push throttles to measure (pushes at once across all streams,
+    /// comma-separated; default: the operator's).
+    #[arg(long, value_delimiter = ',', default_values_t = [DEFAULT_PUSH_THROTTLE])]
+    push_throttle: Vec<usize>,
     /// The debounce's maximum delay (ms; default: the operator's).
     #[arg(long, default_value_t = Debounce::default().max_delay.as_millis() as u64)]
     debounce_max_ms: u64,
@@ -366,15 +372,18 @@ async fn main() -> anyhow::Result<()> {
     let mut settings = Vec::new();
     for &step in &args.rollout_step_ms {
         for &quiet in &args.debounce_quiet_ms {
-            let debounce = Debounce {
-                quiet: Duration::from_millis(quiet),
-                max_delay: Duration::from_millis(args.debounce_max_ms),
-            };
-            println!(
-                "== debounce {quiet} ms quiet, {} ms max; rollout step {step} ms",
-                args.debounce_max_ms
-            );
-            settings.push(measure(&args, debounce, Duration::from_millis(step)).await?);
+            for &throttle in &args.push_throttle {
+                let debounce = Debounce {
+                    quiet: Duration::from_millis(quiet),
+                    max_delay: Duration::from_millis(args.debounce_max_ms),
+                };
+                println!(
+                    "== debounce {quiet} ms quiet, {} ms max; rollout step {step} ms; push throttle {throttle}",
+                    args.debounce_max_ms
+                );
+                settings
+                    .push(measure(&args, debounce, throttle, Duration::from_millis(step)).await?);
+            }
         }
     }
     let doc = json!({
@@ -399,7 +408,7 @@ async fn main() -> anyhow::Result<()> {
             "no API server: the registry is fed directly, so watch latency is not in the figures",
             "no Envoy: the clients ACK at once, Envoy's apply time is not in the figures",
             "Istio pilot-discovery is not run side by side yet",
-            "delta xDS is not served",
+            "delta xDS: served, but these clients speak state of the world",
             "the rollout is 100 endpoint changes a fixed step apart fed to the registry, not pods starting on a node",
             "RSS is the process's peak over every setting",
         ],
@@ -422,6 +431,7 @@ async fn main() -> anyhow::Result<()> {
 async fn measure(
     args: &Args,
     debounce: Debounce,
+    push_throttle: usize,
     step: Duration,
 ) -> anyhow::Result<serde_json::Value> {
     let cpu_at_start = cpu_seconds();
@@ -440,7 +450,8 @@ async fn measure(
 
     // Plain text, as the figures in the README were measured (the endpoints
     // here name no pods, so with the mesh on each would only carry a mark).
-    let (discovery, debouncer) = Discovery::new("cluster.local", None, debounce);
+    let (discovery, debouncer) =
+        Discovery::with_push_throttle("cluster.local", None, debounce, push_throttle);
     tokio::spawn(debouncer);
     let mut next_ip = 0u32;
     let mut endpoints = |n: usize| -> Vec<String> {
@@ -725,6 +736,8 @@ async fn measure(
     );
     Ok(json!({
         "debounce_ms": {"quiet": debounce.quiet.as_millis() as u64, "max": debounce.max_delay.as_millis() as u64},
+        "push_throttle": push_throttle,
+        "most_pushes_at_once": discovery.throttle.most(),
         "subscribe_seconds": subscribe_seconds,
         "cpu_seconds_to_subscribe": cpu_after_subscribe,
         "allocated_mib_after_subscribe": alloc_after_subscribe,

@@ -328,13 +328,14 @@ async fn start_discovery(
     let metrics = discovery::Metrics::register(registry);
     // Discovery requires the workload CA (see flags): calls between meshed
     // workloads are mTLS, with secure naming.
-    let (state, debounce) = push::Discovery::new(
+    let (state, debounce) = push::Discovery::with_push_throttle(
         &d_args.cluster_domain,
         Some(&args.workload_ca.trust_domain),
         push::Debounce {
             quiet: d_args.debounce_quiet,
             max_delay: d_args.debounce_max,
         },
+        d_args.push_throttle,
     );
     rt.spawn_until_shutdown("discovery-debounce", debounce);
     // ExternalServices of the operator's namespace may claim any host.

@@ -244,6 +244,11 @@ pub struct DiscoveryArgs {
     #[arg(long = "discovery-debounce-max", env = "REMORA_DISCOVERY_DEBOUNCE_MAX",
           value_parser = remora_contract::duration::parse, default_value = "1s")]
     pub debounce_max: Duration,
+    /// Pushes (recompute and send) at once across all streams, as Istio's
+    /// PILOT_PUSH_THROTTLE; the others wait their turn.
+    #[arg(long = "discovery-push-throttle", env = "REMORA_DISCOVERY_PUSH_THROTTLE",
+          default_value_t = crate::discovery::push::DEFAULT_PUSH_THROTTLE)]
+    pub push_throttle: usize,
     /// The cluster's DNS domain: Service hosts are `name.ns.svc.<domain>`.
     #[arg(
         long = "cluster-domain",
@@ -266,6 +271,9 @@ impl DiscoveryArgs {
                 "--discovery-debounce-quiet ({:?}) must be more than 0 and at most --discovery-debounce-max ({:?})",
                 self.debounce_quiet, self.debounce_max
             ));
+        }
+        if self.push_throttle == 0 {
+            return Err("--discovery-push-throttle must be at least 1".into());
         }
         Ok(())
     }
@@ -512,6 +520,17 @@ mod tests {
         assert!(
             e.expect_err("quiet > max")
                 .contains("--discovery-debounce-max")
+        );
+        assert_eq!(d.push_throttle, 100);
+        let (_, e, _) = check(&[
+            "--discovery",
+            "--workload-ca",
+            "--discovery-push-throttle",
+            "0",
+        ]);
+        assert!(
+            e.expect_err("no push at all")
+                .contains("--discovery-push-throttle")
         );
     }
 

@@ -2,6 +2,7 @@
 //! stubs from envoy-types), with the registry fed directly and a test
 //! double for the API server's TokenReview.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -9,12 +10,14 @@ use std::time::{Duration, SystemTime};
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 use futures::StreamExt;
 use remora_contract::discovery::TOKEN_AUDIENCE;
 use remora_operator::discovery::Metrics;
-use remora_operator::discovery::push::{Debounce, Discovery};
+use remora_operator::discovery::push::{DEFAULT_PUSH_THROTTLE, Debounce, Discovery};
 use remora_operator::discovery::registry::{
     PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
 };
@@ -102,6 +105,10 @@ impl Server {
     }
 
     async fn start_with(pod_wait: Duration, limits: Limits) -> Self {
+        Self::start_throttled(pod_wait, limits, DEFAULT_PUSH_THROTTLE).await
+    }
+
+    async fn start_throttled(pod_wait: Duration, limits: Limits, push_throttle: usize) -> Self {
         let p = roots::Policy {
             validity: Duration::from_secs(3600),
             settle: Duration::from_secs(60),
@@ -113,13 +120,14 @@ impl Server {
         let authority = Authority::new(&r, &[SERVER_NAME.to_string()], now).expect("authority");
         let bundle = authority.bundle.clone();
         let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
-        let (discovery, debounce) = Discovery::new(
+        let (discovery, debounce) = Discovery::with_push_throttle(
             "cluster.local",
             None,
             Debounce {
                 quiet: Duration::from_millis(10),
                 max_delay: Duration::from_millis(50),
             },
+            push_throttle,
         );
         tokio::spawn(debounce);
         discovery.update(|r| {
@@ -588,13 +596,21 @@ async fn no_token_no_node_or_a_bad_type_is_refused() {
     };
     let st = refused(open(&mut c, Some(&token(WEB)), bad_type).await).await;
     assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
-    // Delta is a later step, said so.
-    let (_tx, rx) = mpsc::unbounded_channel();
-    let st = c
+    // Delta streams are admitted by the same rules.
+    let (_tx, rx) = mpsc::unbounded_channel::<DeltaDiscoveryRequest>();
+    let st = match c
         .delta_aggregated_resources(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
         .await
-        .expect_err("unimplemented");
-    assert_eq!(st.code(), tonic::Code::Unimplemented, "{st:?}");
+    {
+        Ok(r) => r
+            .into_inner()
+            .next()
+            .await
+            .expect("an answer")
+            .expect_err("refused"),
+        Err(st) => st,
+    };
+    assert_eq!(st.code(), tonic::Code::Unauthenticated, "{st:?}");
     s.stop.cancel();
 }
 
@@ -727,6 +743,402 @@ async fn an_open_stream_keeps_its_connection_past_the_idle_time() {
         .expect("the idle connection is closed within 10 s")
         .expect("connection task");
     assert!(closed.is_ok(), "{closed:?}");
+    s.stop.cancel();
+}
+
+/// One delta ADS stream, as a proxy holds it.
+struct DeltaProxy {
+    tx: mpsc::UnboundedSender<DeltaDiscoveryRequest>,
+    rx: tonic::Streaming<DeltaDiscoveryResponse>,
+}
+
+impl DeltaProxy {
+    async fn open(c: &mut Client, first: DeltaDiscoveryRequest) -> Result<Self, tonic::Status> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(first).expect("queued");
+        let mut req = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+        let v = format!("Bearer {}", token(WEB))
+            .parse()
+            .expect("header value");
+        req.metadata_mut().insert("authorization", v);
+        let rx = c.delta_aggregated_resources(req).await?.into_inner();
+        Ok(Self { tx, rx })
+    }
+
+    async fn next(&mut self) -> Result<DeltaDiscoveryResponse, tonic::Status> {
+        match tokio::time::timeout(WAIT, self.rx.next()).await {
+            Ok(Some(r)) => r,
+            Ok(None) => Err(tonic::Status::aborted("the stream ended")),
+            Err(_) => panic!("no response within {WAIT:?}"),
+        }
+    }
+
+    fn send(&self, r: DeltaDiscoveryRequest) {
+        self.tx.send(r).expect("sent");
+    }
+
+    fn ack(&self, r: &DeltaDiscoveryResponse) {
+        self.send(delta(&r.type_url, &[], Some(r)));
+    }
+
+    /// Subscribed as Envoy does (CDS and LDS wildcard, EDS by name), every
+    /// response ACKed: what it holds, by type then name.
+    async fn subscribed(&mut self) -> BTreeMap<String, BTreeMap<String, String>> {
+        let mut held = BTreeMap::new();
+        for (t, names) in [
+            (CLUSTER, &[][..]),
+            (LISTENER, &[][..]),
+            (ENDPOINTS, &[CART][..]),
+        ] {
+            if t != CLUSTER {
+                self.send(delta(t, names, None));
+            }
+            let r = self.next().await.expect("a response");
+            assert_eq!(r.type_url, t);
+            self.ack(&r);
+            held.insert(t.to_string(), versions(&r));
+        }
+        held
+    }
+}
+
+fn delta(
+    t: &str,
+    subscribe: &[&str],
+    ack: Option<&DeltaDiscoveryResponse>,
+) -> DeltaDiscoveryRequest {
+    DeltaDiscoveryRequest {
+        type_url: t.into(),
+        resource_names_subscribe: subscribe.iter().map(|n| n.to_string()).collect(),
+        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+fn delta_hello(pod: &str) -> DeltaDiscoveryRequest {
+    DeltaDiscoveryRequest {
+        node: node(pod),
+        ..delta(CLUSTER, &[], None)
+    }
+}
+
+/// A delta response's resources: name → version.
+fn versions(r: &DeltaDiscoveryResponse) -> BTreeMap<String, String> {
+    r.resources
+        .iter()
+        .map(|r| (r.name.clone(), r.version.clone()))
+        .collect()
+}
+
+/// Services `cart` and `pay`, each with an endpoint; web-0 calls both.
+fn two_services(s: &Server) {
+    let pay = remora_contract::discovery::ServiceHost {
+        name: "pay".into(),
+        namespace: "shop".into(),
+    };
+    s.discovery.update(|r| {
+        let mut t = Vec::new();
+        t.extend(r.apply_service(
+            pay.clone(),
+            ServiceInfo {
+                ports: vec![ServicePort {
+                    port: 80,
+                    name: "http".into(),
+                    protocol: Protocol::Http,
+                }],
+                ..Default::default()
+            },
+        ));
+        t.extend(r.apply_slice(
+            ("shop".into(), "pay-1".into()),
+            SliceInfo {
+                service: Some(pay.clone()),
+                ..slice(&["10.2.0.1"])
+            },
+        ));
+        t.extend(r.apply_proxy(
+            pod("web-0"),
+            ProxyInfo {
+                ip: Some("127.0.0.1".into()),
+                service_account: "web".into(),
+                outbound: Some("15001:cart.shop:80,15002:pay.shop:80".into()),
+                ..Default::default()
+            },
+        ));
+        t
+    });
+}
+
+const PAY: &str = "outbound|80||pay.shop.svc.cluster.local";
+
+/// Over delta, a proxy gets its scope once, then only the resource that
+/// changed (one load assignment of two), and a removal when a Service goes.
+#[tokio::test]
+async fn a_delta_proxy_gets_only_the_resources_that_changed() {
+    let s = Server::start().await;
+    two_services(&s);
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = DeltaProxy::open(&mut c, delta_hello("web-0"))
+        .await
+        .expect("admitted");
+    let cds = p.next().await.expect("cds");
+    assert_eq!(cds.type_url, CLUSTER);
+    assert_eq!(
+        versions(&cds).keys().collect::<Vec<_>>(),
+        [CART, PAY],
+        "its declared Services only"
+    );
+    p.ack(&cds);
+    p.send(delta(LISTENER, &[], None));
+    let lds = p.next().await.expect("lds");
+    assert_eq!(lds.resources.len(), 2);
+    p.ack(&lds);
+    // EDS by name; a name outside its scope is not returned, and counted.
+    p.send(delta(
+        ENDPOINTS,
+        &[CART, PAY, "outbound|80||secret.other.svc.cluster.local"],
+        None,
+    ));
+    let eds = p.next().await.expect("eds");
+    assert_eq!(versions(&eds).keys().collect::<Vec<_>>(), [CART, PAY]);
+    assert_eq!(s.metrics.out_of_scope_total(ENDPOINTS), 1);
+    p.ack(&eds);
+
+    // cart's endpoints change: cart's load assignment alone, twice; no CDS
+    // or LDS (they would come first on the stream).
+    for ips in [&["10.1.0.1", "10.1.0.2"][..], &["10.1.0.3"][..]] {
+        s.discovery
+            .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(ips)));
+        let pushed = p.next().await.expect("push");
+        assert_eq!(pushed.type_url, ENDPOINTS, "EDS only");
+        assert_eq!(versions(&pushed).keys().collect::<Vec<_>>(), [CART]);
+        assert!(pushed.removed_resources.is_empty());
+        p.ack(&pushed);
+    }
+    // pay goes from web-0's annotation: its cluster and listener are
+    // removed, by name, and nothing else is sent.
+    s.discovery.update(|r| {
+        r.apply_proxy(
+            pod("web-0"),
+            ProxyInfo {
+                ip: Some("127.0.0.1".into()),
+                service_account: "web".into(),
+                outbound: Some("15001:cart.shop:80".into()),
+                ..Default::default()
+            },
+        )
+    });
+    let cds = p.next().await.expect("cds");
+    assert_eq!(
+        (
+            cds.type_url.as_str(),
+            cds.resources.len(),
+            cds.removed_resources.clone()
+        ),
+        (CLUSTER, 0, vec![PAY.to_string()])
+    );
+    p.ack(&cds);
+    let next = p.next().await.expect("eds or lds");
+    let lds = if next.type_url == ENDPOINTS {
+        // Its subscription still names pay, which is out of its scope now.
+        assert_eq!(next.removed_resources, [PAY]);
+        p.ack(&next);
+        p.next().await.expect("lds")
+    } else {
+        next
+    };
+    assert_eq!(lds.type_url, LISTENER);
+    assert_eq!((lds.resources.len(), lds.removed_resources.len()), (0, 1));
+    s.stop.cancel();
+}
+
+/// A delta proxy reconnecting with `initial_resource_versions` gets only
+/// what changed while it was away, and nothing of what did not.
+#[tokio::test]
+async fn a_resumed_delta_stream_gets_only_what_changed_meanwhile() {
+    let s = Server::start().await;
+    two_services(&s);
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = DeltaProxy::open(&mut c, delta_hello("web-0"))
+        .await
+        .expect("admitted");
+    let held = p.subscribed().await;
+    drop(p);
+    // Away: pay's endpoints change.
+    s.discovery.update(|r| {
+        r.apply_slice(
+            ("shop".into(), "pay-1".into()),
+            SliceInfo {
+                service: Some(remora_contract::discovery::ServiceHost {
+                    name: "pay".into(),
+                    namespace: "shop".into(),
+                }),
+                ..slice(&["10.2.0.2"])
+            },
+        )
+    });
+    let resume = |t: &str, names: &[&str]| DeltaDiscoveryRequest {
+        initial_resource_versions: held[t].clone().into_iter().collect(),
+        ..delta(t, names, None)
+    };
+    let mut q = DeltaProxy::open(
+        &mut c,
+        DeltaDiscoveryRequest {
+            node: node("web-0"),
+            ..resume(CLUSTER, &[])
+        },
+    )
+    .await
+    .expect("admitted again");
+    q.send(resume(LISTENER, &[]));
+    q.send(resume(ENDPOINTS, &[CART, PAY]));
+    let first = q.next().await.expect("a response");
+    assert_eq!(
+        (
+            first.type_url.as_str(),
+            versions(&first).keys().collect::<Vec<_>>()
+        ),
+        (ENDPOINTS, vec![&PAY.to_string()]),
+        "pay's load assignment alone: unchanged CDS, LDS or cart resent"
+    );
+    q.ack(&first);
+    // The pod's annotations over delta too: one resource, named after it.
+    q.send(delta(
+        remora_operator::discovery::resources::POD_ANNOTATIONS,
+        &[],
+        None,
+    ));
+    let own = q.next().await.expect("annotations");
+    assert_eq!(
+        versions(&own).keys().collect::<Vec<_>>(),
+        ["shop/web-0"],
+        "{own:?}"
+    );
+    s.stop.cancel();
+}
+
+/// A delta NACK takes the state-of-the-world path: counted, a Warning
+/// Event naming Envoy's error, and the same content not sent again.
+#[tokio::test]
+async fn a_delta_nack_is_counted_raised_and_not_answered_with_the_same_config() {
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut p = DeltaProxy::open(&mut c, delta_hello("web-0"))
+        .await
+        .expect("admitted");
+    let held = p.subscribed().await;
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.9"])));
+    let bad = p.next().await.expect("push");
+    assert_eq!(bad.type_url, ENDPOINTS);
+    p.send(DeltaDiscoveryRequest {
+        error_detail: Some(RpcStatus {
+            code: 3,
+            message: "endpoint 10.1.0.9: refused by the test".into(),
+            details: vec![],
+        }),
+        ..delta(ENDPOINTS, &[], Some(&bad))
+    });
+    wait_until(WAIT, "the NACK counted", || async {
+        (s.metrics.nacks_total(ENDPOINTS) == 1).then_some(())
+    })
+    .await
+    .expect("counted");
+    let w = tokio::time::timeout(WAIT, s.warnings.lock().await.recv())
+        .await
+        .expect("a warning in time")
+        .expect("a warning");
+    assert_eq!(
+        (w.pod.as_str(), w.reason),
+        ("web-0", "ConfigurationRefused")
+    );
+    assert!(w.note.contains("refused by the test"), "{w:?}");
+    // The next response is the next content: back to the first endpoints,
+    // the version Envoy kept (it held it all along).
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.1"])));
+    let next = p.next().await.expect("push");
+    assert_eq!(next.type_url, ENDPOINTS);
+    assert_eq!(versions(&next), held[ENDPOINTS]);
+    assert_ne!(next.nonce, bad.nonce);
+    s.stop.cancel();
+}
+
+/// Pushes wait for a place in the throttle: with one place held by the
+/// test, a change reaches no proxy until it is let go, and with two places
+/// no more than two streams ever push at once.
+#[tokio::test]
+async fn pushes_wait_for_a_place_in_the_throttle() {
+    use futures::FutureExt;
+    let s = Server::start_throttled(Duration::ZERO, limits(), 1).await;
+    let (_h2, mut p) = s.web_0().await;
+    subscribed(&mut p).await;
+    let place = s.discovery.throttle.acquire().await;
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.5"])));
+    wait_until(WAIT, "the stream waits for a place", || async {
+        (s.discovery.throttle.waiting() == 1).then_some(())
+    })
+    .await
+    .expect("waiting");
+    // Waiting before it recomputes: nothing can be on its way.
+    assert!(
+        p.rx.next().now_or_never().is_none(),
+        "pushed past the throttle"
+    );
+    drop(place);
+    let pushed = p.next().await.expect("pushed once let go");
+    assert_eq!(endpoints(&pushed).len(), 1);
+    s.stop.cancel();
+
+    let s = Server::start_throttled(Duration::ZERO, limits(), 2).await;
+    s.discovery.update(|r| {
+        (0..8)
+            .flat_map(|i| {
+                r.apply_proxy(
+                    pod(&format!("web-{i}")),
+                    ProxyInfo {
+                        ip: Some("127.0.0.1".into()),
+                        service_account: "web".into(),
+                        outbound: Some("15001:cart.shop:80".into()),
+                        ..Default::default()
+                    },
+                )
+            })
+            .collect::<Vec<_>>()
+    });
+    // Four streams a connection at most (the server's limit).
+    let conns = [s.connect().await, s.connect().await];
+    let mut proxies = Vec::new();
+    for i in 0..8 {
+        let mut c = client(&conns[i / 4]);
+        let mut p = DeltaProxy::open(&mut c, delta_hello(&format!("web-{i}")))
+            .await
+            .expect("admitted");
+        p.subscribed().await;
+        proxies.push(p);
+    }
+    // Held, so every stream queues behind it and they go two by two.
+    let both = (
+        s.discovery.throttle.acquire().await,
+        s.discovery.throttle.acquire().await,
+    );
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.6"])));
+    wait_until(WAIT, "every stream waits", || async {
+        (s.discovery.throttle.waiting() == 8).then_some(())
+    })
+    .await
+    .expect("all waiting");
+    drop(both);
+    for p in &mut proxies {
+        let pushed = p.next().await.expect("pushed");
+        assert_eq!(pushed.type_url, ENDPOINTS);
+    }
+    assert_eq!(s.discovery.throttle.most(), 2, "at most two at once");
     s.stop.cancel();
 }
 

@@ -30,12 +30,23 @@ pub fn ads_cluster(socket: &Path) -> Value {
     })
 }
 
-/// `dynamic_resources`: state-of-the-world ADS over `xds-grpc`, LDS and CDS
-/// from it (RDS and EDS, when the server uses them, name ADS themselves).
-pub fn dynamic_resources() -> Value {
+/// `dynamic_resources`: ADS over `xds-grpc`, delta (`DELTA_GRPC`) or state
+/// of the world (`GRPC`), LDS and CDS from it (RDS and EDS, when the server
+/// uses them, name ADS themselves).
+///
+/// Delta is the default (`--discovery-delta`): an endpoint change then
+/// sends the one load assignment that changed, not every one the proxy
+/// holds, and a reconnect resends only what changed, by resource, even
+/// when the type's other resources moved on meanwhile (Istio made delta its
+/// default for the same reasons). Remora's operator injects the agent of
+/// its own release, so an agent meets a server without delta only in a
+/// mixed rollout of the operator; it then retries (Envoy keeps serving)
+/// until it reaches an upgraded replica, and `--discovery-delta=false`
+/// keeps state of the world for a server that never will.
+pub fn dynamic_resources(delta: bool) -> Value {
     json!({
         "ads_config": {
-            "api_type": "GRPC",
+            "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
             "transport_api_version": "V3",
             "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
             "set_node_on_first_message_only": true

@@ -8,14 +8,17 @@
 //! the workload certificate as client certificate when the agent has one
 //! (Remora's discovery server authenticates by the token alone so far).
 //! The server is verified with `--ca-root-cert` and the workload trust
-//! bundle. See [`proxy`] for reconnecting and [`session`] for what is
-//! replayed on a new upstream stream.
+//! bundle. Envoy's ADS is delta xDS by default, state of the world with
+//! `--discovery-delta=false` ([`bootstrap::dynamic_resources`]); the proxy
+//! forwards either. See [`proxy`] for reconnecting, and [`session`] (state
+//! of the world) and [`delta`] for what is replayed on a new upstream stream.
 //!
 //! App wiring: [`start`] (nothing without a discovery address), then
 //! [`XdsHandle::hold_readiness`]: the guard [`READINESS_GUARD`] is pending
 //! until Envoy has ACKed its first listeners and its first clusters.
 
 pub mod bootstrap;
+pub mod delta;
 pub mod proxy;
 pub mod session;
 pub mod upstream;

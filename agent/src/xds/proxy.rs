@@ -1,10 +1,13 @@
-//! The Envoy side: a tonic `AggregatedDiscoveryService` on the proxy socket.
-//! Each Envoy stream gets one upstream stream ([`super::upstream`]); both
-//! directions are forwarded unchanged, except what resuming needs (see
-//! [`super::session`]). When the upstream stream fails, Envoy's stream stays
+//! The Envoy side: a tonic `AggregatedDiscoveryService` on the proxy socket,
+//! state of the world and delta (whichever Envoy's bootstrap chose, see
+//! [`super::bootstrap`]). Each Envoy stream gets one upstream stream of
+//! the same kind ([`super::upstream`]); both directions are forwarded
+//! unchanged, except what resuming needs (see [`super::session`] and
+//! [`super::delta`]; a [`Flavor`] is what the two kinds differ in). When the upstream stream fails, Envoy's stream stays
 //! open (Envoy keeps serving its last configuration) while the proxy
 //! reconnects with jittered exponential backoff.
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -24,8 +27,9 @@ use tokio_util::sync::CancellationToken;
 const STABLE_STREAM: std::time::Duration = std::time::Duration::from_secs(5);
 use tonic::{Request, Response, Status, Streaming};
 
+use super::delta::DeltaSession;
 use super::session::{
-    CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session, pod_annotations,
+    CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session, SessionError,
 };
 use super::upstream::{UpstreamConfig, UpstreamError};
 use super::{FirstAcks, XdsMetrics};
@@ -79,13 +83,20 @@ impl Shared {
     }
 
     /// A response of the agent's own type: the pod's annotations, applied
-    /// when they decode (the next read of a setting sees them).
-    fn apply_pod_annotations(&self, resp: &DiscoveryResponse) -> Result<(), String> {
-        let annotations = pod_annotations(resp)?;
-        tracing::debug!(version = %resp.version_info, count = annotations.len(),
-            "the pod's annotations, from the discovery server");
-        self.pod_annotations
-            .send_replace(Some(Arc::new(annotations)));
+    /// when they decode (the next read of a setting sees them); one that
+    /// carries none changes nothing.
+    fn apply_pod_annotations(
+        &self,
+        carried: Result<Option<BTreeMap<String, String>>, String>,
+    ) -> Result<(), String> {
+        if let Some(annotations) = carried? {
+            tracing::debug!(
+                count = annotations.len(),
+                "the pod's annotations, from the discovery server"
+            );
+            self.pod_annotations
+                .send_replace(Some(Arc::new(annotations)));
+        }
         Ok(())
     }
 
@@ -130,7 +141,7 @@ impl AggregatedDiscoveryService for AdsProxy {
             .try_acquire_owned()
             .map_err(|_| Status::resource_exhausted("too many ADS streams on the proxy"))?;
         let (tx, rx) = mpsc::channel(DOWN_QUEUE);
-        tokio::spawn(run_stream(
+        tokio::spawn(run_stream::<Session>(
             self.shared.clone(),
             request.into_inner(),
             tx,
@@ -141,35 +152,157 @@ impl AggregatedDiscoveryService for AdsProxy {
 
     async fn delta_aggregated_resources(
         &self,
-        _request: Request<Streaming<DeltaDiscoveryRequest>>,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        Err(Status::unimplemented(
-            "the agent's bootstrap uses state-of-the-world ADS; delta is not proxied",
-        ))
+        let permit = self
+            .shared
+            .streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Status::resource_exhausted("too many ADS streams on the proxy"))?;
+        let (tx, rx) = mpsc::channel(DOWN_QUEUE);
+        tokio::spawn(run_stream::<DeltaSession>(
+            self.shared.clone(),
+            request.into_inner(),
+            tx,
+            permit,
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+type Opening<R> = BoxFuture<'static, Result<Streaming<R>, UpstreamError>>;
+
+/// What state of the world and delta differ in, for the proxy: their
+/// messages, their sessions, and how the upstream stream opens.
+pub(super) trait Flavor: Default + Send + 'static {
+    type Request: Send + 'static;
+    type Response: Send + 'static;
+    fn response_type(resp: &Self::Response) -> &str;
+    fn on_envoy(
+        &mut self,
+        req: Self::Request,
+    ) -> Result<(Self::Request, Reply, String), SessionError>;
+    fn on_server(&mut self, resp: &Self::Response);
+    fn own_subscription(&mut self) -> Option<Self::Request>;
+    fn own_ack(&mut self, resp: &Self::Response, applied: Result<(), String>) -> Self::Request;
+    fn resume(&mut self) -> Vec<Self::Request>;
+    /// The pod's annotations a response of the agent's own type carries
+    /// (`None`: no change).
+    fn pod_annotations(resp: &Self::Response) -> Result<Option<BTreeMap<String, String>>, String>;
+    fn open(
+        cfg: UpstreamConfig,
+        requests: mpsc::Receiver<Self::Request>,
+    ) -> Opening<Self::Response>;
+}
+
+impl Flavor for Session {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+    fn response_type(resp: &DiscoveryResponse) -> &str {
+        &resp.type_url
+    }
+    fn on_envoy(
+        &mut self,
+        req: DiscoveryRequest,
+    ) -> Result<(DiscoveryRequest, Reply, String), SessionError> {
+        let (fwd, reply) = Session::from_envoy(self, req)?;
+        let t = fwd.type_url.clone();
+        Ok((fwd, reply, t))
+    }
+    fn on_server(&mut self, resp: &DiscoveryResponse) {
+        Session::from_server(self, resp);
+    }
+    fn own_subscription(&mut self) -> Option<DiscoveryRequest> {
+        Session::own_subscription(self)
+    }
+    fn own_ack(
+        &mut self,
+        resp: &DiscoveryResponse,
+        applied: Result<(), String>,
+    ) -> DiscoveryRequest {
+        Session::own_ack(self, resp, applied)
+    }
+    fn resume(&mut self) -> Vec<DiscoveryRequest> {
+        Session::resume(self)
+    }
+    fn pod_annotations(
+        resp: &DiscoveryResponse,
+    ) -> Result<Option<BTreeMap<String, String>>, String> {
+        super::session::pod_annotations(resp).map(Some)
+    }
+    fn open(
+        cfg: UpstreamConfig,
+        requests: mpsc::Receiver<DiscoveryRequest>,
+    ) -> Opening<DiscoveryResponse> {
+        Box::pin(async move { cfg.open(requests).await })
+    }
+}
+
+impl Flavor for DeltaSession {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+    fn response_type(resp: &DeltaDiscoveryResponse) -> &str {
+        &resp.type_url
+    }
+    fn on_envoy(
+        &mut self,
+        req: DeltaDiscoveryRequest,
+    ) -> Result<(DeltaDiscoveryRequest, Reply, String), SessionError> {
+        let (fwd, reply) = DeltaSession::from_envoy(self, req)?;
+        let t = fwd.type_url.clone();
+        Ok((fwd, reply, t))
+    }
+    fn on_server(&mut self, resp: &DeltaDiscoveryResponse) {
+        DeltaSession::from_server(self, resp);
+    }
+    fn own_subscription(&mut self) -> Option<DeltaDiscoveryRequest> {
+        DeltaSession::own_subscription(self)
+    }
+    fn own_ack(
+        &mut self,
+        resp: &DeltaDiscoveryResponse,
+        applied: Result<(), String>,
+    ) -> DeltaDiscoveryRequest {
+        DeltaSession::own_ack(self, resp, applied)
+    }
+    fn resume(&mut self) -> Vec<DeltaDiscoveryRequest> {
+        DeltaSession::resume(self)
+    }
+    fn pod_annotations(
+        resp: &DeltaDiscoveryResponse,
+    ) -> Result<Option<BTreeMap<String, String>>, String> {
+        super::delta::pod_annotations(resp)
+    }
+    fn open(
+        cfg: UpstreamConfig,
+        requests: mpsc::Receiver<DeltaDiscoveryRequest>,
+    ) -> Opening<DeltaDiscoveryResponse> {
+        Box::pin(async move { cfg.open_delta(requests).await })
     }
 }
 
 /// Where the upstream stream is.
-enum Upstream {
+enum Upstream<F: Flavor> {
     /// Waiting out the backoff before the next attempt.
     Waiting(Pin<Box<tokio::time::Sleep>>),
-    Connecting(BoxFuture<'static, Result<Streaming<DiscoveryResponse>, UpstreamError>>),
-    Streaming(Box<Streaming<DiscoveryResponse>>),
+    Connecting(Opening<F::Response>),
+    Streaming(Box<Streaming<F::Response>>),
 }
 
 // Transient: one at a time, handled at once.
 #[allow(clippy::large_enum_variant)]
-enum Event {
-    Envoy(Result<Option<DiscoveryRequest>, Status>),
+enum Event<F: Flavor> {
+    Envoy(Result<Option<F::Request>, Status>),
     Retry,
-    Connected(Result<Streaming<DiscoveryResponse>, UpstreamError>),
-    Response(Result<Option<DiscoveryResponse>, Status>),
+    Connected(Result<Streaming<F::Response>, UpstreamError>),
+    Response(Result<Option<F::Response>, Status>),
 }
 
-impl Upstream {
+impl<F: Flavor> Upstream<F> {
     /// The next thing that happens upstream. Cancel-safe: the sleep and the
     /// connection live in `self`, and `Streaming::message` is cancel-safe.
-    async fn next(&mut self) -> Event {
+    async fn next(&mut self) -> Event<F> {
         match self {
             Self::Waiting(s) => {
                 s.as_mut().await;
@@ -182,11 +315,11 @@ impl Upstream {
 }
 
 /// Start an attempt: a fresh queue, primed with the session's replay.
-fn connect(
+fn connect<F: Flavor>(
     shared: &Arc<Shared>,
-    session: &mut Session,
-    up: &mut Option<mpsc::Sender<DiscoveryRequest>>,
-) -> Upstream {
+    session: &mut F,
+    up: &mut Option<mpsc::Sender<F::Request>>,
+) -> Upstream<F> {
     let (tx, rx) = mpsc::channel(UP_QUEUE);
     for r in session
         .resume()
@@ -197,27 +330,26 @@ fn connect(
         let _ = tx.try_send(r);
     }
     *up = Some(tx);
-    let cfg = shared.upstream.clone();
-    Upstream::Connecting(Box::pin(async move { cfg.open(rx).await }))
+    Upstream::Connecting(F::open(shared.upstream.clone(), rx))
 }
 
-async fn run_stream(
+async fn run_stream<F: Flavor>(
     shared: Arc<Shared>,
-    envoy: Streaming<DiscoveryRequest>,
-    down: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    envoy: Streaming<F::Request>,
+    down: mpsc::Sender<Result<F::Response, Status>>,
     _permit: OwnedSemaphorePermit,
 ) {
     shared.metrics.streams.inc();
-    proxy_stream(&shared, envoy, down).await;
+    proxy_stream::<F>(&shared, envoy, down).await;
     shared.metrics.streams.dec();
 }
 
-async fn proxy_stream(
+async fn proxy_stream<F: Flavor>(
     shared: &Arc<Shared>,
-    mut envoy: Streaming<DiscoveryRequest>,
-    down: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    mut envoy: Streaming<F::Request>,
+    down: mpsc::Sender<Result<F::Response, Status>>,
 ) {
-    let mut session = Session::default();
+    let mut session = F::default();
     let mut backoff = shared.backoff();
     let mut up = None;
     let mut upstream = connect(shared, &mut session, &mut up);
@@ -234,9 +366,9 @@ async fn proxy_stream(
             e = upstream.next() => e,
         };
         let failed: Option<String> = match event {
-            Event::Envoy(Ok(Some(req))) => match session.from_envoy(req) {
-                Ok((fwd, reply)) => {
-                    shared.observe(&fwd.type_url, &reply);
+            Event::Envoy(Ok(Some(req))) => match session.on_envoy(req) {
+                Ok((fwd, reply, type_url)) => {
+                    shared.observe(&type_url, &reply);
                     // Ours goes up right after the first request with the node.
                     let own = session.own_subscription();
                     match &up {
@@ -284,8 +416,8 @@ async fn proxy_stream(
                     failures = 0;
                     backoff = shared.backoff();
                 }
-                if resp.type_url == POD_ANNOTATIONS_TYPE {
-                    let applied = shared.apply_pod_annotations(&resp);
+                if F::response_type(&resp) == POD_ANNOTATIONS_TYPE {
+                    let applied = shared.apply_pod_annotations(F::pod_annotations(&resp));
                     if let Err(e) = &applied {
                         tracing::warn!(error = %e, "refused the pod's annotations from the discovery server");
                     }
@@ -297,7 +429,7 @@ async fn proxy_stream(
                         _ => None,
                     }
                 } else {
-                    session.from_server(&resp);
+                    session.on_server(&resp);
                     if down.send(Ok(resp)).await.is_err() {
                         return;
                     }

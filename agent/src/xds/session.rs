@@ -67,6 +67,8 @@ pub enum SessionError {
     NoTypeUrl,
     #[error("more than {MAX_TYPES} type URLs on one stream")]
     TooManyTypes,
+    #[error("more than {0} resource names subscribed to one type")]
+    TooManyNames(usize),
 }
 
 #[derive(Debug, Default)]

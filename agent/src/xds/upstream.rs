@@ -7,11 +7,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::metadata::MetadataValue;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::certs::BundleReceiver;
 
@@ -120,11 +122,16 @@ impl UpstreamConfig {
         Ok(tls)
     }
 
-    /// Open one ADS stream carrying `requests` up; the responses come back.
-    pub async fn open(
+    /// A client of the discovery server, and the stream's authorization.
+    async fn client(
         &self,
-        requests: mpsc::Receiver<DiscoveryRequest>,
-    ) -> Result<tonic::Streaming<DiscoveryResponse>, UpstreamError> {
+    ) -> Result<
+        (
+            AggregatedDiscoveryServiceClient<Channel>,
+            MetadataValue<Ascii>,
+        ),
+        UpstreamError,
+    > {
         let host = self.host()?;
         let token = self.token().await?;
         let conn = |reason: String| UpstreamError::Connect {
@@ -140,9 +147,8 @@ impl UpstreamConfig {
             .tls_config(self.tls(&host)?)
             .map_err(|e| conn(e.to_string()))?;
         let channel = ep.connect().await.map_err(|e| conn(source_chain(&e)))?;
-        let mut client = AggregatedDiscoveryServiceClient::new(channel)
+        let client = AggregatedDiscoveryServiceClient::new(channel)
             .max_decoding_message_size(MAX_RESPONSE_BYTES);
-        let mut req = tonic::Request::new(ReceiverStream::new(requests));
         // The error never echoes the value: it is a credential.
         let auth = MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
             UpstreamError::Token {
@@ -150,16 +156,57 @@ impl UpstreamConfig {
                 reason: "contains characters not allowed in a header".into(),
             }
         })?;
+        Ok((client, auth))
+    }
+
+    /// Open one state-of-the-world ADS stream carrying `requests` up; the
+    /// responses come back.
+    pub async fn open(
+        &self,
+        requests: mpsc::Receiver<DiscoveryRequest>,
+    ) -> Result<tonic::Streaming<DiscoveryResponse>, UpstreamError> {
+        let (mut client, auth) = self.client().await?;
+        let mut req = tonic::Request::new(ReceiverStream::new(requests));
         req.metadata_mut().insert("authorization", auth);
-        let resp =
-            client
-                .stream_aggregated_resources(req)
-                .await
-                .map_err(|s| UpstreamError::Refused {
-                    code: s.code(),
-                    message: s.message().to_string(),
-                })?;
+        let resp = client
+            .stream_aggregated_resources(req)
+            .await
+            .map_err(refused)?;
         Ok(resp.into_inner())
+    }
+
+    /// Open one delta ADS stream carrying `requests` up.
+    pub async fn open_delta(
+        &self,
+        requests: mpsc::Receiver<DeltaDiscoveryRequest>,
+    ) -> Result<tonic::Streaming<DeltaDiscoveryResponse>, UpstreamError> {
+        let (mut client, auth) = self.client().await?;
+        let mut req = tonic::Request::new(ReceiverStream::new(requests));
+        req.metadata_mut().insert("authorization", auth);
+        let resp = client
+            .delta_aggregated_resources(req)
+            .await
+            .map_err(|s| {
+                let mut e = refused(s);
+                if let UpstreamError::Refused {
+                    code: tonic::Code::Unimplemented,
+                    message,
+                } = &mut e
+                {
+                    message.push_str(
+                        " (a discovery server without delta xDS: upgrade it, or run the agent with --discovery-delta=false)",
+                    );
+                }
+                e
+            })?;
+        Ok(resp.into_inner())
+    }
+}
+
+fn refused(s: tonic::Status) -> UpstreamError {
+    UpstreamError::Refused {
+        code: s.code(),
+        message: s.message().to_string(),
     }
 }
 

@@ -1,6 +1,6 @@
-//! The discovery server: Envoy's aggregated discovery service
-//! (state-of-the-world; delta is a later step) for the sidecars, on every
-//! replica, off by default (`--discovery`).
+//! The discovery server: Envoy's aggregated discovery service (state of
+//! the world and delta) for the sidecars, on every replica, off by default
+//! (`--discovery`).
 //!
 //! - [`registry`]: Services, their ready endpoints and the proxies' pods,
 //!   pure, fed from the shared watches, with [`external`]: the services
@@ -10,9 +10,12 @@
 //! - [`push`]: changes debounced into batches the streams follow;
 //! - [`session`]: what one stream does with each request (per-type
 //!   versions, nonces, ACK/NACK, scope), pure;
+//! - [`delta`]: the same for a delta stream (per-resource versions,
+//!   subscriptions, resuming from what the proxy holds), pure;
 //! - [`server`]: the ADS service (authentication, then each stream's
 //!   session), served by [`crate::grpc_server`].
 
+pub mod delta;
 pub mod external;
 pub mod feed;
 pub mod push;

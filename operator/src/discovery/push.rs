@@ -3,14 +3,17 @@
 //! changes into a [`Batch`]: after a quiet window with no change, or at
 //! the latest a maximum delay after the first one, so a rollout of many
 //! pods is pushed a few times rather than once per pod.
+//!
+//! Pushes are throttled ([`Throttle`]): at most so many streams recompute
+//! and send at once, across all streams, as Istio's `PILOT_PUSH_THROTTLE`.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use remora_contract::discovery::ServiceHost;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, SemaphorePermit, mpsc, watch};
 use tokio::time::Instant;
 
 use super::registry::{PodKey, Registry, Touched};
@@ -30,6 +33,82 @@ impl Default for Debounce {
             quiet: Duration::from_millis(100),
             max_delay: Duration::from_secs(1),
         }
+    }
+}
+
+/// Pushes at once by default: Istio's `PILOT_PUSH_THROTTLE` default. A push
+/// is a recompute (CPU, shared per outbound annotation) and a send into the
+/// stream's queue, so more at once than the runtime's threads buys nothing;
+/// the bound is what keeps a burst of 10,000 streams from each holding a
+/// freshly computed snapshot at once (README, "Push throttling", for the
+/// measurement).
+pub const DEFAULT_PUSH_THROTTLE: usize = 100;
+
+/// A bound on the pushes (recompute + send) in flight across all streams.
+#[derive(Debug)]
+pub struct Throttle {
+    permits: Semaphore,
+    limit: usize,
+    in_flight: AtomicUsize,
+    /// The most in flight at once so far.
+    most: AtomicUsize,
+    waiting: AtomicUsize,
+}
+
+impl Throttle {
+    /// At most `limit` (at least 1) pushes at once.
+    pub fn new(limit: usize) -> Self {
+        let limit = limit.max(1);
+        Self {
+            permits: Semaphore::new(limit),
+            limit,
+            in_flight: AtomicUsize::new(0),
+            most: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// A place for one push, once one is free; the push ends when it drops.
+    pub async fn acquire(&self) -> PushPermit<'_> {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        // Never closed: a closed semaphore would be a bug here.
+        let permit = self.permits.acquire().await;
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        let now = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+        self.most.fetch_max(now, Ordering::AcqRel);
+        PushPermit {
+            _permit: permit.ok(),
+            throttle: self,
+        }
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+    /// Pushes in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+    /// The most pushes that were in flight at once.
+    pub fn most(&self) -> usize {
+        self.most.load(Ordering::Acquire)
+    }
+    /// Pushes waiting for a place now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
+    }
+}
+
+/// One push's place in the [`Throttle`].
+#[derive(Debug)]
+pub struct PushPermit<'a> {
+    _permit: Option<SemaphorePermit<'a>>,
+    throttle: &'a Throttle,
+}
+
+impl Drop for PushPermit<'_> {
+    fn drop(&mut self) {
+        self.throttle.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -71,15 +150,30 @@ pub struct Discovery {
     /// The workload CA's trust domain when it is on: meshed endpoints are
     /// then reached over mTLS (secure naming, see [`resources`]).
     pub trust_domain: Option<String>,
+    /// Bounds the pushes of all streams.
+    pub throttle: Throttle,
 }
 
 impl Discovery {
     /// The state and the debounce task's future, which ends once every
-    /// [`Discovery`] is dropped.
+    /// [`Discovery`] is dropped; pushes throttled at [`DEFAULT_PUSH_THROTTLE`].
     pub fn new(
         domain: &str,
         trust_domain: Option<&str>,
         debounce: Debounce,
+    ) -> (
+        Arc<Self>,
+        impl std::future::Future<Output = ()> + Send + use<>,
+    ) {
+        Self::with_push_throttle(domain, trust_domain, debounce, DEFAULT_PUSH_THROTTLE)
+    }
+
+    /// [`Discovery::new`], with at most `push_throttle` pushes at once.
+    pub fn with_push_throttle(
+        domain: &str,
+        trust_domain: Option<&str>,
+        debounce: Debounce,
+        push_throttle: usize,
     ) -> (
         Arc<Self>,
         impl std::future::Future<Output = ()> + Send + use<>,
@@ -94,6 +188,7 @@ impl Discovery {
             batches,
             domain: domain.to_string(),
             trust_domain: trust_domain.map(str::to_string),
+            throttle: Throttle::new(push_throttle),
         });
         (me, run(rx, tx, debounce))
     }
@@ -241,6 +336,30 @@ mod tests {
         assert_eq!(start.elapsed(), d.max_delay);
         assert_eq!(brx.borrow_and_update().generation, 2);
         feeding.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_more_pushes_than_the_throttle_run_at_once() {
+        let throttle = Arc::new(Throttle::new(3));
+        let start = Instant::now();
+        let pushes: Vec<_> = (0..10)
+            .map(|_| {
+                let t = Arc::clone(&throttle);
+                tokio::spawn(async move {
+                    let _p = t.acquire().await;
+                    assert!(t.in_flight() <= 3, "{} in flight", t.in_flight());
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                })
+            })
+            .collect();
+        for p in pushes {
+            p.await.expect("pushed");
+        }
+        // 10 pushes of 10 ms, 3 at a time: 4 rounds.
+        assert_eq!(start.elapsed(), Duration::from_millis(40));
+        assert_eq!(throttle.most(), 3);
+        assert_eq!((throttle.in_flight(), throttle.waiting()), (0, 0));
+        assert_eq!(Throttle::new(0).limit(), 1, "never none at all");
     }
 
     #[test]

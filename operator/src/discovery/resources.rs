@@ -173,24 +173,42 @@ struct Mtls {
 
 /// Resources of one type by name, and their version: a digest of their
 /// content, so an unchanged type keeps its version and is not re-sent.
+/// Each resource has a version of its own too (a digest of its encoding),
+/// which delta xDS compares resource by resource.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Typed {
     pub version: String,
     pub resources: BTreeMap<String, Any>,
+    /// Each resource's version, by name (the names of `resources`).
+    pub versions: BTreeMap<String, String>,
 }
 
 impl Typed {
-    fn new(resources: BTreeMap<String, Any>) -> Self {
+    pub fn new(resources: BTreeMap<String, Any>) -> Self {
+        let digest = |bytes: &[u8]| -> String {
+            Sha256::digest(bytes)[..8]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
+        let versions: BTreeMap<String, String> = resources
+            .iter()
+            .map(|(name, any)| (name.clone(), digest(&any.value)))
+            .collect();
+        // The type's version from the resources' own: each byte is hashed once.
         let mut h = Sha256::new();
-        for (name, any) in &resources {
+        for (name, version) in &versions {
             h.update((name.len() as u64).to_be_bytes());
             h.update(name.as_bytes());
-            h.update((any.value.len() as u64).to_be_bytes());
-            h.update(&any.value);
+            h.update(version.as_bytes());
         }
         let d = h.finalize();
         let version = d[..8].iter().map(|b| format!("{b:02x}")).collect();
-        Self { version, resources }
+        Self {
+            version,
+            resources,
+            versions,
+        }
     }
 }
 

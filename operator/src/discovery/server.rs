@@ -1,5 +1,5 @@
-//! Envoy's aggregated discovery service, state of the world, for one
-//! proxy per stream.
+//! Envoy's aggregated discovery service, state of the world and delta, for
+//! one proxy per stream.
 //!
 //! A stream is served only once its caller is known and entitled: its
 //! bearer token (the pod's projected token for
@@ -11,15 +11,18 @@
 //! UNAUTHENTICATED, INVALID_ARGUMENT or PERMISSION_DENIED saying why
 //! ([`entitled_now`], pure, is that rule).
 //!
-//! Then each request goes through the stream's [`Session`] (pure: versions,
-//! nonces, ACK/NACK, scope, refused types; see [`super::session`]); this
-//! module does what it decides: sends, counts, logs a NACK with Envoy's
+//! Then each request goes through the stream's session (pure: versions,
+//! nonces, ACK/NACK, scope, refused types): a [`Session`] for state of the
+//! world ([`super::session`]), a [`DeltaSession`] for delta
+//! ([`super::delta`]); this module does what either decides, the same way: sends, counts, logs a NACK with Envoy's
 //! message and raises it as a Warning Event on the proxy's pod, or ends
 //! the stream with the session's status.
 //!
 //! Pushes follow the debounced batches ([`super::push`]): a batch that
 //! concerns the proxy recomputes its resources, and only the types whose
-//! version changed are sent (EDS alone when only endpoints changed).
+//! version changed are sent (EDS alone when only endpoints changed; over
+//! delta, only the resources that changed). Pushes wait for a place in the
+//! [`super::push::Throttle`], across all streams.
 
 use crate::pod_events::{PodEvents, Warning};
 use std::pin::Pin;
@@ -37,10 +40,11 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Metrics;
+use super::delta::DeltaSession;
 use super::push::{Batch, Discovery};
 use super::registry::PodKey;
 use super::resources::{self, Snapshot};
-use super::session::{Push, Reply, Session};
+use super::session::{AdsRequest, Push, Reply, Session, StreamSession};
 use crate::grpc_server::Peer;
 use crate::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, bearer};
 
@@ -147,7 +151,7 @@ impl<A: Authenticate> AdsService<A> {
         &self,
         authorization: Option<&str>,
         source: Option<std::net::IpAddr>,
-        first: &DiscoveryRequest,
+        first: &impl AdsRequest,
     ) -> Result<PodKey, Refusal> {
         let caller = self.caller(authorization, source).await?;
         self.entitle(&caller, first).await
@@ -168,7 +172,7 @@ impl<A: Authenticate> AdsService<A> {
     pub async fn entitle(
         &self,
         caller: &Caller,
-        first: &DiscoveryRequest,
+        first: &impl AdsRequest,
     ) -> Result<PodKey, Refusal> {
         let id = node_id(first)?;
         let caller = caller.clone();
@@ -188,8 +192,8 @@ impl<A: Authenticate> AdsService<A> {
 }
 
 /// The node id of a stream's first request.
-fn node_id(first: &DiscoveryRequest) -> Result<NodeId, Refusal> {
-    let node = first.node.as_ref().ok_or(Refusal::NoNode)?;
+fn node_id(first: &impl AdsRequest) -> Result<NodeId, Refusal> {
+    let node = first.node().ok_or(Refusal::NoNode)?;
     node.id.parse().map_err(Refusal::BadNode)
 }
 
@@ -199,7 +203,7 @@ fn node_id(first: &DiscoveryRequest) -> Result<NodeId, Refusal> {
 pub fn entitled_now(
     d: &Discovery,
     caller: &Caller,
-    first: &DiscoveryRequest,
+    first: &impl AdsRequest,
 ) -> Result<PodKey, Refusal> {
     entitled(d, caller, &node_id(first)?)
 }
@@ -258,6 +262,25 @@ impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        self.serve_stream(request, Session::new).await
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        self.serve_stream(request, DeltaSession::new).await
+    }
+}
+
+impl<A: Authenticate> AdsService<A> {
+    /// Admit a stream (state of the world or delta), then serve it with
+    /// the session `session` makes from the stream's nonce prefix.
+    async fn serve_stream<S: StreamSession>(
+        &self,
+        request: Request<Streaming<S::Request>>,
+        session: impl FnOnce(String) -> S,
+    ) -> Result<Response<BoxStream<S::Response>>, Status> {
         let authorization = request
             .metadata()
             .get("authorization")
@@ -291,7 +314,7 @@ impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
             discovery: Arc::clone(&self.discovery),
             metrics: self.metrics.clone(),
             events: self.events.clone(),
-            session: Session::new(format!("{:08x}", rand::random::<u32>())),
+            session: session(format!("{:08x}", rand::random::<u32>())),
             snapshot: Snapshot::default(),
             tx,
         };
@@ -300,26 +323,17 @@ impl<A: Authenticate> AggregatedDiscoveryService for AdsService<A> {
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
     }
-
-    async fn delta_aggregated_resources(
-        &self,
-        _request: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        Err(Status::unimplemented(
-            "delta xDS is not served yet: use state-of-the-world ADS",
-        ))
-    }
 }
 
 /// One proxy's stream.
-struct ProxyStream {
+struct ProxyStream<S: StreamSession> {
     pod: PodKey,
     discovery: Arc<Discovery>,
     metrics: Metrics,
     events: Option<PodEvents>,
-    session: Session,
+    session: S,
     snapshot: Snapshot,
-    tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    tx: mpsc::Sender<Result<S::Response, Status>>,
 }
 
 /// Why a stream ended.
@@ -329,11 +343,11 @@ enum End {
     Status(Status),
 }
 
-impl ProxyStream {
+impl<S: StreamSession> ProxyStream<S> {
     async fn run(
         mut self,
-        first: DiscoveryRequest,
-        mut inbound: Streaming<DiscoveryRequest>,
+        first: S::Request,
+        mut inbound: Streaming<S::Request>,
         shutdown: CancellationToken,
     ) {
         self.metrics.stream_opened();
@@ -390,7 +404,12 @@ impl ProxyStream {
         }
     }
 
+    /// A push: recompute, then send what changed, holding a place in the
+    /// throttle throughout (a proxy that takes nothing holds it until
+    /// [`SEND_TIMEOUT`] cuts it).
     async fn push(&mut self) -> Result<(), End> {
+        let discovery = Arc::clone(&self.discovery);
+        let _place = discovery.throttle.acquire().await;
         self.recompute();
         for p in self.session.push(&self.snapshot) {
             self.send(p).await?;
@@ -398,7 +417,7 @@ impl ProxyStream {
         Ok(())
     }
 
-    async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), End> {
+    async fn on_request(&mut self, req: S::Request) -> Result<(), End> {
         let outcome = match self.session.on_request(req, &self.snapshot) {
             Ok(o) => o,
             Err(e) => {
@@ -436,12 +455,11 @@ impl ProxyStream {
     }
 
     /// Send what the session decided, counting it.
-    async fn send(&mut self, p: Push) -> Result<(), End> {
+    async fn send(&mut self, p: Push<S::Response>) -> Result<(), End> {
         if p.out_of_scope > 0 {
-            self.metrics
-                .out_of_scope(&p.response.type_url, p.out_of_scope);
+            self.metrics.out_of_scope(p.type_url, p.out_of_scope);
         }
-        self.metrics.pushed(&p.response.type_url);
+        self.metrics.pushed(p.type_url);
         self.tx
             .send_timeout(Ok(p.response), SEND_TIMEOUT)
             .await

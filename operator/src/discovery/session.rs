@@ -17,9 +17,14 @@
 //! - any other type is refused ([`SessionError::UnknownType`]): Remora's
 //!   sidecars ask only for these, so another is a misconfigured client,
 //!   told so rather than left waiting.
+//!
+//! Delta xDS ([`super::delta`]) keeps its own state per type but shares
+//! these rules' parts: the types served, the nonces, what a reply is, the
+//! NACK detail's bound, and [`StreamSession`], which the server drives.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 
 use super::resources::{self, Snapshot};
@@ -36,6 +41,10 @@ pub enum SessionError {
         "type {0:?} is not served: only listeners, clusters, cluster load assignments and the agent's pod annotations"
     )]
     UnknownType(String),
+    #[error(
+        "more than {max} resource names subscribed to one type (or a name over {max_len} bytes)"
+    )]
+    TooManyNames { max: usize, max_len: usize },
 }
 
 impl SessionError {
@@ -43,12 +52,99 @@ impl SessionError {
     pub fn reason(&self) -> &'static str {
         match self {
             Self::UnknownType(_) => "unknown_type",
+            Self::TooManyNames { .. } => "too_many_names",
         }
     }
 
     /// The gRPC status that ends the stream.
     pub fn status(&self) -> tonic::Status {
-        tonic::Status::invalid_argument(self.to_string())
+        match self {
+            Self::UnknownType(_) => tonic::Status::invalid_argument(self.to_string()),
+            Self::TooManyNames { .. } => tonic::Status::resource_exhausted(self.to_string()),
+        }
+    }
+}
+
+/// Type `type_url` as served, or the refusal that ends the stream.
+pub fn served_type(type_url: &str) -> Result<&'static str, SessionError> {
+    resources::TYPES
+        .into_iter()
+        .find(|t| *t == type_url)
+        .ok_or_else(|| SessionError::UnknownType(type_url.chars().take(MAX_ECHOED_TYPE).collect()))
+}
+
+/// A stream's nonces: a prefix random per stream (see [`Session::new`]),
+/// then counting.
+#[derive(Debug)]
+pub struct Nonces {
+    prefix: String,
+    n: u64,
+}
+
+impl Nonces {
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: prefix.into(),
+            n: 0,
+        }
+    }
+
+    pub fn fresh(&mut self) -> String {
+        self.n += 1;
+        format!("{}-{}", self.prefix, self.n)
+    }
+}
+
+/// What a stream's requests carry that the server reads before a session
+/// has them: the node (on the first).
+pub trait AdsRequest: Send + 'static {
+    fn node(&self) -> Option<&Node>;
+}
+
+impl AdsRequest for DiscoveryRequest {
+    fn node(&self) -> Option<&Node> {
+        self.node.as_ref()
+    }
+}
+
+impl AdsRequest for envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest {
+    fn node(&self) -> Option<&Node> {
+        self.node.as_ref()
+    }
+}
+
+/// One stream's session, state of the world ([`Session`]) or delta
+/// ([`super::delta::DeltaSession`]): what the server drives.
+pub trait StreamSession: Send + 'static {
+    type Request: AdsRequest;
+    type Response: Send + 'static;
+
+    /// A request from the proxy, against the proxy's current `snapshot`.
+    fn on_request(
+        &mut self,
+        req: Self::Request,
+        snapshot: &Snapshot,
+    ) -> Result<Outcome<Self::Response>, SessionError>;
+
+    /// The proxy's resources changed to `snapshot`: what to send, in
+    /// [`resources::TYPES`] order.
+    fn push(&mut self, snapshot: &Snapshot) -> Vec<Push<Self::Response>>;
+}
+
+impl StreamSession for Session {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+
+    fn on_request(
+        &mut self,
+        req: DiscoveryRequest,
+        snapshot: &Snapshot,
+    ) -> Result<Outcome, SessionError> {
+        Session::on_request(self, req, snapshot)
+    }
+
+    fn push(&mut self, snapshot: &Snapshot) -> Vec<Push> {
+        Session::push(self, snapshot)
     }
 }
 
@@ -72,19 +168,21 @@ pub enum Reply {
 
 /// A response to send.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Push {
-    pub response: DiscoveryResponse,
+pub struct Push<R = DiscoveryResponse> {
+    /// Its type, as served.
+    pub type_url: &'static str,
+    pub response: R,
     /// Names asked for that the proxy's scope does not hold (not returned).
     pub out_of_scope: usize,
 }
 
 /// What one request did.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Outcome {
+pub struct Outcome<R = DiscoveryResponse> {
     /// Its type, as served.
     pub type_url: &'static str,
     pub reply: Reply,
-    pub push: Option<Push>,
+    pub push: Option<Push<R>>,
 }
 
 /// One type's state on one stream.
@@ -101,9 +199,7 @@ struct TypeState {
 #[derive(Debug)]
 pub struct Session {
     types: BTreeMap<&'static str, TypeState>,
-    /// Random per stream (see [`Session::new`]).
-    nonce_prefix: String,
-    nonce: u64,
+    nonces: Nonces,
 }
 
 impl Session {
@@ -113,8 +209,7 @@ impl Session {
     pub fn new(nonce_prefix: impl Into<String>) -> Self {
         Self {
             types: BTreeMap::new(),
-            nonce_prefix: nonce_prefix.into(),
-            nonce: 0,
+            nonces: Nonces::new(nonce_prefix),
         }
     }
 
@@ -129,11 +224,7 @@ impl Session {
         req: DiscoveryRequest,
         snapshot: &Snapshot,
     ) -> Result<Outcome, SessionError> {
-        let Some(t) = resources::TYPES.into_iter().find(|t| *t == req.type_url) else {
-            return Err(SessionError::UnknownType(
-                req.type_url.chars().take(MAX_ECHOED_TYPE).collect(),
-            ));
-        };
+        let t = served_type(&req.type_url)?;
         let state = self.types.entry(t).or_default();
         let mut reply = Reply::Request;
         if !req.response_nonce.is_empty() {
@@ -223,10 +314,10 @@ impl Session {
             }
             out
         };
-        self.nonce += 1;
-        let nonce = format!("{}-{}", self.nonce_prefix, self.nonce);
+        let nonce = self.nonces.fresh();
         state.sent = Some((typed.version.clone(), state.names.clone(), nonce.clone()));
         Some(Push {
+            type_url: t,
             response: DiscoveryResponse {
                 version_info: typed.version.clone(),
                 resources,
@@ -240,7 +331,7 @@ impl Session {
 }
 
 /// `s` cut to at most `max` bytes, on a character boundary.
-fn bounded(s: &str, max: usize) -> String {
+pub(super) fn bounded(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
     }
@@ -272,7 +363,7 @@ mod tests {
         Snapshot {
             clusters: Arc::new(Typed {
                 version: version.into(),
-                resources: clusters.iter().map(|c| (c.to_string(), any(c))).collect(),
+                ..Typed::new(clusters.iter().map(|c| (c.to_string(), any(c))).collect())
             }),
             ..Snapshot::default()
         }
