@@ -21,7 +21,7 @@
 use std::net::SocketAddr;
 use std::process::Stdio;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use remora_contract::discovery::{ServiceHost, TOKEN_AUDIENCE};
@@ -33,8 +33,9 @@ use remora_operator::discovery::registry::{
 use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER};
 use remora_operator::discovery::server::AdsService;
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
-use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
+use remora_operator::pki::workload_ca::{Authority, ServingCert, testing};
 use remora_test_support::jwt;
+use remora_test_support::named_backend::NamedBackend;
 use remora_test_support::ports::free_port;
 use remora_test_support::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -124,25 +125,9 @@ fn slice(service: &str, port: u16, ips: &[&str]) -> SliceInfo {
     }
 }
 
-/// An HTTP app on `ip:port` answering every request with 200 naming `ip`.
+/// An HTTP app on `ip:port` named after its address.
 async fn app(ip: &'static str, port: u16) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind((ip, port)).await?;
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |_req| async move {
-                    http::Response::builder()
-                        .header("x-backend", ip)
-                        .body(String::new())
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(
-                    hyper_util::rt::TokioExecutor::new(),
-                )
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                .await;
-            });
-        }
-    });
+    NamedBackend::start(SocketAddr::new(ip.parse()?, port), ip).await?;
     Ok(())
 }
 
@@ -173,20 +158,7 @@ async fn stat(admin: u16, name: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_over_delta_through_the_agent_resumes_without_a_resync() -> anyhow::Result<()> {
-    let policy = roots::Policy {
-        validity: Duration::from_secs(3600),
-        settle: Duration::from_secs(60),
-        overlap: Duration::from_secs(120),
-    };
-    let now = SystemTime::now();
-    let r = roots::apply(
-        None,
-        roots::Step::Create,
-        &policy,
-        now - Duration::from_secs(60),
-    )?;
-    let authority =
-        Authority::new(&r, &[SERVER_NAME.to_string()], now).map_err(anyhow::Error::msg)?;
+    let authority = testing::authority(&[SERVER_NAME]).map_err(anyhow::Error::msg)?;
     let bundle = authority.bundle.clone();
     let (_certs_tx, certs) = watch::channel(Some(Arc::new(authority)));
     let (discovery, debounce) = Discovery::new(

@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
@@ -50,7 +50,7 @@ use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER};
 use remora_operator::discovery::serve::{Limits, limits, serve};
 use remora_operator::discovery::server::AdsService;
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
-use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
+use remora_operator::pki::workload_ca::{ServingCert, testing};
 use remora_test_support::h2_client::{self, H2};
 use remora_test_support::jwt;
 use serde_json::json;
@@ -436,15 +436,7 @@ async fn measure(
 ) -> anyhow::Result<serde_json::Value> {
     let cpu_at_start = cpu_seconds();
     // The workload CA's serving certificate, as the operator has it.
-    let p = roots::Policy {
-        validity: Duration::from_secs(3600),
-        settle: Duration::from_secs(60),
-        overlap: Duration::from_secs(120),
-    };
-    let now = SystemTime::now();
-    let r = roots::apply(None, roots::Step::Create, &p, now - Duration::from_secs(60))?;
-    let authority =
-        Authority::new(&r, &[SERVER_NAME.to_string()], now).map_err(anyhow::Error::msg)?;
+    let authority = testing::authority(&[SERVER_NAME]).map_err(anyhow::Error::msg)?;
     let bundle = Arc::new(authority.bundle.clone());
     let (_authority_tx, authority_rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
 

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
@@ -25,10 +25,11 @@ use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER, decode
 use remora_operator::discovery::serve::{Limits, limits, serve};
 use remora_operator::discovery::server::AdsService;
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
-use remora_operator::pki::workload_ca::{Authority, ServingCert, roots};
+use remora_operator::pki::workload_ca::{ServingCert, testing};
 use remora_operator::pod_events::{PodEvents, Warning};
 use remora_test_support::h2_client::{self, H2};
 use remora_test_support::jwt;
+use remora_test_support::named_backend::{self, NamedBackend};
 use remora_test_support::wait::wait_until;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -109,15 +110,7 @@ impl Server {
     }
 
     async fn start_throttled(pod_wait: Duration, limits: Limits, push_throttle: usize) -> Self {
-        let p = roots::Policy {
-            validity: Duration::from_secs(3600),
-            settle: Duration::from_secs(60),
-            overlap: Duration::from_secs(120),
-        };
-        let now = SystemTime::now();
-        let r = roots::apply(None, roots::Step::Create, &p, now - Duration::from_secs(60))
-            .expect("root");
-        let authority = Authority::new(&r, &[SERVER_NAME.to_string()], now).expect("authority");
+        let authority = testing::authority(&[SERVER_NAME]).expect("authority");
         let bundle = authority.bundle.clone();
         let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
         let (discovery, debounce) = Discovery::with_push_throttle(
@@ -1158,32 +1151,10 @@ async fn admin(port: u16, path: &str) -> Option<String> {
     Some(out)
 }
 
-/// A backend on `ip:port` answering every request (HTTP/1.1 or h2c) with
-/// an empty 200 naming it in `x-backend`.
+/// A backend on `ip:port` named after its address.
 async fn backend(ip: &str, port: u16) -> Option<()> {
-    let listener = tokio::net::TcpListener::bind((ip, port)).await.ok()?;
-    let name = ip.to_string();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let name = name.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |_req| {
-                    let name = name.clone();
-                    async move {
-                        http::Response::builder()
-                            .header("x-backend", name)
-                            .body(String::new())
-                    }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(
-                    hyper_util::rt::TokioExecutor::new(),
-                )
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                .await;
-            });
-        }
-    });
-    Some(())
+    let addr = SocketAddr::new(ip.parse().ok()?, port);
+    NamedBackend::start(addr, ip).await.ok().map(drop)
 }
 
 /// `n` requests on one connection to `127.0.0.1:port` (HTTP/1.1 keep-alive,
@@ -1204,7 +1175,7 @@ async fn calls(port: u16, n: usize, h2c: bool) -> std::collections::BTreeMap<Str
     let backend_of = |r: http::Response<hyper::body::Incoming>| {
         assert_eq!(r.status(), 200, "{r:?}");
         r.headers()
-            .get("x-backend")
+            .get(named_backend::HEADER)
             .and_then(|v| v.to_str().ok())
             .unwrap_or("?")
             .to_string()
