@@ -20,7 +20,7 @@
 //! API server, no pod watch). Not covered: the API server's watch latency,
 //! Envoy's own apply time, TLS handshakes after the start, delta xDS (served,
 //! but these clients speak state of the world), and Istio's pilot-discovery
-//! (not yet run side by side). CPU
+//! (side by side, through a real API server: e2e's `discovery-bench`). CPU
 //! seconds and the allocator's bytes are the whole process's: the clients'
 //! share is in them.
 //!
@@ -407,7 +407,7 @@ async fn main() -> anyhow::Result<()> {
             "server and clients share this process and its 2 cores: CPU, allocation and RSS include the clients",
             "no API server: the registry is fed directly, so watch latency is not in the figures",
             "no Envoy: the clients ACK at once, Envoy's apply time is not in the figures",
-            "Istio pilot-discovery is not run side by side yet",
+            "Istio's pilot-discovery is not in this bench: e2e's discovery-bench runs it side by side",
             "delta xDS: served, but these clients speak state of the world",
             "the rollout is 100 endpoint changes a fixed step apart fed to the registry, not pods starting on a node",
             "RSS is the process's peak over every setting",
