@@ -1231,50 +1231,7 @@ async fn the_real_envoy_takes_the_configuration_and_follows_changes() {
             },
         )
     });
-    let bootstrap = serde_json::json!({
-        "node": {
-            "id": "sidecar~127.0.0.1~envoy-0.shop~shop.svc.cluster.local",
-            "cluster": "envoy-0.shop"
-        },
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
-        "dynamic_resources": {
-            "ads_config": {
-                "api_type": "GRPC",
-                "transport_api_version": "V3",
-                "grpc_services": [{
-                    "envoy_grpc": {"cluster_name": "xds"},
-                    "initial_metadata": [{"key": "authorization", "value": format!("Bearer {}", token(WEB))}]
-                }]
-            },
-            "cds_config": {"ads": {}, "resource_api_version": "V3"},
-            "lds_config": {"ads": {}, "resource_api_version": "V3"}
-        },
-        "static_resources": {"clusters": [{
-            "name": "xds",
-            "type": "STATIC",
-            "connect_timeout": "1s",
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}}
-                }
-            },
-            "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                "socket_address": {"address": "127.0.0.1", "port_value": s.addr.port()}
-            }}}]}]},
-            "transport_socket": {
-                "name": "envoy.transport_sockets.tls",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-                    "sni": SERVER_NAME,
-                    "common_tls_context": {
-                        "alpn_protocols": ["h2"],
-                        "validation_context": {"trusted_ca": {"inline_string": s.bundle}}
-                    }
-                }
-            }
-        }]}
-    });
+    let bootstrap = envoy_bootstrap(&s, "envoy-0", &token(WEB), admin_port);
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("envoy.json");
     std::fs::write(&path, bootstrap.to_string()).expect("bootstrap written");
