@@ -34,7 +34,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, OnceLock};
 
 use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
-use prost::Message;
 use remora_contract::discovery::{MAX_REQUEST_BYTES, ServiceHost};
 use remora_operator::discovery::push::{Debounce, Discovery};
 use remora_operator::discovery::registry::{
@@ -190,17 +189,7 @@ pub fn world() -> &'static World {
 /// The next request of `data`, as tonic would hand it over; `None` ends
 /// the stream.
 fn next_request(data: &mut &[u8]) -> Option<DiscoveryRequest> {
-    if data.is_empty() {
-        return None;
-    }
-    let len = prost::encoding::decode_varint(data).ok()?;
-    let len = usize::try_from(len).ok().filter(|l| *l <= data.len())?;
-    if len > MAX_REQUEST_BYTES {
-        return None;
-    }
-    let (msg, rest) = data.split_at(len);
-    *data = rest;
-    DiscoveryRequest::decode(msg).ok()
+    crate::message(data, MAX_REQUEST_BYTES)
 }
 
 /// What the stream sent last of each type, to tell which request answers it.

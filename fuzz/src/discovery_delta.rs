@@ -25,7 +25,6 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
-use prost::Message;
 use remora_contract::discovery::MAX_REQUEST_BYTES;
 use remora_operator::discovery::delta::{DeltaSession, MAX_PENDING};
 use remora_operator::discovery::resources::{self, Snapshot};
@@ -38,17 +37,7 @@ use super::discovery::{NONCE_PREFIX, world};
 const MAX_STATUS_MESSAGE: usize = 1024;
 
 fn next_request(data: &mut &[u8]) -> Option<DeltaDiscoveryRequest> {
-    if data.is_empty() {
-        return None;
-    }
-    let len = prost::encoding::decode_varint(data).ok()?;
-    let len = usize::try_from(len).ok().filter(|l| *l <= data.len())?;
-    if len > MAX_REQUEST_BYTES {
-        return None;
-    }
-    let (msg, rest) = data.split_at(len);
-    *data = rest;
-    DeltaDiscoveryRequest::decode(msg).ok()
+    crate::message(data, MAX_REQUEST_BYTES)
 }
 
 /// What the stream sent, to tell which request answers what.

@@ -26,6 +26,17 @@ pub mod discovery;
 pub mod discovery_delta;
 pub mod xds_proxy;
 
+/// The next length-delimited message of `data`, at most `max` bytes.
+pub(crate) fn message<M: Message + Default>(data: &mut &[u8], max: usize) -> Option<M> {
+    let len = prost::encoding::decode_varint(data).ok()?;
+    let len = usize::try_from(len)
+        .ok()
+        .filter(|l| *l <= data.len() && *l <= max)?;
+    let (msg, rest) = data.split_at(len);
+    *data = rest;
+    M::decode(msg).ok()
+}
+
 /// A fuzz target: untrusted bytes in, a panic on any bug.
 pub type Target = fn(&[u8]);
 

@@ -20,28 +20,18 @@
 use std::collections::HashMap;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
-use prost::Message;
 use remora_agent::xds::session::{
     MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session, SessionError, pod_annotations,
 };
 use remora_agent::xds::upstream::MAX_RESPONSE_BYTES;
 use remora_contract::discovery::MAX_REQUEST_BYTES;
 
+use crate::message;
+
 enum Event {
     Envoy(Box<DiscoveryRequest>),
     Server(Box<DiscoveryResponse>),
     Reconnect,
-}
-
-/// The next length-delimited message of `data`, at most `max` bytes.
-fn message<M: Message + Default>(data: &mut &[u8], max: usize) -> Option<M> {
-    let len = prost::encoding::decode_varint(data).ok()?;
-    let len = usize::try_from(len)
-        .ok()
-        .filter(|l| *l <= data.len() && *l <= max)?;
-    let (msg, rest) = data.split_at(len);
-    *data = rest;
-    M::decode(msg).ok()
 }
 
 fn next_event(data: &mut &[u8]) -> Option<Event> {
