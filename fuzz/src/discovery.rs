@@ -377,13 +377,6 @@ pub fn serve(data: &[u8]) -> Served {
 mod tests {
     use super::*;
 
-    fn seed(name: &str) -> Vec<u8> {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("corpus/discovery_request")
-            .join(name);
-        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-    }
-
     /// The seeds reach what they are meant to: past admission, through
     /// every request, or refused where they should be.
     #[test]
@@ -406,7 +399,11 @@ mod tests {
             ("bad-node.bin", Served::Refused),
             ("no-node.bin", Served::Refused),
         ] {
-            assert_eq!(serve(&seed(name)), expected, "{name}");
+            assert_eq!(
+                serve(&crate::seed("discovery_request", name)),
+                expected,
+                "{name}"
+            );
         }
     }
 }

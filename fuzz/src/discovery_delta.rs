@@ -210,13 +210,6 @@ pub fn serve(data: &[u8]) -> Option<(usize, bool)> {
 mod tests {
     use super::*;
 
-    fn seed(name: &str) -> Vec<u8> {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("corpus/discovery_delta")
-            .join(name);
-        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-    }
-
     /// The seeds reach what they are meant to.
     #[test]
     fn the_seeds_reach_their_part_of_the_server() {
@@ -232,7 +225,11 @@ mod tests {
             ("unknown-type.bin", Some((0, true))),
             ("other-pod.bin", None),
         ] {
-            assert_eq!(serve(&seed(name)), expected, "{name}");
+            assert_eq!(
+                serve(&crate::seed("discovery_delta", name)),
+                expected,
+                "{name}"
+            );
         }
     }
 }

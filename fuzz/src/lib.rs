@@ -37,6 +37,16 @@ pub(crate) fn message<M: Message + Default>(data: &mut &[u8], max: usize) -> Opt
     M::decode(msg).ok()
 }
 
+/// A committed seed of `target`'s corpus, for the tests that check what it reaches.
+#[cfg(test)]
+pub(crate) fn seed(target: &str, name: &str) -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("corpus")
+        .join(target)
+        .join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// A fuzz target: untrusted bytes in, a panic on any bug.
 pub type Target = fn(&[u8]);
 
