@@ -29,6 +29,8 @@ use remora_contract::annotations::{LIFECYCLE, STOP as STOP_ANNOTATION};
 use remora_contract::downward::{lifecycle_is_native, runs_native, stop_request};
 use remora_contract::mounted::MountedFiles;
 
+use crate::mounted_wake::MountedWake;
+
 /// How often the bootstrap's inputs are checked for changes.
 const INPUT_POLL: Duration = Duration::from_secs(1);
 /// How often the annotations file is checked for a stop request: a finished
@@ -338,15 +340,16 @@ async fn watch_inputs(
     shutdown: CancellationToken,
 ) {
     let mut pushed = live.annotations().clone();
-    let paths = std::iter::once(cfg.annotations_file.clone())
+    let paths: Vec<PathBuf> = std::iter::once(cfg.annotations_file.clone())
         .chain(cfg.bootstrap_override.clone())
         .collect();
+    let mut wake = MountedWake::new(paths.iter().map(PathBuf::as_path), INPUT_POLL);
     let mut mounted = MountedFiles::new(paths);
     let _ = mounted.poll();
     let mut last = read_inputs(&cfg, &live);
     loop {
         let files_changed = tokio::select! {
-            _ = tokio::time::sleep(INPUT_POLL) => mounted.poll().is_some(),
+            () = wake.next() => mounted.poll().is_some(),
             () = pushed.stream_changed() => true,
             _ = shutdown.cancelled() => return,
         };
@@ -385,6 +388,7 @@ async fn watch_stop(
     control: tokio::sync::mpsc::Sender<Control>,
     shutdown: CancellationToken,
 ) {
+    let mut wake = MountedWake::new([annotations.file()], poll);
     let mut mounted = MountedFiles::new(vec![annotations.file().to_path_buf()]);
     let mut file_text = None;
     loop {
@@ -418,7 +422,7 @@ async fn watch_stop(
             return;
         }
         tokio::select! {
-            _ = tokio::time::sleep(poll) => {}
+            () = wake.next() => {}
             () = annotations.stream_changed() => {}
             _ = shutdown.cancelled() => return,
         }

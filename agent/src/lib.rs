@@ -13,6 +13,7 @@ pub mod hook;
 pub mod http_client;
 pub mod lifecycle;
 pub mod metrics;
+pub mod mounted_wake;
 pub mod pod_annotations;
 pub mod readiness;
 pub mod sds;

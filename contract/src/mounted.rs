@@ -10,7 +10,10 @@
 //! `..data`, and a watch set up before the volume exists fails and must be
 //! retried. Reading a few small files at a fixed period sees every swap
 //! (and any other writer), needs no bookkeeping, behaves the same on every
-//! filesystem and in tests, and costs microseconds.
+//! filesystem and in tests, and costs microseconds. The agent also reads
+//! them at once when inotify reports a change in their directories
+//! (`remora_agent::mounted_wake`), so a change is seen in microseconds
+//! rather than up to a poll later; the contents still decide what changed.
 
 use std::io::ErrorKind;
 use std::path::PathBuf;

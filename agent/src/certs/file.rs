@@ -2,7 +2,8 @@
 //!
 //! Changes are noticed the one way Remora notices a mounted file change
 //! ([`remora_contract::mounted`], which says why): the files are read every
-//! [`DEFAULT_POLL`], and reloaded when their bytes change. A slow periodic
+//! [`DEFAULT_POLL`], and at once when inotify sees their directory change
+//! ([`crate::mounted_wake`]), and reloaded when their bytes change. A slow periodic
 //! reload also runs without a change, so a bundle refused for the time (not
 //! yet valid) is tried again.
 
@@ -13,6 +14,8 @@ use std::time::{Duration, SystemTime};
 
 use remora_contract::mounted::MountedFiles;
 use tokio_util::sync::CancellationToken;
+
+use crate::mounted_wake::MountedWake;
 
 use super::{
     BundleSender, CERT_CHAIN_FILE, CertBundle, CertError, CertSource, KEY_FILE, ROOT_CERT_FILE,
@@ -33,19 +36,18 @@ pub async fn watch_and_reload(
     cancel: CancellationToken,
     mut reload: impl FnMut() + Send,
 ) {
+    let mut wake = MountedWake::new(files.iter().map(PathBuf::as_path), poll);
     let mut mounted = MountedFiles::new(files);
-    let mut tick = tokio::time::interval(poll);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_reload: Option<tokio::time::Instant> = None;
     loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tick.tick() => {}
-        }
         let changed = mounted.poll().is_some();
         if changed || last_reload.is_none_or(|t| t.elapsed() >= resync) {
             reload();
             last_reload = Some(tokio::time::Instant::now());
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            () = wake.next() => {}
         }
     }
 }
@@ -140,6 +142,62 @@ mod tests {
         })
         .await
         .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// A new bundle is picked up through inotify, with no poll due: once
+    /// written in place, once swapped in by the kubelet's `..data` rename.
+    #[tokio::test]
+    async fn in_place_writes_and_kubelet_swaps_are_picked_up_without_a_poll() {
+        use remora_test_support::kubelet::atomic_write;
+        let ca = Ca::new("root");
+        let leaf = |ca: &Ca| {
+            let Leaf { chain, key, .. } = ca.leaf();
+            (chain, key)
+        };
+        let set = |chain: &str, key: &str| {
+            [
+                (CERT_CHAIN_FILE, chain.to_string()),
+                (KEY_FILE, key.to_string()),
+                (ROOT_CERT_FILE, ca.pem.clone()),
+            ]
+        };
+        let plain = tempfile::tempdir().expect("tmp");
+        let kubelet = tempfile::tempdir().expect("tmp");
+        let (chain, key) = leaf(&ca);
+        for (name, text) in set(&chain, &key) {
+            std::fs::write(plain.path().join(name), text).expect("write");
+        }
+        atomic_write(kubelet.path(), set(&chain, &key)).expect("write");
+
+        for (dir, kubelet_style) in [(plain.path(), false), (kubelet.path(), true)] {
+            let tx = BundleSender::new(CertMetrics::default());
+            let cancel = CancellationToken::new();
+            let source = FileSource {
+                dir: dir.to_path_buf(),
+                poll: Duration::from_secs(3600),
+                resync: Duration::from_secs(3600),
+            };
+            let task = tokio::spawn(Box::new(source).run(tx.clone(), cancel.clone()));
+            wait_for("the first bundle", || {
+                tx.current().is_some_and(|b| b.chain_pem == chain)
+            })
+            .await;
+            let (chain2, key2) = leaf(&ca);
+            if kubelet_style {
+                atomic_write(dir, set(&chain2, &key2)).expect("write");
+            } else {
+                // The key first: a chain without its key is refused, then
+                // the pair is whole at the chain's write.
+                std::fs::write(dir.join(KEY_FILE), &key2).expect("write");
+                std::fs::write(dir.join(CERT_CHAIN_FILE), &chain2).expect("write");
+            }
+            wait_for("the new bundle", || {
+                tx.current().is_some_and(|b| b.chain_pem == chain2)
+            })
+            .await;
+            cancel.cancel();
+            task.await.expect("join");
+        }
     }
 
     #[tokio::test]

@@ -1,0 +1,243 @@
+//! When to read mounted files again: at the poll, or at once when inotify
+//! sees something change in one of their directories.
+//!
+//! What changed is still decided the one way ([`remora_contract::mounted`]):
+//! by reading the files. inotify only ends the wait early, so a certificate
+//! or annotation change is picked up in microseconds instead of up to a
+//! poll later, and everything inotify misses (a volume mounted after start,
+//! a filesystem without events, an event queue overflow) is still seen at
+//! the next poll.
+//!
+//! The watch is on each file's directory, not on the file: the kubelet
+//! replaces a volume's files by renaming a `..data` symlink in that
+//! directory, which a watch on the file (a symlink through `..data`) never
+//! sees. In-place writes show as events on the file's own name there.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use futures::{FutureExt as _, StreamExt as _};
+use inotify::{EventMask, EventStream, Inotify, WatchDescriptor, WatchMask};
+use tokio::time::Instant;
+
+/// Two wakes by events are at least this far apart: a directory written in
+/// a burst costs a read per gap, not one per write.
+const MIN_EVENT_GAP: Duration = Duration::from_millis(5);
+
+/// Events that can mean a watched file's bytes changed.
+fn mask() -> WatchMask {
+    WatchMask::CREATE
+        | WatchMask::CLOSE_WRITE
+        | WatchMask::MODIFY
+        | WatchMask::MOVED_TO
+        | WatchMask::MOVED_FROM
+        | WatchMask::DELETE
+        | WatchMask::ATTRIB
+}
+
+/// Wakes a poll loop at its period, or sooner on a change.
+pub struct MountedWake {
+    poll: Duration,
+    /// `None`: inotify is not available here or failed (said once in the
+    /// log); the loop polls only.
+    events: Option<EventStream<Vec<u8>>>,
+    /// Each directory, and its watch once added.
+    dirs: Vec<(PathBuf, Option<WatchDescriptor>)>,
+    last_event: Option<Instant>,
+}
+
+impl MountedWake {
+    /// For the files at `paths`, read every `poll` at the latest.
+    pub fn new<'a>(paths: impl IntoIterator<Item = &'a Path>, poll: Duration) -> Self {
+        let mut dirs: Vec<(PathBuf, Option<WatchDescriptor>)> = Vec::new();
+        for p in paths {
+            let dir = match p.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            if !dirs.iter().any(|(d, _)| *d == dir) {
+                dirs.push((dir, None));
+            }
+        }
+        let events = Inotify::init().and_then(|i| i.into_event_stream(vec![0; 4096]));
+        let events = match events {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::info!(error = %e, "inotify unavailable: mounted files are read at each poll only");
+                None
+            }
+        };
+        let mut wake = Self {
+            poll,
+            events,
+            dirs,
+            last_event: None,
+        };
+        wake.add_watches();
+        wake
+    }
+
+    /// Watch the directories not watched yet (one that does not exist yet
+    /// is tried again at the next wake).
+    fn add_watches(&mut self) {
+        let Some(events) = &self.events else { return };
+        let mut watches = events.watches();
+        for (dir, wd) in self.dirs.iter_mut().filter(|(_, wd)| wd.is_none()) {
+            *wd = watches.add(dir.as_path(), mask()).ok();
+        }
+    }
+
+    /// Whether every directory is watched: then only events and the poll wake.
+    pub fn watching(&self) -> bool {
+        self.events.is_some() && self.dirs.iter().all(|(_, wd)| wd.is_some())
+    }
+
+    /// Returns at the next poll, or as soon as a watched directory saw a
+    /// change (at most one wake per [`MIN_EVENT_GAP`] by events).
+    pub async fn next(&mut self) {
+        let deadline = Instant::now() + self.poll;
+        let woken = match &mut self.events {
+            Some(events) => {
+                let gap_over = self.last_event.map(|t| t + MIN_EVENT_GAP);
+                let event = async {
+                    if let Some(t) = gap_over {
+                        tokio::time::sleep_until(t).await;
+                    }
+                    drain(events).await
+                };
+                tokio::select! {
+                    woken = event => Some(woken),
+                    () = tokio::time::sleep_until(deadline) => None,
+                }
+            }
+            None => {
+                tokio::time::sleep_until(deadline).await;
+                None
+            }
+        };
+        match woken {
+            Some(Ok(gone)) => {
+                self.last_event = Some(Instant::now());
+                for (_, wd) in &mut self.dirs {
+                    if wd.as_ref().is_some_and(|w| gone.contains(w)) {
+                        *wd = None;
+                    }
+                }
+            }
+            Some(Err(e)) => {
+                tracing::info!(error = %e, "inotify failed: mounted files are read at each poll only");
+                self.events = None;
+            }
+            None => {}
+        }
+        self.add_watches();
+    }
+}
+
+/// Waits for the next event and takes every one already queued; returns
+/// the watches the kernel dropped (their directory was removed or
+/// unmounted), to be added again when the directory is back.
+async fn drain(events: &mut EventStream<Vec<u8>>) -> std::io::Result<Vec<WatchDescriptor>> {
+    let mut gone = Vec::new();
+    let mut next = events.next().await;
+    loop {
+        match next {
+            Some(Ok(e)) => {
+                if e.mask.contains(EventMask::IGNORED) {
+                    gone.push(e.wd);
+                }
+            }
+            Some(Err(e)) => return Err(e),
+            None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+        }
+        match events.next().now_or_never() {
+            Some(n) => next = n,
+            None => return Ok(gone),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use remora_contract::mounted::MountedFiles;
+    use remora_test_support::kubelet::atomic_write;
+
+    /// A poll that never comes in a test: only an event can wake the loop.
+    const NEVER: Duration = Duration::from_secs(3600);
+    const DEADLINE: Duration = Duration::from_secs(10);
+
+    async fn woken(wake: &mut MountedWake, files: &mut MountedFiles) -> Vec<u8> {
+        tokio::time::timeout(DEADLINE, async {
+            loop {
+                wake.next().await;
+                if let Some(c) = files.poll() {
+                    return c[0].clone().unwrap_or_default();
+                }
+            }
+        })
+        .await
+        .expect("a change seen through inotify, with no poll due")
+    }
+
+    #[tokio::test]
+    async fn an_in_place_write_wakes_the_loop() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("cert-chain.pem");
+        std::fs::write(&path, "one").expect("write");
+        let mut files = MountedFiles::new(vec![path.clone()]);
+        let _ = files.poll();
+        let mut wake = MountedWake::new([path.as_path()], NEVER);
+        assert!(wake.watching());
+        std::fs::write(&path, "two").expect("write");
+        assert_eq!(woken(&mut wake, &mut files).await, b"two");
+    }
+
+    #[tokio::test]
+    async fn a_kubelet_data_swap_wakes_the_loop() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        atomic_write(dir.path(), [("annotations", "a=\"1\"")]).expect("write");
+        let path = dir.path().join("annotations");
+        let mut files = MountedFiles::new(vec![path.clone()]);
+        let _ = files.poll();
+        let mut wake = MountedWake::new([path.as_path()], NEVER);
+        atomic_write(dir.path(), [("annotations", "a=\"2\"")]).expect("write");
+        assert_eq!(woken(&mut wake, &mut files).await, b"a=\"2\"");
+        // And again: the watch is on the directory, which the swap keeps.
+        atomic_write(dir.path(), [("annotations", "a=\"3\"")]).expect("write");
+        assert_eq!(woken(&mut wake, &mut files).await, b"a=\"3\"");
+    }
+
+    #[tokio::test]
+    async fn a_directory_made_after_start_is_watched_from_the_next_wake() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dir = root.path().join("later");
+        let path = dir.join("key.pem");
+        let mut files = MountedFiles::new(vec![path.clone()]);
+        let _ = files.poll();
+        let mut wake = MountedWake::new([path.as_path()], Duration::from_millis(10));
+        assert!(!wake.watching());
+        std::fs::create_dir(&dir).expect("mkdir");
+        tokio::time::timeout(DEADLINE, async {
+            while !wake.watching() {
+                wake.next().await;
+            }
+        })
+        .await
+        .expect("the directory watched once it exists");
+        wake.poll = NEVER;
+        std::fs::write(&path, "k").expect("write");
+        assert_eq!(woken(&mut wake, &mut files).await, b"k");
+    }
+
+    /// Without a change, the loop still wakes at its poll (paused time).
+    #[tokio::test(start_paused = true)]
+    async fn the_poll_still_wakes_without_events() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f");
+        let mut wake = MountedWake::new([path.as_path()], Duration::from_secs(30));
+        let start = Instant::now();
+        wake.next().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(30));
+    }
+}
