@@ -312,6 +312,10 @@ pub struct SizeResult {
     /// Delete request → that client no longer holds it: one sample per
     /// (deletion, client).
     pub per_client: Summary,
+    /// The same per deletion from below: the delete request → the last
+    /// client's poll that still saw the endpoint was sent (it changed
+    /// after that).
+    pub to_every_client_lower_bound: Summary,
     /// How precisely each per-client sample places the change (from the
     /// poll before, which still saw the endpoint, to the answer without it).
     pub resolution: Summary,
@@ -339,6 +343,14 @@ impl SizeResult {
             .map(|d| d.iter().copied().fold(0.0, f64::max))
             .collect();
         let all: Vec<f64> = samples_ms.iter().flatten().copied().collect();
+        let lower: Vec<f64> = deletions
+            .iter()
+            .map(|d| {
+                d.iter()
+                    .map(|s| ms(s.at.saturating_sub(s.resolution)))
+                    .fold(0.0, f64::max)
+            })
+            .collect();
         let resolution: Vec<f64> = deletions
             .iter()
             .flatten()
@@ -349,6 +361,7 @@ impl SizeResult {
             deletions: deletions.len(),
             to_every_client: Summary::of(&last),
             per_client: Summary::of(&all),
+            to_every_client_lower_bound: Summary::of(&lower),
             resolution: Summary::of(&resolution),
             samples_ms,
             reopened_connections,

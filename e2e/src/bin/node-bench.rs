@@ -56,6 +56,8 @@ use tokio::time::Instant;
 const APP_PORT: u16 = 8080;
 const APP: &str = "app";
 const DEADLINE: Duration = Duration::from_secs(180);
+/// Operator replicas in both installs.
+const OPERATORS: usize = 2;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -127,6 +129,7 @@ impl Install {
         vec![
             format!("workloadCA.enabled={on}"),
             format!("discovery.enabled={on}"),
+            format!("operator.replicas={OPERATORS}"),
         ]
     }
 
@@ -737,8 +740,13 @@ async fn main() -> Result<()> {
     let mut conv_rows = None;
     for &install in &args.installs {
         let t = Instant::now();
-        node.install_remora(&client, node::RELEASE_NAMESPACE, &install.values())
+        let remora = node
+            .install_remora(&client, node::RELEASE_NAMESPACE, &install.values())
             .await?;
+        // helm's --wait returns with the old replicas still terminating
+        // (and answering the webhook): a pod injected by one of them gets
+        // the previous install's sidecar.
+        remora.wait_ready(&client, OPERATORS).await?;
         eprintln!(
             "node-bench: Remora installed with {:?} ({:.1} s)",
             install.values(),
@@ -752,7 +760,9 @@ async fn main() -> Result<()> {
         }
     }
     let guard = node.guard_drops().await? - guard_before;
-    println!("{}", table.join("\n"));
+    if lifecycle_wanted {
+        println!("{}", table.join("\n"));
+    }
     println!("egress guard dropped: {guard}");
     if lifecycle_wanted {
         let mut out = stamp(&machine_before);
@@ -788,12 +798,13 @@ async fn main() -> Result<()> {
         );
         for r in &rows {
             println!(
-                "{:>7} {:>9} {:>10.1} {:>10.1} {:>10.1} {:>14.1} {:>14.1}",
+                "{:>7} {:>9} {:>10.1} {:>10.1} {:>10.1} {:>16.1} {:>14.1} {:>15.1}",
                 r.clients,
                 r.deletions,
                 r.to_every_client.p50_ms,
                 r.to_every_client.p99_ms,
                 r.to_every_client.max_ms,
+                r.to_every_client_lower_bound.p50_ms,
                 r.per_client.p50_ms,
                 r.resolution.p50_ms
             );
