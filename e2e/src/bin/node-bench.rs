@@ -787,12 +787,13 @@ async fn main() -> Result<()> {
         println!();
         println!("EDS convergence: server pod deleted → every subscribed client Envoy without it");
         println!(
-            "{:>7} {:>9} {:>10} {:>10} {:>10} {:>14} {:>14}",
+            "{:>7} {:>9} {:>10} {:>10} {:>10} {:>16} {:>14} {:>15}",
             "clients",
             "deletions",
             "p50 ms",
             "p99 ms",
             "max ms",
+            "from below p50",
             "per-client p50",
             "poll window p50"
         );
