@@ -48,6 +48,8 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error("{what}: {detail}")]
     Admin { what: String, detail: String },
+    #[error("{what}: {detail}")]
+    Setup { what: String, detail: String },
     #[error("timed out after {timeout:?}: {pending} of the watched Envoys still {what}")]
     Timeout {
         what: String,
@@ -399,7 +401,7 @@ pub async fn measure_deletions(
             )
             .await?;
         let Some((pod, host)) = ready.iter().nth(d % ready.len().max(1)) else {
-            return Err(Error::Admin {
+            return Err(Error::Setup {
                 what: "picking a server to delete".into(),
                 detail: "no Ready server".into(),
             });
@@ -483,7 +485,7 @@ impl RemoraMesh {
                 }
             }
         }))
-        .map_err(|e| Error::Admin {
+        .map_err(|e| Error::Setup {
             what: "building the SidecarLifecycle".into(),
             detail: e.to_string(),
         })?;
