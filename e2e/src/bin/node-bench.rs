@@ -1,25 +1,35 @@
 //! What Remora costs and how fast it acts on the real node (kubelet,
 //! containerd, the images `scripts/images.sh` built, Remora installed by
-//! helm with the chart's defaults):
+//! helm), in each of two installs, one after the other in one run, with the
+//! values that matter set explicitly (not the chart's defaults):
+//! `off` (workload CA and discovery off: the controller's stop request and
+//! SidecarLifecycle settings reach the agent through the downward-API file)
+//! and `on` (workload CA and discovery on: they arrive on the xDS stream as
+//! the `remora.v1.PodAnnotations` type, the file the fallback).
 //!
 //! - **startup**: pod create → Ready, the test app alone (`remora.dev/inject:
 //!   "false"`) and with a Legacy and a Native sidecar, interleaved pod by pod
 //!   so the three see the same machine; the tax is the sidecar's p50/p99
 //!   minus the bare pod's.
 //! - **jobs**: a Job's app container exits → its pod `Succeeded` (and the
-//!   Job `Complete`), Legacy (the controller's stop request through the
-//!   downward API) and Native (the kubelet stops the sidecar).
+//!   Job `Complete`), Legacy (the controller's stop request) and Native (the
+//!   kubelet stops the sidecar).
 //! - **retune**: a `SidecarLifecycle` edit → every running agent's
 //!   `/debug/config` reports the new drain duration, with no restart.
+//! - **convergence** (`on` only; its own results file): a server pod of a
+//!   Service deleted → every subscribed client Envoy no longer holds its
+//!   endpoint, with 1, 10 and 50 clients (`e2e::eds_convergence`).
 //!
 //! Times are seen by this client polling the API (every `--poll`), so each
 //! includes up to one poll of lag on both ends. Table on stdout, JSON in
-//! `--out`. Needs the node and the images:
+//! `--out` (and `--convergence-out`). Needs the node and the images:
 //!
 //! ```sh
 //! scripts/cluster.sh up && scripts/images.sh
 //! cargo run --release -p e2e --bin node-bench
 //! ```
+//!
+//! It leaves the shared release installed with the last install's values.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -27,6 +37,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use e2e::eds_convergence::{self as conv, RemoraMesh, SizeResult, Watchers};
 use e2e::node::{self, Check, Node, TestNamespace, wait_for};
 use e2e::stats::Summary;
 use k8s_openapi::api::batch::v1::Job;
@@ -45,13 +56,25 @@ use tokio::time::Instant;
 const APP_PORT: u16 = 8080;
 const APP: &str = "app";
 const DEADLINE: Duration = Duration::from_secs(180);
+/// Operator replicas in both installs.
+const OPERATORS: usize = 2;
 
 #[derive(Debug, Parser)]
-#[command(about = "Sidecar startup tax, Job completion and live retune on the real node")]
+#[command(
+    about = "Sidecar startup tax, Job completion, live retune and EDS convergence on the real node"
+)]
 struct Args {
-    /// Which measurements: startup, jobs, retune (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "startup,jobs,retune")]
+    /// Which measurements: startup, jobs, retune, convergence (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "startup,jobs,retune,convergence"
+    )]
     only: Vec<String>,
+    /// Installs to measure in, in this order: off (no workload CA, no
+    /// discovery), on (both).
+    #[arg(long, value_delimiter = ',', default_value = "off,on")]
+    installs: Vec<Install>,
     /// Pods per variant for the startup tax.
     #[arg(long, default_value_t = 20)]
     pods: usize,
@@ -69,6 +92,69 @@ struct Args {
     poll: Duration,
     #[arg(long, default_value = "bench/results/node.json")]
     out: PathBuf,
+    /// Subscribed client sidecars for the convergence, in order.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,50")]
+    clients: Vec<usize>,
+    /// Server pods behind the clients' Service.
+    #[arg(long, default_value_t = 3)]
+    servers: usize,
+    /// Server pods deleted per client count.
+    #[arg(long, default_value_t = 10)]
+    deletions: usize,
+    /// The sidecars' mode in the convergence.
+    #[arg(long, default_value = "Legacy")]
+    convergence_mode: String,
+    /// How often each client Envoy's admin is polled.
+    #[arg(long, value_parser = remora_contract::duration::parse, default_value = "50ms")]
+    convergence_poll: Duration,
+    #[arg(long, default_value = "bench/results/eds-convergence.json")]
+    convergence_out: PathBuf,
+}
+
+/// The two installs compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Install {
+    /// Workload CA and discovery off: lifecycle signals by the downward-API file.
+    Off,
+    /// Workload CA and discovery on: lifecycle signals on the xDS stream.
+    On,
+}
+
+impl Install {
+    /// Every value this comparison depends on, set whatever the chart's
+    /// defaults are.
+    fn values(self) -> Vec<String> {
+        let on = self == Install::On;
+        vec![
+            format!("workloadCA.enabled={on}"),
+            format!("discovery.enabled={on}"),
+            format!("operator.replicas={OPERATORS}"),
+        ]
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Install::Off => "off",
+            Install::On => "on",
+        }
+    }
+}
+
+/// A namespace for pods injected under `install`: with the workload CA,
+/// pods wait on the trust bundle's volume, so it is there first.
+async fn bench_ns(
+    node: &Node,
+    client: &Client,
+    install: Install,
+    prefix: &str,
+) -> Result<TestNamespace> {
+    let ns = TestNamespace::injected(node, client, prefix).await?;
+    node::wait_injected(client, ns.name(), DEADLINE).await?;
+    if install == Install::On {
+        node::workload_ca::wait_trust_bundle(client, ns.name(), DEADLINE).await?;
+    }
+    Ok(ns)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -445,60 +531,107 @@ async fn retune(args: &Args, client: &Client, ns: &TestNamespace) -> Result<Retu
 
 fn line(name: &str, s: &Summary) -> String {
     format!(
-        "{name:<44} {:>3} {:>10.1} {:>10.1} {:>10.1}",
+        "{name:<52} {:>3} {:>10.1} {:>10.1} {:>10.1}",
         s.n, s.p50_ms, s.p99_ms, s.max_ms
     )
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
-    let args = Args::parse();
-    for o in &args.only {
-        if !matches!(o.as_str(), "startup" | "jobs" | "retune") {
-            bail!("--only: unknown measurement {o:?} (startup, jobs, retune)");
-        }
-    }
-    let want = |m: &str| args.only.iter().any(|o| o == m);
-    let node = Node::shared().await?;
-    let client = node.client()?;
-    let t = Instant::now();
-    node.remora(&client).await?;
-    eprintln!(
-        "node-bench: Remora installed ({:.1} s)",
-        t.elapsed().as_secs_f64()
-    );
-    let guard_before = node.guard_drops().await?;
+fn header() -> String {
+    format!(
+        "{:<52} {:>3} {:>10} {:>10} {:>10}",
+        "measurement", "n", "p50 ms", "p99 ms", "max ms"
+    )
+}
+
+fn command_output(cmd: &str, args: &[&str]) -> String {
+    std::process::Command::new(cmd)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+/// What every results file of this bench starts with: the command, the
+/// commit measured, and the machine (load average included) at the start.
+fn stamp(machine_before: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
     let mut out = serde_json::Map::new();
     out.insert(
         "command".into(),
         json!(std::env::args().collect::<Vec<_>>().join(" ")),
     );
     out.insert(
-        "method".into(),
-        json!(format!(
-            "one node (kubelet, containerd, runc, CNI bridge) on this machine; Remora by helm with \
-             chart defaults; times seen by polling the API every {:?} (each end up to one poll \
-             late); pods and Jobs one at a time, variants interleaved",
-            args.poll
-        )),
+        "commit".into(),
+        json!(command_output("git", &["rev-parse", "HEAD"])),
     );
-    let mut table = vec![format!(
-        "{:<44} {:>3} {:>10} {:>10} {:>10}",
-        "measurement", "n", "p50 ms", "p99 ms", "max ms"
-    )];
+    // Results files are written by the benches: they do not make the code
+    // measured dirty.
+    out.insert(
+        "dirty".into(),
+        json!(
+            !command_output(
+                "git",
+                &[
+                    "status",
+                    "--porcelain",
+                    "--untracked-files=no",
+                    "--",
+                    ".",
+                    ":!bench/results"
+                ]
+            )
+            .is_empty()
+        ),
+    );
+    out.insert(
+        "date".into(),
+        json!(command_output("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"])),
+    );
+    out.insert("machine_before".into(), machine_before.clone());
+    out
+}
+
+fn write(path: &PathBuf, mut out: serde_json::Map<String, serde_json::Value>) -> Result<()> {
+    out.insert(
+        "machine_after".into(),
+        e2e::discovery_bench::report::machine(),
+    );
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(&out)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+/// Startup, Jobs and retune in the install in force; rows to `table`.
+async fn lifecycle(
+    args: &Args,
+    node: &Node,
+    client: &Client,
+    install: Install,
+    table: &mut Vec<String>,
+) -> Result<serde_json::Value> {
+    let want = |m: &str| args.only.iter().any(|o| o == m);
+    let tag = install.label();
+    let mut out = serde_json::Map::new();
+    out.insert("install".into(), json!(tag));
+    out.insert("values".into(), json!(install.values()));
     if want("startup") {
-        let ns = TestNamespace::injected(node, &client, "bench-startup").await?;
-        let rows = startup(&args, &ns).await;
+        let ns = bench_ns(node, client, install, &format!("bench-startup-{tag}")).await?;
+        let rows = startup(args, &ns).await;
         ns.delete().await?;
         let rows = rows?;
         for r in &rows {
             table.push(line(
-                &format!("create → Ready, sidecar {}", r.variant),
+                &format!("[{tag}] create → Ready, sidecar {}", r.variant),
                 &r.create_to_ready,
             ));
             if r.variant != "none" {
                 table.push(format!(
-                    "{:<44}     {:>10.1} {:>10.1}",
+                    "{:<52}     {:>10.1} {:>10.1}",
                     format!("  tax ({} minus none)", r.variant),
                     r.tax_p50_ms,
                     r.tax_p99_ms
@@ -508,51 +641,204 @@ async fn main() -> Result<()> {
         out.insert("startup".into(), serde_json::to_value(&rows)?);
     }
     if want("jobs") {
-        let ns = TestNamespace::injected(node, &client, "bench-jobs").await?;
-        let rows = jobs(&args, &ns).await;
+        let ns = bench_ns(node, client, install, &format!("bench-jobs-{tag}")).await?;
+        let rows = jobs(args, &ns).await;
         ns.delete().await?;
         let rows = rows?;
         for r in &rows {
             table.push(line(
-                &format!("Job {}: app exit → pod Succeeded", r.mode),
+                &format!("[{tag}] Job {}: app exit → pod Succeeded", r.mode),
                 &r.app_exit_to_succeeded,
             ));
             table.push(line(
-                &format!("Job {}: app exit → Job Complete", r.mode),
+                &format!("[{tag}] Job {}: app exit → Job Complete", r.mode),
                 &r.app_exit_to_complete,
             ));
         }
         out.insert("jobs".into(), serde_json::to_value(&rows)?);
     }
     if want("retune") {
-        let ns = TestNamespace::injected(node, &client, "bench-retune").await?;
-        let row = retune(&args, &client, &ns).await;
+        let ns = bench_ns(node, client, install, &format!("bench-retune-{tag}")).await?;
+        let row = retune(args, client, &ns).await;
         ns.delete().await?;
         let row = row?;
         table.push(line(
-            "SLC edit → an agent's /debug/config",
+            &format!("[{tag}] SLC edit → an agent's /debug/config"),
             &row.edit_to_agent,
         ));
         table.push(line(
-            &format!("SLC edit → all {} agents", row.pods),
+            &format!("[{tag}] SLC edit → all {} agents", row.pods),
             &row.edit_to_all,
         ));
         table.push(format!(
-            "container restarts during the edits: {}",
+            "[{tag}] container restarts during the edits: {}",
             row.restarts
         ));
         out.insert("retune".into(), serde_json::to_value(&row)?);
     }
-    let guard = node.guard_drops().await? - guard_before;
-    out.insert("egress_guard_dropped".into(), json!(guard));
-    println!("{}", table.join("\n"));
-    println!("egress guard dropped: {guard}");
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
+    Ok(serde_json::Value::Object(out))
+}
+
+/// EDS convergence with each client count in turn, on one mesh scaled up.
+async fn convergence(args: &Args, node: &Node, client: &Client) -> Result<Vec<SizeResult>> {
+    let mesh =
+        RemoraMesh::start(node, client, args.servers, &args.convergence_mode, DEADLINE).await?;
+    let mut rows = Vec::new();
+    let res: Result<()> = async {
+        for &n in &args.clients {
+            // Scaling 50 pods on 2 cores takes minutes: a deadline of its own.
+            let scale_deadline = DEADLINE + Duration::from_secs(6 * n as u64);
+            let (took, watched) = mesh.scale_clients(client, n, scale_deadline).await?;
+            eprintln!(
+                "node-bench: convergence: {n} clients Ready in {:.1} s",
+                took.as_secs_f64()
+            );
+            let mut watchers = Watchers::connect(client, watched).await?;
+            let seen = conv::measure_deletions(
+                client,
+                &mut watchers,
+                &mesh,
+                args.deletions,
+                args.convergence_poll,
+                DEADLINE,
+            )
+            .await?;
+            let row = SizeResult::of(watchers.len(), &seen, watchers.reopened(), took);
+            eprintln!(
+                "node-bench: convergence: {n} clients: every client p50 {:.1} ms, max {:.1} ms",
+                row.to_every_client.p50_ms, row.to_every_client.max_ms
+            );
+            rows.push(row);
+        }
+        Ok(())
     }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&out)? + "\n")
-        .with_context(|| format!("writing {}", args.out.display()))?;
-    println!("wrote {}", args.out.display());
+    .await;
+    mesh.ns.delete().await?;
+    res?;
+    Ok(rows)
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    for o in &args.only {
+        if !matches!(o.as_str(), "startup" | "jobs" | "retune" | "convergence") {
+            bail!("--only: unknown measurement {o:?} (startup, jobs, retune, convergence)");
+        }
+    }
+    let want = |m: &str| args.only.iter().any(|o| o == m);
+    if want("convergence") && !args.installs.contains(&Install::On) {
+        bail!("--only convergence needs discovery: --installs must include on");
+    }
+    let lifecycle_wanted = ["startup", "jobs", "retune"].iter().any(|m| want(m));
+    let machine_before = e2e::discovery_bench::report::machine();
+    let node = Node::shared().await?;
+    let client = node.client()?;
+    let guard_before = node.guard_drops().await?;
+    let mut table = vec![header()];
+    let mut installs = Vec::new();
+    let mut conv_rows = None;
+    for &install in &args.installs {
+        let t = Instant::now();
+        let remora = node
+            .install_remora(&client, node::RELEASE_NAMESPACE, &install.values())
+            .await?;
+        // helm's --wait returns with the old replicas still terminating
+        // (and answering the webhook): a pod injected by one of them gets
+        // the previous install's sidecar.
+        remora.wait_ready(&client, OPERATORS).await?;
+        eprintln!(
+            "node-bench: Remora installed with {:?} ({:.1} s)",
+            install.values(),
+            t.elapsed().as_secs_f64()
+        );
+        if lifecycle_wanted {
+            installs.push(lifecycle(&args, node, &client, install, &mut table).await?);
+        }
+        if install == Install::On && want("convergence") {
+            conv_rows = Some(convergence(&args, node, &client).await?);
+        }
+    }
+    let guard = node.guard_drops().await? - guard_before;
+    if lifecycle_wanted {
+        println!("{}", table.join("\n"));
+    }
+    println!("egress guard dropped: {guard}");
+    if lifecycle_wanted {
+        let mut out = stamp(&machine_before);
+        out.insert(
+            "method".into(),
+            json!(format!(
+                "one node (kubelet, containerd, runc, CNI bridge) on this machine; Remora by helm \
+                 upgraded between installs, each with the values it lists set explicitly (the \
+                 local images and rollouts.automatic=true as every node test has them); times \
+                 seen by polling the API every {:?} (each end up to one poll late); pods and \
+                 Jobs one at a time, variants interleaved. off: the stop request and \
+                 SidecarLifecycle settings reach the agent through the downward-API file; on: on \
+                 the xDS stream (remora.v1.PodAnnotations), the file the fallback",
+                args.poll
+            )),
+        );
+        out.insert("installs".into(), json!(installs));
+        out.insert("egress_guard_dropped".into(), json!(guard));
+        write(&args.out, out)?;
+    }
+    if let Some(rows) = conv_rows {
+        println!();
+        println!("EDS convergence: server pod deleted → every subscribed client Envoy without it");
+        println!(
+            "{:>7} {:>9} {:>10} {:>10} {:>10} {:>16} {:>14} {:>15}",
+            "clients",
+            "deletions",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "from below p50",
+            "per-client p50",
+            "poll window p50"
+        );
+        for r in &rows {
+            println!(
+                "{:>7} {:>9} {:>10.1} {:>10.1} {:>10.1} {:>16.1} {:>14.1} {:>15.1}",
+                r.clients,
+                r.deletions,
+                r.to_every_client.p50_ms,
+                r.to_every_client.p99_ms,
+                r.to_every_client.max_ms,
+                r.to_every_client_lower_bound.p50_ms,
+                r.per_client.p50_ms,
+                r.resolution.p50_ms
+            );
+        }
+        let mut out = stamp(&machine_before);
+        out.insert(
+            "measured".into(),
+            json!(format!(
+                "a server pod's delete request (default grace) → every subscribed client's Envoy no \
+                 longer lists the pod's endpoint in the Service's cluster in its admin /clusters. \
+                 Envoy applies an EDS response before it ACKs it, so this is the observable form of \
+                 \"every subscribed sidecar has ACKed an EDS version without it\" (the ACK itself \
+                 reaches the operator a round trip later). Each client's admin is read through one \
+                 kept-alive port-forward connection, all clients concurrently, every {:?}; a \
+                 sample is the first answer without the endpoint (an upper bound), `resolution` the \
+                 window from the poll before, which still had it",
+                args.convergence_poll
+            )),
+        );
+        out.insert(
+            "setup".into(),
+            json!({
+                "install": Install::On.values(),
+                "servers": args.servers,
+                "mode": args.convergence_mode,
+                "clients": "one Deployment of the test app (idle), scaled up in turn; remora.dev/outbound names the Service; namespace-wide SidecarLifecycle: Envoy concurrency 1, requests cpu 5m memory 48Mi",
+                "server_deletion": "round robin over the Ready servers; before each, every client holds exactly the Ready servers' endpoints (the replacement included)",
+            }),
+        );
+        out.insert("sizes".into(), serde_json::to_value(&rows)?);
+        out.insert("egress_guard_dropped".into(), json!(guard));
+        write(&args.convergence_out, out)?;
+    }
     if guard > 0 {
         bail!("the egress guard dropped {guard} packets");
     }
