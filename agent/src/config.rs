@@ -377,6 +377,7 @@ impl RunConfig {
             )
         };
         let mut termination_given = given("termination_drain_duration");
+        let mut exit_on_zero_given = given("exit_on_zero_active_connections");
         for (field, var) in ISTIO_ALIASES {
             if given(field) {
                 continue;
@@ -391,6 +392,7 @@ impl RunConfig {
                 "exit_on_zero_active_connections" => {
                     self.exit_on_zero_active_connections =
                         value::parse_bool(&raw).map_err(&invalid)?;
+                    exit_on_zero_given = true;
                 }
                 "minimum_drain_duration" => {
                     self.minimum_drain_duration =
@@ -406,7 +408,8 @@ impl RunConfig {
             }
         }
         let mode_given = given("drain_mode").then_some(self.drain_mode);
-        if let Some(m) = DrainMode::asked(mode_given, termination_given) {
+        let exit_on_zero = exit_on_zero_given.then_some(self.exit_on_zero_active_connections);
+        if let Some(m) = DrainMode::asked(mode_given, termination_given, exit_on_zero) {
             self.drain_mode = m;
         }
         if self.drain_poll_interval.is_zero() {
@@ -704,6 +707,28 @@ pub(crate) mod tests {
             run(&[], &[]).expect("defaults").drain_mode,
             DrainMode::Adaptive
         );
+        // Exit-on-zero is the fixed drain's too: turned on by the flag or
+        // Istio's variable, it asks for it; turned off, it asks for nothing.
+        for (args, env, mode) in [
+            (
+                &["--exit-on-zero-active-connections=true"][..],
+                &[][..],
+                DrainMode::Fixed,
+            ),
+            (
+                &[],
+                &[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true")][..],
+                DrainMode::Fixed,
+            ),
+            (
+                &["--exit-on-zero-active-connections=false"][..],
+                &[][..],
+                DrainMode::Adaptive,
+            ),
+        ] {
+            let c = run(args, env).expect("parses");
+            assert_eq!(c.drain_mode, mode, "{args:?} {env:?}");
+        }
         for (args, env) in [
             (&["--termination-drain-duration", "0s"][..], &[][..]),
             (&[], &[("TERMINATION_DRAIN_DURATION_SECONDS", "0")][..]),

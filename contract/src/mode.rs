@@ -63,12 +63,19 @@ impl DrainMode {
 
     /// The mode one layer of settings (flags, a `SidecarLifecycle`, the
     /// pod's annotations) asks for: its own, or [`Self::Fixed`] when it sets
-    /// a termination drain duration and no mode. Only a fixed drain reads
-    /// that duration, so setting it alone means wanting it: Istio's
-    /// `terminationDrainDuration: 0s` is honoured as given, not turned into
-    /// the adaptive quiet period.
-    pub fn asked(mode: Option<Self>, sets_termination_drain_duration: bool) -> Option<Self> {
-        mode.or(sets_termination_drain_duration.then_some(Self::Fixed))
+    /// one of the fixed drain's own settings and no mode: a termination
+    /// drain duration, or exit-on-zero-active-connections on. Only a fixed
+    /// drain reads them, so setting one alone means wanting it: Istio's
+    /// `terminationDrainDuration: 0s` and `EXIT_ON_ZERO_ACTIVE_CONNECTIONS`
+    /// are honoured as given, not turned into the adaptive quiet period.
+    pub fn asked(
+        mode: Option<Self>,
+        sets_termination_drain_duration: bool,
+        exit_on_zero_active_connections: Option<bool>,
+    ) -> Option<Self> {
+        let sets_fixed =
+            sets_termination_drain_duration || exit_on_zero_active_connections == Some(true);
+        mode.or(sets_fixed.then_some(Self::Fixed))
     }
 
     pub fn as_str(self) -> &'static str {

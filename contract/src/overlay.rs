@@ -116,7 +116,11 @@ impl Overlay {
             value::parse_concurrency
         );
         field!(o.log_level, annotations::LOG_LEVEL, str::parse::<LogLevel>);
-        o.drain_mode = DrainMode::asked(o.drain_mode, o.termination_drain_duration.is_some());
+        o.drain_mode = DrainMode::asked(
+            o.drain_mode,
+            o.termination_drain_duration.is_some(),
+            o.exit_on_zero_active_connections,
+        );
         (o, problems)
     }
 
@@ -148,7 +152,11 @@ impl Overlay {
             o.exit_on_zero_active_connections = s.exit_on_zero_active_connections;
             o.minimum_drain_duration =
                 dur("shutdown.minimumDrainDuration", &s.minimum_drain_duration);
-            o.drain_mode = DrainMode::asked(s.drain_mode, o.termination_drain_duration.is_some());
+            o.drain_mode = DrainMode::asked(
+                s.drain_mode,
+                o.termination_drain_duration.is_some(),
+                o.exit_on_zero_active_connections,
+            );
             o.quiet_period = dur("shutdown.quietPeriod", &s.quiet_period);
         }
         o.drain_deadline = dur("drainDeadline", &l.drain_deadline);
@@ -299,6 +307,24 @@ mod tests {
         );
         let quiet = ann(&[(annotations::QUIET_PERIOD, "1s")]);
         assert_eq!(Overlay::from_annotations(&quiet).0.drain_mode, None);
+        // Exit-on-zero on is the fixed drain's setting too; off asks for nothing.
+        for (value, mode) in [("true", Some(DrainMode::Fixed)), ("false", None)] {
+            let eoz = ann(&[(annotations::EXIT_ON_ZERO_ACTIVE_CONNECTIONS, value)]);
+            assert_eq!(
+                Overlay::from_annotations(&eoz).0.drain_mode,
+                mode,
+                "{value}"
+            );
+            let json = ann(&[(
+                annotations::LIFECYCLE,
+                &format!(r#"{{"shutdown":{{"exitOnZeroActiveConnections":{value}}}}}"#),
+            )]);
+            assert_eq!(
+                Overlay::from_pod_annotations(&json).0.drain_mode,
+                mode,
+                "{value}"
+            );
+        }
     }
 
     #[test]

@@ -207,7 +207,12 @@ impl EffectiveConfig {
                 self.exit_on_zero_active_connections = b;
             }
             let sets_termination = s.termination_drain_duration.is_some();
-            if let Some(m) = DrainMode::asked(s.drain_mode, sets_termination) {
+            let asked = DrainMode::asked(
+                s.drain_mode,
+                sets_termination,
+                s.exit_on_zero_active_connections,
+            );
+            if let Some(m) = asked {
                 self.drain_mode = m;
             }
         }
