@@ -550,12 +550,6 @@ fn pilot_agent_bin(args: &Args) -> Result<PathBuf> {
     Ok(path)
 }
 
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
 #[derive(Serialize)]
 struct Dist {
     n: usize,
@@ -649,7 +643,7 @@ async fn main() -> Result<()> {
     eprintln!(
         "envoy {envoy:?}\nremora-agent {remora_agent:?}\npilot-agent {pilot_agent:?} (template {pilot_template:?})\n{versions}"
     );
-    let load_before = load_average();
+    let machine_before = e2e::results::machine();
     let started = Instant::now();
     let mut r = Results::default();
     for i in 0..args.iterations {
@@ -683,7 +677,7 @@ async fn main() -> Result<()> {
             i + 1,
             args.iterations,
             started.elapsed().as_secs_f64(),
-            load_average()
+            e2e::results::machine()["load_average"]
         );
     }
 
@@ -758,15 +752,14 @@ async fn main() -> Result<()> {
         );
     }
 
-    let doc = json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
+    let mut doc = e2e::results::stamp(&machine_before);
+    doc.insert("machine_after".into(), e2e::results::machine());
+    let body = json!({
         "iterations": args.iterations,
         "scenarios": scenarios,
         "order": "per iteration, each scenario for both contenders; remora-agent first on even iterations, pilot-agent first on odd ones",
         "versions": versions,
         "binaries": {"envoy": envoy, "remora-agent": remora_agent, "pilot-agent": pilot_agent, "pilot-template": pilot_template},
-        "machine": {"cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-                    "load_average_before": load_before, "load_average_after": load_average()},
         "duration_s": started.elapsed().as_secs_f64(),
         "rows": rows,
         "envoy_outlived_agent_ms": r.envoy_lingered.iter().map(|(c, v)| (c.name(), v.clone())).collect::<BTreeMap<_, _>>(),
@@ -780,6 +773,9 @@ async fn main() -> Result<()> {
             "2 shared cores: absolute times move with the load; the ratios from one run are the comparable figure",
         ],
     });
+    if let serde_json::Value::Object(body) = body {
+        doc.extend(body);
+    }
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }

@@ -543,60 +543,8 @@ fn header() -> String {
     )
 }
 
-fn command_output(cmd: &str, args: &[&str]) -> String {
-    std::process::Command::new(cmd)
-        .args(args)
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default()
-}
-
-/// What every results file of this bench starts with: the command, the
-/// commit measured, and the machine (load average included) at the start.
-fn stamp(machine_before: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
-    let mut out = serde_json::Map::new();
-    out.insert(
-        "command".into(),
-        json!(std::env::args().collect::<Vec<_>>().join(" ")),
-    );
-    out.insert(
-        "commit".into(),
-        json!(command_output("git", &["rev-parse", "HEAD"])),
-    );
-    // Results files are written by the benches: they do not make the code
-    // measured dirty.
-    out.insert(
-        "dirty".into(),
-        json!(
-            !command_output(
-                "git",
-                &[
-                    "status",
-                    "--porcelain",
-                    "--untracked-files=no",
-                    "--",
-                    ".",
-                    ":!bench/results"
-                ]
-            )
-            .is_empty()
-        ),
-    );
-    out.insert(
-        "date".into(),
-        json!(command_output("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"])),
-    );
-    out.insert("machine_before".into(), machine_before.clone());
-    out
-}
-
 fn write(path: &PathBuf, mut out: serde_json::Map<String, serde_json::Value>) -> Result<()> {
-    out.insert(
-        "machine_after".into(),
-        e2e::discovery_bench::report::machine(),
-    );
+    out.insert("machine_after".into(), e2e::results::machine());
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
@@ -731,7 +679,7 @@ async fn main() -> Result<()> {
         bail!("--only convergence needs discovery: --installs must include on");
     }
     let lifecycle_wanted = ["startup", "jobs", "retune"].iter().any(|m| want(m));
-    let machine_before = e2e::discovery_bench::report::machine();
+    let machine_before = e2e::results::machine();
     let node = Node::shared().await?;
     let client = node.client()?;
     let guard_before = node.guard_drops().await?;
@@ -765,7 +713,7 @@ async fn main() -> Result<()> {
     }
     println!("egress guard dropped: {guard}");
     if lifecycle_wanted {
-        let mut out = stamp(&machine_before);
+        let mut out = e2e::results::stamp(&machine_before);
         out.insert(
             "method".into(),
             json!(format!(
@@ -810,7 +758,7 @@ async fn main() -> Result<()> {
                 r.resolution.p50_ms
             );
         }
-        let mut out = stamp(&machine_before);
+        let mut out = e2e::results::stamp(&machine_before);
         out.insert(
             "measured".into(),
             json!(format!(
