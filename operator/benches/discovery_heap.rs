@@ -55,8 +55,9 @@ struct Args {
 /// A stack through any of these is the clients' (checked first: the
 /// clients call the operator's decoders too).
 const CLIENT: &[&str] = &[
-    "discovery_fleet::run_",
-    "discovery_fleet::Fleet::start",
+    // The fleet module's functions (`fleet::run_proxy`, `fleet::Fleet::start`).
+    "fleet::run_",
+    "fleet::Fleet::start",
     "h2_client",
     "hyper::client",
     "hyper::proto::h2::client",
@@ -70,6 +71,18 @@ const CLIENT: &[&str] = &[
 /// The part a server allocation is charged to: the first of these found
 /// walking the stack from the allocation outwards.
 const PARTS: &[(&str, &str)] = &[
+    (
+        "aggregated_discovery_service_server",
+        "tonic: codec buffers of the generated ADS service (8 KiB each way)",
+    ),
+    (
+        "hyper::proto::h2::server::Server",
+        "h2: connection codec (16 KiB write, 8 KiB read, 4 KiB hpack)",
+    ),
+    (
+        "discovery::server::AdsService",
+        "remora: the stream's task (spawned future)",
+    ),
     (
         "remora_operator::discovery::session",
         "remora: state-of-the-world session",
@@ -126,7 +139,7 @@ fn side_and_part(frames: &[&str]) -> (&'static str, &'static str) {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    remora_test_support::open_files::raise_open_files(2 * args.proxies as u64 + 1024)?;
+    remora_test_support::open_files::raise_open_files(2 * args.proxies as u64 + 64)?;
     let dump = args.dhat_out.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("discovery-heap-{}.json", std::process::id()))
     });

@@ -14,8 +14,10 @@ pub struct OpenFilesError {
     source: std::io::Error,
 }
 
-/// Raise `RLIMIT_NOFILE` to at least `wanted` (soft and, when needed,
-/// hard). Returns the soft limit now in force.
+/// Raise `RLIMIT_NOFILE` to at least `wanted`: the hard limit too where
+/// the process may (CAP_SYS_RESOURCE), otherwise the soft limit up to the
+/// hard one. Returns the soft limit now in force; an error when it is
+/// still below `wanted`.
 pub fn raise_open_files(wanted: u64) -> Result<u64, OpenFilesError> {
     let now = getrlimit(Resource::Nofile);
     let current = now.current.unwrap_or(u64::MAX);
@@ -23,17 +25,27 @@ pub fn raise_open_files(wanted: u64) -> Result<u64, OpenFilesError> {
     if current >= wanted {
         return Ok(current);
     }
-    let raised = Rlimit {
-        current: Some(wanted),
-        maximum: Some(maximum.max(wanted)),
+    let set = |soft: u64, hard: u64| {
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(soft),
+                maximum: Some(hard),
+            },
+        )
     };
-    setrlimit(Resource::Nofile, raised).map_err(|e| OpenFilesError {
+    if set(wanted, maximum.max(wanted)).is_ok() {
+        return Ok(wanted);
+    }
+    // Without the capability the hard limit is the most there is.
+    let error = |e: rustix::io::Errno| OpenFilesError {
         current,
         maximum,
         wanted,
         source: e.into(),
-    })?;
-    Ok(wanted)
+    };
+    set(maximum, maximum).map_err(error)?;
+    Err(error(rustix::io::Errno::PERM))
 }
 
 #[cfg(test)]

@@ -20,10 +20,10 @@ static ALLOC: cap::Cap<mimalloc::MiMalloc> = cap::Cap::new(mimalloc::MiMalloc, u
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    // One socket per proxy in this process and in Remora's child (which
-    // inherits the limit), and istiod's, with room to spare.
+    // One socket per proxy in this process (the clients) and in Remora's
+    // child (the server, which inherits the limit), with room to spare.
     let most = args.proxies.iter().copied().max().unwrap_or(0) as u64;
-    remora_test_support::open_files::raise_open_files(2 * most + 4096)?;
+    remora_test_support::open_files::raise_open_files(most + 4096)?;
     if let Some(dir) = args.serve_remora.clone() {
         // As the operator's main does.
         remora_operator::alloc::purge_freed_memory_at_once();
