@@ -14,58 +14,39 @@
 //! Each debounce of `--debounce-quiet-ms` (default: the operator's, 100 ms
 //! quiet, 1 s max) and each push throttle of `--push-throttle` (default:
 //! the operator's, 100 pushes at once) is measured in turn in the same run,
-//! so a sweep compares them side by side. The server runs in this process beside its clients,
+//! so a sweep compares them side by side, and so is each protocol of
+//! `--protocol` (state of the world, `sotw`; delta, the agent's default,
+//! whose clients subscribe to CDS and LDS as a wildcard and to EDS by name,
+//! and ACK each response's nonce). The server runs in this process beside its clients,
 //! with a test double for TokenReview (every
 //! proxy shows the same cached token), and the registry fed directly (no
 //! API server, no pod watch). Not covered: the API server's watch latency,
-//! Envoy's own apply time, TLS handshakes after the start, delta xDS (served,
-//! but these clients speak state of the world), and Istio's pilot-discovery
+//! Envoy's own apply time, TLS handshakes after the start, and Istio's pilot-discovery
 //! (side by side, through a real API server: e2e's `discovery-bench`). CPU
 //! seconds and the allocator's bytes are the whole process's: the clients'
 //! share is in them.
 //!
 //! `cargo bench -p remora-operator --bench discovery_push -- --proxies 1000
 //! --services 100` prints a table and writes JSON to
-//! `bench/results/discovery-push.json`.
+//! `bench/results/discovery-push.json`. The process raises its own
+//! open-file limit (two sockets per proxy) to what `--proxies` needs, as
+//! far as its hard limit allows (raising that takes CAP_SYS_RESOURCE).
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
-use futures::StreamExt;
-use remora_contract::discovery::{ServiceHost, TOKEN_AUDIENCE};
-use remora_operator::discovery::Metrics;
-use remora_operator::discovery::push::{DEFAULT_PUSH_THROTTLE, Debounce, Discovery};
-use remora_operator::discovery::registry::{
-    PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
-};
-use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER};
-use remora_operator::discovery::serve::{Limits, limits, serve};
-use remora_operator::discovery::server::AdsService;
-use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
-use remora_operator::pki::workload_ca::{ServingCert, testing};
-use remora_test_support::h2_client::{self, H2};
-use remora_test_support::jwt;
+use remora_operator::discovery::push::{DEFAULT_PUSH_THROTTLE, Debounce};
 use serde_json::json;
-use std::sync::Mutex;
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+
+#[path = "support/discovery_fleet.rs"]
+mod fleet;
+use fleet::{Fleet, NS, ROLLOUT_PODS, Xds, rollout_ip, service_name, slice};
 
 #[global_allocator]
 static ALLOC: cap::Cap<mimalloc::MiMalloc> = cap::Cap::new(mimalloc::MiMalloc, usize::MAX);
-
-const SERVER_NAME: &str = "remora-operator.ops.svc";
-const EXP: u64 = 4_000_000_000;
-const NS: &str = "shop";
-/// Pods of the `rollout` Service, replaced one at a time.
-const ROLLOUT_PODS: usize = 100;
 
 #[derive(Debug, Parser)]
 #[command(name = "discovery_push")]
@@ -93,72 +74,14 @@ struct Args {
     /// Between two pods of the rollout becoming ready (ms, comma-separated).
     #[arg(long, value_delimiter = ',', default_values_t = [10u64])]
     rollout_step_ms: Vec<u64>,
+    /// The clients' xDS protocols, each measured in turn (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [Xds::Sotw, Xds::Delta])]
+    protocol: Vec<Xds>,
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/results/discovery-push.json"))]
     out: PathBuf,
     /// What cargo passes to every bench.
     #[arg(long, hide = true)]
     bench: bool,
-}
-
-/// Stand-in for the API server's TokenReview: the one token every
-/// simulated proxy shows is `shop/web`'s, not bound to a pod.
-struct TokenReviewDouble;
-
-impl Authenticate for TokenReviewDouble {
-    async fn authenticate(&self, token: &str) -> Result<Caller, AuthError> {
-        if token != jwt::service_account(TOKEN_AUDIENCE, EXP, 1) {
-            return Err(AuthError::Rejected("unknown token".into()));
-        }
-        Ok(Caller {
-            namespace: NS.into(),
-            service_account: "web".into(),
-            pod: None,
-        })
-    }
-}
-
-fn host(name: &str) -> ServiceHost {
-    ServiceHost {
-        name: name.into(),
-        namespace: NS.into(),
-    }
-}
-
-fn service_name(j: usize) -> String {
-    format!("svc-{j}")
-}
-
-/// Proxy `i`'s address: 127.10.x.y, one per pod.
-fn proxy_ip(i: usize) -> Ipv4Addr {
-    Ipv4Addr::new(127, 10, (i / 250) as u8, (i % 250 + 1) as u8)
-}
-
-fn slice(name: &str, endpoints: &[String]) -> SliceInfo {
-    SliceInfo {
-        service: Some(host(name)),
-        ports: [("http".to_string(), 8080)].into(),
-        ready: endpoints.iter().filter_map(|ip| ip.parse().ok()).collect(),
-        ..Default::default()
-    }
-}
-
-type Client = AggregatedDiscoveryServiceClient<h2_client::Channel>;
-
-fn client(h2: &H2<tonic::body::Body>) -> Client {
-    AggregatedDiscoveryServiceClient::with_origin(
-        h2_client::channel(h2),
-        format!("https://{SERVER_NAME}").parse().expect("origin"),
-    )
-}
-
-fn request(t: &str, names: Vec<String>, ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
-    DiscoveryRequest {
-        type_url: t.into(),
-        resource_names: names,
-        version_info: ack.map(|r| r.version_info.clone()).unwrap_or_default(),
-        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
-        ..Default::default()
-    }
 }
 
 /// Whose endpoints change.
@@ -190,132 +113,6 @@ impl Case {
             Self::Shared => ("shared".to_string(), (0..proxies).collect()),
         }
     }
-}
-
-/// When each proxy ACKed each EDS version.
-#[derive(Default)]
-struct Acks {
-    /// (proxy, EDS version) → when its ACK was sent.
-    at: Mutex<BTreeMap<(usize, String), Instant>>,
-    /// Proxies that ACKed their first EDS response.
-    subscribed: std::sync::atomic::AtomicUsize,
-    /// Per proxy, the latest rollout step its `rollout` endpoints show
-    /// (10.9.<step>.1 is the pod of step <step>), and when it ACKed it.
-    rollout: Mutex<BTreeMap<usize, (u8, Instant)>>,
-}
-
-/// One simulated proxy: subscribe like Envoy (CDS, then LDS, then EDS of
-/// the clusters it got) and ACK everything until `stop`.
-async fn run_proxy(
-    i: usize,
-    addr: SocketAddr,
-    bundle: Arc<String>,
-    token: Arc<String>,
-    acks: Arc<Acks>,
-    stop: CancellationToken,
-) -> anyhow::Result<()> {
-    let h2 = h2_client::connect(IpAddr::V4(proxy_ip(i)), addr, SERVER_NAME, &bundle)
-        .await
-        .with_context(|| format!("proxy {i} connects"))?;
-    let mut c = client(&h2);
-    let (tx, rx) = mpsc::unbounded_channel();
-    let id = format!("sidecar~{}~p-{i}.{NS}~{NS}.svc.cluster.local", proxy_ip(i));
-    tx.send(DiscoveryRequest {
-        node: Some(Node {
-            id,
-            ..Default::default()
-        }),
-        ..request(CLUSTER, Vec::new(), None)
-    })?;
-    let mut req = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
-    req.metadata_mut()
-        .insert("authorization", format!("Bearer {token}").parse()?);
-    let mut stream = c.stream_aggregated_resources(req).await?.into_inner();
-    let mut first_eds = true;
-    loop {
-        let resp = tokio::select! {
-            _ = stop.cancelled() => return Ok(()),
-            r = stream.next() => match r {
-                Some(r) => r?,
-                None => anyhow::bail!("proxy {i}: the stream ended"),
-            },
-        };
-        let t = resp.type_url.as_str();
-        if t == CLUSTER {
-            // Envoy asks for the endpoints of its EDS clusters, then listeners.
-            let names: Vec<String> = resp
-                .resources
-                .iter()
-                .filter_map(|a| {
-                    remora_operator::discovery::resources::decode::<
-                        envoy_types::pb::envoy::config::cluster::v3::Cluster,
-                    >(a)
-                })
-                .map(|c| c.name)
-                .collect();
-            tx.send(request(CLUSTER, Vec::new(), Some(&resp)))?;
-            tx.send(request(ENDPOINTS, names, None))?;
-            tx.send(request(LISTENER, Vec::new(), None))?;
-        } else if t == ENDPOINTS {
-            tx.send(request(ENDPOINTS, resp_names(&resp), Some(&resp)))?;
-            if let Some(step) = rollout_step(&resp) {
-                acks.rollout
-                    .lock()
-                    .expect("lock")
-                    .insert(i, (step, Instant::now()));
-            }
-            acks.at
-                .lock()
-                .expect("lock")
-                .insert((i, resp.version_info.clone()), Instant::now());
-            if first_eds {
-                first_eds = false;
-                acks.subscribed
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-        } else {
-            tx.send(request(t, Vec::new(), Some(&resp)))?;
-        }
-    }
-}
-
-/// The latest rollout step among the `rollout` Service's endpoints.
-fn rollout_step(resp: &DiscoveryResponse) -> Option<u8> {
-    resp.resources
-        .iter()
-        .filter_map(|a| {
-            remora_operator::discovery::resources::decode::<
-                envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment,
-            >(a)
-        })
-        .find(|c| c.cluster_name.contains("||rollout."))?
-        .endpoints
-        .iter()
-        .flat_map(|l| &l.lb_endpoints)
-        .filter_map(|e| {
-            let debug = format!("{e:?}");
-            let at = debug.find("\"10.9.")? + 6;
-            debug[at..].split('.').next()?.parse::<u8>().ok()
-        })
-        .max()
-}
-
-/// Rollout pod `step` (0 = the pods before the rollout).
-fn rollout_ip(step: usize, replica: usize) -> String {
-    format!("10.9.{step}.{}", replica + 1)
-}
-
-/// The cluster names of an EDS response (what the proxy keeps asking for).
-fn resp_names(resp: &DiscoveryResponse) -> Vec<String> {
-    resp.resources
-        .iter()
-        .filter_map(|a| {
-            remora_operator::discovery::resources::decode::<
-                envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment,
-            >(a)
-        })
-        .map(|c| c.cluster_name)
-        .collect()
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -367,22 +164,28 @@ async fn main() -> anyhow::Result<()> {
         args.proxies > 0 && args.proxies <= 62_500 && args.services > 0,
         "--proxies 1..=62500 and --services >= 1"
     );
+    // Two sockets per proxy (its client's and the server's, both in this
+    // process), and a few for the rest (the listener, the runtime, stdio).
+    let open_files =
+        remora_test_support::open_files::raise_open_files(2 * args.proxies as u64 + 64)?;
     let started = Instant::now();
     let load_before = command_output("cat", &["/proc/loadavg"]);
     let mut settings = Vec::new();
-    for &step in &args.rollout_step_ms {
-        for &quiet in &args.debounce_quiet_ms {
-            for &throttle in &args.push_throttle {
-                let debounce = Debounce {
-                    quiet: Duration::from_millis(quiet),
-                    max_delay: Duration::from_millis(args.debounce_max_ms),
-                };
-                println!(
-                    "== debounce {quiet} ms quiet, {} ms max; rollout step {step} ms; push throttle {throttle}",
-                    args.debounce_max_ms
-                );
-                settings
-                    .push(measure(&args, debounce, throttle, Duration::from_millis(step)).await?);
+    for &xds in &args.protocol {
+        for &step in &args.rollout_step_ms {
+            for &quiet in &args.debounce_quiet_ms {
+                for &throttle in &args.push_throttle {
+                    let debounce = Debounce {
+                        quiet: Duration::from_millis(quiet),
+                        max_delay: Duration::from_millis(args.debounce_max_ms),
+                    };
+                    println!(
+                        "== {xds}; debounce {quiet} ms quiet, {} ms max; rollout step {step} ms; push throttle {throttle}",
+                        args.debounce_max_ms
+                    );
+                    let step = Duration::from_millis(step);
+                    settings.push(measure(&args, xds, debounce, throttle, step).await?);
+                }
             }
         }
     }
@@ -396,6 +199,7 @@ async fn main() -> anyhow::Result<()> {
             "kernel": command_output("uname", &["-r"]),
             "load_average_before": load_before,
             "load_average_after": command_output("cat", &["/proc/loadavg"]),
+            "open_files_limit": open_files,
         },
         "proxies": args.proxies,
         "services": args.services,
@@ -408,7 +212,6 @@ async fn main() -> anyhow::Result<()> {
             "no API server: the registry is fed directly, so watch latency is not in the figures",
             "no Envoy: the clients ACK at once, Envoy's apply time is not in the figures",
             "Istio's pilot-discovery is not in this bench: e2e's discovery-bench runs it side by side",
-            "delta xDS: served, but these clients speak state of the world",
             "the rollout is 100 endpoint changes a fixed step apart fed to the registry, not pods starting on a node",
             "RSS is the process's peak over every setting",
         ],
@@ -430,146 +233,21 @@ async fn main() -> anyhow::Result<()> {
 /// changes of each case, then the rollout with `step` between pods.
 async fn measure(
     args: &Args,
+    xds: Xds,
     debounce: Debounce,
     push_throttle: usize,
     step: Duration,
 ) -> anyhow::Result<serde_json::Value> {
     let cpu_at_start = cpu_seconds();
-    // The workload CA's serving certificate, as the operator has it.
-    let authority = testing::authority(&[SERVER_NAME]).map_err(anyhow::Error::msg)?;
-    let bundle = Arc::new(authority.bundle.clone());
-    let (_authority_tx, authority_rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
-
-    // Plain text, as the figures in the README were measured (the endpoints
-    // here name no pods, so with the mesh on each would only carry a mark).
-    let (discovery, debouncer) =
-        Discovery::with_push_throttle("cluster.local", None, debounce, push_throttle);
-    tokio::spawn(debouncer);
-    let mut next_ip = 0u32;
-    let mut endpoints = |n: usize| -> Vec<String> {
-        (0..n)
-            .map(|_| {
-                next_ip += 1;
-                Ipv4Addr::from(0x0a01_0000 + next_ip).to_string()
-            })
-            .collect()
-    };
-    let names: Vec<String> = std::iter::once("shared".to_string())
-        .chain((0..args.services).map(service_name))
-        .collect();
-    let mut initial: Vec<(String, Vec<String>)> =
-        names.iter().map(|n| (n.clone(), endpoints(3))).collect();
-    initial.push((
-        "rollout".into(),
-        (0..ROLLOUT_PODS).map(|r| rollout_ip(0, r)).collect(),
-    ));
-    discovery.update(|r| {
-        let mut t = Vec::new();
-        for (name, eps) in &initial {
-            t.extend(r.apply_service(
-                host(name),
-                ServiceInfo {
-                    ports: vec![ServicePort {
-                        port: 80,
-                        name: "http".into(),
-                        protocol: Protocol::Http,
-                    }],
-                    ..Default::default()
-                },
-            ));
-            t.extend(r.apply_slice((NS.into(), format!("{name}-1")), slice(name, eps)));
-        }
-        for i in 0..args.proxies {
-            t.extend(
-                r.apply_proxy(
-                    PodKey {
-                        namespace: NS.into(),
-                        name: format!("p-{i}"),
-                    },
-                    ProxyInfo {
-                        ip: Some(proxy_ip(i).to_string()),
-                        service_account: "web".into(),
-                        outbound: Some(
-                            format!(
-                                "15001:shared.{NS}:80,15002:{}.{NS}:80,15003:rollout.{NS}:80",
-                                service_name(i % args.services)
-                            )
-                            .into(),
-                        ),
-                        ..Default::default()
-                    },
-                ),
-            );
-        }
-        t
-    });
-
-    let stop = CancellationToken::new();
-    let svc = AdsService {
-        auth: TokenReviewDouble,
-        gate: Gate::new(TOKEN_AUDIENCE, GateLimits::default()),
-        discovery: Arc::clone(&discovery),
-        metrics: Metrics::default(),
-        events: None,
-        shutdown: stop.clone(),
-        pod_wait: Duration::ZERO,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let limits = Limits {
-        // The chart's bounds; every proxy has a source address of its own.
-        ..limits()
-    };
-    let token = stop.clone();
-    tokio::spawn(async move {
-        if let Err(e) = serve(
-            listener,
-            svc,
-            Arc::new(ServingCert(authority_rx)),
-            limits,
-            token,
-        )
-        .await
-        {
-            eprintln!("the server failed: {e}");
-        }
-    });
-
-    // Connect every proxy, a few at a time (as a rollout would, not all at once).
-    let acks = Arc::new(Acks::default());
-    let tok = Arc::new(jwt::service_account(TOKEN_AUDIENCE, EXP, 1));
-    let connect_started = Instant::now();
-    let mut tasks = Vec::new();
-    for i in 0..args.proxies {
-        tasks.push(tokio::spawn(run_proxy(
-            i,
-            addr,
-            Arc::clone(&bundle),
-            Arc::clone(&tok),
-            Arc::clone(&acks),
-            stop.clone(),
-        )));
-        if i % 50 == 49 {
-            tokio::task::yield_now().await;
-        }
-    }
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while acks.subscribed.load(std::sync::atomic::Ordering::Relaxed) < args.proxies {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "only {} of {} proxies subscribed within 300 s",
-            acks.subscribed.load(std::sync::atomic::Ordering::Relaxed),
-            args.proxies
-        );
-        if let Some(i) = tasks.iter().position(|t| t.is_finished()) {
-            let ended = tasks.swap_remove(i).await;
-            anyhow::bail!(
-                "a proxy ended early: {ended:?} (file descriptors: `ulimit -n`, two per proxy)"
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let subscribe_seconds = connect_started.elapsed().as_secs_f64();
+    let Fleet {
+        discovery,
+        acks,
+        mut endpoints,
+        tasks,
+        stop,
+        subscribe_seconds,
+        ..
+    } = Fleet::start(args.proxies, args.services, xds, debounce, push_throttle).await?;
     let cpu_after_subscribe = cpu_seconds() - cpu_at_start;
     let alloc_after_subscribe = ALLOC.allocated() as f64 / 1048576.0;
 
@@ -587,7 +265,7 @@ async fn measure(
         for k in 0..args.changes {
             let (name, who) = case.change(k, args.proxies, args.services);
             deps = who.len();
-            let eps = endpoints(3);
+            let eps = endpoints.fresh(3);
             let before: std::collections::BTreeSet<(usize, String)> =
                 acks.at.lock().expect("lock").keys().cloned().collect();
             let t0 = Instant::now();
@@ -727,6 +405,7 @@ async fn measure(
         args.proxies,
     );
     Ok(json!({
+        "protocol": xds.label(),
         "debounce_ms": {"quiet": debounce.quiet.as_millis() as u64, "max": debounce.max_delay.as_millis() as u64},
         "push_throttle": push_throttle,
         "most_pushes_at_once": discovery.throttle.most(),

@@ -2,8 +2,8 @@
 //! exists once: free ports, a test PKI, JWT-shaped tokens, the kubelet's
 //! atomic volume writer, locating Envoy and sibling binaries, waiting with
 //! a deadline, inline label/annotation maps, an app that names itself, the webhook's HTTPS client,
-//! an HTTP/2-over-TLS connection from a chosen source address, and an xDS
-//! server double.
+//! an HTTP/2-over-TLS connection from a chosen source address, an xDS
+//! server double, and a raised open-file limit for benches.
 //!
 //! Only ever a dev-dependency (or a dependency of the unpublished e2e
 //! crate): it sits below `remora-agent` and `remora-operator` and must not
@@ -16,6 +16,7 @@ pub mod jwt;
 pub mod kubelet;
 pub mod maps;
 pub mod named_backend;
+pub mod open_files;
 pub mod pki;
 pub mod ports;
 pub mod wait;

@@ -10,12 +10,31 @@
 //! prints a table and writes `bench/results/discovery-istiod.json`.
 
 use clap::Parser;
-use e2e::discovery_bench::{Args, report, run, serve_remora};
+use e2e::discovery_bench::{Args, HEAP_FILE, report, run, serve_remora};
+
+// The operator's allocator (its main.rs), so Remora's child measures as the
+// operator would; `cap` counts the child's live heap beside its RSS.
+#[global_allocator]
+static ALLOC: cap::Cap<mimalloc::MiMalloc> = cap::Cap::new(mimalloc::MiMalloc, usize::MAX);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // One socket per proxy in this process (the clients) and in Remora's
+    // child (the server, which inherits the limit), with room to spare.
+    let most = args.proxies.iter().copied().max().unwrap_or(0) as u64;
+    remora_test_support::open_files::raise_open_files(most + 4096)?;
     if let Some(dir) = args.serve_remora.clone() {
+        // As the operator's main does.
+        remora_operator::alloc::purge_freed_memory_at_once();
+        let heap = dir.join(HEAP_FILE);
+        tokio::spawn(async move {
+            loop {
+                // Best effort: the bench reads it when it reads the RSS.
+                let _ = std::fs::write(&heap, ALLOC.allocated().to_string());
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        });
         return serve_remora(&args, dir).await;
     }
     let started = std::time::Instant::now();

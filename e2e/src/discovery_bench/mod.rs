@@ -27,8 +27,7 @@
 //! Not covered: Envoy's own apply time (the clients ACK at once); RDS
 //! (not subscribed: endpoint changes do not touch it); Remora's TokenReview
 //! and pod watch of the proxies (stand-ins, see [`remora`]); istiod's TLS
-//! (its proxies use the plaintext port; Remora's use TLS); delta xDS
-//! (neither contender is asked for it); the API server's own cost (shared
+//! (its proxies use the plaintext port; Remora's use TLS); the API server's own cost (shared
 //! by both); more than one replica of either; a machine of its own (2
 //! shared cores: the clients, the API server and both contenders share
 //! them).
@@ -53,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::controlplane::process::Janitor;
 use istiod::{Histogram, Istiod, Ports};
-use proxy::{Board, Identity, Target};
+use proxy::{Board, Identity, Target, Xds};
 use remora::RemoraProcess;
 use usage::Usage;
 
@@ -79,6 +78,10 @@ pub struct Args {
     /// Between two writes of the rollout (ms).
     #[arg(long, default_value_t = 10)]
     pub rollout_step_ms: u64,
+    /// What the proxies speak: state of the world, or delta (the agent's
+    /// default), to every contender.
+    #[arg(long, value_enum, default_value_t = Xds::Sotw)]
+    pub protocol: Xds,
     /// Which contenders, in the first cycle's order.
     #[arg(long, value_delimiter = ',', default_values_t = [Contender::Remora, Contender::Istiod, Contender::IstiodSidecars])]
     pub contenders: Vec<Contender>,
@@ -137,6 +140,9 @@ impl std::fmt::Display for Contender {
         })
     }
 }
+
+/// Where Remora's child writes its live heap (bytes), in its directory.
+pub const HEAP_FILE: &str = "heap";
 
 pub const SHARED: &str = "shared";
 pub const ROLLOUT: &str = "rollout";
@@ -241,6 +247,9 @@ pub struct Phase {
     pub rss_mib_subscribed: f64,
     /// Its peak RSS since it started (this N's run).
     pub peak_rss_mib: f64,
+    /// Remora's live heap (its allocator's count) once every proxy had
+    /// subscribed; none for istiod.
+    pub heap_mib_subscribed: Option<f64>,
     /// istiod's `pilot_proxy_convergence_time` observed during the phase.
     pub istiod_convergence: Option<Convergence>,
 }
@@ -509,6 +518,7 @@ impl Run<'_> {
             let task = tokio::spawn(proxy::run(
                 target.clone(),
                 who.clone(),
+                self.args.protocol,
                 Arc::clone(&board),
                 stop.clone(),
             ));
@@ -559,7 +569,7 @@ impl Run<'_> {
         let board = Board::new(n);
         let stop = CancellationToken::new();
         let started = Instant::now();
-        let mut tasks = proxy::start_all(&target, &identities, &board, &stop).await;
+        let mut tasks = proxy::start_all(&target, args.protocol, &identities, &board, &stop).await;
         wait_subscribed(
             &board,
             &proxies,
@@ -570,6 +580,10 @@ impl Run<'_> {
         .await?;
         let subscribe_seconds = started.elapsed().as_secs_f64();
         let u1 = Usage::of(pid)?;
+        let heap_mib_subscribed = match contender {
+            Contender::Remora => self.remora.as_ref().and_then(RemoraProcess::heap_mib),
+            _ => None,
+        };
         let mut clusters: Vec<usize> = (0..n).map(|i| board.with(i, |s| s.eds_clusters)).collect();
         clusters.sort_unstable();
 
@@ -640,6 +654,7 @@ impl Run<'_> {
             },
             rss_mib_subscribed: u1.rss_mib,
             peak_rss_mib: u3.peak_rss_mib,
+            heap_mib_subscribed,
             istiod_convergence: match (conv_before, conv_after) {
                 (Some(b), Some(a)) => {
                     let d = a.since(&b);

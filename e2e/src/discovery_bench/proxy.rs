@@ -1,7 +1,7 @@
-//! One simulated sidecar: a real gRPC ADS client (state of the world) from
-//! a loopback address of its own, subscribing as Envoy does: CDS first,
-//! then EDS for the EDS clusters CDS names, and LDS; every response ACKed
-//! at once. It records when it ACKed each endpoint address it had not seen
+//! One simulated sidecar: a real gRPC ADS client (state of the world, or
+//! delta as the agent speaks by default) from a loopback address of its
+//! own, subscribing as Envoy does: CDS first, then EDS for the EDS clusters
+//! CDS names, and LDS; every response ACKed at once. It records when it ACKed each endpoint address it had not seen
 //! before, and how many EDS responses it got. It never retries: a stream
 //! that fails ends the proxy with the error.
 
@@ -16,7 +16,10 @@ use envoy_types::pb::envoy::config::core::v3::{Node, address, socket_address};
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::StreamExt;
 use prost::Message;
@@ -43,6 +46,25 @@ pub enum ProxyError {
     Ended(usize),
     #[error("proxy {0}: its request stream closed")]
     Send(usize),
+}
+
+/// Which ADS the proxies speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Xds {
+    /// State of the world: each response carries the type's whole set.
+    Sotw,
+    /// Incremental: only what changed (the agent's default).
+    Delta,
+}
+
+impl std::fmt::Display for Xds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Sotw => "sotw",
+            Self::Delta => "delta",
+        })
+    }
 }
 
 /// Whom the proxies dial.
@@ -168,67 +190,261 @@ fn request(t: &str, names: Vec<String>, ack: Option<&DiscoveryResponse>) -> Disc
     }
 }
 
+/// One proxy's ADS client, as each contender is dialled.
+enum Ads {
+    Remora(AggregatedDiscoveryServiceClient<remora_test_support::h2_client::Channel>),
+    Istiod(AggregatedDiscoveryServiceClient<tonic::transport::Channel>),
+}
+
+impl Ads {
+    async fn connect(
+        target: &Target,
+        who: &Identity,
+    ) -> Result<(Self, Option<String>), ProxyError> {
+        let i = who.index;
+        match target {
+            Target::Remora {
+                addr,
+                bundle,
+                token,
+            } => {
+                let h2 = remora_test_support::h2_client::connect(
+                    IpAddr::V4(who.ip),
+                    *addr,
+                    REMORA_SERVER_NAME,
+                    bundle,
+                )
+                .await
+                .map_err(|e| ProxyError::Connect(i, e.to_string()))?;
+                let origin = format!("https://{REMORA_SERVER_NAME}")
+                    .parse()
+                    .map_err(|e: http::uri::InvalidUri| ProxyError::Connect(i, e.to_string()))?;
+                // The connection's task lives as long as a stream uses it.
+                let c = AggregatedDiscoveryServiceClient::with_origin(
+                    remora_test_support::h2_client::channel(&h2),
+                    origin,
+                )
+                .max_decoding_message_size(MAX_MESSAGE);
+                Ok((Self::Remora(c), Some(format!("Bearer {token}"))))
+            }
+            Target::Istiod { addr } => {
+                let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                    .map_err(|e| ProxyError::Connect(i, e.to_string()))?
+                    .local_address(Some(IpAddr::V4(who.ip)))
+                    .tcp_nodelay(true)
+                    .connect()
+                    .await
+                    .map_err(|e| ProxyError::Connect(i, e.to_string()))?;
+                let c = AggregatedDiscoveryServiceClient::new(channel)
+                    .max_decoding_message_size(MAX_MESSAGE);
+                Ok((Self::Istiod(c), None))
+            }
+        }
+    }
+}
+
+/// `requests` as a gRPC request, with `bearer` as its authorization.
+fn with_bearer<T>(
+    i: usize,
+    requests: mpsc::UnboundedReceiver<T>,
+    bearer: Option<String>,
+) -> Result<tonic::Request<UnboundedReceiverStream<T>>, ProxyError> {
+    let mut req = tonic::Request::new(UnboundedReceiverStream::new(requests));
+    if let Some(b) = bearer {
+        let v = b
+            .parse()
+            .map_err(|_| ProxyError::Connect(i, "token is no header value".into()))?;
+        req.metadata_mut().insert("authorization", v);
+    }
+    Ok(req)
+}
+
 async fn open(
     target: &Target,
     who: &Identity,
     rx: mpsc::UnboundedReceiver<DiscoveryRequest>,
 ) -> Result<tonic::Streaming<DiscoveryResponse>, ProxyError> {
     let i = who.index;
-    let requests = UnboundedReceiverStream::new(rx);
-    let status = |s| ProxyError::Status(i, s);
-    match target {
-        Target::Remora {
-            addr,
-            bundle,
-            token,
-        } => {
-            let h2 = remora_test_support::h2_client::connect(
-                IpAddr::V4(who.ip),
-                *addr,
-                REMORA_SERVER_NAME,
-                bundle,
-            )
-            .await
-            .map_err(|e| ProxyError::Connect(i, e.to_string()))?;
-            let origin = format!("https://{REMORA_SERVER_NAME}")
-                .parse()
-                .map_err(|e: http::uri::InvalidUri| ProxyError::Connect(i, e.to_string()))?;
-            let mut c = AggregatedDiscoveryServiceClient::with_origin(
-                remora_test_support::h2_client::channel(&h2),
-                origin,
-            )
-            .max_decoding_message_size(MAX_MESSAGE);
-            let mut req = tonic::Request::new(requests);
-            let bearer = format!("Bearer {token}")
-                .parse()
-                .map_err(|_| ProxyError::Connect(i, "token is no header value".into()))?;
-            req.metadata_mut().insert("authorization", bearer);
-            // The connection's task lives as long as the stream uses it.
-            Ok(c.stream_aggregated_resources(req)
-                .await
-                .map_err(status)?
-                .into_inner())
+    let (ads, bearer) = Ads::connect(target, who).await?;
+    let req = with_bearer(i, rx, bearer)?;
+    let r = match ads {
+        Ads::Remora(mut c) => c.stream_aggregated_resources(req).await,
+        Ads::Istiod(mut c) => c.stream_aggregated_resources(req).await,
+    };
+    Ok(r.map_err(|s| ProxyError::Status(i, s))?.into_inner())
+}
+
+async fn open_delta(
+    target: &Target,
+    who: &Identity,
+    rx: mpsc::UnboundedReceiver<DeltaDiscoveryRequest>,
+) -> Result<tonic::Streaming<DeltaDiscoveryResponse>, ProxyError> {
+    let i = who.index;
+    let (ads, bearer) = Ads::connect(target, who).await?;
+    let req = with_bearer(i, rx, bearer)?;
+    let r = match ads {
+        Ads::Remora(mut c) => c.delta_aggregated_resources(req).await,
+        Ads::Istiod(mut c) => c.delta_aggregated_resources(req).await,
+    };
+    Ok(r.map_err(|s| ProxyError::Status(i, s))?.into_inner())
+}
+
+/// The names of the EDS clusters among CDS resources, sorted.
+fn eds_clusters<'a>(resources: impl Iterator<Item = &'a Any>) -> Vec<String> {
+    let mut names: Vec<String> = resources
+        .filter_map(|a| Cluster::decode(a.value.as_slice()).ok())
+        .filter(|c| {
+            c.cluster_discovery_type == Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32))
+        })
+        .map(|c| c.name)
+        .collect();
+    names.sort();
+    names
+}
+
+/// Proxy `i` ACKed EDS resources `resources` now.
+fn eds_acked<'a>(board: &Board, i: usize, resources: impl Iterator<Item = &'a Any>) {
+    let acked = Instant::now();
+    let ips: Vec<Ipv4Addr> = resources
+        .filter_map(|a| ClusterLoadAssignment::decode(a.value.as_slice()).ok())
+        .flat_map(|c| c.endpoints)
+        .flat_map(|l| l.lb_endpoints)
+        .filter_map(|e| match e.host_identifier? {
+            HostIdentifier::Endpoint(e) => match e.address?.address? {
+                address::Address::SocketAddress(s) => {
+                    matches!(
+                        s.port_specifier,
+                        Some(socket_address::PortSpecifier::PortValue(_))
+                    )
+                    .then_some(())?;
+                    s.address.parse().ok()
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    board.with_mut(i, |s| {
+        s.eds_responses += 1;
+        for ip in ips {
+            s.first_ack.entry(ip).or_insert(acked);
         }
-        Target::Istiod { addr } => {
-            let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-                .map_err(|e| ProxyError::Connect(i, e.to_string()))?
-                .local_address(Some(IpAddr::V4(who.ip)))
-                .tcp_nodelay(true)
-                .connect()
-                .await
-                .map_err(|e| ProxyError::Connect(i, e.to_string()))?;
-            let mut c = AggregatedDiscoveryServiceClient::new(channel)
-                .max_decoding_message_size(MAX_MESSAGE);
-            Ok(c.stream_aggregated_resources(requests)
-                .await
-                .map_err(status)?
-                .into_inner())
+    });
+}
+
+/// The node a proxy announces on its first request.
+fn node(target: &Target, who: &Identity) -> Option<Node> {
+    Some(Node {
+        id: who.node_id(),
+        cluster: who.workload.clone(),
+        metadata: matches!(target, Target::Istiod { .. }).then(|| who.istio_metadata()),
+        ..Default::default()
+    })
+}
+
+/// Run proxy `who` against `target` speaking `xds` until `stop`,
+/// recording into `board`.
+pub async fn run(
+    target: Target,
+    who: Identity,
+    xds: Xds,
+    board: Arc<Board>,
+    stop: CancellationToken,
+) -> Result<(), ProxyError> {
+    match xds {
+        Xds::Sotw => run_sotw(target, who, board, stop).await,
+        Xds::Delta => run_delta(target, who, board, stop).await,
+    }
+}
+
+fn delta_request(
+    t: &str,
+    subscribe: Vec<String>,
+    ack: Option<&DeltaDiscoveryResponse>,
+) -> DeltaDiscoveryRequest {
+    DeltaDiscoveryRequest {
+        type_url: t.into(),
+        resource_names_subscribe: subscribe,
+        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+/// Delta as Envoy speaks it: CDS and LDS as wildcards, EDS by name (the
+/// EDS clusters CDS brings, subscribed as they come, unsubscribed as they
+/// go); every response ACKed with its nonce.
+async fn run_delta(
+    target: Target,
+    who: Identity,
+    board: Arc<Board>,
+    stop: CancellationToken,
+) -> Result<(), ProxyError> {
+    let i = who.index;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let send = |r| tx.send(r).map_err(|_| ProxyError::Send(i));
+    send(DeltaDiscoveryRequest {
+        node: node(&target, &who),
+        ..delta_request(CLUSTER, Vec::new(), None)
+    })?;
+    let mut stream = tokio::select! {
+        _ = stop.cancelled() => return Ok(()),
+        s = open_delta(&target, &who, rx) => s?,
+    };
+    // The EDS clusters held (CDS name → whether EDS).
+    let mut clusters: std::collections::BTreeMap<String, bool> = Default::default();
+    let mut listeners_asked = false;
+    loop {
+        let resp = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            r = stream.next() => match r {
+                Some(r) => r.map_err(|s| ProxyError::Status(i, s))?,
+                None => return Err(ProxyError::Ended(i)),
+            },
+        };
+        send(delta_request(&resp.type_url, Vec::new(), Some(&resp)))?;
+        let held = resp.resources.iter().filter_map(|r| r.resource.as_ref());
+        match resp.type_url.as_str() {
+            CLUSTER => {
+                let eds: std::collections::BTreeSet<String> =
+                    eds_clusters(held).into_iter().collect();
+                let mut subscribe = Vec::new();
+                for r in &resp.resources {
+                    let is_eds = eds.contains(&r.name);
+                    if is_eds && clusters.insert(r.name.clone(), true) != Some(true) {
+                        subscribe.push(r.name.clone());
+                    } else if !is_eds {
+                        clusters.insert(r.name.clone(), false);
+                    }
+                }
+                let mut unsubscribe = Vec::new();
+                for n in &resp.removed_resources {
+                    if clusters.remove(n) == Some(true) {
+                        unsubscribe.push(n.clone());
+                    }
+                }
+                board.with_mut(i, |s| {
+                    s.eds_clusters = clusters.values().filter(|e| **e).count()
+                });
+                if !subscribe.is_empty() || !unsubscribe.is_empty() {
+                    send(DeltaDiscoveryRequest {
+                        resource_names_unsubscribe: unsubscribe,
+                        ..delta_request(ENDPOINTS, subscribe, None)
+                    })?;
+                }
+                if !listeners_asked {
+                    listeners_asked = true;
+                    send(delta_request(LISTENER, Vec::new(), None))?;
+                }
+            }
+            ENDPOINTS => eds_acked(&board, i, held),
+            _ => {}
         }
     }
 }
 
-/// Run proxy `who` against `target` until `stop`, recording into `board`.
-pub async fn run(
+/// State of the world as Envoy speaks it: every response ACKed with its
+/// version and nonce, EDS asked for by name again when the clusters change.
+async fn run_sotw(
     target: Target,
     who: Identity,
     board: Arc<Board>,
@@ -238,12 +454,7 @@ pub async fn run(
     let (tx, rx) = mpsc::unbounded_channel();
     let send = |r| tx.send(r).map_err(|_| ProxyError::Send(i));
     send(DiscoveryRequest {
-        node: Some(Node {
-            id: who.node_id(),
-            cluster: who.workload.clone(),
-            metadata: matches!(target, Target::Istiod { .. }).then(|| who.istio_metadata()),
-            ..Default::default()
-        }),
+        node: node(&target, &who),
         ..request(CLUSTER, Vec::new(), None)
     })?;
     let mut stream = tokio::select! {
@@ -262,17 +473,7 @@ pub async fn run(
         };
         match resp.type_url.as_str() {
             CLUSTER => {
-                let mut names: Vec<String> = resp
-                    .resources
-                    .iter()
-                    .filter_map(|a| Cluster::decode(a.value.as_slice()).ok())
-                    .filter(|c| {
-                        c.cluster_discovery_type
-                            == Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32))
-                    })
-                    .map(|c| c.name)
-                    .collect();
-                names.sort();
+                let names = eds_clusters(resp.resources.iter());
                 board.with_mut(i, |s| s.eds_clusters = names.len());
                 send(request(CLUSTER, Vec::new(), Some(&resp)))?;
                 // Envoy asks for the endpoints of its EDS clusters (again
@@ -288,34 +489,7 @@ pub async fn run(
             }
             ENDPOINTS => {
                 send(request(ENDPOINTS, eds_names.clone(), Some(&resp)))?;
-                let acked = Instant::now();
-                let ips: Vec<Ipv4Addr> = resp
-                    .resources
-                    .iter()
-                    .filter_map(|a| ClusterLoadAssignment::decode(a.value.as_slice()).ok())
-                    .flat_map(|c| c.endpoints)
-                    .flat_map(|l| l.lb_endpoints)
-                    .filter_map(|e| match e.host_identifier? {
-                        HostIdentifier::Endpoint(e) => match e.address?.address? {
-                            address::Address::SocketAddress(s) => {
-                                matches!(
-                                    s.port_specifier,
-                                    Some(socket_address::PortSpecifier::PortValue(_))
-                                )
-                                .then_some(())?;
-                                s.address.parse().ok()
-                            }
-                            _ => None,
-                        },
-                        _ => None,
-                    })
-                    .collect();
-                board.with_mut(i, |s| {
-                    s.eds_responses += 1;
-                    for ip in ips {
-                        s.first_ack.entry(ip).or_insert(acked);
-                    }
-                });
+                eds_acked(&board, i, resp.resources.iter());
             }
             t => send(request(t, Vec::new(), Some(&resp)))?,
         }
@@ -331,6 +505,7 @@ pub fn proxy_ip(i: usize) -> Ipv4Addr {
 /// would, not all at once).
 pub async fn start_all(
     target: &Target,
+    xds: Xds,
     identities: &[Identity],
     board: &Arc<Board>,
     stop: &CancellationToken,
@@ -340,6 +515,7 @@ pub async fn start_all(
         tasks.push(tokio::spawn(run(
             target.clone(),
             who.clone(),
+            xds,
             Arc::clone(board),
             stop.clone(),
         )));

@@ -187,6 +187,7 @@ pub async fn serve(plan: Plan) -> Result<(), RemoraError> {
 /// The child, seen from the bench.
 pub struct RemoraProcess {
     proc: crate::controlplane::process::Proc,
+    dir: PathBuf,
     pub addr: SocketAddr,
     pub bundle: Arc<String>,
 }
@@ -233,6 +234,7 @@ impl RemoraProcess {
             .map_err(|e| RemoraError::Io("reading bundle.pem".into(), e))?;
         Ok(Self {
             proc,
+            dir: dir.to_path_buf(),
             addr,
             bundle: Arc::new(bundle),
         })
@@ -240,6 +242,16 @@ impl RemoraProcess {
 
     pub fn pid(&self) -> u32 {
         self.proc.pid()
+    }
+
+    /// The child's live heap (MiB) as it last wrote it ([`super::HEAP_FILE`]).
+    pub fn heap_mib(&self) -> Option<f64> {
+        std::fs::read_to_string(self.dir.join(super::HEAP_FILE))
+            .ok()?
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .map(|b| b / 1_048_576.0)
     }
 
     pub fn stop(&mut self) {

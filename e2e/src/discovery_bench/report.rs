@@ -27,7 +27,7 @@ pub fn print_phase(p: &Phase) {
     let (one, _, _) = spread(&p.one_service_ms);
     let (shared, _, _) = spread(&p.shared_ms);
     println!(
-        "  cycle {} {:<16} N={:<5} clusters {:>4}  subscribe {:>5.1} s  1 svc p50 {:>7.1} ms  shared p50 {:>7.1} ms  rollout end→all {:>7.1} ms, {} EDS/proxy  CPU {:.2}/{:.2}/{:.2} s  RSS {:.0} MiB",
+        "  cycle {} {:<16} N={:<5} clusters {:>4}  subscribe {:>5.1} s  1 svc p50 {:>7.1} ms  shared p50 {:>7.1} ms  rollout end→all {:>7.1} ms, {} EDS/proxy  CPU {:.2}/{:.2}/{:.2} s  RSS {:.0} MiB{}",
         p.cycle,
         p.contender.to_string(),
         p.proxies,
@@ -41,6 +41,9 @@ pub fn print_phase(p: &Phase) {
         p.cpu_seconds.changes,
         p.cpu_seconds.rollout,
         p.rss_mib_subscribed,
+        p.heap_mib_subscribed
+            .map(|h| format!(" (live heap {h:.0} MiB)"))
+            .unwrap_or_default(),
     );
 }
 
@@ -68,6 +71,7 @@ pub fn summarize(phases: &[Phase]) -> Vec<Value> {
             let cpu_rollout = spread(&all(&|p| vec![p.cpu_seconds.rollout]));
             let rss = spread(&all(&|p| vec![p.rss_mib_subscribed]));
             let peak = ps.iter().map(|p| p.peak_rss_mib).fold(0.0, f64::max);
+            let heap = spread(&all(&|p| p.heap_mib_subscribed.into_iter().collect()));
             let subscribe = spread(&all(&|p| vec![p.subscribe_seconds]));
             let conv_mean = spread(&all(&|p| {
                 p.istiod_convergence.iter().map(|c| c.mean_ms).collect()
@@ -95,6 +99,7 @@ pub fn summarize(phases: &[Phase]) -> Vec<Value> {
                 "cpu_seconds_rollout": s(cpu_rollout),
                 "rss_mib_subscribed": s(rss),
                 "peak_rss_mib": peak,
+                "heap_mib_subscribed": s(heap),
                 "istiod_convergence_mean_ms": s(conv_mean),
                 "istiod_convergence_p50_at_most_ms": s(conv_p50),
             })
@@ -110,12 +115,12 @@ pub fn print_table(rows: &[Value]) {
     };
     println!();
     println!(
-        "| N | contender | EDS clusters/proxy | subscribe s | 1 Service (N/S deps) ms | shared (N deps) ms | rollout last write→all ACKed ms | EDS responses/proxy in rollout | CPU s: subscribe | CPU s per change | CPU s rollout | RSS MiB subscribed (peak) | istiod convergence mean ms |"
+        "| N | contender | EDS clusters/proxy | subscribe s | 1 Service (N/S deps) ms | shared (N deps) ms | rollout last write→all ACKed ms | EDS responses/proxy in rollout | CPU s: subscribe | CPU s per change | CPU s rollout | RSS MiB subscribed (peak) | live heap MiB subscribed | istiod convergence mean ms |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({:.0}) | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({:.0}) | {} | {} |",
             r["proxies"],
             r["contender"].as_str().unwrap_or(""),
             r["eds_clusters_per_proxy"],
@@ -129,6 +134,7 @@ pub fn print_table(rows: &[Value]) {
             g(r, "cpu_seconds_rollout", 2),
             g(r, "rss_mib_subscribed", 0),
             r["peak_rss_mib"].as_f64().unwrap_or(f64::NAN),
+            g(r, "heap_mib_subscribed", 0),
             if r["contender"] == "remora" {
                 "–".to_string()
             } else {
@@ -193,6 +199,7 @@ pub fn write(
         "istio_version": std::env::var("ISTIO_VERSION").unwrap_or_else(|_| "v0.0.0-20260827124520-eed52ebb66ad".into()),
         "istiod_env": args.istiod_env,
         "services": args.services,
+        "protocol": args.protocol,
         "cycles": args.cycles,
         "changes_per_case": args.changes,
         "rollout": {"writes": args.rollout_pods, "step_ms": args.rollout_step_ms},
@@ -203,7 +210,6 @@ pub fn write(
             "RDS: not subscribed (endpoint changes do not touch routes)",
             "Remora: the proxies are put in its registry rather than read from pods by its pod watch, and TokenReview is a double (one token for all)",
             "istiod is dialled on its plaintext port; Remora's proxies use TLS",
-            "delta xDS: neither contender is asked for it",
             "one replica of each; the API server, the clients and both contenders share the machine's cores, and the idle contenders follow every write meanwhile",
             "istiod's debounce at Istio's defaults (PILOT_DEBOUNCE_AFTER 100ms, PILOT_DEBOUNCE_MAX 10s, EDS debounce on) unless istiod_env says otherwise; Remora's at the operator's (100 ms quiet, 1 s max)",
         ],

@@ -52,6 +52,9 @@ use crate::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, bear
 /// (Envoy sends it as it opens the stream).
 const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Responses queued for one stream before the stream waits for its proxy.
+/// Each is boxed in the queue: tokio's channel allocates its slots 32 at a
+/// time whatever its bound, and 32 unboxed responses are ~5 KiB per stream
+/// that sits idle on every one of a replica's thousands of proxies.
 const QUEUE: usize = 4;
 /// How long a stream waits for its proxy to take a response: one that
 /// reads nothing for this long is cut, rather than holding its task.
@@ -320,7 +323,7 @@ impl<A: Authenticate> AdsService<A> {
         };
         tokio::spawn(stream.run(first, inbound, self.shutdown.clone()));
         Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
+            tokio_stream::wrappers::ReceiverStream::new(rx).map(|r| *r),
         )))
     }
 }
@@ -333,7 +336,7 @@ struct ProxyStream<S: StreamSession> {
     events: Option<PodEvents>,
     session: S,
     snapshot: Snapshot,
-    tx: mpsc::Sender<Result<S::Response, Status>>,
+    tx: mpsc::Sender<Box<Result<S::Response, Status>>>,
 }
 
 /// Why a stream ended.
@@ -388,7 +391,7 @@ impl<S: StreamSession> ProxyStream<S> {
             },
         };
         if let End::Status(s) = end {
-            let _ = self.tx.send_timeout(Err(s), SEND_TIMEOUT).await;
+            let _ = self.tx.send_timeout(Box::new(Err(s)), SEND_TIMEOUT).await;
         }
         self.metrics.stream_closed();
     }
@@ -461,7 +464,7 @@ impl<S: StreamSession> ProxyStream<S> {
         }
         self.metrics.pushed(p.type_url);
         self.tx
-            .send_timeout(Ok(p.response), SEND_TIMEOUT)
+            .send_timeout(Box::new(Ok(p.response)), SEND_TIMEOUT)
             .await
             .map_err(|e| match e {
                 mpsc::error::SendTimeoutError::Timeout(_) => {
