@@ -15,7 +15,6 @@ pub mod load;
 pub mod node;
 pub mod operator;
 pub mod podrunner;
-pub mod results;
 pub mod scale;
 pub mod scale_run;
 pub mod stats;

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use remora_operator::discovery::push::{DEFAULT_PUSH_THROTTLE, Debounce};
+use remora_test_support::results;
 use serde_json::json;
 
 #[path = "support/discovery_fleet.rs"]
@@ -147,16 +148,6 @@ fn rss_mib(field: &str) -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
-fn command_output(cmd: &str, args: &[&str]) -> String {
-    std::process::Command::new(cmd)
-        .args(args)
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default()
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -169,7 +160,7 @@ async fn main() -> anyhow::Result<()> {
     let open_files =
         remora_test_support::open_files::raise_open_files(2 * args.proxies as u64 + 64)?;
     let started = Instant::now();
-    let load_before = command_output("cat", &["/proc/loadavg"]);
+    let machine_before = results::machine();
     let mut settings = Vec::new();
     for &xds in &args.protocol {
         for &step in &args.rollout_step_ms {
@@ -189,18 +180,10 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     }
-    let doc = json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "commit": command_output("git", &["rev-parse", "HEAD"]),
-        // Results files are written by the benches: they do not make the code measured dirty.
-        "dirty": !command_output("git", &["status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]).is_empty(),
-        "machine": {
-            "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "kernel": command_output("uname", &["-r"]),
-            "load_average_before": load_before,
-            "load_average_after": command_output("cat", &["/proc/loadavg"]),
-            "open_files_limit": open_files,
-        },
+    let mut doc = results::stamp(&machine_before);
+    doc.insert("machine_after".into(), results::machine());
+    let body = json!({
+        "open_files_limit": open_files,
         "proxies": args.proxies,
         "services": args.services,
         "settings": settings,
@@ -216,6 +199,9 @@ async fn main() -> anyhow::Result<()> {
             "RSS is the process's peak over every setting",
         ],
     });
+    if let serde_json::Value::Object(body) = body {
+        doc.extend(body);
+    }
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }

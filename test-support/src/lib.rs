@@ -19,6 +19,7 @@ pub mod named_backend;
 pub mod open_files;
 pub mod pki;
 pub mod ports;
+pub mod results;
 pub mod wait;
 pub mod webhook_client;
 pub mod xds_double;

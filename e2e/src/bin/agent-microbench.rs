@@ -643,7 +643,7 @@ async fn main() -> Result<()> {
     eprintln!(
         "envoy {envoy:?}\nremora-agent {remora_agent:?}\npilot-agent {pilot_agent:?} (template {pilot_template:?})\n{versions}"
     );
-    let machine_before = e2e::results::machine();
+    let machine_before = remora_test_support::results::machine();
     let started = Instant::now();
     let mut r = Results::default();
     for i in 0..args.iterations {
@@ -677,7 +677,7 @@ async fn main() -> Result<()> {
             i + 1,
             args.iterations,
             started.elapsed().as_secs_f64(),
-            e2e::results::machine()["load_average"]
+            remora_test_support::results::machine()["load_average"]
         );
     }
 
@@ -752,8 +752,11 @@ async fn main() -> Result<()> {
         );
     }
 
-    let mut doc = e2e::results::stamp(&machine_before);
-    doc.insert("machine_after".into(), e2e::results::machine());
+    let mut doc = remora_test_support::results::stamp(&machine_before);
+    doc.insert(
+        "machine_after".into(),
+        remora_test_support::results::machine(),
+    );
     let body = json!({
         "iterations": args.iterations,
         "scenarios": scenarios,

@@ -38,7 +38,7 @@ async fn main() -> anyhow::Result<()> {
         return serve_remora(&args, dir).await;
     }
     let started = std::time::Instant::now();
-    let before = report::machine();
+    let before = remora_test_support::results::machine();
     let phases = run(&args).await?;
     let rows = report::summarize(&phases);
     report::print_table(&rows);

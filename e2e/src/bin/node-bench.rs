@@ -544,7 +544,10 @@ fn header() -> String {
 }
 
 fn write(path: &PathBuf, mut out: serde_json::Map<String, serde_json::Value>) -> Result<()> {
-    out.insert("machine_after".into(), e2e::results::machine());
+    out.insert(
+        "machine_after".into(),
+        remora_test_support::results::machine(),
+    );
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
@@ -679,7 +682,7 @@ async fn main() -> Result<()> {
         bail!("--only convergence needs discovery: --installs must include on");
     }
     let lifecycle_wanted = ["startup", "jobs", "retune"].iter().any(|m| want(m));
-    let machine_before = e2e::results::machine();
+    let machine_before = remora_test_support::results::machine();
     let node = Node::shared().await?;
     let client = node.client()?;
     let guard_before = node.guard_drops().await?;
@@ -713,7 +716,7 @@ async fn main() -> Result<()> {
     }
     println!("egress guard dropped: {guard}");
     if lifecycle_wanted {
-        let mut out = e2e::results::stamp(&machine_before);
+        let mut out = remora_test_support::results::stamp(&machine_before);
         out.insert(
             "method".into(),
             json!(format!(
@@ -758,7 +761,7 @@ async fn main() -> Result<()> {
                 r.resolution.p50_ms
             );
         }
-        let mut out = e2e::results::stamp(&machine_before);
+        let mut out = remora_test_support::results::stamp(&machine_before);
         out.insert(
             "measured".into(),
             json!(format!(

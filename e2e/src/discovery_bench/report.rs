@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use super::{Args, Contender, Phase};
 use crate::stats::percentile;
+use remora_test_support::results;
 
 /// Median, min and max of `v` (NaN when empty).
 fn spread(v: &[f64]) -> (f64, f64, f64) {
@@ -144,43 +145,6 @@ pub fn print_table(rows: &[Value]) {
     }
 }
 
-fn command_output(cmd: &str, args: &[&str]) -> String {
-    std::process::Command::new(cmd)
-        .args(args)
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default()
-}
-
-/// What a results file is stamped with, read now.
-pub fn machine() -> Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("model name"))
-                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
-        })
-        .unwrap_or_default();
-    let mem_gib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0 / 1024.0);
-    json!({
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "cpu": cpu,
-        "memory_gib": mem_gib,
-        "kernel": command_output("uname", &["-r"]),
-        "load_average": command_output("cat", &["/proc/loadavg"]),
-    })
-}
-
 pub fn write(
     out: &Path,
     args: &Args,
@@ -189,13 +153,9 @@ pub fn write(
     machine_before: Value,
     seconds: f64,
 ) -> anyhow::Result<()> {
-    let doc = json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "commit": command_output("git", &["rev-parse", "HEAD"]),
-        // Results files are written by the benches: they do not make the code measured dirty.
-        "dirty": !command_output("git", &["status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]).is_empty(),
-        "date": command_output("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
-        "machine": {"before": machine_before, "after": machine()},
+    let mut doc = results::stamp(&machine_before);
+    doc.insert("machine_after".into(), results::machine());
+    let body = json!({
         "istio_version": std::env::var("ISTIO_VERSION").unwrap_or_else(|_| "v0.0.0-20260827124520-eed52ebb66ad".into()),
         "istiod_env": args.istiod_env,
         "services": args.services,
@@ -216,6 +176,9 @@ pub fn write(
         "summary": rows,
         "phases": phases,
     });
+    if let Value::Object(body) = body {
+        doc.extend(body);
+    }
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
