@@ -96,4 +96,9 @@ pub struct SidecarStatus {
     /// (its sidecar takes plain text only), so upgrades keep working.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mtls_ports: Vec<u16>,
+    /// Its inbound listeners as injected (`PORT:APP_PORT` or `APP_PORT`,
+    /// the default one included): with discovery on, the server serves
+    /// them while the pod carries no `remora.dev/inbound`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inbound: Vec<String>,
 }

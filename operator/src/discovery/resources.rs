@@ -90,6 +90,7 @@ use remora_contract::workload_ca::spiffe_id;
 use sha2::{Digest, Sha256};
 
 use super::external::{EndpointMeta, external_key};
+use super::inbound::ServedInbound;
 use super::registry::{Backend, Protocol, Registry};
 
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
@@ -242,13 +243,16 @@ impl Snapshot {
 }
 
 /// The resources of a proxy whose pod carries `outbound`
-/// (`remora.dev/outbound`, comma-separated `PORT:HOST:PORT`).
+/// (`remora.dev/outbound`, comma-separated `PORT:HOST:PORT`) and is served
+/// `inbound` ([`super::inbound`]: its own listeners, which depend on no
+/// Service).
 ///
 /// `trust_domain`: the workload CA's, when it is on (meshed endpoints are
 /// then reached over mTLS, see the module doc); `None`, plain text.
 pub fn generate(
     registry: &Registry,
     outbound: Option<&str>,
+    inbound: &ServedInbound,
     domain: &str,
     trust_domain: Option<&str>,
 ) -> Snapshot {
@@ -256,7 +260,14 @@ pub fn generate(
     let mut clusters = BTreeMap::new();
     let mut endpoints = BTreeMap::new();
     let mut services = BTreeSet::new();
-    let mut skipped = Vec::new();
+    let mut skipped = inbound.skipped.clone();
+    for i in &inbound.listeners {
+        listeners.insert(
+            i.name(),
+            pack_any(super::inbound::listener(i, &inbound.tls)),
+        );
+        clusters.insert(i.cluster(), pack_any(super::inbound::cluster(i)));
+    }
     let entries = outbound
         .unwrap_or_default()
         .split(',')
@@ -453,7 +464,7 @@ pub fn pod_annotations(
     Typed::new(BTreeMap::from([(format!("{namespace}/{name}"), any)]))
 }
 
-fn socket(ip: &str, port: u16) -> Address {
+pub(super) fn socket(ip: &str, port: u16) -> Address {
     Address {
         address: Some(address::Address::SocketAddress(SocketAddress {
             address: ip.to_string(),
@@ -541,26 +552,33 @@ fn http_filter_chain(name: &str, cluster: &str) -> Filter {
     }
 }
 
-fn eds_cluster(name: &str, protocol: Protocol, mtls: Option<&Mtls>) -> Cluster {
-    let mut options = HashMap::new();
-    if protocol == Protocol::Http {
-        let o = HttpProtocolOptions {
-            upstream_protocol_options: Some(
-                http_protocol_options::UpstreamProtocolOptions::UseDownstreamProtocolConfig(
-                    http_protocol_options::UseDownstreamHttpConfig {
-                        http_protocol_options: Some(Http1ProtocolOptions::default()),
-                        http2_protocol_options: Some(Http2ProtocolOptions::default()),
-                        ..Default::default()
-                    },
-                ),
+/// A cluster's `typed_extension_protocol_options`: speak upstream what the
+/// client spoke downstream (HTTP/1.1 or HTTP/2).
+pub(super) fn downstream_protocol_options() -> HashMap<String, Any> {
+    let o = HttpProtocolOptions {
+        upstream_protocol_options: Some(
+            http_protocol_options::UpstreamProtocolOptions::UseDownstreamProtocolConfig(
+                http_protocol_options::UseDownstreamHttpConfig {
+                    http_protocol_options: Some(Http1ProtocolOptions::default()),
+                    http2_protocol_options: Some(Http2ProtocolOptions::default()),
+                    ..Default::default()
+                },
             ),
-            ..Default::default()
-        };
-        options.insert(
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".to_string(),
-            pack_any(o),
-        );
-    }
+        ),
+        ..Default::default()
+    };
+    HashMap::from([(
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".to_string(),
+        pack_any(o),
+    )])
+}
+
+fn eds_cluster(name: &str, protocol: Protocol, mtls: Option<&Mtls>) -> Cluster {
+    let options = if protocol == Protocol::Http {
+        downstream_protocol_options()
+    } else {
+        HashMap::new()
+    };
     let (transport_socket, transport_socket_matches) = match mtls {
         Some(m) => {
             let tls = mtls_socket(&m.spiffe_ids);
@@ -625,7 +643,7 @@ fn tls_mode(mode: &str) -> Struct {
 /// The agent's SDS secret `name`, waited for (no initial fetch timeout):
 /// the cluster warms until its certificate is there, as the agent's own
 /// static listeners do (agent/src/sds/bootstrap.rs).
-fn sds_secret(name: &str) -> SdsSecretConfig {
+pub(super) fn sds_secret(name: &str) -> SdsSecretConfig {
     SdsSecretConfig {
         name: name.to_string(),
         sds_config: Some(ConfigSource {
@@ -735,7 +753,7 @@ fn weighted_load_assignment(
     )
 }
 
-fn load_assignment_of<'a>(
+pub(super) fn load_assignment_of<'a>(
     name: &str,
     eps: impl IntoIterator<Item = (String, u16, Option<&'a str>, Option<u32>)>,
 ) -> ClusterLoadAssignment {
@@ -829,6 +847,7 @@ mod tests {
             Some(
                 "15001:cart.shop:80, 15002:db.shop.svc.cluster.local:5432,15003:api.example.com:443",
             ),
+            &ServedInbound::default(),
             DOMAIN,
             None,
         );
@@ -878,7 +897,13 @@ mod tests {
 
         // A host of Service shape with no such Service is a static upstream,
         // until the Service exists.
-        let ext = generate(&r, Some("15001:example.org:443"), DOMAIN, None);
+        let ext = generate(
+            &r,
+            Some("15001:example.org:443"),
+            &ServedInbound::default(),
+            DOMAIN,
+            None,
+        );
         assert_eq!(
             ext.clusters.resources.keys().collect::<Vec<_>>(),
             ["outbound|15001|example.org|443"]
@@ -891,17 +916,29 @@ mod tests {
         );
 
         // Nothing declared, nothing seen.
-        let none = generate(&r, None, DOMAIN, None);
+        let none = generate(&r, None, &ServedInbound::default(), DOMAIN, None);
         assert!(none.listeners.resources.is_empty() && none.clusters.resources.is_empty());
     }
 
     #[test]
     fn versions_follow_content_per_type() {
         let mut r = registry();
-        let a = generate(&r, Some("15001:cart.shop:80"), DOMAIN, None);
+        let a = generate(
+            &r,
+            Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
+            DOMAIN,
+            None,
+        );
         assert_eq!(
             a,
-            generate(&r, Some("15001:cart.shop:80"), DOMAIN, None),
+            generate(
+                &r,
+                Some("15001:cart.shop:80"),
+                &ServedInbound::default(),
+                DOMAIN,
+                None
+            ),
             "deterministic"
         );
         let host = ServiceHost {
@@ -917,7 +954,13 @@ mod tests {
                 ..Default::default()
             },
         );
-        let b = generate(&r, Some("15001:cart.shop:80"), DOMAIN, None);
+        let b = generate(
+            &r,
+            Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
+            DOMAIN,
+            None,
+        );
         assert_eq!(a.listeners.version, b.listeners.version);
         assert_eq!(a.clusters.version, b.clusters.version);
         assert_ne!(a.endpoints.version, b.endpoints.version, "only EDS changed");
@@ -928,6 +971,7 @@ mod tests {
         let s = generate(
             &registry(),
             Some("nonsense,15001:cart.shop:80,15001:db.shop:5432,99999:x:1"),
+            &ServedInbound::default(),
             DOMAIN,
             None,
         );
@@ -1083,7 +1127,13 @@ mod tests {
 
     #[test]
     fn without_the_workload_ca_everything_is_plain_text() {
-        let s = generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, None);
+        let s = generate(
+            &served(None),
+            Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
+            DOMAIN,
+            None,
+        );
         let c = cart_cluster(&s);
         assert!(c.transport_socket.is_none() && c.transport_socket_matches.is_empty());
         let m = marks(&s);
@@ -1093,7 +1143,13 @@ mod tests {
 
     #[test]
     fn meshed_endpoints_get_mtls_to_the_identities_behind_the_service() {
-        let s = generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, Some(TD));
+        let s = generate(
+            &served(None),
+            Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
+            DOMAIN,
+            Some(TD),
+        );
         assert_eq!(
             marks(&s),
             [
@@ -1139,7 +1195,13 @@ mod tests {
         );
         assert_eq!(
             s,
-            generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, Some(TD)),
+            generate(
+                &served(None),
+                Some("15001:cart.shop:80"),
+                &ServedInbound::default(),
+                DOMAIN,
+                Some(TD)
+            ),
             "deterministic, versions included"
         );
     }
@@ -1149,6 +1211,7 @@ mod tests {
         let s = generate(
             &served(Some(&["cart"])),
             Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
             DOMAIN,
             Some(TD),
         );
@@ -1167,6 +1230,7 @@ mod tests {
         let none = generate(
             &served(Some(&[])),
             Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
             DOMAIN,
             Some(TD),
         );
@@ -1243,6 +1307,7 @@ mod tests {
         let s = generate(
             &r,
             Some("15001:API.example.com.:443,15002:api.example.com:80,15003:cart.shop:80"),
+            &ServedInbound::default(),
             DOMAIN,
             None,
         );
@@ -1286,6 +1351,7 @@ mod tests {
         let s = generate(
             &with_externals(),
             Some("15001:api.example.com:443"),
+            &ServedInbound::default(),
             DOMAIN,
             Some(TD),
         );
@@ -1311,6 +1377,7 @@ mod tests {
         let s = generate(
             &with_externals(),
             Some("15001:api.example.com:80"),
+            &ServedInbound::default(),
             DOMAIN,
             Some(TD),
         );
@@ -1320,7 +1387,13 @@ mod tests {
         assert!(c.transport_socket.is_some());
         let mut r = with_externals();
         r.delete_external_service(&("shop".into(), "api".into()));
-        let s = generate(&r, Some("15001:api.example.com:443"), DOMAIN, Some(TD));
+        let s = generate(
+            &r,
+            Some("15001:api.example.com:443"),
+            &ServedInbound::default(),
+            DOMAIN,
+            Some(TD),
+        );
         // Gone: a static upstream again, as before it existed.
         assert!(
             s.clusters
