@@ -9,9 +9,14 @@
 //! client's sidecar sends) gets the mesh's mTLS, anything else the plain
 //! HTTP chain as before, so clients without a sidecar keep working.
 //! Discovery mode (`--discovery-address`): LDS and CDS over ADS through the
-//! agent's proxy socket ([`crate::xds`]), the inbound listeners static, no
-//! static outbound listeners (the server sends them). Both modes get the
-//! admin interface on 127.0.0.1 only and a Prometheus listener.
+//! agent's proxy socket ([`crate::xds`]), and no static inbound or outbound
+//! listener: the server sends both (its inbound listeners have the shape of
+//! [`remora_contract::inbound`], as the static ones here, and follow the
+//! pod's `remora.dev/inbound` live; Envoy could not replace a static
+//! listener by a served one of the same name). `--inbound` and
+//! `--outbound` still reserve their ports: a clash is refused at start.
+//! Both modes get the admin interface on 127.0.0.1 only and a Prometheus
+//! listener.
 //! `--bootstrap-override` is merged over the result (RFC 7386 merge patch).
 
 use std::net::IpAddr;
