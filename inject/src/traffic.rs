@@ -481,3 +481,72 @@ fn plumb_tls(
     container.env.get_or_insert_with(Vec::new).extend(vars);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn live_inbound_reads_the_annotation_as_the_webhook_does() {
+        let injected = ["15006:8080"];
+        let run = |pairs: &[(&str, &str)]| {
+            let mut w = Vec::new();
+            let got: Vec<String> = live_inbound(&annotations(pairs), &injected, &mut w)
+                .iter()
+                .map(|s| format!("{:?}:{}", s.port, s.app_port))
+                .collect();
+            (got, w.len())
+        };
+        assert_eq!(run(&[]), (vec!["Some(15006):8080".to_string()], 0));
+        assert_eq!(
+            run(&[(keys::INBOUND, "8081, 9000:9090,bad")]),
+            (
+                vec!["None:8081".to_string(), "Some(9000):9090".to_string()],
+                1
+            )
+        );
+        // Refused as the webhook refuses it: what was injected stays.
+        for bad in [
+            &[(keys::INBOUND, "15000:8081")][..],
+            &[(keys::INBOUND, "9000:15000")],
+            &[(keys::INBOUND, "8081,15006:8082")],
+            &[
+                (keys::INBOUND, "15001:8081"),
+                (keys::OUTBOUND, "15001:cart.shop:80"),
+            ],
+        ] {
+            assert_eq!(
+                run(bad),
+                (vec!["Some(15006):8080".to_string()], 1),
+                "{bad:?}"
+            );
+        }
+        let many = vec!["8080"; MAX_LISTENERS + 1].join(",");
+        assert_eq!(
+            run(&[(keys::INBOUND, &many)]).0,
+            ["Some(15006):8080"],
+            "too many entries"
+        );
+    }
+
+    #[test]
+    fn inbound_tls_values() {
+        assert_eq!(inbound_tls("false"), Ok(None));
+        assert_eq!(inbound_tls("true"), Ok(Some(vec![])));
+        assert_eq!(
+            inbound_tls(" spiffe://td/a , spiffe://td/b"),
+            Ok(Some(vec!["spiffe://td/a".into(), "spiffe://td/b".into()]))
+        );
+        assert!(matches!(
+            inbound_tls("spiffe://td/../a"),
+            Err(PlumbingError::BadValue { .. })
+        ));
+    }
+}
