@@ -20,6 +20,9 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::cluster::v3::{Cluster, cluster};
 use envoy_types::pb::envoy::config::core::v3::{HttpProtocolOptions, TrafficDirection};
 use envoy_types::pb::envoy::config::core::v3::{TransportSocket, transport_socket};
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
+};
 use envoy_types::pb::envoy::config::listener::v3::{
     Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
 };
@@ -43,7 +46,7 @@ use remora_contract::inbound::{self as shape, Inbound, InboundTls};
 use remora_contract::mesh::{MTLS_ALPN, ROOT_SECRET, WORKLOAD_SECRET};
 use remora_contract::pod::{HCM_DELAYED_CLOSE_TIMEOUT, INBOUND_PORT};
 
-use super::resources::{downstream_protocol_options, load_assignment_of, sds_secret, socket};
+use super::proto::{downstream_protocol_options, sds_secret, socket};
 use crate::cluster::live_pod::LivePod;
 
 /// What a pod's sidecar is served inbound.
@@ -112,10 +115,20 @@ pub fn cluster(i: &Inbound) -> Cluster {
             cluster::DiscoveryType::Static as i32,
         )),
         connect_timeout: Some(duration(shape::CONNECT_TIMEOUT)),
-        load_assignment: Some(load_assignment_of(
-            &name,
-            [(shape::APP_ADDRESS.to_string(), i.app_port, None, None)],
-        )),
+        load_assignment: Some(ClusterLoadAssignment {
+            cluster_name: name.clone(),
+            endpoints: vec![LocalityLbEndpoints {
+                lb_endpoints: vec![LbEndpoint {
+                    host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                        address: Some(socket(shape::APP_ADDRESS, i.app_port)),
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
         // The app gets the protocol its client spoke: h2c and gRPC pass
         // through, and HTTP/1.1 stays HTTP/1.1.
         typed_extension_protocol_options: downstream_protocol_options(),

@@ -19,6 +19,7 @@ pub mod delta;
 pub mod external;
 pub mod feed;
 pub mod inbound;
+pub mod proto;
 pub mod push;
 pub mod registry;
 pub mod resources;

@@ -52,10 +52,8 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::cluster::v3::{Cluster, cluster};
 use envoy_types::pb::envoy::config::core::v3::{
-    Address, AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, GrpcService,
-    Http1ProtocolOptions, Http2ProtocolOptions, Metadata, SocketAddress, TrafficDirection,
-    TransportSocket, address, api_config_source, config_source, grpc_service, socket_address,
-    transport_socket,
+    AggregatedConfigSource, ApiVersion, ConfigSource, Metadata, TrafficDirection, TransportSocket,
+    config_source, transport_socket,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -72,18 +70,15 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
 use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
-    CertificateValidationContext, CommonTlsContext, SdsSecretConfig, SubjectAltNameMatcher,
-    UpstreamTlsContext, common_tls_context, subject_alt_name_matcher,
-};
-use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
-    HttpProtocolOptions, http_protocol_options,
+    CertificateValidationContext, CommonTlsContext, SubjectAltNameMatcher, UpstreamTlsContext,
+    common_tls_context, subject_alt_name_matcher,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
 use envoy_types::pb::google::protobuf::{Any, Duration, Struct, UInt32Value, Value, value};
 use envoy_types::util::pack_any;
 use prost::Message;
 use remora_contract::discovery::{ServiceHost, cluster_name};
-use remora_contract::mesh::{MTLS_ALPN, ROOT_SECRET, SDS_CLUSTER, WORKLOAD_SECRET};
+use remora_contract::mesh::{MTLS_ALPN, ROOT_SECRET, WORKLOAD_SECRET};
 use remora_contract::pod::HCM_DELAYED_CLOSE_TIMEOUT;
 use remora_contract::traffic::OutboundSpec;
 use remora_contract::workload_ca::spiffe_id;
@@ -91,6 +86,7 @@ use sha2::{Digest, Sha256};
 
 use super::external::{EndpointMeta, external_key};
 use super::inbound::ServedInbound;
+use super::proto::{downstream_protocol_options, sds_secret, socket};
 use super::registry::{Backend, Protocol, Registry};
 
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
@@ -464,16 +460,6 @@ pub fn pod_annotations(
     Typed::new(BTreeMap::from([(format!("{namespace}/{name}"), any)]))
 }
 
-pub(super) fn socket(ip: &str, port: u16) -> Address {
-    Address {
-        address: Some(address::Address::SocketAddress(SocketAddress {
-            address: ip.to_string(),
-            port_specifier: Some(socket_address::PortSpecifier::PortValue(u32::from(port))),
-            ..Default::default()
-        })),
-    }
-}
-
 fn listener(name: &str, port: u16, filter: Filter) -> Listener {
     Listener {
         name: name.to_string(),
@@ -552,27 +538,6 @@ fn http_filter_chain(name: &str, cluster: &str) -> Filter {
     }
 }
 
-/// A cluster's `typed_extension_protocol_options`: speak upstream what the
-/// client spoke downstream (HTTP/1.1 or HTTP/2).
-pub(super) fn downstream_protocol_options() -> HashMap<String, Any> {
-    let o = HttpProtocolOptions {
-        upstream_protocol_options: Some(
-            http_protocol_options::UpstreamProtocolOptions::UseDownstreamProtocolConfig(
-                http_protocol_options::UseDownstreamHttpConfig {
-                    http_protocol_options: Some(Http1ProtocolOptions::default()),
-                    http2_protocol_options: Some(Http2ProtocolOptions::default()),
-                    ..Default::default()
-                },
-            ),
-        ),
-        ..Default::default()
-    };
-    HashMap::from([(
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".to_string(),
-        pack_any(o),
-    )])
-}
-
 fn eds_cluster(name: &str, protocol: Protocol, mtls: Option<&Mtls>) -> Cluster {
     let options = if protocol == Protocol::Http {
         downstream_protocol_options()
@@ -637,37 +602,6 @@ fn tls_mode(mode: &str) -> Struct {
                 kind: Some(value::Kind::StringValue(mode.to_string())),
             },
         )]),
-    }
-}
-
-/// The agent's SDS secret `name`, waited for (no initial fetch timeout):
-/// the cluster warms until its certificate is there, as the agent's own
-/// static listeners do (agent/src/sds/bootstrap.rs).
-pub(super) fn sds_secret(name: &str) -> SdsSecretConfig {
-    SdsSecretConfig {
-        name: name.to_string(),
-        sds_config: Some(ConfigSource {
-            resource_api_version: ApiVersion::V3 as i32,
-            initial_fetch_timeout: Some(Duration::default()),
-            config_source_specifier: Some(config_source::ConfigSourceSpecifier::ApiConfigSource(
-                ApiConfigSource {
-                    api_type: api_config_source::ApiType::Grpc as i32,
-                    transport_api_version: ApiVersion::V3 as i32,
-                    grpc_services: vec![GrpcService {
-                        target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
-                            grpc_service::EnvoyGrpc {
-                                cluster_name: SDS_CLUSTER.into(),
-                                ..Default::default()
-                            },
-                        )),
-                        ..Default::default()
-                    }],
-                    set_node_on_first_message_only: true,
-                    ..Default::default()
-                },
-            )),
-            ..Default::default()
-        }),
     }
 }
 
@@ -753,7 +687,7 @@ fn weighted_load_assignment(
     )
 }
 
-pub(super) fn load_assignment_of<'a>(
+fn load_assignment_of<'a>(
     name: &str,
     eps: impl IntoIterator<Item = (String, u16, Option<&'a str>, Option<u32>)>,
 ) -> ClusterLoadAssignment {
@@ -1071,8 +1005,9 @@ mod tests {
                 let Some(lb_endpoint::HostIdentifier::Endpoint(ep)) = &e.host_identifier else {
                     panic!("an endpoint");
                 };
-                let Some(address::Address::SocketAddress(a)) =
-                    ep.address.as_ref().and_then(|a| a.address.as_ref())
+                let Some(
+                    envoy_types::pb::envoy::config::core::v3::address::Address::SocketAddress(a),
+                ) = ep.address.as_ref().and_then(|a| a.address.as_ref())
                 else {
                     panic!("a socket address");
                 };
