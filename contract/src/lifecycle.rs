@@ -98,7 +98,9 @@ pub struct SidecarStatus {
     pub mtls_ports: Vec<u16>,
     /// Its inbound listeners as injected (`PORT:APP_PORT` or `APP_PORT`,
     /// the default one included): with discovery on, the server serves
-    /// them while the pod carries no `remora.dev/inbound`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// them while the pod carries no `remora.dev/inbound`. Always written,
+    /// empty too: its presence says the pod's agent expects its inbound
+    /// listeners served (an older one writes them into Envoy's bootstrap).
+    #[serde(default)]
     pub inbound: Vec<String>,
 }

@@ -139,9 +139,10 @@ pub struct Injected {
     #[serde(default)]
     pub mtls_ports: Box<[u16]>,
     /// Its inbound listeners as injected (the discovery server serves them
-    /// while the pod carries no `remora.dev/inbound`).
+    /// while the pod carries no `remora.dev/inbound`); `None` on a pod
+    /// injected before they were recorded, whose agent writes them itself.
     #[serde(default)]
-    pub inbound: Box<[Box<str>]>,
+    pub inbound: Option<Box<[Box<str>]>>,
 }
 
 impl Injected {

@@ -61,15 +61,18 @@ pub struct ServedInbound {
 impl ServedInbound {
     /// From the pod as the watch keeps it.
     pub fn read(pod: &LivePod) -> Arc<Self> {
-        let Some(injected) = pod.injected() else {
+        // A pod injected before its inbound listeners were recorded runs
+        // an agent that writes them into Envoy's bootstrap: served
+        // listeners of the same names would have Envoy refuse the whole
+        // LDS update, its outbound ones included.
+        let Some((injected, recorded)) = pod
+            .injected()
+            .and_then(|i| Some((i, i.inbound.as_deref()?)))
+        else {
             return Arc::default();
         };
         let mut skipped = Vec::new();
-        let specs = remora_inject::traffic::live_inbound(
-            pod.annotations(),
-            &injected.inbound,
-            &mut skipped,
-        );
+        let specs = remora_inject::traffic::live_inbound(pod.annotations(), recorded, &mut skipped);
         let mut listeners = match shape::resolve(&specs, INBOUND_PORT) {
             Ok(l) => l,
             // The injection's check refuses a port twice: not reached.
@@ -329,8 +332,16 @@ mod tests {
 
     #[test]
     fn the_annotation_wins_else_what_was_injected() {
-        // Not injected: nothing.
+        // Not injected, or injected before the record (its agent writes
+        // its inbound listeners itself): nothing.
         assert_eq!(served(&[(INBOUND, "8080")]), ServedInbound::default());
+        assert_eq!(
+            served(&[(STATUS, r#"{"mtlsPorts":[15006]}"#), (INBOUND, "8080")]),
+            ServedInbound::default()
+        );
+        // Injected with no inbound listener, one added later: served.
+        let s = served(&[(STATUS, r#"{"inbound":[]}"#), (INBOUND, "8080")]);
+        assert_eq!(ports(&s), [(15006, 8080)]);
         // Injected with the default listener and no annotation.
         let s = served(&[INJECTED]);
         assert_eq!(ports(&s), [(15006, 8080)]);
