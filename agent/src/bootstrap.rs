@@ -9,9 +9,14 @@
 //! client's sidecar sends) gets the mesh's mTLS, anything else the plain
 //! HTTP chain as before, so clients without a sidecar keep working.
 //! Discovery mode (`--discovery-address`): LDS and CDS over ADS through the
-//! agent's proxy socket ([`crate::xds`]), the inbound listeners static, no
-//! static outbound listeners (the server sends them). Both modes get the
-//! admin interface on 127.0.0.1 only and a Prometheus listener.
+//! agent's proxy socket ([`crate::xds`]), and no static inbound or outbound
+//! listener: the server sends both (its inbound listeners have the shape of
+//! [`remora_contract::inbound`], as the static ones here, and follow the
+//! pod's `remora.dev/inbound` live; Envoy could not replace a static
+//! listener by a served one of the same name). `--inbound` and
+//! `--outbound` still reserve their ports: a clash is refused at start.
+//! Both modes get the admin interface on 127.0.0.1 only and a Prometheus
+//! listener.
 //! `--bootstrap-override` is merged over the result (RFC 7386 merge patch).
 
 use std::net::IpAddr;
@@ -114,13 +119,23 @@ pub fn generate(
     let mut ports = std::collections::BTreeSet::from([cfg.stats_port]);
     listeners.push(prometheus_listener(cfg.stats_port));
 
-    for spec in &cfg.inbound {
-        let port = spec.port.unwrap_or(cfg.inbound_port);
-        if !ports.insert(port) {
-            return Err(BootstrapError::DuplicatePort(port));
+    let inbound = remora_contract::inbound::resolve(&cfg.inbound, cfg.inbound_port)
+        .map_err(BootstrapError::DuplicatePort)?;
+    for i in &inbound {
+        if !ports.insert(i.port) {
+            return Err(BootstrapError::DuplicatePort(i.port));
         }
-        let cluster = format!("inbound|{}", spec.app_port);
-        let mut app = static_cluster(&cluster, "127.0.0.1", spec.app_port);
+        // With a discovery server, the inbound listeners are served too
+        // (so a change of `remora.dev/inbound` applies live): Envoy cannot
+        // replace a static listener by a dynamic one of the same name.
+        if cfg.discovery().is_some() {
+            continue;
+        }
+        let mut app = static_cluster(
+            &i.cluster(),
+            remora_contract::inbound::APP_ADDRESS,
+            i.app_port,
+        );
         // The app gets the protocol its client spoke: h2c and gRPC pass
         // through, and HTTP/1.1 stays HTTP/1.1.
         app["typed_extension_protocol_options"] = downstream_protocol_options();
@@ -133,7 +148,7 @@ pub fn generate(
             (None, Some(ts)) => InboundTls::Permissive(ts),
             (None, None) => InboundTls::None,
         };
-        listeners.push(inbound_listener(port, &cluster, tls));
+        listeners.push(inbound_listener(i, tls));
     }
     // With a discovery server, outbound listeners come from it (only the
     // listeners that exist whatever the server says stay static), but their
@@ -281,7 +296,7 @@ fn static_cluster(name: &str, ip: &str, port: u16) -> Value {
     json!({
         "name": name,
         "type": "STATIC",
-        "connect_timeout": "1s",
+        "connect_timeout": format!("{}s", remora_contract::inbound::CONNECT_TIMEOUT.as_secs()),
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(ip, port)}}]}]
@@ -318,8 +333,12 @@ enum InboundTls<'a> {
     Permissive(&'a Value),
 }
 
-fn inbound_listener(port: u16, cluster: &str, tls: InboundTls<'_>) -> Value {
-    let name = format!("inbound_{port}");
+/// The listener of [`remora_contract::inbound`]'s shape, as JSON; the
+/// discovery server renders the same shape as protobuf
+/// (operator/src/discovery/inbound.rs).
+fn inbound_listener(i: &remora_contract::inbound::Inbound, tls: InboundTls<'_>) -> Value {
+    use remora_contract::inbound as shape;
+    let name = i.name();
     let mut chain = json!({
         "filters": [{
             "name": "envoy.filters.network.http_connection_manager",
@@ -328,16 +347,16 @@ fn inbound_listener(port: u16, cluster: &str, tls: InboundTls<'_>) -> Value {
                 "stat_prefix": name,
                 "codec_type": "AUTO",
                 // Envoy's default, stated: the drain cuts it (see `idle_close`).
-                "common_http_protocol_options": {"idle_timeout": "3600s"},
-                "drain_timeout": format!("{}s", idle_close::CLOSE_GRACE.as_secs_f64()),
+                "common_http_protocol_options": {"idle_timeout": format!("{}s", shape::IDLE_TIMEOUT.as_secs())},
+                "drain_timeout": format!("{}s", shape::DRAIN_TIMEOUT.as_secs_f64()),
                 "delayed_close_timeout": format!("{}s", HCM_DELAYED_CLOSE_TIMEOUT.as_secs_f64()),
                 "route_config": {
                     "name": name,
                     "virtual_hosts": [{
-                        "name": "app",
+                        "name": shape::VIRTUAL_HOST,
                         "domains": ["*"],
                         // No route timeout: the sidecar must not cut the app's long requests.
-                        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "0s"}}]
+                        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": i.cluster(), "timeout": "0s"}}]
                     }]
                 },
                 "http_filters": [router_filter()]
@@ -346,7 +365,7 @@ fn inbound_listener(port: u16, cluster: &str, tls: InboundTls<'_>) -> Value {
     });
     let mut listener = json!({
         "name": name,
-        "address": socket_address("0.0.0.0", port),
+        "address": socket_address(shape::LISTEN_ADDRESS, i.port),
         // INBOUND is what `drain_listeners?inboundonly` drains.
         "traffic_direction": "INBOUND",
     });
@@ -358,13 +377,13 @@ fn inbound_listener(port: u16, cluster: &str, tls: InboundTls<'_>) -> Value {
         }
         InboundTls::Permissive(ts) => {
             let mut mesh = chain.clone();
-            mesh["name"] = json!("mesh-mtls");
+            mesh["name"] = json!(shape::MESH_CHAIN);
             mesh["filter_chain_match"] = json!({
                 "transport_protocol": "tls",
                 "application_protocols": [remora_contract::mesh::MTLS_ALPN]
             });
             mesh["transport_socket"] = ts.clone();
-            chain["name"] = json!("plaintext");
+            chain["name"] = json!(shape::PLAINTEXT_CHAIN);
             listener["filter_chains"] = json!([mesh, chain]);
             // Reads the ClientHello (SNI, ALPN) for the chain match; a
             // plain-text client's first bytes end it at once (HTTP speaks
@@ -552,19 +571,32 @@ mod tests {
                 ["path"],
             "/r/xds.sock"
         );
-        // Outbound comes from the server; inbound and stats stay static.
+        // Inbound and outbound come from the server; only stats stays static.
         let names: Vec<&str> = b["static_resources"]["listeners"]
             .as_array()
             .expect("listeners")
             .iter()
             .filter_map(|l| l["name"].as_str())
             .collect();
-        assert_eq!(names, [PROMETHEUS_STAT_PREFIX, "inbound_15006"]);
+        assert_eq!(names, [PROMETHEUS_STAT_PREFIX]);
         assert!(
-            !clusters
-                .iter()
-                .any(|c| c["name"] == "outbound|15001|example.org|80")
+            !clusters.iter().any(
+                |c| c["name"] == "outbound|15001|example.org|80" || c["name"] == "inbound|8080"
+            )
         );
+        // Its inbound ports are still the pod's: a clash is refused at start.
+        let twice = cfg(&[
+            "--discovery-address",
+            "x:1",
+            "--inbound",
+            "8080",
+            "--inbound",
+            "15006:8081",
+        ]);
+        assert!(matches!(
+            generate(&twice, &Extras::default(), None),
+            Err(BootstrapError::DuplicatePort(15006))
+        ));
         assert_eq!(
             b["node"]["id"],
             "sidecar~10.0.0.7~web-1.shop~shop.svc.cluster.local"

@@ -14,6 +14,7 @@ pub mod discovery;
 pub mod downward;
 pub mod duration;
 pub mod env;
+pub mod inbound;
 pub mod lifecycle;
 pub mod mesh;
 pub mod mode;

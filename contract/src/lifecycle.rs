@@ -96,4 +96,11 @@ pub struct SidecarStatus {
     /// (its sidecar takes plain text only), so upgrades keep working.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mtls_ports: Vec<u16>,
+    /// Its inbound listeners as injected (`PORT:APP_PORT` or `APP_PORT`,
+    /// the default one included): with discovery on, the server serves
+    /// them while the pod carries no `remora.dev/inbound`. Always written,
+    /// empty too: its presence says the pod's agent expects its inbound
+    /// listeners served (an older one writes them into Envoy's bootstrap).
+    #[serde(default)]
+    pub inbound: Vec<String>,
 }

@@ -315,7 +315,7 @@ pub fn mutate(
 
     let lifecycle = lifecycle_annotation(cfg, mode, deadline);
     let mut container = proxy_container(cfg, mode, deadline);
-    let mtls_ports = plumb(
+    let plumbing = plumb(
         &mut container,
         &annotations,
         containers,
@@ -353,7 +353,8 @@ pub fn mutate(
         config_hash,
         restart_hash: Some(cfg.restart_hash()),
         sources: cfg.sources.clone(),
-        mtls_ports,
+        mtls_ports: plumbing.mtls_ports,
+        inbound: plumbing.inbound,
     };
     let lifecycle_json = serde_json::to_string(&lifecycle).unwrap_or_default();
     let status_json = serde_json::to_string(&status).unwrap_or_default();

@@ -89,25 +89,124 @@ pub(crate) fn workload_ca_wiring<'c>(
     Ok(cfg.workload_ca.as_ref().filter(|_| wanted))
 }
 
+/// What the injection records of the sidecar's traffic in `remora.dev/status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Plumbing {
+    /// The inbound ports on which it accepts the mesh's mTLS (every inbound
+    /// port with the CA: the agent's inbound listeners are then permissive
+    /// or, with `remora.dev/inbound-tls`, mTLS only).
+    pub mtls_ports: Vec<u16>,
+    /// Its inbound listeners (`PORT:APP_PORT` or `APP_PORT`), the default
+    /// one included: what the discovery server serves while the pod
+    /// carries no `remora.dev/inbound` ([`live_inbound`]).
+    pub inbound: Vec<String>,
+}
+
 /// Give the sidecar its listeners and their mTLS settings (as env), or
-/// refuse the pod. `ca_wired`: whether it gets the workload CA. Returns
-/// the inbound ports on which it accepts the mesh's mTLS (every inbound
-/// port with the CA: the agent's inbound listeners are then permissive or,
-/// with `remora.dev/inbound-tls`, mTLS only), for `remora.dev/status`.
+/// refuse the pod. `ca_wired`: whether it gets the workload CA.
 pub(crate) fn plumb(
     container: &mut Container,
     annotations: &BTreeMap<String, String>,
     app_containers: &[Value],
     ca_wired: bool,
     warnings: &mut Vec<String>,
-) -> Result<Vec<u16>, PlumbingError> {
+) -> Result<Plumbing, PlumbingError> {
     let plumbed = plumb_traffic(container, annotations, app_containers, warnings)?;
     plumb_tls(container, annotations, &plumbed, ca_wired, warnings)?;
-    Ok(if ca_wired {
-        plumbed.inbound_ports
-    } else {
-        Vec::new()
+    Ok(Plumbing {
+        mtls_ports: if ca_wired {
+            plumbed.inbound_ports
+        } else {
+            Vec::new()
+        },
+        inbound: plumbed.inbound_entries,
     })
+}
+
+/// The inbound listeners of a running pod, for the discovery server (which
+/// serves them, so a change of `remora.dev/inbound` applies live): those of
+/// the annotation, read and checked by the injection's rules (entries the
+/// agent would refuse dropped with a warning; none on the sidecar's own
+/// ports, on an outbound listener's port or twice; at most
+/// [`MAX_LISTENERS`]); without the annotation, or when it is refused (the
+/// reason in `warnings`), `injected`: those the pod was injected with.
+pub fn live_inbound<S: AsRef<str>>(
+    annotations: &BTreeMap<String, String>,
+    injected: &[S],
+    warnings: &mut Vec<String>,
+) -> Vec<InboundSpec> {
+    let parse = |entries: &mut dyn Iterator<Item = &str>| -> Vec<InboundSpec> {
+        entries.filter_map(|e| e.parse().ok()).collect()
+    };
+    let Some(raw) = annotations.get(keys::INBOUND) else {
+        return parse(&mut injected.iter().map(AsRef::as_ref));
+    };
+    let checked = (|| {
+        let inbound = listeners(keys::INBOUND, raw, &inbound_entry, warnings)?;
+        // The outbound entries only for their ports; the injection already
+        // warned about the ones it dropped.
+        let outbound = match annotations.get(keys::OUTBOUND) {
+            Some(raw) => listeners(keys::OUTBOUND, raw, &outbound_entry, &mut Vec::new())?,
+            None => Vec::new(),
+        };
+        let all: Vec<Listener> = inbound.into_iter().chain(outbound).collect();
+        check_listeners(&all)?;
+        Ok::<_, PlumbingError>(all)
+    })();
+    match checked {
+        Ok(all) => parse(&mut all.iter().filter(|l| l.inbound).map(|l| l.entry.as_str())),
+        Err(e) => {
+            warnings.push(format!(
+                "remora: {e}; the sidecar keeps the inbound listeners it was injected with"
+            ));
+            parse(&mut injected.iter().map(AsRef::as_ref))
+        }
+    }
+}
+
+/// A `remora.dev/inbound` entry: its listener port and its app's port.
+fn inbound_entry(item: &str) -> Result<(u16, Option<u16>), String> {
+    item.parse::<InboundSpec>()
+        .map(|s| (s.port.unwrap_or(INBOUND_PORT), Some(s.app_port)))
+}
+
+/// A `remora.dev/outbound` entry: its listener port and, when on this pod,
+/// its target port.
+fn outbound_entry(item: &str) -> Result<(u16, Option<u16>), String> {
+    item.parse::<OutboundSpec>()
+        .map(|s| (s.port, s.targets_this_pod().then_some(s.upstream_port)))
+}
+
+/// `remora.dev/inbound-tls`: `None` when not asked (`false`), else the
+/// SPIFFE IDs allowed to call (empty: any of the mesh). The injection and
+/// the discovery server read it here.
+pub fn inbound_tls(raw: &str) -> Result<Option<Vec<String>>, PlumbingError> {
+    match remora_contract::value::parse_bool(raw) {
+        Ok(false) => Ok(None),
+        Ok(true) => Ok(Some(Vec::new())),
+        Err(_) => {
+            let ids: Vec<String> = raw
+                .split(',')
+                .map(str::trim)
+                .filter(|i| !i.is_empty())
+                .map(str::to_string)
+                .collect();
+            if ids.len() > MAX_LISTENERS {
+                return Err(PlumbingError::TooMany {
+                    key: keys::INBOUND_TLS,
+                    count: ids.len(),
+                    max: MAX_LISTENERS,
+                });
+            }
+            for id in &ids {
+                check_spiffe_id(id).map_err(|e| PlumbingError::BadValue {
+                    key: keys::INBOUND_TLS,
+                    reason: format!("expected true, false or SPIFFE IDs: {e}"),
+                })?;
+            }
+            Ok(Some(ids))
+        }
+    }
 }
 
 /// One static listener the sidecar will get.
@@ -221,12 +320,8 @@ fn plumb_traffic(
     app_containers: &[Value],
     warnings: &mut Vec<String>,
 ) -> Result<Plumbed, PlumbingError> {
-    let inbound_port = |item: &str| {
-        item.parse::<InboundSpec>()
-            .map(|s| (s.port.unwrap_or(INBOUND_PORT), Some(s.app_port)))
-    };
     let inbound = match annotations.get(keys::INBOUND) {
-        Some(raw) => listeners(keys::INBOUND, raw, &inbound_port, warnings)?,
+        Some(raw) => listeners(keys::INBOUND, raw, &inbound_entry, warnings)?,
         None => {
             // Never the sidecar's own ports: an app port among them was
             // warned about, and forwarding to it would loop or publish admin.
@@ -251,12 +346,8 @@ fn plumb_traffic(
                 .collect()
         }
     };
-    let outbound_port = |item: &str| {
-        item.parse::<OutboundSpec>()
-            .map(|s| (s.port, s.targets_this_pod().then_some(s.upstream_port)))
-    };
     let outbound = match annotations.get(keys::OUTBOUND) {
-        Some(raw) => listeners(keys::OUTBOUND, raw, &outbound_port, warnings)?,
+        Some(raw) => listeners(keys::OUTBOUND, raw, &outbound_entry, warnings)?,
         None => Vec::new(),
     };
     let all: Vec<Listener> = inbound.into_iter().chain(outbound).collect();
@@ -293,6 +384,11 @@ fn plumb_traffic(
     }
     Ok(Plumbed {
         has_inbound: all.iter().any(|l| l.inbound),
+        inbound_entries: all
+            .iter()
+            .filter(|l| l.inbound)
+            .map(|l| l.entry.clone())
+            .collect(),
         inbound_ports: all.iter().filter(|l| l.inbound).map(|l| l.port).collect(),
         outbound_ports: all.iter().filter(|l| !l.inbound).map(|l| l.port).collect(),
     })
@@ -301,6 +397,7 @@ fn plumb_traffic(
 /// The static listeners the sidecar got, as the TLS annotations need them.
 struct Plumbed {
     has_inbound: bool,
+    inbound_entries: Vec<String>,
     inbound_ports: Vec<u16>,
     outbound_ports: Vec<u16>,
 }
@@ -327,27 +424,7 @@ fn plumb_tls(
     let mut asked = Vec::new();
     let mut vars = Vec::new();
     if let Some(raw) = annotations.get(keys::INBOUND_TLS) {
-        let sans = match remora_contract::value::parse_bool(raw) {
-            Ok(false) => None,
-            Ok(true) => Some(Vec::new()),
-            Err(_) => {
-                let ids = items(raw);
-                if ids.len() > MAX_LISTENERS {
-                    return Err(PlumbingError::TooMany {
-                        key: keys::INBOUND_TLS,
-                        count: ids.len(),
-                        max: MAX_LISTENERS,
-                    });
-                }
-                for id in &ids {
-                    check_spiffe_id(id).map_err(|e| PlumbingError::BadValue {
-                        key: keys::INBOUND_TLS,
-                        reason: format!("expected true, false or SPIFFE IDs: {e}"),
-                    })?;
-                }
-                Some(ids)
-            }
-        };
+        let sans = inbound_tls(raw)?;
         if let Some(sans) = sans {
             asked.push(keys::INBOUND_TLS);
             if !plumbed.has_inbound {
@@ -403,4 +480,73 @@ fn plumb_tls(
     }
     container.env.get_or_insert_with(Vec::new).extend(vars);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn live_inbound_reads_the_annotation_as_the_webhook_does() {
+        let injected = ["15006:8080"];
+        let run = |pairs: &[(&str, &str)]| {
+            let mut w = Vec::new();
+            let got: Vec<String> = live_inbound(&annotations(pairs), &injected, &mut w)
+                .iter()
+                .map(|s| format!("{:?}:{}", s.port, s.app_port))
+                .collect();
+            (got, w.len())
+        };
+        assert_eq!(run(&[]), (vec!["Some(15006):8080".to_string()], 0));
+        assert_eq!(
+            run(&[(keys::INBOUND, "8081, 9000:9090,bad")]),
+            (
+                vec!["None:8081".to_string(), "Some(9000):9090".to_string()],
+                1
+            )
+        );
+        // Refused as the webhook refuses it: what was injected stays.
+        for bad in [
+            &[(keys::INBOUND, "15000:8081")][..],
+            &[(keys::INBOUND, "9000:15000")],
+            &[(keys::INBOUND, "8081,15006:8082")],
+            &[
+                (keys::INBOUND, "15001:8081"),
+                (keys::OUTBOUND, "15001:cart.shop:80"),
+            ],
+        ] {
+            assert_eq!(
+                run(bad),
+                (vec!["Some(15006):8080".to_string()], 1),
+                "{bad:?}"
+            );
+        }
+        let many = vec!["8080"; MAX_LISTENERS + 1].join(",");
+        assert_eq!(
+            run(&[(keys::INBOUND, &many)]).0,
+            ["Some(15006):8080"],
+            "too many entries"
+        );
+    }
+
+    #[test]
+    fn inbound_tls_values() {
+        assert_eq!(inbound_tls("false"), Ok(None));
+        assert_eq!(inbound_tls("true"), Ok(Some(vec![])));
+        assert_eq!(
+            inbound_tls(" spiffe://td/a , spiffe://td/b"),
+            Ok(Some(vec!["spiffe://td/a".into(), "spiffe://td/b".into()]))
+        );
+        assert!(matches!(
+            inbound_tls("spiffe://td/../a"),
+            Err(PlumbingError::BadValue { .. })
+        ));
+    }
 }

@@ -29,7 +29,7 @@ pub const FILE: &str = "drain-pressure";
 pub const IDLE_AFTER: Duration = Duration::from_millis(500);
 /// Between the decision to close an idle connection and the close (the
 /// inbound HCM's `drain_timeout`; for HTTP/2 the gap between the two GOAWAYs).
-pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
+pub const CLOSE_GRACE: Duration = remora_contract::inbound::DRAIN_TIMEOUT;
 /// How often Envoy's overload manager reads the pressure.
 pub const REFRESH: Duration = Duration::from_millis(250);
 

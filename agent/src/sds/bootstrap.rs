@@ -42,13 +42,20 @@ pub fn sds_cluster(socket: &Path) -> Value {
 /// them (permissive), and with `--outbound-tls` mTLS on the named outbound
 /// listeners' clusters.
 pub fn extras(cfg: &RunConfig, socket: &Path) -> Extras {
+    use remora_contract::inbound::InboundTls;
+    let tls = InboundTls::of(
+        cfg.inbound_tls.then(|| cfg.inbound_tls_san.clone()),
+        cfg.ca_address.is_some(),
+    );
+    let (inbound_transport_socket, inbound_mesh_transport_socket) = match tls {
+        InboundTls::Required { sans } => (Some(inbound_tls_transport_socket(&sans)), None),
+        InboundTls::Permissive => (None, Some(inbound_tls_transport_socket(&[]))),
+        InboundTls::None => (None, None),
+    };
     Extras {
         clusters: vec![sds_cluster(socket)],
-        inbound_transport_socket: cfg
-            .inbound_tls
-            .then(|| inbound_tls_transport_socket(&cfg.inbound_tls_san)),
-        inbound_mesh_transport_socket: (!cfg.inbound_tls && cfg.ca_address.is_some())
-            .then(|| inbound_tls_transport_socket(&[])),
+        inbound_transport_socket,
+        inbound_mesh_transport_socket,
         outbound_transport_sockets: cfg
             .outbound_tls
             .iter()
@@ -290,11 +297,12 @@ mod tests {
             ),
             none
         );
-        // `--inbound-tls`: both, in static and in xDS mode.
+        // `--inbound-tls`: both in static mode; in xDS mode the server
+        // sends the inbound listeners, so the bootstrap fetches none.
         let tls = ["--inbound", "15006:8080", "--inbound-tls"];
         assert_eq!(used(&tls, None), UsedSecrets::BOTH);
         let xds_tls = [&tls[..], &["--discovery-address", "xds:15010"]].concat();
-        assert_eq!(used(&xds_tls, None), UsedSecrets::BOTH);
+        assert_eq!(used(&xds_tls, None), none);
         assert_eq!(UsedSecrets::BOTH.to_string(), "default and ROOTCA");
 
         // An override's listener, in the proto's camelCase JSON, using only

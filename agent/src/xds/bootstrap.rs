@@ -1,5 +1,8 @@
 //! Envoy bootstrap snippets for discovery mode, as JSON values the bootstrap
-//! generator splices in.
+//! generator splices in. In that mode only the stats listener and the
+//! `xds-grpc`/`sds-grpc` clusters are static; every inbound and outbound
+//! listener and its clusters come over LDS/CDS (see [`crate::bootstrap`]),
+//! and readiness waits until Envoy has ACKed the first of them.
 
 use std::path::Path;
 

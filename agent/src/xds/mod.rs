@@ -15,7 +15,10 @@
 //!
 //! App wiring: [`start`] (nothing without a discovery address), then
 //! [`XdsHandle::hold_readiness`]: the guard [`READINESS_GUARD`] is pending
-//! until Envoy has ACKed its first listeners and its first clusters.
+//! until Envoy has ACKed its first listeners and its first clusters, the
+//! inbound ones among them (served, not static, in this mode): a pod whose
+//! operator is unreachable at start is not Ready, and once it has them Envoy
+//! keeps serving them while the server is away.
 
 pub mod bootstrap;
 pub mod delta;

@@ -37,7 +37,9 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use remora_contract::annotations::{LIFECYCLE, OUTBOUND, PER_FIELD, STATUS, STOP, WORKLOAD_CA};
+use remora_contract::annotations::{
+    INBOUND, INBOUND_TLS, LIFECYCLE, OUTBOUND, PER_FIELD, STATUS, STOP, WORKLOAD_CA,
+};
 use remora_crds::LabelSet;
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -136,6 +138,11 @@ pub struct Injected {
     /// (the discovery server reads them: secure naming).
     #[serde(default)]
     pub mtls_ports: Box<[u16]>,
+    /// Its inbound listeners as injected (the discovery server serves them
+    /// while the pod carries no `remora.dev/inbound`); `None` on a pod
+    /// injected before they were recorded, whose agent writes them itself.
+    #[serde(default)]
+    pub inbound: Option<Box<[Box<str>]>>,
 }
 
 impl Injected {
@@ -260,6 +267,10 @@ fn read_annotation(key: &str) -> Option<Read> {
         LIFECYCLE => (LIFECYCLE, MAX_LIFECYCLE, TooLong::Absent),
         WORKLOAD_CA => (WORKLOAD_CA, MAX_SETTING, TooLong::Absent),
         OUTBOUND => (OUTBOUND, MAX_OUTBOUND, TooLong::Absent),
+        // Served by the discovery server (a too long one reads as absent:
+        // the sidecar keeps the listeners it was injected with).
+        INBOUND => (INBOUND, MAX_OUTBOUND, TooLong::Absent),
+        INBOUND_TLS => (INBOUND_TLS, MAX_OUTBOUND, TooLong::Absent),
         k => (
             *PER_FIELD.iter().find(|f| **f == k)?,
             MAX_SETTING,
@@ -609,6 +620,10 @@ impl LivePod {
 
     pub fn outbound(&self) -> Option<&str> {
         self.annotations().get(OUTBOUND).map(String::as_str)
+    }
+
+    pub fn inbound_tls(&self) -> Option<&str> {
+        self.annotations().get(INBOUND_TLS).map(String::as_str)
     }
 
     pub fn phase(&self) -> Option<&str> {

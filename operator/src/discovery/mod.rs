@@ -18,6 +18,8 @@
 pub mod delta;
 pub mod external;
 pub mod feed;
+pub mod inbound;
+pub mod proto;
 pub mod push;
 pub mod registry;
 pub mod resources;

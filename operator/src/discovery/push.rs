@@ -16,6 +16,7 @@ use remora_contract::discovery::ServiceHost;
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc, watch};
 use tokio::time::Instant;
 
+use super::inbound::ServedInbound;
 use super::registry::{PodKey, Registry, Touched};
 use super::resources::{self, Snapshot};
 
@@ -131,8 +132,9 @@ impl Batch {
     }
 }
 
-/// Snapshots (without the pod's own part) by outbound annotation.
-type SharedSnapshots = HashMap<Option<Arc<str>>, Snapshot>;
+/// Snapshots (without the pod's own part) by outbound annotation and
+/// inbound listeners (the replicas of a workload share both).
+type SharedSnapshots = HashMap<(Option<Arc<str>>, Arc<ServedInbound>), Snapshot>;
 
 /// The registry, shared by the feeds (the watches) and the streams.
 pub struct Discovery {
@@ -222,8 +224,9 @@ impl Discovery {
             let revision = self.revision.load(Ordering::Acquire);
             let cached = {
                 let shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+                let key = (p.outbound.clone(), p.inbound.clone());
                 (shared.0 == revision)
-                    .then(|| shared.1.get(&p.outbound).cloned())
+                    .then(|| shared.1.get(&key).cloned())
                     .flatten()
             };
             let mut s = match cached {
@@ -232,6 +235,7 @@ impl Discovery {
                     let s = resources::generate(
                         r,
                         p.outbound.as_deref(),
+                        &p.inbound,
                         &self.domain,
                         self.trust_domain.as_deref(),
                     );
@@ -239,7 +243,9 @@ impl Discovery {
                     if shared.0 != revision {
                         *shared = (revision, HashMap::new());
                     }
-                    shared.1.insert(p.outbound.clone(), s.clone());
+                    shared
+                        .1
+                        .insert((p.outbound.clone(), p.inbound.clone()), s.clone());
                     s
                 }
             };

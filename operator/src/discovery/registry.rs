@@ -19,6 +19,7 @@ use remora_contract::discovery::ServiceHost;
 use remora_contract::mesh::parse_identities;
 
 use super::external::{ExternalInfo, Externals, ObjKey, WorkloadInfo};
+use super::inbound::ServedInbound;
 use crate::cluster::live_pod::LivePod;
 
 /// The label an EndpointSlice names its Service by.
@@ -209,6 +210,8 @@ pub struct ProxyInfo {
     pub service_account: String,
     /// `remora.dev/outbound` as the pod carries it.
     pub outbound: Option<Arc<str>>,
+    /// Its inbound listeners ([`super::inbound`]).
+    pub inbound: Arc<ServedInbound>,
     /// The annotations its agent reads while it runs
     /// ([`remora_contract::discovery::sent_to_agent`]).
     pub agent_annotations: BTreeMap<String, String>,
@@ -232,6 +235,7 @@ impl ProxyInfo {
                 // The API server sets it; "default" when it did not.
                 service_account: pod.service_account().unwrap_or("default").to_string(),
                 outbound: pod.outbound().map(Arc::from),
+                inbound: ServedInbound::read(pod),
                 agent_annotations: agent_annotations(pod),
                 mtls_ports: pod
                     .injected()

@@ -52,10 +52,8 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::cluster::v3::{Cluster, cluster};
 use envoy_types::pb::envoy::config::core::v3::{
-    Address, AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, GrpcService,
-    Http1ProtocolOptions, Http2ProtocolOptions, Metadata, SocketAddress, TrafficDirection,
-    TransportSocket, address, api_config_source, config_source, grpc_service, socket_address,
-    transport_socket,
+    AggregatedConfigSource, ApiVersion, ConfigSource, Metadata, TrafficDirection, TransportSocket,
+    config_source, transport_socket,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -72,24 +70,23 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
 use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
-    CertificateValidationContext, CommonTlsContext, SdsSecretConfig, SubjectAltNameMatcher,
-    UpstreamTlsContext, common_tls_context, subject_alt_name_matcher,
-};
-use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
-    HttpProtocolOptions, http_protocol_options,
+    CertificateValidationContext, CommonTlsContext, SubjectAltNameMatcher, UpstreamTlsContext,
+    common_tls_context, subject_alt_name_matcher,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
 use envoy_types::pb::google::protobuf::{Any, Duration, Struct, UInt32Value, Value, value};
 use envoy_types::util::pack_any;
 use prost::Message;
 use remora_contract::discovery::{ServiceHost, cluster_name};
-use remora_contract::mesh::{MTLS_ALPN, ROOT_SECRET, SDS_CLUSTER, WORKLOAD_SECRET};
+use remora_contract::mesh::{MTLS_ALPN, ROOT_SECRET, WORKLOAD_SECRET};
 use remora_contract::pod::HCM_DELAYED_CLOSE_TIMEOUT;
 use remora_contract::traffic::OutboundSpec;
 use remora_contract::workload_ca::spiffe_id;
 use sha2::{Digest, Sha256};
 
 use super::external::{EndpointMeta, external_key};
+use super::inbound::ServedInbound;
+use super::proto::{downstream_protocol_options, sds_secret, socket};
 use super::registry::{Backend, Protocol, Registry};
 
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
@@ -242,13 +239,16 @@ impl Snapshot {
 }
 
 /// The resources of a proxy whose pod carries `outbound`
-/// (`remora.dev/outbound`, comma-separated `PORT:HOST:PORT`).
+/// (`remora.dev/outbound`, comma-separated `PORT:HOST:PORT`) and is served
+/// `inbound` ([`super::inbound`]: its own listeners, which depend on no
+/// Service).
 ///
 /// `trust_domain`: the workload CA's, when it is on (meshed endpoints are
 /// then reached over mTLS, see the module doc); `None`, plain text.
 pub fn generate(
     registry: &Registry,
     outbound: Option<&str>,
+    inbound: &ServedInbound,
     domain: &str,
     trust_domain: Option<&str>,
 ) -> Snapshot {
@@ -256,7 +256,14 @@ pub fn generate(
     let mut clusters = BTreeMap::new();
     let mut endpoints = BTreeMap::new();
     let mut services = BTreeSet::new();
-    let mut skipped = Vec::new();
+    let mut skipped = inbound.skipped.clone();
+    for i in &inbound.listeners {
+        listeners.insert(
+            i.name(),
+            pack_any(super::inbound::listener(i, &inbound.tls)),
+        );
+        clusters.insert(i.cluster(), pack_any(super::inbound::cluster(i)));
+    }
     let entries = outbound
         .unwrap_or_default()
         .split(',')
@@ -453,16 +460,6 @@ pub fn pod_annotations(
     Typed::new(BTreeMap::from([(format!("{namespace}/{name}"), any)]))
 }
 
-fn socket(ip: &str, port: u16) -> Address {
-    Address {
-        address: Some(address::Address::SocketAddress(SocketAddress {
-            address: ip.to_string(),
-            port_specifier: Some(socket_address::PortSpecifier::PortValue(u32::from(port))),
-            ..Default::default()
-        })),
-    }
-}
-
 fn listener(name: &str, port: u16, filter: Filter) -> Listener {
     Listener {
         name: name.to_string(),
@@ -542,25 +539,11 @@ fn http_filter_chain(name: &str, cluster: &str) -> Filter {
 }
 
 fn eds_cluster(name: &str, protocol: Protocol, mtls: Option<&Mtls>) -> Cluster {
-    let mut options = HashMap::new();
-    if protocol == Protocol::Http {
-        let o = HttpProtocolOptions {
-            upstream_protocol_options: Some(
-                http_protocol_options::UpstreamProtocolOptions::UseDownstreamProtocolConfig(
-                    http_protocol_options::UseDownstreamHttpConfig {
-                        http_protocol_options: Some(Http1ProtocolOptions::default()),
-                        http2_protocol_options: Some(Http2ProtocolOptions::default()),
-                        ..Default::default()
-                    },
-                ),
-            ),
-            ..Default::default()
-        };
-        options.insert(
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".to_string(),
-            pack_any(o),
-        );
-    }
+    let options = if protocol == Protocol::Http {
+        downstream_protocol_options()
+    } else {
+        HashMap::new()
+    };
     let (transport_socket, transport_socket_matches) = match mtls {
         Some(m) => {
             let tls = mtls_socket(&m.spiffe_ids);
@@ -619,37 +602,6 @@ fn tls_mode(mode: &str) -> Struct {
                 kind: Some(value::Kind::StringValue(mode.to_string())),
             },
         )]),
-    }
-}
-
-/// The agent's SDS secret `name`, waited for (no initial fetch timeout):
-/// the cluster warms until its certificate is there, as the agent's own
-/// static listeners do (agent/src/sds/bootstrap.rs).
-fn sds_secret(name: &str) -> SdsSecretConfig {
-    SdsSecretConfig {
-        name: name.to_string(),
-        sds_config: Some(ConfigSource {
-            resource_api_version: ApiVersion::V3 as i32,
-            initial_fetch_timeout: Some(Duration::default()),
-            config_source_specifier: Some(config_source::ConfigSourceSpecifier::ApiConfigSource(
-                ApiConfigSource {
-                    api_type: api_config_source::ApiType::Grpc as i32,
-                    transport_api_version: ApiVersion::V3 as i32,
-                    grpc_services: vec![GrpcService {
-                        target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
-                            grpc_service::EnvoyGrpc {
-                                cluster_name: SDS_CLUSTER.into(),
-                                ..Default::default()
-                            },
-                        )),
-                        ..Default::default()
-                    }],
-                    set_node_on_first_message_only: true,
-                    ..Default::default()
-                },
-            )),
-            ..Default::default()
-        }),
     }
 }
 
@@ -829,6 +781,7 @@ mod tests {
             Some(
                 "15001:cart.shop:80, 15002:db.shop.svc.cluster.local:5432,15003:api.example.com:443",
             ),
+            &ServedInbound::default(),
             DOMAIN,
             None,
         );
@@ -878,7 +831,13 @@ mod tests {
 
         // A host of Service shape with no such Service is a static upstream,
         // until the Service exists.
-        let ext = generate(&r, Some("15001:example.org:443"), DOMAIN, None);
+        let ext = generate(
+            &r,
+            Some("15001:example.org:443"),
+            &ServedInbound::default(),
+            DOMAIN,
+            None,
+        );
         assert_eq!(
             ext.clusters.resources.keys().collect::<Vec<_>>(),
             ["outbound|15001|example.org|443"]
@@ -891,17 +850,29 @@ mod tests {
         );
 
         // Nothing declared, nothing seen.
-        let none = generate(&r, None, DOMAIN, None);
+        let none = generate(&r, None, &ServedInbound::default(), DOMAIN, None);
         assert!(none.listeners.resources.is_empty() && none.clusters.resources.is_empty());
     }
 
     #[test]
     fn versions_follow_content_per_type() {
         let mut r = registry();
-        let a = generate(&r, Some("15001:cart.shop:80"), DOMAIN, None);
+        let a = generate(
+            &r,
+            Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
+            DOMAIN,
+            None,
+        );
         assert_eq!(
             a,
-            generate(&r, Some("15001:cart.shop:80"), DOMAIN, None),
+            generate(
+                &r,
+                Some("15001:cart.shop:80"),
+                &ServedInbound::default(),
+                DOMAIN,
+                None
+            ),
             "deterministic"
         );
         let host = ServiceHost {
@@ -917,7 +888,13 @@ mod tests {
                 ..Default::default()
             },
         );
-        let b = generate(&r, Some("15001:cart.shop:80"), DOMAIN, None);
+        let b = generate(
+            &r,
+            Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
+            DOMAIN,
+            None,
+        );
         assert_eq!(a.listeners.version, b.listeners.version);
         assert_eq!(a.clusters.version, b.clusters.version);
         assert_ne!(a.endpoints.version, b.endpoints.version, "only EDS changed");
@@ -928,6 +905,7 @@ mod tests {
         let s = generate(
             &registry(),
             Some("nonsense,15001:cart.shop:80,15001:db.shop:5432,99999:x:1"),
+            &ServedInbound::default(),
             DOMAIN,
             None,
         );
@@ -1027,8 +1005,9 @@ mod tests {
                 let Some(lb_endpoint::HostIdentifier::Endpoint(ep)) = &e.host_identifier else {
                     panic!("an endpoint");
                 };
-                let Some(address::Address::SocketAddress(a)) =
-                    ep.address.as_ref().and_then(|a| a.address.as_ref())
+                let Some(
+                    envoy_types::pb::envoy::config::core::v3::address::Address::SocketAddress(a),
+                ) = ep.address.as_ref().and_then(|a| a.address.as_ref())
                 else {
                     panic!("a socket address");
                 };
@@ -1083,7 +1062,13 @@ mod tests {
 
     #[test]
     fn without_the_workload_ca_everything_is_plain_text() {
-        let s = generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, None);
+        let s = generate(
+            &served(None),
+            Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
+            DOMAIN,
+            None,
+        );
         let c = cart_cluster(&s);
         assert!(c.transport_socket.is_none() && c.transport_socket_matches.is_empty());
         let m = marks(&s);
@@ -1093,7 +1078,13 @@ mod tests {
 
     #[test]
     fn meshed_endpoints_get_mtls_to_the_identities_behind_the_service() {
-        let s = generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, Some(TD));
+        let s = generate(
+            &served(None),
+            Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
+            DOMAIN,
+            Some(TD),
+        );
         assert_eq!(
             marks(&s),
             [
@@ -1139,7 +1130,13 @@ mod tests {
         );
         assert_eq!(
             s,
-            generate(&served(None), Some("15001:cart.shop:80"), DOMAIN, Some(TD)),
+            generate(
+                &served(None),
+                Some("15001:cart.shop:80"),
+                &ServedInbound::default(),
+                DOMAIN,
+                Some(TD)
+            ),
             "deterministic, versions included"
         );
     }
@@ -1149,6 +1146,7 @@ mod tests {
         let s = generate(
             &served(Some(&["cart"])),
             Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
             DOMAIN,
             Some(TD),
         );
@@ -1167,6 +1165,7 @@ mod tests {
         let none = generate(
             &served(Some(&[])),
             Some("15001:cart.shop:80"),
+            &ServedInbound::default(),
             DOMAIN,
             Some(TD),
         );
@@ -1243,6 +1242,7 @@ mod tests {
         let s = generate(
             &r,
             Some("15001:API.example.com.:443,15002:api.example.com:80,15003:cart.shop:80"),
+            &ServedInbound::default(),
             DOMAIN,
             None,
         );
@@ -1286,6 +1286,7 @@ mod tests {
         let s = generate(
             &with_externals(),
             Some("15001:api.example.com:443"),
+            &ServedInbound::default(),
             DOMAIN,
             Some(TD),
         );
@@ -1311,6 +1312,7 @@ mod tests {
         let s = generate(
             &with_externals(),
             Some("15001:api.example.com:80"),
+            &ServedInbound::default(),
             DOMAIN,
             Some(TD),
         );
@@ -1320,7 +1322,13 @@ mod tests {
         assert!(c.transport_socket.is_some());
         let mut r = with_externals();
         r.delete_external_service(&("shop".into(), "api".into()));
-        let s = generate(&r, Some("15001:api.example.com:443"), DOMAIN, Some(TD));
+        let s = generate(
+            &r,
+            Some("15001:api.example.com:443"),
+            &ServedInbound::default(),
+            DOMAIN,
+            Some(TD),
+        );
         // Gone: a static upstream again, as before it existed.
         assert!(
             s.clusters
