@@ -319,7 +319,10 @@ pub fn mutate(
         &mut container,
         &annotations,
         containers,
-        workload_ca.is_some(),
+        (
+            workload_ca.is_some(),
+            workload_ca.is_some_and(|c| c.discovery.is_some()),
+        ),
         &mut warnings,
     )?;
     if let Some(ca) = workload_ca {

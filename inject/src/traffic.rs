@@ -103,16 +103,23 @@ pub(crate) struct Plumbing {
 }
 
 /// Give the sidecar its listeners and their mTLS settings (as env), or
-/// refuse the pod. `ca_wired`: whether it gets the workload CA.
+/// refuse the pod. `ca_wired`: whether it gets the workload CA;
+/// `discovery`: whether its outbound listeners come from the discovery server.
 pub(crate) fn plumb(
     container: &mut Container,
     annotations: &BTreeMap<String, String>,
     app_containers: &[Value],
-    ca_wired: bool,
+    (ca_wired, discovery): (bool, bool),
     warnings: &mut Vec<String>,
 ) -> Result<Plumbing, PlumbingError> {
     let plumbed = plumb_traffic(container, annotations, app_containers, warnings)?;
-    plumb_tls(container, annotations, &plumbed, ca_wired, warnings)?;
+    plumb_tls(
+        container,
+        annotations,
+        &plumbed,
+        (ca_wired, discovery),
+        warnings,
+    )?;
     Ok(Plumbing {
         mtls_ports: if ca_wired {
             plumbed.inbound_ports
@@ -411,7 +418,7 @@ fn plumb_tls(
     container: &mut Container,
     annotations: &BTreeMap<String, String>,
     plumbed: &Plumbed,
-    ca_wired: bool,
+    (ca_wired, discovery): (bool, bool),
     warnings: &mut Vec<String>,
 ) -> Result<(), PlumbingError> {
     let items = |raw: &str| -> Vec<String> {
@@ -465,7 +472,17 @@ fn plumb_tls(
                 });
             }
         }
-        if !entries.is_empty() {
+        if !entries.is_empty() && discovery {
+            // The discovery server's clusters carry the mesh's mTLS, checked
+            // against the identities behind each Service: the static pin
+            // has no listener to go on, and the agent refuses it beside a
+            // discovery address, so it is dropped here, and said so.
+            warnings.push(format!(
+                "remora: {} is ignored with discovery: calls to meshed Services are mTLS, \
+                 checked against the ServiceAccounts of their endpoints",
+                keys::OUTBOUND_TLS
+            ));
+        } else if !entries.is_empty() {
             asked.push(keys::OUTBOUND_TLS);
             vars.push(env(env_name::OUTBOUND_TLS, entries.join(",")));
         }

@@ -272,6 +272,25 @@ fn the_discovery_server_is_wired_when_on() {
     let hash =
         |c: &ChartDefaults| status(&mutate_chart(&pod(&[]), c).expect("injected").0).restart_hash;
     let on = hash(&c);
+
+    // The static outbound pin has no place beside discovery (whose clusters
+    // carry the mesh's mTLS): dropped with a warning, so the sidecar, which
+    // refuses both together, still starts.
+    let api = "spiffe://mesh.example/ns/shop/sa/api";
+    let pinned = format!("15001={api}");
+    let asked = pod(&[
+        ("remora.dev/outbound", "15001:api.shop:443"),
+        ("remora.dev/outbound-tls", &pinned),
+    ]);
+    let (out, warnings) = mutate_chart(&asked, &c).expect("injected");
+    assert!(!env(&out).contains_key("REMORA_OUTBOUND_TLS"));
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("remora.dev/outbound-tls is ignored with discovery")),
+        "{warnings:?}"
+    );
+
     c.workload_ca.as_mut().expect("wiring").discovery = None;
     assert_ne!(hash(&c), on, "turning discovery on needs a restart");
 
