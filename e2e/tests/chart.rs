@@ -450,8 +450,12 @@ fn the_policy_cannot_be_silently_off_and_guards_excluded_namespaces() -> anyhow:
 /// accepts every object. Without the CA the chart refuses, saying why.
 #[tokio::test]
 async fn discovery_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
-    let err = e2e::chart::render("remora", "remora-system", &["discovery.enabled=true"])
-        .expect_err("discovery without the workload CA");
+    let err = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &["workloadCA.enabled=false", "discovery.enabled=true"],
+    )
+    .expect_err("discovery without the workload CA");
     assert!(
         err.to_string()
             .contains("discovery.enabled needs workloadCA.enabled"),
@@ -1221,7 +1225,10 @@ fn the_injector_service_is_kept_for_sidecars_injected_before_the_rename() -> any
     for sets in [
         &[ca][..],
         &[ca, "operator.keepInjectorService=false"][..],
-        &["operator.keepInjectorService=true", "workloadCA.enabled=false"][..],
+        &[
+            "operator.keepInjectorService=true",
+            "workloadCA.enabled=false",
+        ][..],
     ] {
         let objects = e2e::chart::render("remora", "remora-system", sets)?;
         assert!(
@@ -1280,7 +1287,11 @@ async fn mesh_defaults_are_on_for_a_new_install_and_kept_on_upgrade() -> anyhow:
     // Discovery needs the CA: asked for without it, refused by name.
     for sets in [
         &["workloadCA.enabled=false", "discovery.enabled=true"][..],
-        &["workloadCA.enabled=false", "discovery.enabled=true", "rollouts.automatic=true"][..],
+        &[
+            "workloadCA.enabled=false",
+            "discovery.enabled=true",
+            "rollouts.automatic=true",
+        ][..],
     ] {
         let err = e2e::chart::render("remora", "remora-system", sets)
             .err()
@@ -1325,7 +1336,11 @@ async fn mesh_defaults_are_on_for_a_new_install_and_kept_on_upgrade() -> anyhow:
     ] {
         let objects = e2e::chart::render(release, &ns, installed)?;
         e2e::chart::apply(&client, &ns, &objects, &["Deployment"]).await?;
-        assert_eq!(upgrade(&[])?, want, "upgrade of an install with {installed:?}");
+        assert_eq!(
+            upgrade(&[])?,
+            want,
+            "upgrade of an install with {installed:?}"
+        );
         // Explicit values still win on upgrade.
         assert_eq!(
             upgrade(&["workloadCA.enabled=true", "discovery.enabled=true"])?,

@@ -76,10 +76,7 @@ fn deployment() -> anyhow::Result<Deployment> {
 /// A pod of the Deployment's template admitted now (dry run): what the
 /// webhook injects into the next pod of that workload.
 async fn injected_now(client: &Client, ns: &str) -> anyhow::Result<Pod> {
-    let template = deployment()?
-        .spec
-        .context("no spec")?
-        .template;
+    let template = deployment()?.spec.context("no spec")?.template;
     let pod = Pod {
         metadata: kube::api::ObjectMeta {
             name: Some("probe".to_owned()),
@@ -308,12 +305,16 @@ async fn upgrade_keeps_the_mesh_off_and_a_new_install_turns_it_on() -> anyhow::R
     pods::wait_service_endpoints(&client, ns.name(), APP, 2, DEADLINE).await?;
     // kube-proxy may still hold the old endpoints a moment; then every GET
     // must answer.
-    node::wait_for("the meshed pods serve through the Service", DEADLINE, || async {
-        Ok(match served(addr, 10).await {
-            Ok(()) => node::Check::Done(()),
-            Err(e) => node::Check::NotYet(e.to_string()),
-        })
-    })
+    node::wait_for(
+        "the meshed pods serve through the Service",
+        DEADLINE,
+        || async {
+            Ok(match served(addr, 10).await {
+                Ok(()) => node::Check::Done(()),
+                Err(e) => node::Check::NotYet(e.to_string()),
+            })
+        },
+    )
     .await?;
     report(&format!(
         "3. the Deployment restarted onto 2 meshed pods (Ready: certificate served, listeners from discovery) in {} ms; 10 of 10 GETs from the host (no sidecar) answered through the permissive inbound",

@@ -682,13 +682,20 @@ impl Remora {
 
     /// `helm upgrade --install --wait` with [`node_chart_values`] and `extra`.
     pub async fn upgrade(&self, client: &Client, extra: &[String]) -> Result<Duration, Error> {
-        let values: Vec<String> = node_settings().into_iter().chain(extra.iter().cloned()).collect();
+        let values: Vec<String> = node_settings()
+            .into_iter()
+            .chain(extra.iter().cloned())
+            .collect();
         self.upgrade_with(client, &values).await
     }
 
     /// `helm upgrade --install --wait` with the local images and `values`
     /// only: the chart's defaults for the rest.
-    pub async fn upgrade_with(&self, client: &Client, values: &[String]) -> Result<Duration, Error> {
+    pub async fn upgrade_with(
+        &self,
+        client: &Client,
+        values: &[String],
+    ) -> Result<Duration, Error> {
         let mut args: Vec<OsString> = [
             "upgrade",
             "--install",
