@@ -356,7 +356,8 @@ static SHARED_REMORA: OnceCell<Remora> = OnceCell::const_new();
 
 impl Node {
     /// Remora installed once per test process into [`RELEASE_NAMESPACE`]
-    /// with the chart's defaults (and the local images), for tests that only
+    /// with [`node_chart_values`] (the local images, the CA on, discovery
+    /// off; the chart's defaults otherwise), for tests that only
     /// need it there; tests of install itself use [`Node::install_remora`].
     /// Concurrent callers wait for the one `helm upgrade --install`.
     pub async fn remora(&self, client: &Client) -> Result<&'static Remora, Error> {
