@@ -84,9 +84,9 @@ pub fn render(release: &str, namespace: &str, sets: &[&str]) -> Result<Vec<Value
     render_with(release, namespace, sets, None)
 }
 
-/// [`render`], and with a kubeconfig `--dry-run=server`: helm then talks to
-/// that cluster, so the templates' `lookup` sees what is installed (as on
-/// `helm upgrade`).
+/// [`render`], and with a kubeconfig `--dry-run=server --is-upgrade`: helm
+/// then talks to that cluster, so the templates' `lookup` sees what is
+/// installed, and renders as `helm upgrade` does.
 pub fn render_with(
     release: &str,
     namespace: &str,
@@ -102,7 +102,10 @@ pub fn render_with(
         .arg(namespace)
         .arg("--include-crds");
     if let Some(k) = kubeconfig {
-        cmd.arg("--dry-run=server").arg("--kubeconfig").arg(k);
+        cmd.arg("--dry-run=server")
+            .arg("--is-upgrade")
+            .arg("--kubeconfig")
+            .arg(k);
     }
     for s in sets {
         cmd.arg("--set").arg(s);

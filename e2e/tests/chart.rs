@@ -146,17 +146,37 @@ async fn default_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
     let probes = &pod["containers"][0];
     assert_eq!(probes["readinessProbe"]["httpGet"]["path"], "/readyz");
     assert_eq!(probes["livenessProbe"]["httpGet"]["path"], "/healthz");
-    // Until told who the API servers are, the policy admits no one (it
-    // fails closed; see network_policy_admits_only_the_api_servers).
+    // Until told who the API servers are, the policy admits no one to the
+    // webhook (it fails closed; see network_policy_admits_only_the_api_servers):
+    // only the workload CA's and the discovery server's ports, on by default
+    // (mesh_defaults_are_on_for_a_new_install_and_kept_on_upgrade).
     let np = find(&objects, "NetworkPolicy")?;
     assert_eq!(np["spec"]["policyTypes"][0], "Ingress");
+    assert_eq!(
+        np["spec"]["ingress"],
+        serde_json::json!([
+            {"ports": [{"port": 15012, "protocol": "TCP"}]},
+            {"ports": [{"port": 15010, "protocol": "TCP"}]},
+        ]),
+        "{np:#}"
+    );
+    // The workload CA turned off: no port, no rights for it.
+    let off = e2e::chart::render("remora", &ns, &["workloadCA.enabled=false"])?;
+    let np = find(&off, "NetworkPolicy")?;
     assert_eq!(np["spec"]["ingress"], serde_json::json!([]), "{np:#}");
-    // The workload CA is off by default: no port, no rights for it.
-    assert!(!dep.to_string().contains("15012"), "{dep:#}");
-    assert!(!find(&objects, "Service")?.to_string().contains("15012"));
+    let dep_off = find(&off, "Deployment")?;
+    for port in ["15012", "15010"] {
+        assert!(!dep_off.to_string().contains(port), "{dep_off:#}");
+        assert!(!find(&off, "Service")?.to_string().contains(port));
+    }
     for kind in ["ClusterRole", "Role", "ValidatingAdmissionPolicy"] {
-        let text = find(&objects, kind)?.to_string();
-        for what in ["tokenreviews", "configmaps", "remora-workload-ca"] {
+        let text = find(&off, kind)?.to_string();
+        for what in [
+            "tokenreviews",
+            "configmaps",
+            "remora-workload-ca",
+            "endpointslices",
+        ] {
             assert!(!text.contains(what), "{kind} names {what}: {text}");
         }
     }
@@ -191,7 +211,13 @@ async fn cert_manager_render_is_accepted_by_the_api_server() -> anyhow::Result<(
     let cp = ControlPlane::shared().await?;
     let client = cp.client()?;
     let ns = cp.create_namespace(&client, "chart-cm").await?;
-    let sets = ["certMode=certManager", "webhook.failurePolicy=Ignore"];
+    // Without the workload CA, whose signing Secret needs rights of its own
+    // (workload_ca_render_is_accepted_by_the_api_server, in this mode too).
+    let sets = [
+        "certMode=certManager",
+        "webhook.failurePolicy=Ignore",
+        "workloadCA.enabled=false",
+    ];
     let (applied, mut skipped) = dry_run_chart(&client, "remora", &ns, &sets).await?;
     assert!(applied.contains(&"MutatingWebhookConfiguration".to_owned()));
     skipped.sort();
@@ -371,7 +397,10 @@ fn the_policy_cannot_be_silently_off_and_guards_excluded_namespaces() -> anyhow:
     let objects = e2e::chart::render(
         "remora",
         "remora-system",
-        &["webhook.excludeNamespaces={kube-system,remora-system,tenant-x}"],
+        &[
+            "webhook.excludeNamespaces={kube-system,remora-system,tenant-x}",
+            "workloadCA.enabled=false",
+        ],
     )?;
     let vap = find(&objects, "ValidatingAdmissionPolicy")?;
     let validations = vap["spec"]["validations"]
@@ -421,8 +450,12 @@ fn the_policy_cannot_be_silently_off_and_guards_excluded_namespaces() -> anyhow:
 /// accepts every object. Without the CA the chart refuses, saying why.
 #[tokio::test]
 async fn discovery_render_is_accepted_by_the_api_server() -> anyhow::Result<()> {
-    let err = e2e::chart::render("remora", "remora-system", &["discovery.enabled=true"])
-        .expect_err("discovery without the workload CA");
+    let err = e2e::chart::render(
+        "remora",
+        "remora-system",
+        &["workloadCA.enabled=false", "discovery.enabled=true"],
+    )
+    .expect_err("discovery without the workload CA");
     assert!(
         err.to_string()
             .contains("discovery.enabled needs workloadCA.enabled"),
@@ -432,7 +465,7 @@ async fn discovery_render_is_accepted_by_the_api_server() -> anyhow::Result<()> 
     let cp = ControlPlane::shared().await?;
     let client = cp.client()?;
     let ns = cp.create_namespace(&client, "chart-xds").await?;
-    let ca = ["workloadCA.enabled=true"];
+    let ca = ["workloadCA.enabled=true", "discovery.enabled=false"];
     let sets = ["workloadCA.enabled=true", "discovery.enabled=true"];
     let (applied, skipped) = dry_run_chart(&client, "remora", &ns, &sets).await?;
     assert!(applied.contains(&"Deployment".to_owned()), "{applied:?}");
@@ -517,6 +550,7 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
         "workloadCA.enabled=true",
         "workloadCA.trustDomain=mesh.example",
         "workloadCA.certTTL=12h",
+        "discovery.enabled=false",
     ];
     let (applied, skipped) = dry_run_chart(&client, "remora", &ns, &sets).await?;
     assert!(applied.contains(&"Deployment".to_owned()), "{applied:?}");
@@ -566,7 +600,7 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
     );
 
     // RBAC: exactly these rules are added for the CA.
-    let off = e2e::chart::render("remora", &ns, &[])?;
+    let off = e2e::chart::render("remora", &ns, &["workloadCA.enabled=false"])?;
     let added = |kind: &str| -> anyhow::Result<Vec<[String; 4]>> {
         let before = rules(find(&off, kind)?);
         Ok(rules(find(&objects, kind)?)
@@ -611,6 +645,7 @@ async fn workload_ca_render_is_accepted_by_the_api_server() -> anyhow::Result<()
     // certManager: no TLS Secret of its own, but still the CA's, and its create.
     let cm_sets = [
         "workloadCA.enabled=true",
+        "discovery.enabled=false",
         "certMode=certManager",
         "webhook.failurePolicy=Ignore",
     ];
@@ -652,7 +687,13 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     // The namespace as release name: cluster-scoped objects (ClusterRole,
     // webhook configuration) do not collide with other tests'.
     let release = ns.clone();
-    let objects = e2e::chart::render(&release, &ns, &["webhook.failurePolicy=Ignore"])?;
+    // Without the CA (on by default): the rights of the webhook and the
+    // controllers alone, so that none is missing.
+    let objects = e2e::chart::render(
+        &release,
+        &ns,
+        &["webhook.failurePolicy=Ignore", "workloadCA.enabled=false"],
+    )?;
     e2e::chart::install_crds(&client).await?;
     let name = format!("{release}-remora-operator");
     // With the admission policy: every write the operator makes must pass it.
@@ -1184,7 +1225,10 @@ fn the_injector_service_is_kept_for_sidecars_injected_before_the_rename() -> any
     for sets in [
         &[ca][..],
         &[ca, "operator.keepInjectorService=false"][..],
-        &["operator.keepInjectorService=true"][..],
+        &[
+            "operator.keepInjectorService=true",
+            "workloadCA.enabled=false",
+        ][..],
     ] {
         let objects = e2e::chart::render("remora", "remora-system", sets)?;
         assert!(
@@ -1207,5 +1251,124 @@ fn the_injector_service_is_kept_for_sidecars_injected_before_the_rename() -> any
         .context("keepInjectorService=maybe rendered")?
         .to_string();
     assert!(err.contains("keepInjectorService"), "{err}");
+    Ok(())
+}
+
+/// The mesh as the rendered operator runs it: (workload CA, discovery), from
+/// its Deployment's env.
+fn mesh(objects: &[Value]) -> anyhow::Result<(bool, bool)> {
+    Ok((
+        env_value(objects, "REMORA_WORKLOAD_CA")? == Some("true"),
+        env_value(objects, "REMORA_DISCOVERY")? == Some("true"),
+    ))
+}
+
+/// The workload CA and discovery default to "auto": a new install gets both
+/// (mTLS between meshed workloads out of the box); `helm upgrade` keeps what
+/// the release's operator Deployment runs with, so an install made with
+/// both off is not turned on (which would change every injected pod's
+/// restart hash) by a chart upgrade; true and false always win; discovery
+/// on with the CA off is refused, saying why. The upgrade renders look the
+/// Deployment up in the real API server, as `helm upgrade` does.
+#[tokio::test]
+async fn mesh_defaults_are_on_for_a_new_install_and_kept_on_upgrade() -> anyhow::Result<()> {
+    let fresh = |sets: &[&str]| -> anyhow::Result<(bool, bool)> {
+        mesh(&e2e::chart::render("remora", "remora-system", sets)?)
+    };
+    // A new install (`helm template` and `helm install` look up nothing).
+    assert_eq!(fresh(&[])?, (true, true), "a new install's defaults");
+    // Explicit values win.
+    assert_eq!(fresh(&["workloadCA.enabled=false"])?, (false, false));
+    assert_eq!(fresh(&["discovery.enabled=false"])?, (true, false));
+    assert_eq!(
+        fresh(&["workloadCA.enabled=true", "discovery.enabled=true"])?,
+        (true, true)
+    );
+    // Discovery needs the CA: asked for without it, refused by name.
+    for sets in [
+        &["workloadCA.enabled=false", "discovery.enabled=true"][..],
+        &[
+            "workloadCA.enabled=false",
+            "discovery.enabled=true",
+            "rollouts.automatic=true",
+        ][..],
+    ] {
+        let err = e2e::chart::render("remora", "remora-system", sets)
+            .err()
+            .with_context(|| format!("{sets:?} rendered"))?
+            .to_string();
+        assert!(
+            err.contains("discovery.enabled needs workloadCA.enabled")
+                && err.contains("workloadCA.enabled to true"),
+            "{err}"
+        );
+    }
+    // Anything but true, false or auto: refused by the schema.
+    for bad in ["workloadCA.enabled=yes", "discovery.enabled=on"] {
+        let err = e2e::chart::render("remora", "remora-system", &[bad])
+            .err()
+            .with_context(|| format!("{bad} rendered"))?
+            .to_string();
+        assert!(err.contains("enabled"), "{bad}: {err}");
+    }
+
+    // Upgrades, against what is installed.
+    let cp = ControlPlane::shared().await?;
+    let client = cp.client()?;
+    let ns = cp.create_namespace(&client, "chart-mesh").await?;
+    let release = "remora";
+    let upgrade = |sets: &[&str]| -> anyhow::Result<(bool, bool)> {
+        mesh(&e2e::chart::render_with(
+            release,
+            &ns,
+            sets,
+            Some(cp.kubeconfig()),
+        )?)
+    };
+    // No operator Deployment to ask: an upgrade turns nothing on.
+    assert_eq!(upgrade(&[])?, (false, false), "upgrade, nothing installed");
+    // Installed as the chart before the defaults changed (both off), and as
+    // the defaults or a user left it: what runs is kept.
+    for (installed, want) in [
+        (&["workloadCA.enabled=false"][..], (false, false)),
+        (&["discovery.enabled=false"][..], (true, false)),
+        (&[][..], (true, true)),
+    ] {
+        let objects = e2e::chart::render(release, &ns, installed)?;
+        e2e::chart::apply(&client, &ns, &objects, &["Deployment"]).await?;
+        assert_eq!(
+            upgrade(&[])?,
+            want,
+            "upgrade of an install with {installed:?}"
+        );
+        // Explicit values still win on upgrade.
+        assert_eq!(
+            upgrade(&["workloadCA.enabled=true", "discovery.enabled=true"])?,
+            (true, true),
+            "explicit on, over {installed:?}"
+        );
+        assert_eq!(
+            upgrade(&["workloadCA.enabled=false"])?,
+            (false, false),
+            "explicit off, over {installed:?}"
+        );
+        // Discovery asked for on an install without the CA: refused.
+        if !want.0 {
+            let err = e2e::chart::render_with(
+                release,
+                &ns,
+                &["discovery.enabled=true"],
+                Some(cp.kubeconfig()),
+            )
+            .err()
+            .context("discovery on over an install without the CA rendered")?
+            .to_string();
+            assert!(
+                err.contains("discovery.enabled needs workloadCA.enabled"),
+                "{err}"
+            );
+        }
+    }
+    cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }

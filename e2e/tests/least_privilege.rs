@@ -174,7 +174,13 @@ async fn operator_identity_changes_only_what_remora_owns() -> anyhow::Result<()>
     // webhook configuration, policy) are this test's own.
     let release = ns.clone();
     let name = format!("{release}-remora-operator");
-    let objects = e2e::chart::render(&release, &ns, &["rollouts.automatic=true"])?;
+    // Without the workload CA (on by default), whose rights the last test
+    // of this file checks on their own.
+    let objects = e2e::chart::render(
+        &release,
+        &ns,
+        &["rollouts.automatic=true", "workloadCA.enabled=false"],
+    )?;
     let mut cluster_scoped =
         e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
     workloads(&admin, &work).await?;
@@ -625,7 +631,15 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
     let name = format!("{release}-remora-operator");
     let exclude =
         format!("webhook.excludeNamespaces={{kube-system,kube-public,kube-node-lease,{fenced}}}");
-    let objects = e2e::chart::render(&release, &ns, &["workloadCA.enabled=true", &exclude])?;
+    let objects = e2e::chart::render(
+        &release,
+        &ns,
+        &[
+            "workloadCA.enabled=true",
+            "discovery.enabled=false",
+            &exclude,
+        ],
+    )?;
     let mut cluster_scoped =
         e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
     workloads(&admin, &work).await?;
@@ -811,7 +825,11 @@ async fn workload_ca_identity_writes_only_its_bundle_and_roots() -> anyhow::Resu
     let work = cp.create_namespace(&admin, "lp-ca-work").await?;
     let release = ns.clone();
     let name = format!("{release}-remora-operator");
-    let objects = e2e::chart::render(&release, &ns, &["workloadCA.enabled=true"])?;
+    let objects = e2e::chart::render(
+        &release,
+        &ns,
+        &["workloadCA.enabled=true", "discovery.enabled=false"],
+    )?;
     let cluster_scoped =
         e2e::chart::apply(&admin, &ns, &objects, &e2e::chart::IDENTITY_KINDS).await?;
     let token = service_account_token(&admin, &ns, &name).await?;

@@ -19,10 +19,73 @@ when told (true). Empty: not kept. */}}
 {{- define "remora.injectorService" -}}
 {{- $name := printf "%s-injector" (include "remora.fullname" .) -}}
 {{- $keep := toString .Values.operator.keepInjectorService -}}
-{{- if .Values.workloadCA.enabled -}}
+{{- if include "remora.workloadCA" . -}}
 {{- if or (eq $keep "true") (and (eq $keep "auto") (lookup "v1" "Service" .Release.Namespace $name)) -}}
 {{- $name -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What the release's running operator was installed with: "true" or
+"false" for the env var `name` of its Deployment (the one named as now, else
+one installed as remora-injector), or "" when there is none. `lookup` finds
+nothing under `helm template` and a client-side dry run. */}}
+{{- define "remora.installed" -}}
+{{- $ctx := index . 0 -}}{{- $env := index . 1 -}}
+{{- $found := "" -}}
+{{- range $name := list (include "remora.operator" $ctx) (printf "%s-injector" (include "remora.fullname" $ctx)) -}}
+{{- if not $found -}}
+{{- with lookup "apps/v1" "Deployment" $ctx.Release.Namespace $name -}}
+{{- $found = "false" -}}
+{{- range .spec.template.spec.containers -}}
+{{- range (.env | default list) -}}
+{{- if and (eq .name $env) (eq (toString .value) "true") -}}{{- $found = "true" -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $found -}}
+{{- end -}}
+
+{{/* The workload CA on: "true", else "" (so `if include ...` reads it).
+values.yaml, workloadCA.enabled: true/false win; "auto" is on for a new
+install and keeps what an existing release runs with on upgrade (off when
+`helm upgrade` finds no operator Deployment to ask). */}}
+{{- define "remora.workloadCA" -}}
+{{- $v := toString .Values.workloadCA.enabled -}}
+{{- if eq $v "auto" -}}
+{{- $had := include "remora.installed" (list . "REMORA_WORKLOAD_CA") -}}
+{{- if $had -}}
+{{- if eq $had "true" }}true{{ end -}}
+{{- else if not .Release.IsUpgrade -}}
+true
+{{- end -}}
+{{- else if eq $v "true" -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Service discovery on: "true", else "". "auto" as for the workload CA,
+and never without it (it serves with the CA's certificate); an explicit
+true without the CA is refused with a message. */}}
+{{- define "remora.discovery" -}}
+{{- $v := toString .Values.discovery.enabled -}}
+{{- $ca := include "remora.workloadCA" . -}}
+{{- if eq $v "auto" -}}
+{{- if $ca -}}
+{{- $had := include "remora.installed" (list . "REMORA_DISCOVERY") -}}
+{{- if $had -}}
+{{- if eq $had "true" }}true{{ end -}}
+{{- else if not .Release.IsUpgrade -}}
+true
+{{- end -}}
+{{- end -}}
+{{- else if eq $v "true" -}}
+{{- if not $ca -}}
+{{- fail "discovery.enabled needs workloadCA.enabled: the discovery server serves with the workload CA's certificate, and sidecars check it with the CA's trust bundle. Set workloadCA.enabled to true (or auto: on for a new install), or discovery.enabled to false (or auto, which is off without the CA)." -}}
+{{- end -}}
+true
 {{- end -}}
 {{- end -}}
 

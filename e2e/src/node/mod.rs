@@ -323,13 +323,32 @@ impl Node {
         namespace: &str,
         extra: &[String],
     ) -> Result<Remora, Error> {
-        let remora = Remora {
+        let remora = self.remora_release(namespace);
+        remora.upgrade(client, extra).await?;
+        Ok(remora)
+    }
+
+    /// [`Node::install_remora`] with the local images and only `values`
+    /// (none of [`node_chart_values`]): the chart's own defaults for
+    /// everything else, as a user's `helm upgrade --install` gets them.
+    pub async fn install_remora_with(
+        &self,
+        client: &Client,
+        namespace: &str,
+        values: &[String],
+    ) -> Result<Remora, Error> {
+        let remora = self.remora_release(namespace);
+        remora.upgrade_with(client, values).await?;
+        Ok(remora)
+    }
+
+    /// The release [`RELEASE`] in `namespace`, installed or not.
+    pub fn remora_release(&self, namespace: &str) -> Remora {
+        Remora {
             release: RELEASE.to_owned(),
             namespace: namespace.to_owned(),
             kubeconfig: self.kubeconfig.clone(),
-        };
-        remora.upgrade(client, extra).await?;
-        Ok(remora)
+        }
     }
 }
 
@@ -337,7 +356,8 @@ static SHARED_REMORA: OnceCell<Remora> = OnceCell::const_new();
 
 impl Node {
     /// Remora installed once per test process into [`RELEASE_NAMESPACE`]
-    /// with the chart's defaults (and the local images), for tests that only
+    /// with [`node_chart_values`] (the local images, the CA on, discovery
+    /// off; the chart's defaults otherwise), for tests that only
     /// need it there; tests of install itself use [`Node::install_remora`].
     /// Concurrent callers wait for the one `helm upgrade --install`.
     pub async fn remora(&self, client: &Client) -> Result<&'static Remora, Error> {
@@ -400,14 +420,28 @@ pub fn local_image_values() -> Vec<String> {
 }
 
 /// Every `--set` the node's install gives before a test's own (which win):
-/// the local images, and the workload CA on (as `values-local.yaml` has it),
-/// so injected pods get their certificates from the operator.
+/// the local images, the workload CA on, so injected pods get their
+/// certificates from the operator, and discovery off: the lifecycle tests
+/// sharing this release (node_pods, node_workloads, node_traffic,
+/// node_zero_loss, node_install, node_mtls) were written for sidecars in
+/// static mode, and the chart's "auto" would otherwise keep whatever the
+/// previous test binary left installed. Tests of discovery set it on
+/// (node_discovery, node_external); node_upgrade installs with the chart's
+/// own defaults.
 pub fn node_chart_values() -> Vec<String> {
     let mut values = local_image_values();
-    values.push("workloadCA.enabled=true".to_owned());
-    // node_workloads rolls a Deployment under rolloutPolicy Automatic.
-    values.push("rollouts.automatic=true".to_owned());
+    values.extend(node_settings());
     values
+}
+
+/// [`node_chart_values`] but the images.
+fn node_settings() -> Vec<String> {
+    vec![
+        "workloadCA.enabled=true".to_owned(),
+        "discovery.enabled=false".to_owned(),
+        // node_workloads rolls a Deployment under rolloutPolicy Automatic.
+        "rollouts.automatic=true".to_owned(),
+    ]
 }
 
 /// A pod of the pause image (present on every node: `cluster.sh up`
@@ -649,6 +683,20 @@ impl Remora {
 
     /// `helm upgrade --install --wait` with [`node_chart_values`] and `extra`.
     pub async fn upgrade(&self, client: &Client, extra: &[String]) -> Result<Duration, Error> {
+        let values: Vec<String> = node_settings()
+            .into_iter()
+            .chain(extra.iter().cloned())
+            .collect();
+        self.upgrade_with(client, &values).await
+    }
+
+    /// `helm upgrade --install --wait` with the local images and `values`
+    /// only: the chart's defaults for the rest.
+    pub async fn upgrade_with(
+        &self,
+        client: &Client,
+        values: &[String],
+    ) -> Result<Duration, Error> {
         let mut args: Vec<OsString> = [
             "upgrade",
             "--install",
@@ -663,7 +711,7 @@ impl Remora {
         .collect();
         args.push(crate::chart::chart_dir().into());
         args.push(format!("--timeout={}s", ROLLOUT_TIMEOUT.as_secs()).into());
-        for s in node_chart_values().iter().chain(extra) {
+        for s in local_image_values().iter().chain(values) {
             args.push("--set".into());
             args.push(s.into());
         }
@@ -672,7 +720,7 @@ impl Remora {
 
     /// `helm uninstall --wait`: every object of the release is gone when it
     /// returns (CRDs stay, as helm keeps `crds/`; so do the Lease and the
-    /// Secret the operator made itself).
+    /// Secret the operator made itself). No release is not an error.
     pub async fn uninstall(&self, client: &Client) -> Result<Duration, Error> {
         let args = [
             "uninstall",
@@ -680,6 +728,7 @@ impl Remora {
             "--namespace",
             &self.namespace,
             "--wait",
+            "--ignore-not-found",
         ]
         .iter()
         .map(OsString::from)
