@@ -36,17 +36,16 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
     HttpConnectionManager, HttpFilter, http_connection_manager, http_filter,
 };
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
-    CertificateValidationContext, CommonTlsContext, DownstreamTlsContext, SubjectAltNameMatcher,
-    common_tls_context, subject_alt_name_matcher,
+    DownstreamTlsContext, SubjectAltNameMatcher, subject_alt_name_matcher,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
 use envoy_types::pb::google::protobuf::{BoolValue, Duration};
 use envoy_types::util::pack_any;
 use remora_contract::inbound::{self as shape, Inbound, InboundTls};
-use remora_contract::mesh::{MTLS_ALPN, ROOT_SECRET, WORKLOAD_SECRET};
+use remora_contract::mesh::MTLS_ALPN;
 use remora_contract::pod::{HCM_DELAYED_CLOSE_TIMEOUT, INBOUND_PORT};
 
-use super::proto::{downstream_protocol_options, sds_secret, socket};
+use super::proto::{downstream_protocol_options, mesh_tls_context, socket};
 use crate::cluster::live_pod::LivePod;
 
 /// What a pod's sidecar is served inbound.
@@ -268,22 +267,7 @@ fn mtls_socket(sans: &[String]) -> TransportSocket {
         .collect();
     let tls = DownstreamTlsContext {
         require_client_certificate: Some(BoolValue { value: true }),
-        common_tls_context: Some(CommonTlsContext {
-            tls_certificate_sds_secret_configs: vec![sds_secret(WORKLOAD_SECRET)],
-            validation_context_type: Some(
-                common_tls_context::ValidationContextType::CombinedValidationContext(
-                    common_tls_context::CombinedCertificateValidationContext {
-                        default_validation_context: Some(CertificateValidationContext {
-                            match_typed_subject_alt_names: matchers,
-                            ..Default::default()
-                        }),
-                        validation_context_sds_secret_config: Some(sds_secret(ROOT_SECRET)),
-                        ..Default::default()
-                    },
-                ),
-            ),
-            ..Default::default()
-        }),
+        common_tls_context: Some(mesh_tls_context(matchers, Vec::new())),
         ..Default::default()
     };
     TransportSocket {
@@ -299,7 +283,9 @@ mod tests {
     use crate::discovery::registry::{PodKey, ProxyInfo};
     use crate::discovery::resources::{CLUSTER, LISTENER, decode};
     use envoy_types::pb::envoy::config::core::v3::address;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::common_tls_context;
     use remora_contract::annotations::{INBOUND, INBOUND_TLS, OUTBOUND, STATUS};
+    use remora_contract::mesh::{ROOT_SECRET, WORKLOAD_SECRET};
 
     /// A pod as the pod watch keeps it.
     fn pod(name: &str, annotations: &[(&str, &str)]) -> LivePod {

@@ -11,13 +11,16 @@ use envoy_types::pb::envoy::config::core::v3::{
     Http2ProtocolOptions, SocketAddress, address, api_config_source, config_source, grpc_service,
     socket_address,
 };
-use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::SdsSecretConfig;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::SubjectAltNameMatcher;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+    CertificateValidationContext, CommonTlsContext, SdsSecretConfig, common_tls_context,
+};
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     HttpProtocolOptions, http_protocol_options,
 };
 use envoy_types::pb::google::protobuf::{Any, Duration};
 use envoy_types::util::pack_any;
-use remora_contract::mesh::SDS_CLUSTER;
+use remora_contract::mesh::{ROOT_SECRET, SDS_CLUSTER, WORKLOAD_SECRET};
 
 /// `ip:port` as an Envoy address.
 pub fn socket(ip: &str, port: u16) -> Address {
@@ -79,5 +82,27 @@ pub fn sds_secret(name: &str) -> SdsSecretConfig {
             )),
             ..Default::default()
         }),
+    }
+}
+
+/// The mesh's side of a TLS handshake, either way: the workload certificate
+/// and the mesh roots from the agent's SDS, the peer checked against `sans`.
+pub fn mesh_tls_context(sans: Vec<SubjectAltNameMatcher>, alpn: Vec<String>) -> CommonTlsContext {
+    CommonTlsContext {
+        alpn_protocols: alpn,
+        tls_certificate_sds_secret_configs: vec![sds_secret(WORKLOAD_SECRET)],
+        validation_context_type: Some(
+            common_tls_context::ValidationContextType::CombinedValidationContext(
+                common_tls_context::CombinedCertificateValidationContext {
+                    default_validation_context: Some(CertificateValidationContext {
+                        match_typed_subject_alt_names: sans,
+                        ..Default::default()
+                    }),
+                    validation_context_sds_secret_config: Some(sds_secret(ROOT_SECRET)),
+                    ..Default::default()
+                },
+            ),
+        ),
+        ..Default::default()
     }
 }

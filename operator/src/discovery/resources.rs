@@ -70,15 +70,14 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
 use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
-    CertificateValidationContext, CommonTlsContext, SubjectAltNameMatcher, UpstreamTlsContext,
-    common_tls_context, subject_alt_name_matcher,
+    SubjectAltNameMatcher, UpstreamTlsContext, subject_alt_name_matcher,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
 use envoy_types::pb::google::protobuf::{Any, Duration, Struct, UInt32Value, Value, value};
 use envoy_types::util::pack_any;
 use prost::Message;
 use remora_contract::discovery::{ServiceHost, cluster_name};
-use remora_contract::mesh::{MTLS_ALPN, ROOT_SECRET, WORKLOAD_SECRET};
+use remora_contract::mesh::MTLS_ALPN;
 use remora_contract::pod::HCM_DELAYED_CLOSE_TIMEOUT;
 use remora_contract::traffic::OutboundSpec;
 use remora_contract::workload_ca::spiffe_id;
@@ -86,7 +85,7 @@ use sha2::{Digest, Sha256};
 
 use super::external::{EndpointMeta, external_key};
 use super::inbound::ServedInbound;
-use super::proto::{downstream_protocol_options, sds_secret, socket};
+use super::proto::{downstream_protocol_options, mesh_tls_context, socket};
 use super::registry::{Backend, Protocol, Registry};
 
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
@@ -621,23 +620,7 @@ fn mtls_socket(spiffe_ids: &[String]) -> TransportSocket {
         })
         .collect();
     let tls = UpstreamTlsContext {
-        common_tls_context: Some(CommonTlsContext {
-            alpn_protocols: vec![MTLS_ALPN.into()],
-            tls_certificate_sds_secret_configs: vec![sds_secret(WORKLOAD_SECRET)],
-            validation_context_type: Some(
-                common_tls_context::ValidationContextType::CombinedValidationContext(
-                    common_tls_context::CombinedCertificateValidationContext {
-                        default_validation_context: Some(CertificateValidationContext {
-                            match_typed_subject_alt_names: sans,
-                            ..Default::default()
-                        }),
-                        validation_context_sds_secret_config: Some(sds_secret(ROOT_SECRET)),
-                        ..Default::default()
-                    },
-                ),
-            ),
-            ..Default::default()
-        }),
+        common_tls_context: Some(mesh_tls_context(sans, vec![MTLS_ALPN.into()])),
         ..Default::default()
     };
     TransportSocket {
@@ -730,6 +713,10 @@ mod tests {
     use super::*;
     use crate::discovery::registry::{PodKey, ProxyInfo, ServiceInfo, ServicePort, SliceInfo};
     use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::UpstreamTlsContext;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        CommonTlsContext, common_tls_context,
+    };
+    use remora_contract::mesh::WORKLOAD_SECRET;
 
     const DOMAIN: &str = "cluster.local";
 
