@@ -715,7 +715,35 @@ impl Remora {
             args.push("--set".into());
             args.push(s.into());
         }
-        self.helm(client, "helm upgrade --install", args).await
+        let took = self.helm(client, "helm upgrade --install", args).await?;
+        // helm's --wait returns with the previous replicas still there (and
+        // answering the webhook until they are gone): a pod injected by one
+        // of them would get the previous install's sidecar.
+        wait_for(
+            "only the new operator replicas",
+            ROLLOUT_TIMEOUT,
+            || async {
+                let pods = self.operator_pods(client).await?;
+                let revisions: std::collections::BTreeSet<Option<&String>> = pods
+                    .iter()
+                    .map(|p| kube::ResourceExt::labels(p).get("pod-template-hash"))
+                    .collect();
+                let leaving = pods
+                    .iter()
+                    .filter(|p| p.metadata.deletion_timestamp.is_some())
+                    .count();
+                Ok(if revisions.len() <= 1 && leaving == 0 {
+                    Check::Done(())
+                } else {
+                    Check::NotYet(format!(
+                        "{} revisions, {leaving} pods terminating",
+                        revisions.len()
+                    ))
+                })
+            },
+        )
+        .await?;
+        Ok(took)
     }
 
     /// `helm uninstall --wait`: every object of the release is gone when it
