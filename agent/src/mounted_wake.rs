@@ -20,9 +20,12 @@ use futures::{FutureExt as _, StreamExt as _};
 use inotify::{EventMask, EventStream, Inotify, WatchDescriptor, WatchMask};
 use tokio::time::Instant;
 
-/// Two wakes by events are at least this far apart: a directory written in
-/// a burst costs a read per gap, not one per write.
-const MIN_EVENT_GAP: Duration = Duration::from_millis(5);
+/// After an event, the wait goes on until the directory has been quiet this
+/// long: a file written in place (truncated, then written) is read once
+/// whole, not torn between the two, and a burst costs one read.
+const SETTLE: Duration = Duration::from_millis(5);
+/// The most an event's wake waits for the directory to settle.
+const MAX_SETTLE: Duration = Duration::from_millis(100);
 
 /// Events that can mean a watched file's bytes changed.
 fn mask() -> WatchMask {
@@ -43,7 +46,6 @@ pub struct MountedWake {
     events: Option<EventStream<Vec<u8>>>,
     /// Each directory, and its watch once added.
     dirs: Vec<(PathBuf, Option<WatchDescriptor>)>,
-    last_event: Option<Instant>,
 }
 
 impl MountedWake {
@@ -67,12 +69,7 @@ impl MountedWake {
                 None
             }
         };
-        let mut wake = Self {
-            poll,
-            events,
-            dirs,
-            last_event: None,
-        };
+        let mut wake = Self { poll, events, dirs };
         wake.add_watches();
         wake
     }
@@ -92,18 +89,25 @@ impl MountedWake {
         self.events.is_some() && self.dirs.iter().all(|(_, wd)| wd.is_some())
     }
 
-    /// Returns at the next poll, or as soon as a watched directory saw a
-    /// change (at most one wake per [`MIN_EVENT_GAP`] by events).
+    /// Returns at the next poll, or once a watched directory saw a change
+    /// and then [`SETTLE`] without one (at most [`MAX_SETTLE`] after it).
     pub async fn next(&mut self) {
         let deadline = Instant::now() + self.poll;
         let woken = match &mut self.events {
             Some(events) => {
-                let gap_over = self.last_event.map(|t| t + MIN_EVENT_GAP);
                 let event = async {
-                    if let Some(t) = gap_over {
-                        tokio::time::sleep_until(t).await;
+                    let mut gone = drain(events).await?;
+                    let settled_by = Instant::now() + MAX_SETTLE;
+                    loop {
+                        let quiet = (Instant::now() + SETTLE).min(settled_by);
+                        match tokio::time::timeout_at(quiet, drain(events)).await {
+                            Ok(more) => gone.extend(more?),
+                            Err(_) => return Ok::<_, std::io::Error>(gone),
+                        }
+                        if Instant::now() >= settled_by {
+                            return Ok(gone);
+                        }
                     }
-                    drain(events).await
                 };
                 tokio::select! {
                     woken = event => Some(woken),
@@ -117,7 +121,6 @@ impl MountedWake {
         };
         match woken {
             Some(Ok(gone)) => {
-                self.last_event = Some(Instant::now());
                 for (_, wd) in &mut self.dirs {
                     if wd.as_ref().is_some_and(|w| gone.contains(w)) {
                         *wd = None;
