@@ -1,12 +1,13 @@
-//! When to read mounted files again: at the poll, or at once when inotify
+//! When to read mounted files again: at the poll, or soon after inotify
 //! sees something change in one of their directories.
 //!
 //! What changed is still decided the one way ([`remora_contract::mounted`]):
 //! by reading the files. inotify only ends the wait early, so a certificate
-//! or annotation change is picked up in microseconds instead of up to a
-//! poll later, and everything inotify misses (a volume mounted after start,
-//! a filesystem without events, an event queue overflow) is still seen at
-//! the next poll.
+//! or annotation change is picked up once the directory has been quiet
+//! for a few milliseconds (the settle, so a file torn mid-write is not
+//! read) instead of up to a poll later, and everything inotify misses (a
+//! volume mounted after start, a filesystem without events, an event queue
+//! overflow) is still seen at the next poll.
 //!
 //! The watch is on each file's directory, not on the file: the kubelet
 //! replaces a volume's files by renaming a `..data` symlink in that

@@ -393,7 +393,7 @@ async fn check_job(
         )
         .await?;
         how = format!(
-            "agent: {STOP} set by the operator at {asked}, read from the downward-API file +{} ms (kubelet refresh + 100 ms poll), agent exiting +{} ms",
+            "agent: {STOP} set by the operator at {asked}, read from the downward-API file +{} ms (kubelet refresh + inotify wake, 100 ms poll as fallback), agent exiting +{} ms",
             ts_ms(asked, seen),
             exiting.map_or("?".into(), |e| ts_ms(asked, e).to_string())
         );
