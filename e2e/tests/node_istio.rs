@@ -131,7 +131,7 @@ fn check_placement(pod: &Pod, profile: Profile) -> anyhow::Result<()> {
         ("containers", i)
     };
     let want = match profile {
-        Profile::Defaults | Profile::Best | Profile::LegacyBest => 0,
+        Profile::Defaults | Profile::NativeHold | Profile::LegacyHold => 0,
         Profile::LegacyDefaults => spec.containers.len() - 1,
     };
     ensure!(
@@ -557,8 +557,8 @@ async fn istio_defaults() -> anyhow::Result<()> {
 
 #[tokio::test]
 #[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
-async fn istio_best() -> anyhow::Result<()> {
-    sidecar(Profile::Best).await
+async fn istio_native_hold() -> anyhow::Result<()> {
+    sidecar(Profile::NativeHold).await
 }
 
 #[tokio::test]
@@ -569,6 +569,6 @@ async fn istio_legacy_defaults() -> anyhow::Result<()> {
 
 #[tokio::test]
 #[ignore = "needs the real node and Istio: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_istio -- --ignored (after scripts/images.sh istio-proxy)"]
-async fn istio_legacy_best() -> anyhow::Result<()> {
-    sidecar(Profile::LegacyBest).await
+async fn istio_legacy_hold() -> anyhow::Result<()> {
+    sidecar(Profile::LegacyHold).await
 }

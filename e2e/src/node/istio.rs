@@ -101,57 +101,59 @@ pub enum Profile {
     /// preStop hook `pilot-agent request POST drain`; drainDuration 45 s,
     /// terminationDrainDuration 5 s, Envoy's `--drain-strategy immediate`.
     Defaults,
-    /// Istio's best lifecycle settings: the native sidecar of
-    /// [`Profile::Defaults`] plus `holdApplicationUntilProxyStarts` and
+    /// Istio's lifecycle options for startup and exit on top of the native
+    /// sidecar of [`Profile::Defaults`]: `holdApplicationUntilProxyStarts` and
     /// `EXIT_ON_ZERO_ACTIVE_CONNECTIONS=true` (MINIMUM_DRAIN_DURATION left
     /// at its default, 5 s). For a native sidecar the hold changes nothing
     /// in the pod (the startupProbe holds the app already; the template
     /// adds the postStart hook only to a regular container), and the
     /// preStop drain makes the agent exit at once on its SIGTERM, so
     /// exit-on-zero never runs (`pkg/envoy/agent.go`, `terminate`).
-    Best,
+    NativeHold,
     /// What 1.31 injects with native sidecars off (`ENABLE_NATIVE_SIDECARS=false`,
     /// or a kubelet older than 1.33): a regular container, last, no hooks;
     /// on SIGTERM the agent drains and stops Envoy after
     /// terminationDrainDuration (5 s).
     LegacyDefaults,
     /// A regular container with holdApplicationUntilProxyStarts (first in
-    /// the pod, postStart `pilot-agent wait`) and exit-on-zero: the "best"
-    /// settings before native sidecars.
-    LegacyBest,
+    /// the pod, postStart `pilot-agent wait`) and exit-on-zero: the
+    /// lifecycle options Istio documents for a regular-container sidecar.
+    /// Neither hold profile is tuned for ingress lag: that is
+    /// `zero_loss::Contender::IstioTunedForLag`.
+    LegacyHold,
 }
 
 impl Profile {
     pub const ALL: [Self; 4] = [
         Self::Defaults,
-        Self::Best,
+        Self::NativeHold,
         Self::LegacyDefaults,
-        Self::LegacyBest,
+        Self::LegacyHold,
     ];
 
     /// A short name for reports and object names.
     pub fn name(self) -> &'static str {
         match self {
             Self::Defaults => "istio-defaults",
-            Self::Best => "istio-best",
+            Self::NativeHold => "istio-native-hold",
             Self::LegacyDefaults => "istio-legacy-defaults",
-            Self::LegacyBest => "istio-legacy-best",
+            Self::LegacyHold => "istio-legacy-hold",
         }
     }
 
     /// A native sidecar (an init container that keeps running).
     pub fn native(self) -> bool {
-        matches!(self, Self::Defaults | Self::Best)
+        matches!(self, Self::Defaults | Self::NativeHold)
     }
 
     /// `holdApplicationUntilProxyStarts` in the ProxyConfig.
     pub fn hold(self) -> bool {
-        matches!(self, Self::Best | Self::LegacyBest)
+        matches!(self, Self::NativeHold | Self::LegacyHold)
     }
 
     /// `EXIT_ON_ZERO_ACTIVE_CONNECTIONS=true` (a proxyMetadata env).
     pub fn exit_on_zero(self) -> bool {
-        matches!(self, Self::Best | Self::LegacyBest)
+        matches!(self, Self::NativeHold | Self::LegacyHold)
     }
 }
 
@@ -739,7 +741,7 @@ mod tests {
             let hooks = c.lifecycle.clone().unwrap_or_default();
             let spec = out.template.spec.as_ref().expect("spec");
             match profile {
-                Profile::Defaults | Profile::Best => {
+                Profile::Defaults | Profile::NativeHold => {
                     assert_eq!((place, index), ("initContainers", 0), "{profile:?}");
                     assert_eq!(c.restart_policy.as_deref(), Some("Always"));
                     let pre = hooks.pre_stop.and_then(|h| h.exec).and_then(|e| e.command);
@@ -753,7 +755,7 @@ mod tests {
                     assert_eq!((place, index), ("containers", 1));
                     assert!(c.lifecycle.is_none());
                 }
-                Profile::LegacyBest => {
+                Profile::LegacyHold => {
                     assert_eq!((place, index), ("containers", 0));
                     let post = hooks
                         .post_start

@@ -40,12 +40,13 @@ pub enum Contender {
     /// clients send often, at the risk of a sparse client's next request.
     RemoraTuned,
     /// Istio 1.31's real pilot-agent, injected as its template does
-    /// ([`istio::Profile`]): its defaults here (a native sidecar), its best
-    /// lifecycle settings, and the non-native shapes.
+    /// ([`istio::Profile`]): its defaults here (a native sidecar), with
+    /// holdApplicationUntilProxyStarts and exit-on-zero, and the non-native
+    /// shapes.
     IstioDefaults,
-    IstioBest,
+    IstioNativeHold,
     IstioLegacyDefaults,
-    IstioLegacyBest,
+    IstioLegacyHold,
     /// Istio's defaults plus its documented remedy for endpoint lag: the
     /// app keeps serving through a preStop `sleep` of the lag and 3 s more
     /// (Remora's default quiet period), so the lagging ingress has moved
@@ -63,9 +64,9 @@ impl Contender {
         Self::RemoraNative,
         Self::RemoraTuned,
         Self::IstioDefaults,
-        Self::IstioBest,
+        Self::IstioNativeHold,
         Self::IstioLegacyDefaults,
-        Self::IstioLegacyBest,
+        Self::IstioLegacyHold,
         Self::IstioTunedForLag,
     ];
 
@@ -73,9 +74,9 @@ impl Contender {
     pub fn istio(self) -> Option<istio::Profile> {
         match self {
             Self::IstioDefaults | Self::IstioTunedForLag => Some(istio::Profile::Defaults),
-            Self::IstioBest => Some(istio::Profile::Best),
+            Self::IstioNativeHold => Some(istio::Profile::NativeHold),
             Self::IstioLegacyDefaults => Some(istio::Profile::LegacyDefaults),
-            Self::IstioLegacyBest => Some(istio::Profile::LegacyBest),
+            Self::IstioLegacyHold => Some(istio::Profile::LegacyHold),
             _ => None,
         }
     }
