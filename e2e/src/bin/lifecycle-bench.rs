@@ -174,6 +174,7 @@ async fn main() -> Result<()> {
         );
     }
 
+    let machine_before = remora_test_support::results::machine();
     let node = Node::shared().await.context("the real node")?;
     let client = node.client()?;
     let guard_before = node.guard_drops().await?;
@@ -221,13 +222,21 @@ async fn main() -> Result<()> {
     let out = args
         .out
         .unwrap_or_else(|| repo_root().join("bench/results/lifecycle-node.json"));
-    let doc = serde_json::json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "machine": "2 cores, the project's single real node (kubelet, containerd, kube-proxy, CNI bridge)",
-        "not_covered": "one node; the ingress is the harness's own with a fixed lag; the test app; one rollout per row unless cycles > 1",
-        "egress_guard_drops": guard,
-        "rows": rows,
-    });
+    let mut doc = remora_test_support::results::stamp(&machine_before);
+    doc.insert(
+        "machine_after".into(),
+        remora_test_support::results::machine(),
+    );
+    doc.insert(
+        "node".into(),
+        serde_json::json!("the project's single real node (kubelet, containerd, kube-proxy, CNI bridge) on the machine above"),
+    );
+    doc.insert(
+        "not_covered".into(),
+        serde_json::json!("one node; the ingress is the harness's own with a fixed lag; the test app; one rollout per row unless cycles > 1"),
+    );
+    doc.insert("egress_guard_drops".into(), serde_json::json!(guard));
+    doc.insert("rows".into(), serde_json::to_value(&rows)?);
     std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")
         .with_context(|| format!("writing {}", out.display()))?;
     println!("wrote {}", out.display());
