@@ -84,12 +84,34 @@ pub fn render(release: &str, namespace: &str, sets: &[&str]) -> Result<Vec<Value
     render_with(release, namespace, sets, None)
 }
 
+/// `values-local.yaml`: the chart on a node without a registry (the local
+/// images, never pulled), as the README, the demo and the node tests
+/// install it.
+pub fn local_values_file() -> PathBuf {
+    chart_dir().join("values-local.yaml")
+}
+
+/// [`render`] with `-f values-local.yaml` before the `--set`s.
+pub fn render_local(release: &str, namespace: &str, sets: &[&str]) -> Result<Vec<Value>, Error> {
+    render_files(release, namespace, &[local_values_file()], sets, None)
+}
+
 /// [`render`], and with a kubeconfig `--dry-run=server --is-upgrade`: helm
 /// then talks to that cluster, so the templates' `lookup` sees what is
 /// installed, and renders as `helm upgrade` does.
 pub fn render_with(
     release: &str,
     namespace: &str,
+    sets: &[&str],
+    kubeconfig: Option<&Path>,
+) -> Result<Vec<Value>, Error> {
+    render_files(release, namespace, &[], sets, kubeconfig)
+}
+
+fn render_files(
+    release: &str,
+    namespace: &str,
+    files: &[PathBuf],
     sets: &[&str],
     kubeconfig: Option<&Path>,
 ) -> Result<Vec<Value>, Error> {
@@ -107,10 +129,20 @@ pub fn render_with(
             .arg("--kubeconfig")
             .arg(k);
     }
+    for f in files {
+        cmd.arg("-f").arg(f);
+    }
     for s in sets {
         cmd.arg("--set").arg(s);
     }
-    let what = format!("helm template {release} (--set {})", sets.join(" --set "));
+    let what = format!(
+        "helm template {release} ({}--set {})",
+        files
+            .iter()
+            .map(|f| format!("-f {} ", f.display()))
+            .collect::<String>(),
+        sets.join(" --set ")
+    );
     let out = cmd.output().map_err(|source| Error::Io {
         what: what.clone(),
         source,

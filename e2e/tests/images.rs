@@ -297,7 +297,7 @@ fn images_match_the_chart_and_the_operator() -> Result<()> {
     // The chart, rendered with the values the node tests install it with.
     let values = node::local_image_values();
     let sets: Vec<&str> = values.iter().map(String::as_str).collect();
-    let objects = chart::render("remora", "remora-system", &sets)?;
+    let objects = chart::render_local("remora", "remora-system", &sets)?;
     let deploy =
         chart::find(&objects, "Deployment", None).context("chart renders no Deployment")?;
     let spec = &deploy["spec"]["template"]["spec"];

@@ -405,22 +405,20 @@ pub fn image_tag() -> String {
         .unwrap_or_else(|| "dev".to_owned())
 }
 
-/// `--set` values pointing the chart at the images `scripts/images.sh`
-/// imported (`pullPolicy: Never`: there is no registry here).
+/// `--set` values giving the chart the tag of the images
+/// `scripts/images.sh` imported, on top of `values-local.yaml`
+/// ([`crate::chart::local_values_file`]: the repositories, `pullPolicy:
+/// Never`, as the README installs the chart).
 pub fn local_image_values() -> Vec<String> {
     let tag = image_tag();
     vec![
-        format!("image.operator.repository={OPERATOR_IMAGE}"),
         format!("image.operator.tag={tag}"),
-        "image.operator.pullPolicy=Never".to_owned(),
-        format!("image.proxy.repository={PROXY_IMAGE}"),
         format!("image.proxy.tag={tag}"),
-        "image.proxy.pullPolicy=Never".to_owned(),
     ]
 }
 
-/// Every `--set` the node's install gives before a test's own (which win):
-/// the local images, the workload CA on, so injected pods get their
+/// Every `--set` the node's install gives before a test's own (which win),
+/// on top of `values-local.yaml`: the local images' tag, the workload CA on, so injected pods get their
 /// certificates from the operator, and discovery off: the lifecycle tests
 /// sharing this release (node_pods, node_workloads, node_traffic,
 /// node_zero_loss, node_install, node_mtls) were written for sidecars in
@@ -711,6 +709,8 @@ impl Remora {
         .collect();
         args.push(crate::chart::chart_dir().into());
         args.push(format!("--timeout={}s", ROLLOUT_TIMEOUT.as_secs()).into());
+        args.push("-f".into());
+        args.push(crate::chart::local_values_file().into());
         for s in local_image_values().iter().chain(values) {
             args.push("--set".into());
             args.push(s.into());
