@@ -9,7 +9,7 @@ use std::time::Duration;
 use remora_agent::certs::{CERT_CHAIN_FILE, KEY_FILE, ROOT_CERT_FILE};
 use remora_test_support::pki::{Ca, ClientConfigError, KeyPair, Leaf, client_config};
 
-use crate::load::fingerprint;
+use crate::traffic::fingerprint;
 
 /// A root CA and a client certificate it signed.
 pub struct Pki {

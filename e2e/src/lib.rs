@@ -11,7 +11,6 @@ pub mod discovery_bench;
 pub mod eds_convergence;
 pub mod hostile;
 pub mod jobpod;
-pub mod load;
 pub mod node;
 pub mod operator;
 pub mod podrunner;

@@ -74,8 +74,8 @@ use clap::Parser;
 use e2e::agentbench::exec_watch::ExecWatch;
 use e2e::agentbench::{Contender, Drain, Exit, Instance, Settings, Setup};
 use e2e::certs::{Pki, Serving};
-use e2e::load::{self, TlsConnector};
 use e2e::stats::percentile;
+use e2e::traffic::{self, TlsClient, TlsConnector};
 use remora_test_support::bins::{envoy_bin, workspace_bin};
 use remora_test_support::kubelet::atomic_write;
 use remora_test_support::pki::new_key;
@@ -395,7 +395,7 @@ impl Bench {
         r.add("rss_agent_mtls", c, mb(s.agent_rss));
         r.add("rss_envoy_mtls", c, mb(s.envoy_rss));
         let client =
-            load::fresh_tls_client(TlsConnector::new(self.pki.client_config()?, SERVER_NAME)?);
+            traffic::fresh_tls_client(TlsConnector::new(self.pki.client_config()?, SERVER_NAME)?);
         let addr = std::net::SocketAddr::from(([127, 0, 0, 1], inst.inbound));
         if served(&client, addr, first.fingerprint, Duration::from_secs(10))
             .await
@@ -439,18 +439,15 @@ fn mb(bytes: u64) -> f64 {
 /// make a fast watcher look instant; the completion is an upper bound by
 /// one handshake and GET (a few ms) for both.
 async fn served(
-    client: &hyper_util::client::legacy::Client<
-        TlsConnector,
-        http_body_util::Empty<hyper::body::Bytes>,
-    >,
+    client: &TlsClient,
     addr: std::net::SocketAddr,
     want: u64,
     wait: Duration,
 ) -> Option<Instant> {
     let epoch = tokio::time::Instant::now();
     while epoch.elapsed() < wait {
-        let s = load::get(client, "https", "agent", addr, epoch).await;
-        if s.status == Some(200) && s.peer == Some(want) {
+        let s = traffic::get(client, "https", "agent", addr, epoch).await;
+        if s.outcome.is_ok() && s.peer == Some(want) {
             return Some((epoch + s.at + s.latency).into_std());
         }
         tokio::time::sleep(Duration::from_millis(5)).await;

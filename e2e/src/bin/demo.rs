@@ -2,13 +2,12 @@
 //! app, steady traffic, then a SIGTERM drain while traffic still arrives, and
 //! a short report. Run it with `scripts/demo.sh`.
 
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::load;
+use e2e::traffic::{Kind, Load, LoadSummary, Traffic};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use remora_test_support::bins::{envoy_bin, sibling_bin};
@@ -132,21 +131,19 @@ async fn main() -> anyhow::Result<()> {
     );
 
     // Steady traffic through the sidecar's inbound listener.
-    let url = format!("http://127.0.0.1:{inbound}/");
-    let stop = Arc::new(AtomicBool::new(false));
-    let steady = tokio::spawn(load::run(url.clone(), RATE, stop.clone()));
+    let target = SocketAddr::from(([127, 0, 0, 1], inbound));
+    let load = || vec![Load::new(Kind::Http1KeepAlive, target, f64::from(RATE))];
+    let steady = Traffic::start(load(), Instant::now());
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, Ordering::SeqCst);
-    let steady = load::summarize(&steady.await?);
+    let steady = LoadSummary::of(&steady.stop().await);
     println!(
         "2. steady traffic: {} requests at {RATE}/s, {} failed, p50 {:.1} ms, p99 {:.1} ms",
-        steady.sent, steady.failed, steady.p50_ms, steady.p99_ms
+        steady.sent, steady.failed, steady.latency.p50_ms, steady.latency.p99_ms
     );
 
     // Traffic continues; SIGTERM arrives; the load balancer notices the failed
     // readiness and stops sending only LB_LAG later.
-    let stop = Arc::new(AtomicBool::new(false));
-    let during = tokio::spawn(load::run(url.clone(), RATE, stop.clone()));
+    let during = Traffic::start(load(), Instant::now());
     tokio::time::sleep(Duration::from_millis(500)).await;
     let term_at = Instant::now();
     signal(&agent.0, Signal::SIGTERM)?;
@@ -160,11 +157,10 @@ async fn main() -> anyhow::Result<()> {
     }
     let outbound_during = status(outbound, "/").await;
     tokio::time::sleep(LB_LAG).await;
-    stop.store(true, Ordering::SeqCst);
-    let during = during.await?;
+    let during = during.stop().await;
     // The load balancer's connections close with its client.
     let last_close = Instant::now();
-    let summary = load::summarize(&during);
+    let summary = LoadSummary::of(&during);
     let code = tokio::task::spawn_blocking(move || agent.0.wait()).await??;
     let exited_after_close = last_close.elapsed();
     let drain_took = term_at.elapsed();
@@ -186,7 +182,7 @@ async fn main() -> anyhow::Result<()> {
     );
     println!(
         "   requests during the drain: {} sent, {} failed (p99 {:.1} ms)",
-        summary.sent, summary.failed, summary.p99_ms
+        summary.sent, summary.failed, summary.latency.p99_ms
     );
     println!(
         "   outbound call through the sidecar during the inbound drain: {}",

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use e2e::load::{self, Sample};
 use e2e::podrunner::{Pod, PodSpec, RunnerOptions, Service, children};
+use e2e::traffic::{self, LoadSummary, Sample};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use remora_test_support::bins::{envoy_bin, sibling_bin};
@@ -295,16 +295,13 @@ fn outbound_calls(logs: &[PathBuf]) -> (usize, usize, usize) {
 }
 
 fn report(mode: &str, args: &Args, cycles: u32, run: &Run, samples: &[Sample]) -> ModeReport {
-    let s = load::summarize(samples);
+    let s = LoadSummary::of(samples);
     let (mut at_start, mut at_stop, mut other) = (0, 0, 0);
     let mut errors = BTreeMap::new();
     let mut times = Vec::new();
-    for x in samples.iter().filter(|x| x.status != Some(200)) {
+    for x in samples.iter().filter(|x| !x.outcome.is_ok()) {
         times.push(x.at.as_secs_f64());
-        let err = x
-            .error
-            .clone()
-            .unwrap_or_else(|| format!("status {}", x.status.unwrap_or(0)));
+        let err = x.outcome.to_string();
         *errors.entry(err).or_insert(0) += 1;
         let ev = x.pod.as_ref().and_then(|p| run.events.get(p));
         match ev {
@@ -334,8 +331,8 @@ fn report(mode: &str, args: &Args, cycles: u32, run: &Run, samples: &[Sample]) -
         outbound_calls: calls,
         outbound_failed_at_start: out_start,
         outbound_failed_at_stop: out_stop,
-        p50_ms: s.p50_ms,
-        p99_ms: s.p99_ms,
+        p50_ms: s.latency.p50_ms,
+        p99_ms: s.latency.p99_ms,
         shutdown_p50_ms: sd.get(sd.len() / 2).copied().unwrap_or(0.0),
         shutdown_max_ms: sd.last().copied().unwrap_or(0.0),
         failure_times_s: times,
@@ -356,7 +353,7 @@ async fn rolling(mode: &str, args: &Args, upstream: u16) -> anyhow::Result<ModeR
     }
     let stop = Arc::new(AtomicBool::new(false));
     let svc = run.service.clone();
-    let load = tokio::spawn(load::run_balanced(
+    let load = tokio::spawn(traffic::run_balanced(
         move || svc.snapshot(),
         args.rate,
         Duration::from_secs(1),
@@ -403,7 +400,7 @@ async fn disrupt(kind: &str, args: &Args, upstream: u16, times: u32) -> anyhow::
     let pods = vec![run.start_pod().await?, run.start_pod().await?];
     let stop = Arc::new(AtomicBool::new(false));
     let svc = run.service.clone();
-    let load = tokio::spawn(load::run_balanced(
+    let load = tokio::spawn(traffic::run_balanced(
         move || svc.snapshot(),
         args.rate,
         Duration::from_secs(1),
@@ -644,11 +641,8 @@ mod cert_rotation {
     use std::net::SocketAddr;
 
     use e2e::certs::Pki;
-    use e2e::load::TlsConnector;
     use e2e::podrunner::EnvValue;
-    use http_body_util::Empty;
-    use hyper::body::Bytes;
-    use hyper_util::client::legacy::Client;
+    use e2e::traffic::{TlsClient, TlsConnector};
     use remora_agent::certs::DEFAULT_CERT_DIR;
     use remora_test_support::pki::new_key;
 
@@ -777,7 +771,7 @@ mod cert_rotation {
     /// Fresh handshakes to `addr` until one shows `want` (or the deadline
     /// after `since`), then `CONFIRM` more that must show it too.
     async fn observe(
-        client: Client<TlsConnector, Empty<Bytes>>,
+        client: TlsClient,
         pod: String,
         addr: SocketAddr,
         want: u64,
@@ -790,8 +784,8 @@ mod cert_rotation {
             samples: Vec::new(),
         };
         while o.seen.is_none() && since.elapsed() < OBSERVE_DEADLINE {
-            let s = load::get(&client, "https", &pod, addr, epoch).await;
-            let ok = s.status == Some(200);
+            let s = traffic::get(&client, "https", &pod, addr, epoch).await;
+            let ok = s.outcome.is_ok();
             if ok && s.peer == Some(want) {
                 o.seen = Some((epoch + s.at).saturating_duration_since(since));
             }
@@ -803,8 +797,8 @@ mod cert_rotation {
         }
         if o.seen.is_some() {
             for _ in 0..CONFIRM {
-                let s = load::get(&client, "https", &pod, addr, epoch).await;
-                o.stale += usize::from(s.status == Some(200) && s.peer != Some(want));
+                let s = traffic::get(&client, "https", &pod, addr, epoch).await;
+                o.stale += usize::from(s.outcome.is_ok() && s.peer != Some(want));
                 o.samples.push(s);
             }
         }
@@ -831,7 +825,7 @@ mod cert_rotation {
         run.opts.secrets.set(SECRET, first.files.clone());
         let pods = vec![run.start_pod().await?, run.start_pod().await?];
         let connector = TlsConnector::new(pki.client_config()?, SERVER_NAME)?;
-        let fresh = load::fresh_tls_client(connector.clone());
+        let fresh = traffic::fresh_tls_client(connector.clone());
         let addr =
             |pod: &Pod| SocketAddr::from(([127, 0, 0, 1], pod.host_port(15006).unwrap_or(0)));
 
@@ -851,7 +845,7 @@ mod cert_rotation {
             let last = o
                 .samples
                 .last()
-                .and_then(|s| s.error.clone())
+                .map(|s| s.outcome.to_string())
                 .unwrap_or_default();
             anyhow::ensure!(
                 o.seen.is_some(),
@@ -865,7 +859,7 @@ mod cert_rotation {
 
         let stop = Arc::new(AtomicBool::new(false));
         let svc = run.service.clone();
-        let load = tokio::spawn(load::run_balanced_tls(
+        let load = tokio::spawn(traffic::run_balanced_tls(
             move || svc.snapshot(),
             args.rate,
             Duration::from_secs(1),
@@ -954,12 +948,12 @@ mod cert_rotation {
         latencies.sort_by(|a, b| a.total_cmp(b));
         rot.latency_p50_ms = percentile(&latencies, 0.5);
         rot.latency_max_ms = latencies.last().copied().unwrap_or(0.0);
-        let hs = load::summarize(&probes);
+        let hs = LoadSummary::of(&probes);
         rot.handshakes = hs.sent;
         rot.handshakes_failed = hs.failed;
-        rot.handshake_p50_ms = hs.p50_ms;
+        rot.handshake_p50_ms = hs.latency.p50_ms;
 
-        for s in steady.iter().filter(|s| s.status == Some(200)) {
+        for s in steady.iter().filter(|s| s.outcome.is_ok()) {
             let serial = s
                 .peer
                 .and_then(|p| serials.get(&p).cloned())
@@ -971,9 +965,9 @@ mod cert_rotation {
         all.sort_by_key(|s| s.at);
         let mut r = report("cert-rotation", args, args.rotations, &run, &all);
         // Latency of the steady (keep-alive) load, comparable with the other rows.
-        let s = load::summarize(&steady);
-        r.p50_ms = s.p50_ms;
-        r.p99_ms = s.p99_ms;
+        let s = LoadSummary::of(&steady);
+        r.p50_ms = s.latency.p50_ms;
+        r.p99_ms = s.latency.p99_ms;
         r.rotation = Some(rot);
         Ok(r)
     }

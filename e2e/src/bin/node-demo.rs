@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use e2e::load;
 use e2e::node::{Check, INJECT_LABEL, Node, RELEASE_NAMESPACE, test_app_container, wait_for};
+use e2e::traffic::{Kind, Load, LoadSummary, Outcome, Traffic};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStatus, Namespace, Pod, Service};
 use kube::Api;
@@ -291,8 +291,19 @@ async fn main() -> Result<()> {
         })
     };
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let load = tokio::spawn(load::run_no_retry(url, args.rate, stop.clone()));
+    let target = std::net::SocketAddr::new(
+        ip.parse()
+            .with_context(|| format!("ClusterIP {ip:?} is not an address"))?,
+        80,
+    );
+    let load = Traffic::start(
+        vec![Load::new(
+            Kind::Http1KeepAlive,
+            target,
+            f64::from(args.rate),
+        )],
+        Instant::now(),
+    );
     println!(
         "demo: {} req/s through the Service (HTTP/1.1 keep-alive, no client retries)",
         args.rate
@@ -341,24 +352,23 @@ async fn main() -> Result<()> {
         epoch.elapsed().as_secs_f64()
     );
     tokio::time::sleep(args.settle).await;
-    stop.store(true, Ordering::SeqCst);
-    let samples = load.await?;
+    let samples = load.stop().await;
     watching.store(false, Ordering::SeqCst);
     watcher.await?;
 
-    let sum = load::summarize(&samples);
+    let sum = LoadSummary::of(&samples);
     println!();
     println!("== report ==");
     println!(
         "requests sent {}, ok {}, lost {} (p50 {:.1} ms, p99 {:.1} ms)",
-        sum.sent, sum.ok, sum.failed, sum.p50_ms, sum.p99_ms
+        sum.sent, sum.ok, sum.failed, sum.latency.p50_ms, sum.latency.p99_ms
     );
     let mut causes: BTreeMap<String, usize> = BTreeMap::new();
-    for s in samples.iter().filter(|s| s.status != Some(200)) {
-        let why = s.status.map_or_else(
-            || s.error.clone().unwrap_or_default(),
-            |c| format!("HTTP {c}"),
-        );
+    for s in samples.iter().filter(|s| !s.outcome.is_ok()) {
+        let why = match &s.outcome {
+            Outcome::Status { code, .. } => format!("HTTP {code}"),
+            o => o.to_string(),
+        };
         *causes.entry(why).or_default() += 1;
     }
     for (why, n) in &causes {
@@ -366,7 +376,7 @@ async fn main() -> Result<()> {
     }
     let lost_at: Vec<f64> = samples
         .iter()
-        .filter(|s| s.status != Some(200))
+        .filter(|s| !s.outcome.is_ok())
         .map(|s| s.at.as_secs_f64())
         .collect();
     if let (Some(first), Some(last)) = (lost_at.first(), lost_at.last()) {

@@ -24,7 +24,7 @@ use http_body_util::{BodyExt as _, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -338,14 +338,9 @@ impl LaggingIngress {
             .await
             .map_err(Error::Bind)?;
         let addr = listener.local_addr().map_err(Error::Bind)?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        // No retry of a request queued on a pooled connection that closed.
-        let upstream = Client::builder(TokioExecutor::new())
-            .retry_canceled_requests(false)
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(UPSTREAM_IDLE)
-            .build(connector);
+        // The harness's keep-alive client: no retry of a request queued on
+        // a pooled connection that closed.
+        let upstream = crate::traffic::http1_pool(UPSTREAM_IDLE);
         let shared = Arc::new(Shared {
             endpoints,
             next: AtomicUsize::new(0),
