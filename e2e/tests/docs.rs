@@ -541,3 +541,44 @@ fn bad_markers_and_results_files_are_errors_naming_them() {
     );
     assert!(render(r#"{"sizes": "x"}"#).contains("`sizes` is not a array"));
 }
+
+/// Tables read data keys only: the stamp (commit, command, date, machine),
+/// which the results files gain and change shape in, reaches the caption
+/// and nothing else.
+#[test]
+fn tables_render_the_same_without_the_stamp() {
+    const STAMP: &[&str] = &[
+        "commit",
+        "command",
+        "date",
+        "dirty",
+        "machine",
+        "machine_before",
+        "machine_after",
+    ];
+    let root = root();
+    for t in results_tables::TABLES {
+        let values: Vec<serde_json::Value> = t
+            .files
+            .iter()
+            .map(|f| serde_json::from_str(&std::fs::read_to_string(root.join(f)).unwrap()).unwrap())
+            .collect();
+        let bare: Vec<serde_json::Value> = values
+            .iter()
+            .cloned()
+            .map(|mut v| {
+                let map = v.as_object_mut().unwrap();
+                for k in STAMP {
+                    map.remove(*k);
+                }
+                v
+            })
+            .collect();
+        assert_eq!(
+            (t.render)(&values).unwrap(),
+            (t.render)(&bare).unwrap(),
+            "results_tables::{} reads its stamp",
+            t.name
+        );
+    }
+}

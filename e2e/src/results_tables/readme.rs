@@ -358,12 +358,30 @@ pub fn hostile(files: &[Value]) -> Result<String, Error> {
     ))
 }
 
-/// `README.md`, node startup: pod create → Ready per sidecar variant.
+/// `README.md`, node startup: pod create → Ready per sidecar variant. The
+/// file has `startup` at the top (one install, older `node-bench`) or in
+/// each of `installs[]`; then each row names its install.
 pub fn node_startup(files: &[Value]) -> Result<String, Error> {
     let v = &files[0];
-    let rows = list(v, "startup")?
-        .iter()
-        .map(|s| {
+    let mut groups: Vec<(Option<&str>, &[Value])> = Vec::new();
+    if v.get("startup").is_some() {
+        groups.push((None, list(v, "startup")?));
+    } else {
+        for i in list(v, "installs")? {
+            if i.get("startup").is_some() {
+                groups.push((Some(text(i, "install")?), list(i, "startup")?));
+            }
+        }
+    }
+    if groups.is_empty() {
+        return Err(Error::Missing {
+            key: "startup (or installs[].startup)".to_string(),
+        });
+    }
+    let by_install = groups.iter().any(|(i, _)| i.is_some());
+    let mut rows = Vec::new();
+    for (install, startup) in groups {
+        for s in startup {
             let variant = text(s, "variant")?;
             let cell = |stat: &str, tax: &str| -> Result<String, Error> {
                 let t = num(s, &format!("create_to_ready.{stat}"))?;
@@ -373,7 +391,11 @@ pub fn node_startup(files: &[Value]) -> Result<String, Error> {
                     format!("{} ms (+{})", plain(t), plain(num(s, tax)?))
                 })
             };
-            Ok(vec![
+            let mut row = Vec::new();
+            if by_install {
+                row.push(install.unwrap_or_default().to_string());
+            }
+            row.extend([
                 if variant == "none" {
                     "pod create → Ready, no sidecar".to_string()
                 } else {
@@ -382,10 +404,16 @@ pub fn node_startup(files: &[Value]) -> Result<String, Error> {
                 plain(num(s, "create_to_ready.n")?),
                 cell("p50_ms", "tax_p50_ms")?,
                 cell("p99_ms", "tax_p99_ms")?,
-            ])
-        })
-        .collect::<Result<Vec<_>, Error>>()?;
-    Ok(table(&["measurement", "n", "p50", "p99"], &rows))
+            ]);
+            rows.push(row);
+        }
+    }
+    let mut header = Vec::new();
+    if by_install {
+        header.push("install");
+    }
+    header.extend(["measurement", "n", "p50", "p99"]);
+    Ok(table(&header, &rows))
 }
 
 /// `README.md`, node Jobs and retune: a column pair per install.
@@ -576,4 +604,65 @@ pub fn scale(files: &[Value]) -> Result<String, Error> {
         &["goal (issue 14)", "target", "this run", "met"],
         &rows,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn stat(p50: f64, p99: f64) -> Value {
+        json!({"n": 20, "p50_ms": p50, "p99_ms": p99, "max_ms": p99})
+    }
+
+    #[test]
+    fn node_startup_reads_both_shapes_of_node_bench() {
+        let row = |variant: &str, p50: f64, tax: f64| {
+            json!({"variant": variant, "create_to_ready": stat(p50, p50 + 100.0),
+                   "tax_p50_ms": tax, "tax_p99_ms": tax})
+        };
+        let old = json!({"startup": [row("none", 600.0, 0.0), row("Legacy", 1000.0, 400.0)]});
+        let t = node_startup(&[old]).unwrap();
+        assert!(t.starts_with("| measurement | n | p50 | p99 |"), "{t}");
+        assert!(
+            t.contains("| … with a Legacy sidecar (tax) | 20 | 1000 ms (+400) | 1100 ms (+400) |"),
+            "{t}"
+        );
+        let new = json!({"installs": [
+            {"install": "off", "startup": [row("none", 600.0, 0.0)]},
+            {"install": "on", "jobs": []},
+            {"install": "on2", "startup": [row("Native", 1800.0, 1200.0)]}]});
+        let t = node_startup(&[new]).unwrap();
+        assert!(
+            t.starts_with("| install | measurement | n | p50 | p99 |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| off | pod create → Ready, no sidecar | 20 | 600 ms | 700 ms |"),
+            "{t}"
+        );
+        assert!(t.contains("| on2 | … with a Native sidecar (tax) |"), "{t}");
+        assert!(node_startup(&[json!({"installs": []})]).is_err());
+    }
+
+    #[test]
+    fn lifecycle_node_shows_any_contender_and_the_spread_over_rollouts() {
+        let v = json!({"rows": [{
+            "contender": "istio-native-hold", "scenario": "rolling-update", "lag_seconds": 2.0,
+            "cycles": 3, "sent": 9000, "failed": 3, "failures": {"status": 2, "timeout": 1},
+            "stop_p50_seconds": 1.04, "stop_max_seconds": 12.96,
+            "runs": [{"failed": 0}, {"failed": 1}, {"failed": 2}]
+        }, {
+            "contender": "remora-legacy-defaults", "scenario": "rolling-update", "lag_seconds": 2.5,
+            "cycles": 1, "sent": 4000, "failed": 0, "failures": {},
+            "stop_p50_seconds": 6.0, "stop_max_seconds": 16.0, "runs": [{"failed": 0}]
+        }]});
+        let t = lifecycle_node(&[v]).unwrap();
+        assert!(t.contains("| istio-native-hold | 2 s | 9000 | 3 (0–2 in each of 3 rollouts) | status 2, timeout 1 | 1.0 / 13.0 s |"), "{t}");
+        assert!(
+            t.contains("| remora-legacy-defaults | 2.5 s | 4000 | 0 | – | 6.0 / 16.0 s |"),
+            "{t}"
+        );
+        assert!(!t.contains("scenario"), "one scenario needs no column: {t}");
+    }
 }
