@@ -140,6 +140,11 @@ pub const TABLES: &[Table] = &[
         render: discovery_istiod,
     },
     Table {
+        name: "discovery_istiod_eds_debounce_off",
+        files: &["bench/results/discovery-istiod-eds-debounce-off.json"],
+        render: discovery_istiod,
+    },
+    Table {
         name: "discovery_istiod_10000",
         files: &[
             "bench/results/discovery-istiod-10000.json",
