@@ -12,9 +12,15 @@
 //! `/` and a source file's extension (then it may be relative to anything:
 //! it must be the end of some file's path). Absolute paths, URLs, `$VAR`s,
 //! `~`, and placeholders (`<name>`, `*`, `...`) are not checked.
+//!
+//! The docs' tables of figures are what `bench/results/*.json` says: each
+//! block between `<!-- generated: ... -->` markers is regenerated from its
+//! files (`e2e::results_tables`) and must match the doc's text.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+
+use e2e::results_tables;
 
 /// Directories never walked: build output and VCS.
 const SKIP_DIRS: &[&str] = &["target", ".git", "node_modules"];
@@ -407,4 +413,172 @@ fn the_checker_reads_paths_and_tests_out_of_markdown() {
     );
     assert!(judge("", "node::no_such_module").is_some());
     assert_eq!(judge("", "remora.dev/inject"), None);
+}
+
+/// Every generated table is what its results files render now; a figure
+/// edited by hand, or a results file rerun without `--write`, fails here.
+#[test]
+fn every_generated_table_agrees_with_its_results_file() {
+    let drifts = results_tables::check(&root()).expect("reading the docs and their results files");
+    assert!(
+        drifts.is_empty(),
+        "{} table(s) disagree with their JSON; `cargo run -p e2e --bin results-tables -- --write` \
+         rewrites them:\n{}",
+        drifts.len(),
+        drifts.iter().map(ToString::to_string).collect::<String>()
+    );
+}
+
+/// Every table the generator knows is shown, once: none lost from the docs.
+#[test]
+fn every_table_is_in_a_doc_once() {
+    let shown = results_tables::tables_shown(&root()).expect("reading the docs");
+    for t in results_tables::TABLES {
+        let n = shown.iter().filter(|s| **s == t.name).count();
+        assert_eq!(n, 1, "results_tables::{} is shown {n} times", t.name);
+    }
+}
+
+/// A block whose figure differs from its JSON is reported with the doc,
+/// line, table and file, line by line; regenerating fixes it and leaves
+/// the prose around it alone.
+#[test]
+fn a_table_that_disagrees_is_named_and_regenerating_fixes_it() {
+    let real = root();
+    let dir = tempfile::tempdir().unwrap();
+    let results = dir.path().join("bench/results");
+    std::fs::create_dir_all(&results).unwrap();
+    std::fs::copy(
+        real.join("bench/results/eds-convergence.json"),
+        results.join("eds-convergence.json"),
+    )
+    .unwrap();
+    let table = results_tables::table("eds_convergence").unwrap();
+    let good = results_tables::render(dir.path(), table).unwrap();
+    // One figure of the first row changed by hand.
+    let row = good.lines().find(|l| l.starts_with("| 1 |")).unwrap();
+    let cells: Vec<&str> = row.split(" | ").collect();
+    let bad_row = row.replacen(cells[1], "1 ms", 1);
+    let bad = good.replacen(row, &bad_row, 1);
+    let doc = format!(
+        "prose before\n{}\n{bad}<!-- end generated -->\nprose after\n",
+        results_tables::marker(table)
+    );
+    std::fs::write(dir.path().join("README.md"), &doc).unwrap();
+
+    let (fixed, drifts) = results_tables::regenerate(dir.path(), "README.md").unwrap();
+    assert_eq!(drifts.len(), 1);
+    let report = drifts[0].to_string();
+    assert!(report.starts_with("README.md:2: table results_tables::eds_convergence disagrees with bench/results/eds-convergence.json"), "{report}");
+    assert!(
+        report.contains(&format!("  - {bad_row}\n  + {row}\n")),
+        "{report}"
+    );
+    assert_eq!(report.lines().count(), 3, "only the changed row: {report}");
+    assert!(
+        fixed.starts_with("prose before\n")
+            && fixed.ends_with("<!-- end generated -->\nprose after\n")
+    );
+    std::fs::write(dir.path().join("README.md"), &fixed).unwrap();
+    let (again, drifts) = results_tables::regenerate(dir.path(), "README.md").unwrap();
+    assert!(drifts.is_empty(), "{drifts:?}");
+    assert_eq!(again, fixed);
+
+    // The JSON changes (a rerun): the same block now disagrees.
+    let path = results.join("eds-convergence.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    v["sizes"][0]["to_every_client"]["p50_ms"] = serde_json::json!(1234.4);
+    std::fs::write(&path, v.to_string()).unwrap();
+    let (_, drifts) = results_tables::regenerate(dir.path(), "README.md").unwrap();
+    assert_eq!(drifts.len(), 1);
+    assert!(
+        drifts[0].to_string().contains("| 1 | 1,234 ms |"),
+        "{}",
+        drifts[0]
+    );
+}
+
+/// Bad markers and bad results files are errors that say where and what,
+/// never a panic or a silently skipped table.
+#[test]
+fn bad_markers_and_results_files_are_errors_naming_them() {
+    let t = results_tables::table("eds_convergence").unwrap();
+    let m = results_tables::marker(t);
+    let err = |text: &str| {
+        results_tables::blocks("X.md", text)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(
+        err("<!-- generated: a.json (results_tables::nope) -->\n<!-- end generated -->\n")
+            .contains("X.md:1: no table results_tables::nope")
+    );
+    assert!(err("<!-- generated: bench/results/other.json (results_tables::eds_convergence) -->\n")
+        .contains("reads bench/results/eds-convergence.json, the marker names bench/results/other.json"));
+    assert!(err(&format!("x\n{m}\n| a |\n")).contains("X.md:2: a block never ends"));
+    assert!(err(&format!("{m}\n{m}\n")).contains("X.md:2: a block opens inside"));
+    assert!(err("<!-- end generated -->\n").contains("X.md:1: an end marker without a block"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let results = dir.path().join("bench/results");
+    std::fs::create_dir_all(&results).unwrap();
+    let render = |json: &str| {
+        std::fs::write(results.join("eds-convergence.json"), json).unwrap();
+        results_tables::render(dir.path(), t)
+            .unwrap_err()
+            .to_string()
+    };
+    let missing = render(r#"{"sizes": [{"clients": 1}]}"#);
+    assert!(
+        missing.contains("results_tables::eds_convergence from bench/results/eds-convergence.json")
+            && missing.contains("no `to_every_client.n`"),
+        "{missing}"
+    );
+    assert!(
+        render("{not json").contains("parsing"),
+        "a file that is not JSON"
+    );
+    assert!(render(r#"{"sizes": "x"}"#).contains("`sizes` is not a array"));
+}
+
+/// Tables read data keys only: the stamp (commit, command, date, machine),
+/// which the results files gain and change shape in, reaches the caption
+/// and nothing else.
+#[test]
+fn tables_render_the_same_without_the_stamp() {
+    const STAMP: &[&str] = &[
+        "commit",
+        "command",
+        "date",
+        "dirty",
+        "machine",
+        "machine_before",
+        "machine_after",
+    ];
+    let root = root();
+    for t in results_tables::TABLES {
+        let values: Vec<serde_json::Value> = t
+            .files
+            .iter()
+            .map(|f| serde_json::from_str(&std::fs::read_to_string(root.join(f)).unwrap()).unwrap())
+            .collect();
+        let bare: Vec<serde_json::Value> = values
+            .iter()
+            .cloned()
+            .map(|mut v| {
+                let map = v.as_object_mut().unwrap();
+                for k in STAMP {
+                    map.remove(*k);
+                }
+                v
+            })
+            .collect();
+        assert_eq!(
+            (t.render)(&values).unwrap(),
+            (t.render)(&bare).unwrap(),
+            "results_tables::{} reads its stamp",
+            t.name
+        );
+    }
 }
