@@ -1,11 +1,12 @@
-//! When to read mounted files again: at the poll, or soon after inotify
-//! sees something change in one of their directories.
+//! When to read mounted files again: at the poll, or as soon as inotify
+//! sees a change in one of their directories complete.
 //!
 //! What changed is still decided the one way ([`remora_contract::mounted`]):
 //! by reading the files. inotify only ends the wait early, so a certificate
-//! or annotation change is picked up once the directory has been quiet
-//! for a few milliseconds (the settle, so a file torn mid-write is not
-//! read) instead of up to a poll later, and everything inotify misses (a
+//! or annotation change is picked up once its writer is done (a rename
+//! into place, as the kubelet's `..data` swap ends, or the close of a file
+//! written in place, so a file torn mid-write is not read) instead of up
+//! to a poll later, and everything inotify misses (a
 //! volume mounted after start, a filesystem without events, an event queue
 //! overflow) is still seen at the next poll.
 //!
@@ -21,11 +22,9 @@ use futures::{FutureExt as _, StreamExt as _};
 use inotify::{EventMask, EventStream, Inotify, WatchDescriptor, WatchMask};
 use tokio::time::Instant;
 
-/// After an event, the wait goes on until the directory has been quiet this
-/// long: a file written in place (truncated, then written) is read once
-/// whole, not torn between the two, and a burst costs one read.
-const SETTLE: Duration = Duration::from_millis(5);
-/// The most an event's wake waits for the directory to settle.
+/// The most a wake waits, after an event that starts a change (a write, a
+/// create, a delete), for one that completes it (a close after writing, a
+/// rename into place): a writer that never closes is read anyway.
 const MAX_SETTLE: Duration = Duration::from_millis(100);
 
 /// Events that can mean a watched file's bytes changed.
@@ -47,6 +46,7 @@ pub struct MountedWake {
     events: Option<EventStream<Vec<u8>>>,
     /// Each directory, and its watch once added.
     dirs: Vec<(PathBuf, Option<WatchDescriptor>)>,
+    max_settle: Duration,
 }
 
 impl MountedWake {
@@ -70,7 +70,12 @@ impl MountedWake {
                 None
             }
         };
-        let mut wake = Self { poll, events, dirs };
+        let mut wake = Self {
+            poll,
+            events,
+            dirs,
+            max_settle: MAX_SETTLE,
+        };
         wake.add_watches();
         wake
     }
@@ -91,24 +96,23 @@ impl MountedWake {
     }
 
     /// Returns at the next poll, or once a watched directory saw a change
-    /// and then [`SETTLE`] without one (at most [`MAX_SETTLE`] after it).
+    /// complete: at once on a rename into place or a close after writing;
+    /// after any other event, at the first such one or [`MAX_SETTLE`] later.
     pub async fn next(&mut self) {
         let deadline = Instant::now() + self.poll;
+        let max_settle = self.max_settle;
         let woken = match &mut self.events {
             Some(events) => {
                 let event = async {
-                    let mut gone = drain(events).await?;
-                    let settled_by = Instant::now() + MAX_SETTLE;
-                    loop {
-                        let quiet = (Instant::now() + SETTLE).min(settled_by);
-                        match tokio::time::timeout_at(quiet, drain(events)).await {
-                            Ok(more) => gone.extend(more?),
-                            Err(_) => return Ok::<_, std::io::Error>(gone),
-                        }
-                        if Instant::now() >= settled_by {
-                            return Ok(gone);
+                    let mut burst = drain(events).await?;
+                    let settled_by = Instant::now() + max_settle;
+                    while !burst.complete {
+                        match tokio::time::timeout_at(settled_by, drain(events)).await {
+                            Ok(more) => burst.add(more?),
+                            Err(_) => break,
                         }
                     }
+                    Ok::<_, std::io::Error>(burst.gone)
                 };
                 tokio::select! {
                     woken = event => Some(woken),
@@ -138,25 +142,49 @@ impl MountedWake {
     }
 }
 
-/// Waits for the next event and takes every one already queued; returns
-/// the watches the kernel dropped (their directory was removed or
-/// unmounted), to be added again when the directory is back.
-async fn drain(events: &mut EventStream<Vec<u8>>) -> std::io::Result<Vec<WatchDescriptor>> {
-    let mut gone = Vec::new();
+/// The events taken in one wake.
+struct Burst {
+    /// Watches the kernel dropped (their directory was removed or
+    /// unmounted), to be added again when the directory is back.
+    gone: Vec<WatchDescriptor>,
+    /// Whether a change is complete: a file closed after writing, a rename
+    /// into place, or nothing left to wait for (a dropped watch, lost events).
+    complete: bool,
+}
+
+impl Burst {
+    fn add(&mut self, more: Burst) {
+        self.gone.extend(more.gone);
+        self.complete |= more.complete;
+    }
+}
+
+/// Waits for the next event and takes every one already queued.
+async fn drain(events: &mut EventStream<Vec<u8>>) -> std::io::Result<Burst> {
+    let mut burst = Burst {
+        gone: Vec::new(),
+        complete: false,
+    };
     let mut next = events.next().await;
     loop {
         match next {
             Some(Ok(e)) => {
                 if e.mask.contains(EventMask::IGNORED) {
-                    gone.push(e.wd);
+                    burst.gone.push(e.wd);
                 }
+                burst.complete |= e.mask.intersects(
+                    EventMask::CLOSE_WRITE
+                        | EventMask::MOVED_TO
+                        | EventMask::IGNORED
+                        | EventMask::Q_OVERFLOW,
+                );
             }
             Some(Err(e)) => return Err(e),
             None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
         }
         match events.next().now_or_never() {
             Some(n) => next = n,
-            None => return Ok(gone),
+            None => return Ok(burst),
         }
     }
 }
@@ -195,6 +223,36 @@ mod tests {
         assert!(wake.watching());
         std::fs::write(&path, "two").expect("write");
         assert_eq!(woken(&mut wake, &mut files).await, b"two");
+    }
+
+    /// A writer that pauses between two writes to a file it keeps open is
+    /// read once it closes the file, not torn between the writes.
+    #[tokio::test]
+    async fn a_slow_in_place_write_is_read_whole() {
+        use std::io::Write as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("key.pem");
+        std::fs::write(&path, "old").expect("write");
+        let mut files = MountedFiles::new(vec![path.clone()]);
+        let _ = files.poll();
+        let mut wake = MountedWake::new([path.as_path()], NEVER);
+        wake.max_settle = DEADLINE;
+        let writer = std::thread::spawn({
+            let path = path.clone();
+            move || {
+                let mut f = std::fs::File::create(&path).expect("create");
+                f.write_all(b"first half, ").expect("write");
+                f.flush().expect("flush");
+                // A slow writer: the first half sits in the file a while.
+                std::thread::sleep(Duration::from_millis(50));
+                f.write_all(b"second half").expect("write");
+            }
+        });
+        assert_eq!(
+            woken(&mut wake, &mut files).await,
+            b"first half, second half"
+        );
+        writer.join().expect("writer");
     }
 
     #[tokio::test]
