@@ -29,7 +29,9 @@
 #            /<basename> ARGS) and import it: for trying the node by hand.
 # Env: REMORA_CLUSTER_DIR (/var/tmp/remora-cluster): the node whose
 #      containerd gets the images; REMORA_CACHE for the ctr binary.
-# The OCI archives go to $REMORA_CLUSTER_DIR/images/<name>.tar; buildah's
+# The OCI archives go to $REMORA_CLUSTER_DIR/images/<name>.tar, and
+# images/built-from.json says which commit the Remora images were built from
+# (node benchmarks stamp their results with it); buildah's
 # storage to $REMORA_CLUSTER_DIR/buildah (`cluster.sh down` removes both).
 set -euo pipefail
 
@@ -293,6 +295,18 @@ for img in "${WANT[@]}"; do
         --build-arg "ENVOY_IMAGE=$ENVOY_IMAGE"
       archive "$REPO/istio-proxy:$TAG" istio-proxy ;;
   esac
+done
+
+# The commit the agent's and operator's binaries were built from, for the
+# node benchmarks' results (bench/results): what ran in the pods.
+for img in "${WANT[@]}"; do
+  if [[ $img == agent || $img == operator ]]; then
+    dirty=false
+    [[ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no -- . ':!bench/results')" ]] && dirty=true
+    printf '{"commit":"%s","dirty":%s,"date":"%s"}\n' "$(git -C "$ROOT" rev-parse HEAD)" "$dirty" \
+      "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$OUT/built-from.json"
+    break
+  fi
 done
 
 if ((BUILD_ONLY)); then exit 0; fi

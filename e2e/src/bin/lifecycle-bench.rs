@@ -223,6 +223,7 @@ async fn main() -> Result<()> {
         .out
         .unwrap_or_else(|| repo_root().join("bench/results/lifecycle-node.json"));
     let mut doc = remora_test_support::results::stamp(&machine_before);
+    e2e::node::stamp_images(&mut doc);
     doc.insert(
         "machine_after".into(),
         remora_test_support::results::machine(),

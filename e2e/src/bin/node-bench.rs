@@ -717,6 +717,7 @@ async fn main() -> Result<()> {
     println!("egress guard dropped: {guard}");
     if lifecycle_wanted {
         let mut out = remora_test_support::results::stamp(&machine_before);
+        e2e::node::stamp_images(&mut out);
         out.insert(
             "method".into(),
             json!(format!(
@@ -762,6 +763,7 @@ async fn main() -> Result<()> {
             );
         }
         let mut out = remora_test_support::results::stamp(&machine_before);
+        e2e::node::stamp_images(&mut out);
         out.insert(
             "measured".into(),
             json!(format!(

@@ -397,6 +397,37 @@ pub async fn pod_http_get(
     result
 }
 
+/// What a node benchmark measured is the code in the images, not the
+/// harness's checkout: `commit` and `dirty` in `doc` (a results stamp)
+/// become those `scripts/images.sh` recorded when it built the agent and
+/// operator (`images/built-from.json`), and the checkout's go to
+/// `harness_commit` and `harness_dirty`. Without that record the stamp is
+/// left as it is and `images_built_from` says so.
+pub fn stamp_images(doc: &mut serde_json::Map<String, serde_json::Value>) {
+    let dir = std::env::var("REMORA_CLUSTER_DIR")
+        .unwrap_or_else(|_| "/var/tmp/remora-cluster".to_owned());
+    let built = std::fs::read(Path::new(&dir).join("images/built-from.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .filter(|b| b["commit"].is_string());
+    match built {
+        Some(b) => {
+            for (key, harness) in [("commit", "harness_commit"), ("dirty", "harness_dirty")] {
+                if let Some(v) = doc.insert(key.into(), b[key].clone()) {
+                    doc.insert(harness.into(), v);
+                }
+            }
+            doc.insert("images_built_from".into(), b);
+        }
+        None => {
+            doc.insert(
+                "images_built_from".into(),
+                serde_json::json!("not recorded: the commit is the harness's checkout"),
+            );
+        }
+    }
+}
+
 /// The tag of the local images: `$REMORA_NODE_IMAGE_TAG`, else `dev`.
 pub fn image_tag() -> String {
     std::env::var(ENV_IMAGE_TAG)
