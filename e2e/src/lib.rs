@@ -15,6 +15,7 @@ pub mod load;
 pub mod node;
 pub mod operator;
 pub mod podrunner;
+pub mod results_index;
 pub mod scale;
 pub mod scale_run;
 pub mod stats;
