@@ -116,3 +116,12 @@ fn a_file_is_judged_by_its_stamp_and_the_history_of_its_paths() {
         Err(results_index::Error::Unstamped { key: "command", .. })
     ));
 }
+
+#[test]
+fn the_readme_quotes_the_table_as_bench_all_lists_it() {
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+    assert!(
+        readme.contains(&results_index::table()),
+        "README.md's benchmarks section differs from `scripts/bench.sh --list`; paste its output there"
+    );
+}
