@@ -6,8 +6,10 @@
 # and cached outside the repo (scripts/build-k8s.sh --node); a cold build runs
 # in the background while cargo compiles.
 #
-# Each phase's duration goes to target/ci-phases.json (printed at the end);
-# bench/results/ci-phases.json keeps a cold run's.
+# Each phase's duration goes to target/ci-phases.json (printed at the end),
+# stamped as remora_test_support::results stamps a results file (command,
+# commit, dirty, date, machine before and after); bench/results/ci-phases.json
+# is a cold run's file, copied as it is.
 # Env: REMORA_KEEP_CLUSTER=1 leaves the node up afterwards (a node that was
 # already up before this script is always left up).
 set -euo pipefail
@@ -28,9 +30,23 @@ phase() {
   table+=("$(printf '  %-28s %5d s' "$1" $((now - t_phase)))")
   t_phase=$now
 }
+# The machine now, as a JSON object (the fields of results::machine).
+machine() {
+  local cpu mem
+  cpu=$(sed -n 's/^model name[[:space:]]*:[[:space:]]*//p' /proc/cpuinfo | head -n 1 | sed 's/[\\"]//g')
+  mem=$(awk '/^MemTotal:/ {printf "%.3f", $2 / 1048576}' /proc/meminfo)
+  printf '{"cores":%d,"cpu":"%s","memory_gib":%s,"kernel":"%s","load_average":"%s"}' \
+    "$(nproc)" "$cpu" "${mem:-0}" "$(uname -r)" "$(cat /proc/loadavg)"
+}
+machine_before=$(machine)
+command_line="scripts/test.sh${*:+ $*}"
 write_phases() {
-  local IFS=,
-  printf '{"total_seconds":%d,"phases":[%s]}\n' $(($(date +%s) - t_all)) "${phases[*]}" >"$PHASES"
+  local IFS=, commit dirty=false
+  commit=$(git rev-parse HEAD 2>/dev/null || true)
+  [[ -n "$(git status --porcelain --untracked-files=no -- . ':!bench/results' 2>/dev/null)" ]] && dirty=true
+  printf '{"command":"%s","commit":"%s","dirty":%s,"date":"%s","machine_before":%s,"machine_after":%s,"total_seconds":%d,"phases":[%s]}\n' \
+    "$command_line" "$commit" "$dirty" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$machine_before" "$(machine)" \
+    $(($(date +%s) - t_all)) "${phases[*]}" >"$PHASES"
 }
 
 bash scripts/setup.sh

@@ -74,6 +74,7 @@ fn bare_envoy_startup(bootstrap: &std::path::Path, admin_port: u16) -> Duration 
 
 fn main() {
     // Cargo passes `--bench`; nothing to parse.
+    let machine_before = remora_test_support::results::machine();
     let mut rss = Vec::new();
     let mut agent_start = Vec::new();
     let mut envoy_start = Vec::new();
@@ -226,11 +227,7 @@ fn main() {
         "ready_to_wait_return_ms": {"median": median(wait_latency.clone()), "samples": wait_latency},
     });
     let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/results/agent.json");
-    std::fs::create_dir_all(out.parent().expect("parent")).expect("mkdir");
-    std::fs::write(
-        &out,
-        serde_json::to_string_pretty(&json).expect("json") + "\n",
-    )
-    .expect("write");
+    let doc = remora_test_support::results::document(&machine_before, json);
+    remora_test_support::results::write(&out, &doc).expect("write bench/results/agent.json");
     println!("wrote {}", out.display());
 }

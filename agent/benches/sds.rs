@@ -21,6 +21,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, Discovery
 use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
 use prometheus_client::registry::Registry;
 use remora_agent::certs::file::FileSource;
+use remora_test_support::results;
 use serde_json::json;
 use support_sds::*;
 use tokio::sync::mpsc;
@@ -183,6 +184,7 @@ async fn next(rx: &mut tonic::Streaming<DiscoveryResponse>) -> Result<DiscoveryR
 }
 
 async fn bench() -> Result<()> {
+    let machine_before = results::machine();
     let tmp = tempfile::tempdir()?;
     let certs = tmp.path().join("certs");
     let root = Ca::new("bench-root");
@@ -321,7 +323,6 @@ async fn bench() -> Result<()> {
     }
 
     let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/results");
-    std::fs::create_dir_all(&out)?;
     let json = json!({
         "benchmark": "sds",
         "poll_ms": remora_agent::certs::file::DEFAULT_POLL.as_millis() as u64,
@@ -332,9 +333,8 @@ async fn bench() -> Result<()> {
         "keygen_ms": keygen.iter().map(|(n, k)| (n.to_string(), json!({ "n": 5, "median": k.median, "p90": k.p90, "max": k.max }))).collect::<serde_json::Map<_, _>>(),
         "goal": { "rotation_median_ms": 150, "rss_mib": 8 }
     });
-    let mut bytes = serde_json::to_vec_pretty(&json)?;
-    bytes.push(b'\n');
-    std::fs::write(out.join("sds.json"), bytes)?;
+    let doc = results::document(&machine_before, json);
+    results::write(&out.join("sds.json"), &doc)?;
     println!("\nwrote bench/results/sds.json");
     Ok(())
 }

@@ -14,6 +14,7 @@ pub mod jobpod;
 pub mod node;
 pub mod operator;
 pub mod podrunner;
+pub mod results_index;
 pub mod results_tables;
 pub mod scale;
 pub mod scale_run;

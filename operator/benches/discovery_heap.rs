@@ -23,6 +23,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Parser;
 use remora_operator::discovery::push::{DEFAULT_PUSH_THROTTLE, Debounce};
+use remora_test_support::results;
 use serde_json::{Value, json};
 
 #[path = "support/discovery_fleet.rs"]
@@ -145,6 +146,7 @@ fn side_and_part(frames: &[&str]) -> (&'static str, &'static str) {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let machine_before = results::machine();
     remora_test_support::open_files::raise_open_files(2 * args.proxies as u64 + 64)?;
     let dump = args.dhat_out.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("discovery-heap-{}.json", std::process::id()))
@@ -236,22 +238,7 @@ async fn main() -> anyhow::Result<()> {
             "bytes_per_proxy": *bytes as f64 / n}),
         );
     }
-    let git = |a: &[&str]| {
-        std::process::Command::new("git")
-            .args(a)
-            .output()
-            .ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .unwrap_or_default()
-    };
     let result = json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "commit": git(&["rev-parse", "HEAD"]),
-        "dirty": !git(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]).is_empty(),
-        "machine": {
-            "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "load_average": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(),
-        },
         "proxies": args.proxies,
         "services": args.services,
         "protocol": args.protocol.label(),
@@ -263,10 +250,7 @@ async fn main() -> anyhow::Result<()> {
         "parts": out,
         "measured": "bytes still allocated once every proxy subscribed (2 s after the last first EDS ACK), by the stack that allocated them; the allocator's own overhead (RSS) is not in them",
     });
-    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&result)? + "\n")?;
+    results::write(&args.out, &results::document(&machine_before, result))?;
     println!("wrote {}", args.out.display());
     Ok(())
 }

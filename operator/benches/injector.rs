@@ -30,6 +30,7 @@ use remora_operator::webhook::server::{AppState, router, serve_tls};
 use remora_operator::webhook::tls::ReloadingCert;
 use remora_operator::webhook::view::StaticView;
 use remora_test_support::pki::self_signed;
+use remora_test_support::results;
 use remora_test_support::webhook_client;
 use serde_json::{Value, json};
 
@@ -349,6 +350,7 @@ fn main() -> anyhow::Result<()> {
         };
         return serve_child(cert.clone(), key.clone());
     }
+    let machine_before = results::machine();
     let dir = tempfile::tempdir()?;
     let serving = self_signed(&["localhost"]);
     let (cert_file, key_file) = serving.write_pem(dir.path(), "tls.crt", "tls.key")?;
@@ -440,12 +442,9 @@ fn main() -> anyhow::Result<()> {
         "mutate_pods_per_s": mutate_per_s,
         "handler_us_per_review": review_us,
         "load_avg_1m": load_avg(),
-        "machine": {"cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)},
     });
-    if let Some(parent) = args.out.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&result)? + "\n")?;
+    let doc = results::document(&machine_before, result);
+    results::write(&args.out, &doc)?;
     println!("\nwrote {}", args.out.display());
     Ok(())
 }

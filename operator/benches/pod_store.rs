@@ -19,6 +19,7 @@ use anyhow::Context;
 use clap::Parser;
 use remora_operator::cluster::live_pod::{LivePod, Slim};
 use remora_operator::controllers::lifecycle::status::PodInfo;
+use remora_test_support::results;
 use serde_json::json;
 
 #[global_allocator]
@@ -109,6 +110,7 @@ fn bytes_per_pod(jsons: &[String], mut how: How) -> anyhow::Result<f64> {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let machine_before = results::machine();
     let jsons: Vec<String> = (0..args.pods).map(pod_json).collect();
     let json_bytes = jsons.iter().map(String::len).sum::<usize>() as f64 / args.pods.max(1) as f64;
     let mut slim = Slim::default();
@@ -134,7 +136,7 @@ fn main() -> anyhow::Result<()> {
         "bytes_per_pod_untrimmed": untrimmed,
         "not_covered": "the reflector store's and the pod index's keys; the allocator's own overhead",
     });
-    std::fs::write(&args.out, serde_json::to_string_pretty(&out)? + "\n")
+    results::write(&args.out, &results::document(&machine_before, out))
         .with_context(|| format!("writing {}", args.out.display()))?;
     println!("wrote {}", args.out.display());
     Ok(())

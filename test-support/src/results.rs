@@ -76,3 +76,27 @@ pub fn stamp(machine_before: &Value) -> Map<String, Value> {
     out.insert("machine_before".into(), machine_before.clone());
     out
 }
+
+/// A results file's whole document: the [`stamp`], then `data`'s keys (an
+/// object; anything else goes under `data`), then `machine_after` read now.
+pub fn document(machine_before: &Value, data: Value) -> Value {
+    let mut doc = stamp(machine_before);
+    match data {
+        Value::Object(map) => doc.extend(map),
+        other => {
+            doc.insert("data".into(), other);
+        }
+    }
+    doc.insert("machine_after".into(), machine());
+    Value::Object(doc)
+}
+
+/// Writes `doc` pretty-printed with a final newline, creating its directory.
+pub fn write(path: &std::path::Path, doc: &Value) -> std::io::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut text = serde_json::to_string_pretty(doc).map_err(std::io::Error::other)?;
+    text.push('\n');
+    std::fs::write(path, text)
+}

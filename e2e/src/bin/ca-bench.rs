@@ -98,6 +98,7 @@ fn operator_rss() -> BTreeMap<u32, f64> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    let machine_before = remora_test_support::results::machine();
     let node = Node::shared().await?;
     let client = node.client()?;
     let values: Vec<String> = vec!["workloadCA.enabled=true".into()];
@@ -219,7 +220,9 @@ async fn main() -> Result<()> {
         report.rss_mib_peak,
         report.rss_mib_after
     );
-    std::fs::write(&args.out, serde_json::to_string_pretty(&report)? + "\n")?;
+    let doc =
+        remora_test_support::results::document(&machine_before, serde_json::to_value(&report)?);
+    remora_test_support::results::write(&args.out, &doc)?;
     eprintln!("ca-bench: wrote {}", args.out.display());
     ns.delete().await?;
     Ok(())

@@ -91,6 +91,7 @@ async fn main() -> Result<()> {
     if cfg!(debug_assertions) && args.agent_bin.is_none() {
         bail!("run with --release (the binaries next to this one would be debug builds)");
     }
+    let machine_before = remora_test_support::results::machine();
     let want = |t: &str| args.only.is_empty() || args.only.iter().any(|o| o == t);
     let mut rows = Vec::new();
     if want("agent") {
@@ -140,15 +141,15 @@ async fn main() -> Result<()> {
             r.attack, r.reviews_answered, r.reviews_shed, r.reviews_failed
         );
     }
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
     let json = serde_json::json!({
         "bench": "hostile",
         "duration_s": args.duration.as_secs_f64(),
         "rows": rows,
     });
-    std::fs::write(&args.out, serde_json::to_string_pretty(&json)? + "\n")?;
+    remora_test_support::results::write(
+        &args.out,
+        &remora_test_support::results::document(&machine_before, json),
+    )?;
     println!("wrote {}", args.out.display());
     Ok(())
 }

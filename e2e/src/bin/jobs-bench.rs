@@ -192,6 +192,7 @@ async fn baseline(
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let machine_before = remora_test_support::results::machine();
     let cp = ControlPlane::shared().await?;
     anyhow::ensure!(cp.has_controller_manager(), "needs the Job controller");
     let dir = tempfile::tempdir()?;
@@ -261,7 +262,6 @@ async fn main() -> anyhow::Result<()> {
         .map(|(n, s)| (n.trim().to_owned(), json!(s)))
         .collect();
     let doc = json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
         "runs": samples.len(),
         "script": args.script,
         "emulation": "e2e::jobpod plays the kubelet: the downward-API file is rewritten as soon as its pod watch shows the annotation (a real kubelet does it on its next pod sync, typically within seconds); the agent polls the file every 100 ms",
@@ -269,9 +269,9 @@ async fn main() -> anyhow::Result<()> {
         "samples": samples,
         "without_controller": base,
     });
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&doc)? + "\n")?;
+    remora_test_support::results::write(
+        &args.out,
+        &remora_test_support::results::document(&machine_before, doc),
+    )?;
     Ok(())
 }

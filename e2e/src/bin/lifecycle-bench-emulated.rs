@@ -473,6 +473,7 @@ fn svg(reports: &[ModeReport]) -> String {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let machine_before = remora_test_support::results::machine();
     let (modes, extras_to_run): (Vec<String>, Vec<String>) = if !args.only.is_empty() {
         for n in &args.only {
             anyhow::ensure!(
@@ -566,9 +567,7 @@ async fn main() -> anyhow::Result<()> {
             println!("\n{}", rot.table());
         }
     }
-    let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let mut doc = json!({
-        "command": command,
+    let data = json!({
         "rate_rps": args.rate,
         "cycles": args.cycles,
         "endpoint_lag_ms": args.endpoint_lag.as_millis() as u64,
@@ -576,15 +575,19 @@ async fn main() -> anyhow::Result<()> {
         "modes": reports,
         "disruptions": extras,
     });
-    if args.merge && args.out.exists() {
+    let doc = if args.merge && args.out.exists() {
         let old = read_doc(&std::fs::read_to_string(&args.out)?)
             .with_context(|| format!("{} is not JSON", args.out.display()))?;
-        doc = merge(old, &reports, &extras, &command)?;
-    }
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&doc)? + "\n")?;
+        let mut update = remora_test_support::results::stamp(&machine_before);
+        update.insert(
+            "machine_after".into(),
+            remora_test_support::results::machine(),
+        );
+        merge(old, &reports, &extras, update)?
+    } else {
+        remora_test_support::results::document(&machine_before, data)
+    };
+    remora_test_support::results::write(&args.out, &doc)?;
     if !args.svg.is_empty() && !reports.is_empty() {
         let all: Vec<ModeReport> = serde_json::from_value(doc["modes"].clone())?;
         std::fs::write(&args.svg, svg(&all))?;
@@ -599,13 +602,14 @@ fn read_doc(text: &str) -> anyhow::Result<serde_json::Value> {
     Ok(serde_saphyr::from_str(text)?)
 }
 
-/// `old` with the entries that ran replaced (or added), and the command that
-/// produced them listed under `updates`; everything else kept as it was.
+/// `old` with the entries that ran replaced (or added), and the stamp of the
+/// run that produced them listed under `updates`; everything else kept as it
+/// was, the top-level stamp included: the file is as old as its last full run.
 fn merge(
     mut old: serde_json::Value,
     reports: &[ModeReport],
     extras: &[ModeReport],
-    command: &str,
+    mut update: serde_json::Map<String, serde_json::Value>,
 ) -> anyhow::Result<serde_json::Value> {
     let mut names = Vec::new();
     for (key, list) in [("modes", reports), ("disruptions", extras)] {
@@ -626,7 +630,8 @@ fn merge(
         old["updates"] = json!([]);
     }
     if let Some(u) = old["updates"].as_array_mut() {
-        u.push(json!({ "command": command, "entries": names }));
+        update.insert("entries".into(), json!(names));
+        u.push(serde_json::Value::Object(update));
     }
     Ok(old)
 }
@@ -1018,7 +1023,10 @@ mod tests {
             old,
             &[],
             &[entry("cert-rotation", 0), entry("new-one", 0)],
-            "lifecycle-bench --only cert-rotation --merge",
+            serde_json::Map::from_iter([(
+                "command".to_string(),
+                json!("lifecycle-bench --only cert-rotation --merge"),
+            )]),
         )
         .expect("merge");
         assert_eq!(doc["command"], "lifecycle-bench --cycles 50");
@@ -1034,6 +1042,10 @@ mod tests {
         assert_eq!(
             doc["updates"][0]["entries"],
             json!(["cert-rotation", "new-one"])
+        );
+        assert_eq!(
+            doc["updates"][0]["command"],
+            "lifecycle-bench --only cert-rotation --merge"
         );
         // The merged modes still read back for the SVG.
         let modes: Vec<ModeReport> = serde_json::from_value(doc["modes"].clone()).expect("modes");

@@ -129,6 +129,7 @@ const NOT_COVERED: &[&str] = &[
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    let machine_before = remora_test_support::results::machine();
     let load = Load {
         namespaces: args.namespaces,
         nodes: args.nodes,
@@ -161,10 +162,8 @@ async fn main() -> Result<()> {
     let shown = bin.strip_prefix(root).unwrap_or(&bin);
     let out = summarize(&report, &plan, shown.display().to_string());
     print_table(&out);
-    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&out)? + "\n")
+    let doc = remora_test_support::results::document(&machine_before, serde_json::to_value(&out)?);
+    remora_test_support::results::write(&args.out, &doc)
         .with_context(|| format!("writing {}", args.out.display()))?;
     eprintln!("wrote {}", args.out.display());
     drop(run);
