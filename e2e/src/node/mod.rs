@@ -35,7 +35,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, LogParams, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
-use remora_test_support::wait::{WaitError, try_wait_until};
+use remora_test_support::wait::{Timeout, wait_until};
 use tokio::sync::OnceCell;
 
 /// `1` lets the node tests run (CI and scripts/test.sh set it).
@@ -101,12 +101,8 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error(transparent)]
     Chart(#[from] crate::chart::Error),
-    #[error("timed out after {timeout:?} waiting for {what}; last seen: {last}")]
-    Timeout {
-        what: String,
-        timeout: Duration,
-        last: String,
-    },
+    #[error(transparent)]
+    Timeout(#[from] Timeout),
     #[error("{what}: {detail}")]
     Failed { what: String, detail: String },
     #[error("the shared node failed to start: {0}")]
@@ -122,44 +118,16 @@ impl Error {
     }
 }
 
-/// One poll of a condition: done with a value, or not yet and why (the last
-/// "why" goes into the timeout error, so a failure says what it saw).
-#[derive(Debug)]
-pub enum Check<T> {
-    Done(T),
-    NotYet(String),
-}
+pub use remora_test_support::wait::Check;
 
-/// Polls `check` until [`Check::Done`], for at most `timeout`. An `Err` from
-/// the check ends the wait at once.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T, Error>
+/// remora-test-support's `wait_until` with the arguments in the order
+/// `e2e/src/bin/*` still call it; everything else calls `wait_until`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, check: F) -> Result<T, Error>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Check<T>, Error>>,
 {
-    let last = Mutex::new(String::from("nothing yet"));
-    let res = try_wait_until(timeout, what, || {
-        let next = check();
-        let last = &last;
-        async move {
-            Ok(match next.await? {
-                Check::Done(v) => Some(v),
-                Check::NotYet(why) => {
-                    *last.lock().unwrap_or_else(|p| p.into_inner()) = why;
-                    None
-                }
-            })
-        }
-    })
-    .await;
-    res.map_err(|e| match e {
-        WaitError::TimedOut(t) => Error::Timeout {
-            what: t.what,
-            timeout: t.timeout,
-            last: last.into_inner().unwrap_or_else(|p| p.into_inner()),
-        },
-        WaitError::Failed(e) => e,
-    })
+    wait_until(timeout, what, check).await
 }
 
 /// Writes past libtest's output capture (which only `print!` and friends

@@ -399,11 +399,11 @@ impl LogFollower {
                 });
             }
             Err(_) => {
-                return Err(Error::Timeout {
+                return Err(Error::Timeout(Timeout {
                     what: "a followed log to end".into(),
                     timeout,
-                    last: format!("{} lines", self.lines().len()),
-                });
+                    last: Some(format!("{} lines", self.lines().len())),
+                }));
             }
         }
         Ok(self.lines())
