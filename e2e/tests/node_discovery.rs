@@ -44,6 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use e2e::eds_convergence::cluster_hosts;
 use e2e::node::pods::LogFollower;
 use e2e::node::port_forward::PortForward;
 use e2e::node::workload_ca as ca;
@@ -164,16 +165,6 @@ fn healthy_hosts(clusters: &str, cluster: &str) -> BTreeSet<String> {
             let (host, stat) = rest.split_once("::")?;
             (stat == "health_flags::healthy").then(|| host.to_owned())
         })
-        .collect()
-}
-
-/// Every host of `cluster` in Envoy's `/clusters` text, whatever its health.
-fn all_hosts(clusters: &str, cluster: &str) -> BTreeSet<String> {
-    clusters
-        .lines()
-        .filter_map(|l| l.strip_prefix(cluster)?.strip_prefix("::"))
-        .filter_map(|rest| Some(rest.split_once("::")?.0.to_owned()))
-        .filter(|h| h.parse::<std::net::SocketAddr>().is_ok())
         .collect()
 }
 
@@ -697,7 +688,7 @@ async fn a_server_under_an_unexpected_service_account_is_refused() -> anyhow::Re
     let cluster = cluster_name(&format!("cart.{n}.svc.cluster.local"), SERVICE_PORT);
     let want = hosts_of(&carts)?;
     wait_envoy_hosts(&client, &n, &cp, &cluster, &want, DEADLINE).await?;
-    let all = all_hosts(&envoy_clusters(&client, &n, &cp).await?, &cluster);
+    let all = cluster_hosts(&envoy_clusters(&client, &n, &cp).await?, &cluster);
     ensure!(
         all == want,
         "the caller's Envoy holds {all:?} for cart, not only {want:?}"
@@ -787,7 +778,7 @@ async fn a_server_under_an_unexpected_service_account_is_refused() -> anyhow::Re
                 what: "reading the caller's Envoy clusters".into(),
                 detail: format!("{e:#}"),
             })?;
-        let hosts = all_hosts(&clusters, &stale);
+        let hosts = cluster_hosts(&clusters, &stale);
         Ok(if hosts.contains(&impostor_host) {
             Check::Done(hosts)
         } else {
@@ -1146,7 +1137,7 @@ async fn calls_go_on_with_the_operator_scaled_to_zero_and_updates_resume_when_it
         let t_watch = Instant::now();
         let mut looks = 0;
         while t_watch.elapsed() < Duration::from_secs(2) {
-            let hosts = all_hosts(&envoy_clusters(&client, &n, &cp).await?, &mesh.cluster);
+            let hosts = cluster_hosts(&envoy_clusters(&client, &n, &cp).await?, &mesh.cluster);
             ensure!(
                 hosts == before,
                 "with the operator at 0, the caller's Envoy holds {hosts:?}, it had {before:?}"
