@@ -25,6 +25,7 @@ use kube::api::{DeleteParams, PostParams};
 use nix::sys::signal::Signal;
 use remora_contract::annotations::{INBOUND, MODE, OUTBOUND};
 use remora_contract::pod::{AGENT_ADMIN_PORT, HEALTH_PORT, INBOUND_PORT, PROXY_CONTAINER};
+use remora_test_support::wait::Wait;
 
 const APP: &str = "web";
 const APP_CONTAINER: &str = "app";
@@ -364,20 +365,20 @@ async fn check_deletion(
     let t0 = Instant::now();
     let deleted_at = pods::timestamp(SystemTime::now());
     api.delete(&name, &DeleteParams::default()).await?;
-    // Polled every 150 ms (wait_for backs off to 500 ms): the time it
-    // disappears is a figure this reports.
+    // Polled every 150 ms (the default schedule backs off to 500 ms):
+    // the time it disappears is a figure this reports.
     let limit = Duration::from_secs(u64::try_from(grace)? + 30);
-    let gone = loop {
-        match api.get_opt(&name).await? {
-            Some(p) if p.metadata.uid.as_deref() == Some(&uid) => {}
-            _ => break t0.elapsed(),
-        }
-        ensure!(
-            t0.elapsed() < limit,
-            "pod {name} still there {limit:?} after its deletion"
-        );
-        tokio::time::sleep(Duration::from_millis(150)).await;
-    };
+    let gone = Wait::new(limit, &format!("pod {name} gone after its deletion"))
+        .every(Duration::from_millis(150))
+        .until(|| async {
+            Ok::<_, anyhow::Error>(match api.get_opt(&name).await? {
+                Some(p) if p.metadata.uid.as_deref() == Some(&uid) => {
+                    Check::NotYet("still there".to_owned())
+                }
+                _ => Check::Done(t0.elapsed()),
+            })
+        })
+        .await?;
     let agent_log = agent.finish(Duration::from_secs(10)).await?;
     let app_log = app.finish(Duration::from_secs(10)).await?;
 

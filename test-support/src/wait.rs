@@ -209,12 +209,23 @@ where
 }
 
 /// Asserts that a condition comes true within a deadline, in an async test:
-/// `assert_eventually!(timeout, || async { .. }, "what {}", arg)`. The check
+/// `assert_eventually!(timeout, || async { .. }, "what {}", arg)`, or with
+/// `timeout, every: interval, ..` to poll at a fixed interval. The check
 /// answers like [`wait_until`]'s; the macro yields the value and panics
 /// with the message and the last "not yet" reason (give one with
 /// [`Check::NotYet`] to show the last value seen).
 #[macro_export]
 macro_rules! assert_eventually {
+    ($timeout:expr, every: $interval:expr, $check:expr, $($what:tt)+) => {
+        match $crate::wait::Wait::new($timeout, &format!($($what)+))
+            .every($interval)
+            .until($check)
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => panic!("{e}"),
+        }
+    };
     ($timeout:expr, $check:expr, $($what:tt)+) => {
         match $crate::wait::wait_until($timeout, &format!($($what)+), $check).await {
             Ok(v) => v,
@@ -323,6 +334,7 @@ mod tests {
         let x = 3;
         crate::assert_eventually!(
             Duration::from_millis(50),
+            every: Duration::from_millis(10),
             || std::future::ready(if x == 7 {
                 Check::Done(())
             } else {

@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
-use remora_test_support::wait::{Timeout, Wait};
+use remora_test_support::wait::{Check, Timeout, Wait};
 use tokio::sync::OnceCell;
 
 pub use kubelet::FakeKubelet;
@@ -441,25 +441,37 @@ impl ControlPlane {
 
     async fn wait_ready(&mut self, timeout: Duration) -> Result<(), Error> {
         let client = self.client()?;
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            self.check_alive()?;
-            let req = http::Request::get("/readyz").body(Vec::new())?;
-            let last = match client.request_text(req).await {
-                Ok(body) if body.trim() == "ok" => return Ok(()),
-                Ok(body) => body,
-                Err(e) => e.to_string(),
-            };
-            if tokio::time::Instant::now() >= deadline {
+        let client = &client;
+        let ready = Wait::new(timeout, "kube-apiserver's /readyz")
+            .every(Duration::from_millis(200))
+            .until(|| {
+                let alive = self.check_alive();
+                async move {
+                    alive?;
+                    let req = http::Request::get("/readyz").body(Vec::new())?;
+                    Ok::<_, Error>(match client.request_text(req).await {
+                        Ok(body) if body.trim() == "ok" => Check::Done(()),
+                        Ok(body) => Check::NotYet(body),
+                        Err(e) => Check::NotYet(e.to_string()),
+                    })
+                }
+            })
+            .await;
+        match ready {
+            Err(Error::Timeout(t)) => {
                 let log = self
                     .local
                     .as_ref()
                     .and_then(|l| l.procs.iter().find(|p| p.name == "kube-apiserver"))
                     .map(Proc::log_tail)
                     .unwrap_or_default();
-                return Err(Error::NotReady { timeout, last, log });
+                Err(Error::NotReady {
+                    timeout,
+                    last: t.last.unwrap_or_default(),
+                    log,
+                })
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            other => other,
         }
     }
 
