@@ -28,7 +28,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::Client;
 use kube::api::{DeleteParams, PostParams};
-use remora_test_support::wait::{Check, Wait};
+use remora_test_support::wait::{Check, Wait, wait_until};
 
 const APP: &str = "web";
 const APP_CONTAINER: &str = "app";
@@ -318,9 +318,9 @@ async fn check_deletion(
         samples.clone(),
     ));
     // The probe's connection is up and answered before the deletion.
-    node::wait_for("the drain probe's first 200", DEADLINE, || async {
+    wait_until(DEADLINE, "the drain probe's first 200", || async {
         let s = samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        Ok(match s.iter().find(|s| matches!(s.outcome, Ok((200, _)))) {
+        Ok::<_, anyhow::Error>(match s.iter().find(|s| matches!(s.outcome, Ok((200, _)))) {
             Some(_) => node::Check::Done(()),
             None => node::Check::NotYet(format!("{s:?}")),
         })

@@ -461,11 +461,11 @@ pub async fn wait_injected(
 ) -> Result<(Pod, Duration), Error> {
     let t0 = Instant::now();
     let probe = pause_pod("inject-probe");
-    let pod = wait_for(
-        &format!("a pod in {namespace} injected by the webhook"),
+    let pod = wait_until(
         timeout,
+        &format!("a pod in {namespace} injected by the webhook"),
         || async {
-            Ok(match dry_run_create(client, namespace, &probe).await {
+            Ok::<_, Error>(match dry_run_create(client, namespace, &probe).await {
                 Ok(p) if crate::webhook::sidecar(&p).is_some() => Check::Done(p),
                 Ok(_) => Check::NotYet("admitted without a sidecar".into()),
                 // A refusal (webhook unreachable, TLS not trusted yet) is
@@ -533,11 +533,11 @@ impl TestNamespace {
         // The ServiceAccount admission plugin refuses pods until the
         // controller manager made `default`.
         let sa: Api<ServiceAccount> = Api::namespaced(client.clone(), &me.name);
-        wait_for(
-            &format!("ServiceAccount {}/default", me.name),
+        wait_until(
             Duration::from_secs(60),
+            &format!("ServiceAccount {}/default", me.name),
             || async {
-                Ok(match sa.get_opt("default").await? {
+                Ok::<_, Error>(match sa.get_opt("default").await? {
                     Some(_) => Check::Done(()),
                     None => Check::NotYet("not created yet".into()),
                 })
@@ -687,9 +687,9 @@ impl Remora {
         // helm's --wait returns with the previous replicas still there (and
         // answering the webhook until they are gone): a pod injected by one
         // of them would get the previous install's sidecar.
-        wait_for(
-            "only the new operator replicas",
+        wait_until(
             ROLLOUT_TIMEOUT,
+            "only the new operator replicas",
             || async {
                 let pods = self.operator_pods(client).await?;
                 let revisions: std::collections::BTreeSet<Option<&String>> = pods
@@ -700,7 +700,7 @@ impl Remora {
                     .iter()
                     .filter(|p| p.metadata.deletion_timestamp.is_some())
                     .count();
-                Ok(if revisions.len() <= 1 && leaving == 0 {
+                Ok::<_, Error>(if revisions.len() <= 1 && leaving == 0 {
                     Check::Done(())
                 } else {
                     Check::NotYet(format!(
@@ -880,9 +880,9 @@ impl Remora {
     /// API server's webhook calls go to). Returns their names.
     pub async fn wait_ready(&self, client: &Client, n: usize) -> Result<Vec<String>, Error> {
         let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &self.namespace);
-        let res = wait_for(
-            &format!("{n} operator replicas Ready behind the Service"),
+        let res = wait_until(
             ROLLOUT_TIMEOUT,
+            &format!("{n} operator replicas Ready behind the Service"),
             || async {
                 if let Some(reason) = self.stuck(client).await? {
                     return Err(Error::Failed {
@@ -893,7 +893,7 @@ impl Remora {
                 let pods = self.operator_pods(client).await?;
                 let ready = self.ready_operators(client).await?;
                 if pods.len() != n || ready.len() != n {
-                    return Ok(Check::NotYet(format!(
+                    return Ok::<_, Error>(Check::NotYet(format!(
                         "{} pods, ready: {ready:?}",
                         pods.len()
                     )));
@@ -936,13 +936,13 @@ impl Remora {
         not: Option<&str>,
         timeout: Duration,
     ) -> Result<String, Error> {
-        wait_for(
-            "a ready operator holding the leader Lease",
+        wait_until(
             timeout,
+            "a ready operator holding the leader Lease",
             || async {
                 let holder = self.leader(client).await?;
                 let ready = self.ready_operators(client).await?;
-                Ok(match holder {
+                Ok::<_, Error>(match holder {
                     Some(h) if Some(h.as_str()) != not && ready.contains(&h) => Check::Done(h),
                     h => Check::NotYet(format!("holder {h:?}, ready operators {ready:?}")),
                 })
