@@ -28,7 +28,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::Client;
 use kube::api::{DeleteParams, PostParams};
-use remora_test_support::wait::{Check, Wait, wait_until};
+use remora_test_support::wait::wait_until;
 
 const APP: &str = "web";
 const APP_CONTAINER: &str = "app";
@@ -339,17 +339,8 @@ async fn check_deletion(
         .unwrap_or(30);
     let limit = Duration::from_secs(u64::try_from(grace)? + 30);
     // Polled every 100 ms: when it disappears is a figure this prints.
-    let gone = Wait::new(limit, &format!("pod {name} gone after its deletion"))
-        .every(Duration::from_millis(100))
-        .until(|| async {
-            Ok::<_, anyhow::Error>(match api.get_opt(&name).await? {
-                Some(p) if p.metadata.uid.as_deref() == Some(&uid) => {
-                    Check::NotYet("still there".to_owned())
-                }
-                _ => Check::Done(t0.elapsed()),
-            })
-        })
-        .await?;
+    let gone =
+        node::wait_pod_gone(&api, &name, &uid, t0, Duration::from_millis(100), limit).await?;
     stop.store(true, Ordering::SeqCst);
     probe.await?;
     let agent_log = agent.finish(Duration::from_secs(10)).await?;

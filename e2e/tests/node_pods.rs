@@ -25,7 +25,7 @@ use kube::api::{DeleteParams, PostParams};
 use nix::sys::signal::Signal;
 use remora_contract::annotations::{INBOUND, MODE, OUTBOUND};
 use remora_contract::pod::{AGENT_ADMIN_PORT, HEALTH_PORT, INBOUND_PORT, PROXY_CONTAINER};
-use remora_test_support::wait::{Wait, wait_until};
+use remora_test_support::wait::wait_until;
 
 const APP: &str = "web";
 const APP_CONTAINER: &str = "app";
@@ -368,17 +368,8 @@ async fn check_deletion(
     // Polled every 150 ms (the default schedule backs off to 500 ms):
     // the time it disappears is a figure this reports.
     let limit = Duration::from_secs(u64::try_from(grace)? + 30);
-    let gone = Wait::new(limit, &format!("pod {name} gone after its deletion"))
-        .every(Duration::from_millis(150))
-        .until(|| async {
-            Ok::<_, anyhow::Error>(match api.get_opt(&name).await? {
-                Some(p) if p.metadata.uid.as_deref() == Some(&uid) => {
-                    Check::NotYet("still there".to_owned())
-                }
-                _ => Check::Done(t0.elapsed()),
-            })
-        })
-        .await?;
+    let gone =
+        node::wait_pod_gone(&api, &name, &uid, t0, Duration::from_millis(150), limit).await?;
     let agent_log = agent.finish(Duration::from_secs(10)).await?;
     let app_log = app.finish(Duration::from_secs(10)).await?;
 

@@ -35,7 +35,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, LogParams, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
-use remora_test_support::wait::{Timeout, wait_until};
+use remora_test_support::wait::{Timeout, Wait, wait_until};
 use tokio::sync::OnceCell;
 
 /// `1` lets the node tests run (CI and scripts/test.sh set it).
@@ -128,6 +128,31 @@ where
     Fut: Future<Output = Result<Check<T>, Error>>,
 {
     wait_until(timeout, what, check).await
+}
+
+/// Polls every `every` until pod `name` of `uid` is gone (deleted, or
+/// replaced by one of the same name), for at most `limit`; how long after
+/// `t0` it was first seen gone. The poll interval is the caller's since
+/// that time is a figure tests report.
+pub async fn wait_pod_gone(
+    api: &Api<Pod>,
+    name: &str,
+    uid: &str,
+    t0: Instant,
+    every: Duration,
+    limit: Duration,
+) -> Result<Duration, Error> {
+    Wait::new(limit, &format!("pod {name} gone after its deletion"))
+        .every(every)
+        .until(|| async {
+            Ok::<_, Error>(match api.get_opt(name).await? {
+                Some(p) if p.metadata.uid.as_deref() == Some(uid) => {
+                    Check::NotYet("still there".to_owned())
+                }
+                _ => Check::Done(t0.elapsed()),
+            })
+        })
+        .await
 }
 
 /// Writes past libtest's output capture (which only `print!` and friends
