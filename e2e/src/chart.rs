@@ -10,9 +10,8 @@ use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::{Discovery, Scope};
 use kube::{Api, Client};
+use remora_test_support::wait::wait_until;
 use serde_json::Value;
-
-use crate::controlplane::wait_until;
 
 /// The field manager the harness installs the chart under, as a user's
 /// `kubectl apply --server-side` would.
@@ -212,8 +211,8 @@ pub async fn install_crds(client: &Client) -> Result<Vec<String>, Error> {
     }
     for name in &names {
         wait_until(
-            &format!("CRD {name} Established"),
             std::time::Duration::from_secs(30),
+            &format!("CRD {name} Established"),
             || async {
                 let crd = api.get(name).await?;
                 let established = crd
@@ -222,7 +221,7 @@ pub async fn install_crds(client: &Client) -> Result<Vec<String>, Error> {
                     .unwrap_or_default()
                     .iter()
                     .any(|c| c.type_ == "Established" && c.status == "True");
-                Ok::<_, kube::Error>(established.then_some(()))
+                Ok::<_, crate::controlplane::Error>(established.then_some(()))
             },
         )
         .await?;
@@ -325,8 +324,8 @@ where
     Fut: std::future::Future<Output = kube::Result<T>>,
 {
     wait_until(
-        &format!("ValidatingAdmissionPolicy {policy} in effect"),
         std::time::Duration::from_secs(60),
+        &format!("ValidatingAdmissionPolicy {policy} in effect"),
         || {
             let fut = attempt();
             async move {
@@ -335,7 +334,7 @@ where
                     // RBAC not yet in effect, or the policy not yet.
                     Err(kube::Error::Api(s)) if s.code == 403 => Ok(None),
                     Ok(_) => Ok(None),
-                    Err(e) => Err(e),
+                    Err(e) => Err(crate::controlplane::Error::from(e)),
                 }
             }
         },

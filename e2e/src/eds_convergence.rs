@@ -37,8 +37,9 @@ use serde::Serialize;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::node::{self, Check, Node, TestNamespace, pods, wait_for, workloads};
+use crate::node::{self, Check, Node, TestNamespace, pods, workloads};
 use crate::stats::Summary;
+use remora_test_support::wait::wait_until;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -597,7 +598,7 @@ impl ServerSet for RemoraMesh {
         let selector = format!("app={SERVER}");
         let want = self.replicas;
         Ok(
-            wait_for(&format!("{want} Ready servers"), timeout, || async {
+            wait_until(timeout, &format!("{want} Ready servers"), || async {
                 let list = pods.list(&ListParams::default().labels(&selector)).await?;
                 if let Some(why) = list.items.iter().find_map(node::cannot_start) {
                     return Err(node::Error::Failed {
@@ -614,7 +615,7 @@ impl ServerSet for RemoraMesh {
                         Some((p.metadata.name.clone()?, format!("{ip}:{INBOUND_PORT}")))
                     })
                     .collect();
-                Ok(if ready.len() == want {
+                Ok::<_, node::Error>(if ready.len() == want {
                     Check::Done(ready)
                 } else {
                     Check::NotYet(format!("Ready: {:?}", ready.keys()))

@@ -634,12 +634,17 @@ impl JobsEnv {
         let name = job.metadata.name.clone().unwrap_or_default();
         let lp = kube::api::ListParams::default().labels(&format!("job-name={name}"));
         let pods = self.pods();
-        let pod =
-            crate::controlplane::wait_until("the Job's pod", Duration::from_secs(60), || async {
+        let pod = remora_test_support::wait::wait_until(
+            Duration::from_secs(60),
+            "the Job's pod",
+            || async {
                 let list = pods.list(&lp).await?;
-                Ok::<_, kube::Error>(list.items.first().and_then(|p| p.metadata.name.clone()))
-            })
-            .await?;
+                Ok::<_, crate::controlplane::Error>(
+                    list.items.first().and_then(|p| p.metadata.name.clone()),
+                )
+            },
+        )
+        .await?;
         Ok(pod)
     }
 
@@ -651,16 +656,20 @@ impl JobsEnv {
         timeout: Duration,
     ) -> Result<(), EnvError> {
         let jobs = self.jobs();
-        crate::controlplane::wait_until(&format!("Job {name} to be {type_}"), timeout, || async {
-            let j = jobs.get(name).await?;
-            let done = j
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == type_ && c.status == "True");
-            Ok::<_, kube::Error>(done.then_some(()))
-        })
+        remora_test_support::wait::wait_until(
+            timeout,
+            &format!("Job {name} to be {type_}"),
+            || async {
+                let j = jobs.get(name).await?;
+                let done = j
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|c| c.type_ == type_ && c.status == "True");
+                Ok::<_, crate::controlplane::Error>(done.then_some(()))
+            },
+        )
         .await?;
         Ok(())
     }

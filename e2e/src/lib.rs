@@ -8,6 +8,7 @@ pub mod certs;
 pub mod chart;
 pub mod controlplane;
 pub mod discovery_bench;
+pub mod discovery_rig;
 pub mod eds_convergence;
 pub mod hostile;
 pub mod jobpod;

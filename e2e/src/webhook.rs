@@ -18,8 +18,9 @@ use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 
-use crate::controlplane::{ControlPlane, wait_until};
+use crate::controlplane::ControlPlane;
 use crate::operator::{Operator, Options};
+use remora_test_support::wait::wait_until;
 
 pub const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -283,9 +284,9 @@ impl Setup {
             ..PostParams::default()
         };
         let probe = pod("probe", &[], &[]);
-        let res = wait_until("the webhook configuration in force", DEADLINE, || async {
+        let res = wait_until(DEADLINE, "the webhook configuration in force", || async {
             let p = api.create(&dry, &probe).await?;
-            Ok::<_, kube::Error>(sidecar(&p).map(|_| ()))
+            Ok::<_, crate::controlplane::Error>(sidecar(&p).map(|_| ()))
         })
         .await;
         res.map(|_| ()).map_err(|source| SetupError::NotEffective {

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::ControlPlane;
 use e2e::operator::Operator;
 use e2e::webhook::{SelfManagedPair, label_namespace, pod};
 use k8s_openapi::ByteString;
@@ -21,6 +21,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::PostParams;
 use remora_operator::pki::webhook_cert::{NEXT_CA_KEY, PREVIOUS_CA_KEY, bundle_has_root};
+use remora_test_support::wait::wait_until;
 use remora_test_support::webhook_client::connect;
 
 const SECRET: &str = "rotation-tls";
@@ -85,12 +86,12 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let first_ca = text(&secrets.get(SECRET).await?, "ca.crt").context("no ca.crt")?;
     wait_until(
-        "both webhooks trust the first CA",
         Duration::from_secs(30),
+        "both webhooks trust the first CA",
         || async {
             let m = mwcs.get(mwc_name).await?;
             let all = bundles(&m).iter().all(|b| bundle_has_root(b, &first_ca));
-            Ok::<_, kube::Error>(all.then_some(()))
+            Ok::<_, anyhow::Error>(all.then_some(()))
         },
     )
     .await
@@ -170,15 +171,15 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
         let events = &events;
         async move {
             wait_until(
-                &format!("a {reason} Event on the Secret"),
                 Duration::from_secs(10),
+                &format!("a {reason} Event on the Secret"),
                 || async {
                     let list = events.list(&Default::default()).await?;
                     let seen = list.items.iter().any(|e| {
                         e.reason.as_deref() == Some(reason)
                             && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(SECRET)
                     });
-                    Ok::<_, kube::Error>(seen.then_some(()))
+                    Ok::<_, anyhow::Error>(seen.then_some(()))
                 },
             )
             .await
@@ -193,12 +194,12 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     }
     secrets.replace(SECRET, &PostParams::default(), &s).await?;
     let repaired = wait_until(
-        "the corrupted Secret repaired and served",
         Duration::from_secs(30),
+        "the corrupted Secret repaired and served",
         || async {
             let s = secrets.get(SECRET).await?;
             let (Some(key), Some(ca)) = (text(&s, "tls.key"), text(&s, "ca.crt")) else {
-                return Ok::<_, kube::Error>(None);
+                return Ok::<_, anyhow::Error>(None);
             };
             let ok = key != "garbage" && both_serve(&[a, b], &ca).await;
             Ok(ok.then_some(ca))
@@ -217,12 +218,12 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
     mwcs.replace(mwc_name, &PostParams::default(), &blank)
         .await?;
     wait_until(
-        "the blanked caBundle restored",
         Duration::from_secs(5),
+        "the blanked caBundle restored",
         || async {
             let m = mwcs.get(mwc_name).await?;
             let all = bundles(&m).iter().all(|b| bundle_has_root(b, &repaired));
-            Ok::<_, kube::Error>(all.then_some(()))
+            Ok::<_, anyhow::Error>(all.then_some(()))
         },
     )
     .await
@@ -281,15 +282,15 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
             .as_ref()
             .and_then(|c| c.binary_data.as_ref())
             .is_some_and(|b| b.contains_key(TRUST_BUNDLE_KEY));
-        Ok::<_, kube::Error>(
+        Ok::<_, anyhow::Error>(
             cm.and_then(|c| c.data)
                 .and_then(|d| d.get(TRUST_BUNDLE_KEY).cloned())
                 .filter(|_| !in_binary),
         )
     };
     let bundle = wait_until(
-        "the trust bundle in the injected namespace",
         Duration::from_secs(30),
+        "the trust bundle in the injected namespace",
         || async { bundle_now().await },
     )
     .await
@@ -323,9 +324,9 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
 
     // Their root added: written back within seconds.
     let mut cm = wait_until(
-        "the attacker may write it",
         Duration::from_secs(10),
-        || async { Ok::<_, kube::Error>(theirs.get(TRUST_BUNDLE_CONFIGMAP).await.ok()) },
+        "the attacker may write it",
+        || async { Ok::<_, anyhow::Error>(theirs.get(TRUST_BUNDLE_CONFIGMAP).await.ok()) },
     )
     .await?;
     cm.data = Some(std::collections::BTreeMap::from([(
@@ -334,8 +335,8 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
     )]));
     theirs.replace(TRUST_BUNDLE_CONFIGMAP, &pp, &cm).await?;
     let edited = Instant::now();
-    wait_until("the edit reverted", Duration::from_secs(5), || async {
-        Ok::<_, kube::Error>(
+    wait_until(Duration::from_secs(5), "the edit reverted", || async {
+        Ok::<_, anyhow::Error>(
             (bundle_now().await?.as_deref() == Some(bundle.as_str())).then_some(()),
         )
     })
@@ -349,10 +350,10 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
         .await?;
     let deleted = Instant::now();
     wait_until(
-        "the deleted bundle restored",
         Duration::from_secs(5),
+        "the deleted bundle restored",
         || async {
-            Ok::<_, kube::Error>(
+            Ok::<_, anyhow::Error>(
                 (bundle_now().await?.as_deref() == Some(bundle.as_str())).then_some(()),
             )
         },
@@ -371,10 +372,10 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
     )]));
     theirs.replace(TRUST_BUNDLE_CONFIGMAP, &pp, &cm).await?;
     wait_until(
-        "the binaryData edit reverted",
         Duration::from_secs(5),
+        "the binaryData edit reverted",
         || async {
-            Ok::<_, kube::Error>(
+            Ok::<_, anyhow::Error>(
                 (bundle_now().await?.as_deref() == Some(bundle.as_str())).then_some(()),
             )
         },
@@ -426,13 +427,13 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
         )
         .await?;
     let (staged, recorded_at) = wait_until(
-        "the staged root recorded as in every bundle",
         Duration::from_secs(30),
+        "the staged root recorded as in every bundle",
         || async {
             let s = secrets.get(name).await?;
             let ann = s.metadata.annotations.clone().unwrap_or_default();
             let Some(next) = text(&s, "next-cert.pem") else {
-                return Ok::<_, kube::Error>(None);
+                return Ok::<_, anyhow::Error>(None);
             };
             let recorded = ann.get(DISTRIBUTED).cloned() == fingerprint(&next);
             let at = ann.get(DISTRIBUTED_AT).and_then(|t| t.parse::<u64>().ok());
@@ -446,7 +447,7 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
         carried.contains(staged.trim()),
         "recorded before the bundle carries it"
     );
-    let switched_at = wait_until("the switch", Duration::from_secs(120), || async {
+    let switched_at = wait_until(Duration::from_secs(120), "the switch", || async {
         let s = secrets.get(name).await?;
         let switched = text(&s, "root-cert.pem").is_some_and(|r| r.trim() == staged.trim());
         let at = s
@@ -455,7 +456,7 @@ async fn a_foreign_edit_of_the_workload_trust_bundle_is_reverted_at_once() -> an
             .as_ref()
             .and_then(|a| a.get("remora.dev/switched-at"))
             .and_then(|t| t.parse::<u64>().ok());
-        Ok::<_, kube::Error>(at.filter(|_| switched))
+        Ok::<_, anyhow::Error>(at.filter(|_| switched))
     })
     .await
     .with_context(logs)?;

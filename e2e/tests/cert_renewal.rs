@@ -8,13 +8,14 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::ControlPlane;
 use e2e::webhook::{SelfManagedPair, every_ca_bundle_is, label_namespace, pod};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::Api;
 use kube::api::PostParams;
+use remora_test_support::wait::wait_until;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 const SECRET: &str = "renewal-tls";
@@ -51,9 +52,9 @@ async fn serving_certificate_renewals_refuse_no_admission() -> anyhow::Result<()
     let mwcs = Api::<MutatingWebhookConfiguration>::all(client.clone());
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let ca = data(&secrets.get(SECRET).await?, "ca.crt").context("no ca.crt")?;
-    wait_until("both webhooks trust the Secret's CA", DEADLINE, || async {
+    wait_until(DEADLINE, "both webhooks trust the Secret's CA", || async {
         let m = mwcs.get(mwc_name).await?;
-        Ok::<_, kube::Error>(every_ca_bundle_is(&m, &ca).then_some(()))
+        Ok::<_, anyhow::Error>(every_ca_bundle_is(&m, &ca).then_some(()))
     })
     .await
     .with_context(logs)?;

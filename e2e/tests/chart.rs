@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::ControlPlane;
 use e2e::operator::{Operator, Options};
 use e2e::webhook::every_ca_bundle_is;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -18,6 +18,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use kube::discovery::{Discovery, Scope};
 use kube::{Api, Client};
 use remora_operator::identity::FIELD_MANAGER;
+use remora_test_support::wait::wait_until;
 use serde_json::Value;
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -755,7 +756,7 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         .with_context(log)?;
     assert!(secret.data.is_some_and(|d| !d.is_empty()));
     let mwc_api = Api::<MutatingWebhookConfiguration>::all(client.clone());
-    wait_until("caBundle patched by the operator", DEADLINE, || async {
+    wait_until(DEADLINE, "caBundle patched by the operator", || async {
         let mwc = mwc_api.get(&name).await?;
         let all = mwc.webhooks.unwrap_or_default().iter().all(|w| {
             w.client_config
@@ -763,7 +764,7 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
                 .as_ref()
                 .is_some_and(|b| !b.0.is_empty())
         });
-        Ok::<_, kube::Error>(all.then_some(()))
+        Ok::<_, anyhow::Error>(all.then_some(()))
     })
     .await
     .with_context(log)?;
@@ -771,17 +772,17 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     let slc: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &ns, &ApiResource::from_gvk(&gvk));
     let slc_name = format!("{release}-remora-default");
-    wait_until("the cluster default's status", DEADLINE, || async {
+    wait_until(DEADLINE, "the cluster default's status", || async {
         let o = slc.get(&slc_name).await?;
-        Ok::<_, kube::Error>(o.data["status"]["observedGeneration"].as_i64().map(|_| ()))
+        Ok::<_, anyhow::Error>(o.data["status"]["observedGeneration"].as_i64().map(|_| ()))
     })
     .await
     .with_context(log)?;
     // Its Events pass the policy too (the cluster default was Accepted).
     let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), &ns);
-    wait_until("the Accepted Event", DEADLINE, || async {
+    wait_until(DEADLINE, "the Accepted Event", || async {
         let list = events.list(&Default::default()).await?;
-        Ok::<_, kube::Error>(
+        Ok::<_, anyhow::Error>(
             list.items
                 .iter()
                 .any(|e| {
@@ -833,14 +834,14 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         .create(&Default::default(), &outdated)
         .await?;
     let message = wait_until(
-        "RestartRequired: AutomaticRolloutsDisabled",
         DEADLINE,
+        "RestartRequired: AutomaticRolloutsDisabled",
         || async {
             let o = slc_work.get("web").await?;
             let c = o.data["status"]["conditions"]
                 .as_array()
                 .and_then(|cs| cs.iter().find(|c| c["type"] == "RestartRequired").cloned());
-            Ok::<_, kube::Error>(
+            Ok::<_, anyhow::Error>(
                 c.filter(|c| c["status"] == "True" && c["reason"] == "AutomaticRolloutsDisabled"),
             )
         },
@@ -868,9 +869,9 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
             .is_some_and(|h| !h.is_empty()),
         "{first:?}"
     );
-    wait_until("the Lease renewed", DEADLINE, || async {
+    wait_until(DEADLINE, "the Lease renewed", || async {
         let l = leases.get(&name).await?;
-        Ok::<_, kube::Error>(
+        Ok::<_, anyhow::Error>(
             (l.metadata.resource_version != first.metadata.resource_version).then_some(()),
         )
     })
@@ -908,10 +909,10 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     mwc_api
         .patch(&name, &PatchParams::default(), &Patch::Json::<()>(blank))
         .await?;
-    wait_until("caBundle restored", Duration::from_secs(10), || async {
+    wait_until(Duration::from_secs(10), "caBundle restored", || async {
         let mwc = mwc_api.get(&name).await?;
         let first = mwc.webhooks.unwrap_or_default().into_iter().next();
-        Ok::<_, kube::Error>(
+        Ok::<_, anyhow::Error>(
             (first.and_then(|w| w.client_config.ca_bundle) == Some(ca.clone())).then_some(()),
         )
     })
@@ -941,11 +942,11 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
         .await?;
     let operator = Operator::start(&kubeconfig, options).await?;
     let log = || operator.log_tail();
-    let repaired = wait_until("the Secret repaired", DEADLINE, || async {
+    let repaired = wait_until(DEADLINE, "the Secret repaired", || async {
         let s = secrets.get(&format!("{name}-tls")).await?;
         let data = s.data.unwrap_or_default();
         let cert = data.get("tls.crt").map(|b| b.0.clone()).unwrap_or_default();
-        Ok::<_, kube::Error>(
+        Ok::<_, anyhow::Error>(
             cert.starts_with(b"-----BEGIN CERTIFICATE-----")
                 .then(|| data.get("ca.crt").cloned())
                 .flatten(),
@@ -954,9 +955,9 @@ async fn operator_runs_with_only_the_charts_rbac() -> anyhow::Result<()> {
     .await
     .with_context(log)?;
     assert_ne!(repaired, ca, "a new CA");
-    wait_until("the new CA in the caBundle", DEADLINE, || async {
+    wait_until(DEADLINE, "the new CA in the caBundle", || async {
         let mwc = mwc_api.get(&name).await?;
-        Ok::<_, kube::Error>(every_ca_bundle_is(&mwc, &repaired).then_some(()))
+        Ok::<_, anyhow::Error>(every_ca_bundle_is(&mwc, &repaired).then_some(()))
     })
     .await
     .with_context(log)?;

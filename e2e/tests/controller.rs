@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, FakeKubelet, wait_until};
+use e2e::controlplane::{ControlPlane, FakeKubelet};
 use e2e::webhook::{DEADLINE, Setup, lifecycles, pod, sidecar};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
@@ -19,6 +19,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use remora_operator::identity::FIELD_MANAGER;
+use remora_test_support::wait::wait_until;
 use serde_json::{Value, json};
 
 const ROLLOUT_ANNOTATION: &str = "remora.dev/restarted-for";
@@ -44,9 +45,9 @@ async fn status_where(
     what: &str,
     check: impl Fn(&DynamicObject) -> bool,
 ) -> anyhow::Result<DynamicObject> {
-    let o = wait_until(what, DEADLINE, || async {
+    let o = wait_until(DEADLINE, what, || async {
         let o = api.get(name).await?;
-        Ok::<_, kube::Error>(check(&o).then_some(o))
+        Ok::<_, anyhow::Error>(check(&o).then_some(o))
     })
     .await?;
     Ok(o)
@@ -60,11 +61,11 @@ fn is(o: &DynamicObject, type_: &str, status: &str) -> bool {
 async fn event(client: &Client, ns: &str, regarding: &str, reason: &str) -> anyhow::Result<Event> {
     let api: Api<Event> = Api::namespaced(client.clone(), ns);
     let ev = wait_until(
-        &format!("event {reason} on {regarding}"),
         DEADLINE,
+        &format!("event {reason} on {regarding}"),
         || async {
             let list = api.list(&ListParams::default()).await?;
-            Ok::<_, kube::Error>(list.items.into_iter().find(|e| {
+            Ok::<_, anyhow::Error>(list.items.into_iter().find(|e| {
                 e.reason.as_deref() == Some(reason)
                     && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(regarding)
             }))
@@ -82,11 +83,11 @@ async fn deployment_pods(s: &Setup, app: &str, n: usize) -> anyhow::Result<Vec<P
         .create(&PostParams::default(), &deploy)
         .await?;
     let api = s.pods(&s.enabled);
-    let pods = wait_until(&format!("{n} pods of {app}"), DEADLINE, || async {
+    let pods = wait_until(DEADLINE, &format!("{n} pods of {app}"), || async {
         let list = api
             .list(&ListParams::default().labels(&format!("app={app}")))
             .await?;
-        Ok::<_, kube::Error>((list.items.len() == n).then_some(list.items))
+        Ok::<_, anyhow::Error>((list.items.len() == n).then_some(list.items))
     })
     .await?;
     Ok(pods)
@@ -214,11 +215,11 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
         .context("creationTimestamp")?
         .0;
     wait_until(
-        "a later second than web-old's creation",
         DEADLINE,
+        "a later second than web-old's creation",
         || async {
             let later = k8s_openapi::jiff::Timestamp::now().as_second() > created.as_second();
-            Ok::<_, kube::Error>(later.then_some(()))
+            Ok::<_, anyhow::Error>(later.then_some(()))
         },
     )
     .await?;
@@ -273,7 +274,7 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     )
     .await?;
     let pods_api = s.pods(&ns);
-    wait_until("web pods retuned", DEADLINE, || async {
+    wait_until(DEADLINE, "web pods retuned", || async {
         let list = pods_api
             .list(&ListParams::default().labels("app=web"))
             .await?;
@@ -283,7 +284,7 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
                 l["shutdown"]["drainDuration"] == "20s"
                     && l["shutdown"]["exitOnZeroActiveConnections"] == true
             });
-        Ok::<_, kube::Error>(done.then_some(()))
+        Ok::<_, anyhow::Error>(done.then_some(()))
     })
     .await
     .with_context(log)?;
@@ -305,9 +306,9 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
             }}})),
         )
         .await?;
-    wait_until("the hand-edited pod put back", DEADLINE, || async {
+    wait_until(DEADLINE, "the hand-edited pod put back", || async {
         let now = lifecycle_annotation(&pods_api.get(&first).await?);
-        Ok::<_, kube::Error>((now == retuned).then_some(()))
+        Ok::<_, anyhow::Error>((now == retuned).then_some(()))
     })
     .await
     .with_context(log)?;
@@ -330,15 +331,15 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     )
     .await?;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
-    let want = wait_until("the web Deployment rolled", DEADLINE, || async {
+    let want = wait_until(DEADLINE, "the web Deployment rolled", || async {
         let d = deployments.get("web").await?;
-        Ok::<_, kube::Error>(template_annotation(&d))
+        Ok::<_, anyhow::Error>(template_annotation(&d))
     })
     .await
     .with_context(log)?;
-    let rs = wait_until("a second ReplicaSet", DEADLINE, || async {
+    let rs = wait_until(DEADLINE, "a second ReplicaSet", || async {
         let list = replicasets(&client, &ns, "web").await?;
-        Ok::<_, kube::Error>((list.len() == 2).then_some(list))
+        Ok::<_, anyhow::Error>((list.len() == 2).then_some(list))
     })
     .await?;
     assert!(rs.iter().any(|r| {
@@ -350,11 +351,11 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
             .and_then(|a| a.get(ROLLOUT_ANNOTATION))
             == Some(&want)
     }));
-    let fresh = wait_until("a pod of the new ReplicaSet", DEADLINE, || async {
+    let fresh = wait_until(DEADLINE, "a pod of the new ReplicaSet", || async {
         let list = pods_api
             .list(&ListParams::default().labels("app=web"))
             .await?;
-        Ok::<_, kube::Error>(list.items.into_iter().find(|p| {
+        Ok::<_, anyhow::Error>(list.items.into_iter().find(|p| {
             p.metadata
                 .annotations
                 .as_ref()
@@ -405,12 +406,12 @@ async fn controller_reports_status_retunes_running_pods_and_rolls_workloads() ->
     slc.delete("api", &Default::default()).await?;
     let api_pod = api_pods[0].metadata.name.clone().unwrap_or_default();
     wait_until(
-        "the api pod back to the default drain",
         DEADLINE,
+        "the api pod back to the default drain",
         || async {
             let p = pods_api.get(&api_pod).await?;
             let back = lifecycle_annotation(&p)["shutdown"]["drainDuration"] == "45s";
-            Ok::<_, kube::Error>(back.then_some(()))
+            Ok::<_, anyhow::Error>(back.then_some(()))
         },
     )
     .await

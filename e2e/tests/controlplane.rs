@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, ENV_KUBECONFIG, FakeKubelet, Options, wait_until};
+use e2e::controlplane::{ControlPlane, ENV_KUBECONFIG, FakeKubelet, Options};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, ReplicaSetSpec};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
@@ -15,6 +15,7 @@ use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, Resource};
+use remora_test_support::wait::wait_until;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -116,12 +117,12 @@ async fn deployment_gets_a_replicaset_and_pods() -> anyhow::Result<()> {
     let deploy_uid = deploy.meta().uid.clone().context("deployment has no uid")?;
 
     let rs_api: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns);
-    let rs_uid = wait_until("a ReplicaSet owned by the Deployment", DEADLINE, || {
+    let rs_uid = wait_until(DEADLINE, "a ReplicaSet owned by the Deployment", || {
         let rs_api = rs_api.clone();
         let deploy_uid = deploy_uid.clone();
         async move {
             let list = rs_api.list(&ListParams::default()).await?;
-            Ok::<_, kube::Error>(
+            Ok::<_, anyhow::Error>(
                 list.items
                     .into_iter()
                     .find(|rs| controlled_by(&rs.metadata, &deploy_uid))
@@ -132,7 +133,7 @@ async fn deployment_gets_a_replicaset_and_pods() -> anyhow::Result<()> {
     .await?;
 
     let pod_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let pods = wait_until("2 Pods owned by the ReplicaSet", DEADLINE, || {
+    let pods = wait_until(DEADLINE, "2 Pods owned by the ReplicaSet", || {
         let pod_api = pod_api.clone();
         let rs_uid = rs_uid.clone();
         async move {
@@ -142,7 +143,7 @@ async fn deployment_gets_a_replicaset_and_pods() -> anyhow::Result<()> {
                 .into_iter()
                 .filter(|p| controlled_by(&p.metadata, &rs_uid))
                 .collect();
-            Ok::<_, kube::Error>((owned.len() == 2).then_some(owned))
+            Ok::<_, anyhow::Error>((owned.len() == 2).then_some(owned))
         }
     })
     .await?;
@@ -231,13 +232,13 @@ async fn service_account_token_is_subject_to_rbac() -> anyhow::Result<()> {
         .create(&PostParams::default(), &binding)
         .await?;
     // The authorizer's informer sees the binding shortly after it is created.
-    wait_until("the RoleBinding to take effect", DEADLINE, || {
+    wait_until(DEADLINE, "the RoleBinding to take effect", || {
         let as_sa = as_sa.clone();
         async move {
             match as_sa.list(&ListParams::default()).await {
                 Ok(_) => Ok(Some(())),
                 Err(kube::Error::Api(s)) if s.is_forbidden() => Ok(None),
-                Err(e) => Err(e),
+                Err(e) => Err(anyhow::Error::from(e)),
             }
         }
     })
@@ -419,7 +420,7 @@ async fn fake_kubelet_runs_and_completes_pods() -> anyhow::Result<()> {
     let rs_api: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns);
     let rs = rs_api.create(&PostParams::default(), &rs).await?;
     let rs_uid = rs.metadata.uid.context("replicaset has no uid")?;
-    let names = wait_until("2 Pods of the ReplicaSet", DEADLINE, || {
+    let names = wait_until(DEADLINE, "2 Pods of the ReplicaSet", || {
         let api = api.clone();
         let rs_uid = rs_uid.clone();
         async move {
@@ -431,19 +432,19 @@ async fn fake_kubelet_runs_and_completes_pods() -> anyhow::Result<()> {
                 .filter(|p| controlled_by(&p.metadata, &rs_uid))
                 .filter_map(|p| p.metadata.name)
                 .collect();
-            Ok::<_, kube::Error>((names.len() == 2).then_some(names))
+            Ok::<_, anyhow::Error>((names.len() == 2).then_some(names))
         }
     })
     .await?;
     for n in &names {
         kubelet.start(&ns, n).await?;
     }
-    wait_until("the ReplicaSet to count 2 ready pods", DEADLINE, || {
+    wait_until(DEADLINE, "the ReplicaSet to count 2 ready pods", || {
         let rs_api = rs_api.clone();
         async move {
             let rs = rs_api.get("rs").await?;
             let ready = rs.status.and_then(|s| s.ready_replicas).unwrap_or(0);
-            Ok::<_, kube::Error>((ready == 2).then_some(()))
+            Ok::<_, anyhow::Error>((ready == 2).then_some(()))
         }
     })
     .await?;

@@ -19,54 +19,25 @@
 //! The agent binary must be built (`cargo build -p remora-agent`, or set
 //! `REMORA_AGENT_BIN`); Envoy is found as the other tests find it.
 
-use std::net::SocketAddr;
-use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use e2e::discovery_rig::{NS, Reviewer, Rig, Sidecar, Upstreams, get, stat};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use remora_contract::annotations::{INBOUND, STATUS};
-use remora_contract::discovery::TOKEN_AUDIENCE;
 use remora_operator::cluster::live_pod::{LivePod, Slim};
-use remora_operator::discovery::Metrics;
-use remora_operator::discovery::push::{Debounce, Discovery};
+use remora_operator::discovery::push::Discovery;
 use remora_operator::discovery::registry::ProxyInfo;
 use remora_operator::discovery::resources::LISTENER;
-use remora_operator::discovery::server::AdsService;
-use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
-use remora_operator::pki::workload_ca::{ServingCert, testing};
-use remora_test_support::jwt;
 use remora_test_support::named_backend::{HEADER, NamedBackend};
 use remora_test_support::ports::free_port;
 use remora_test_support::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::Command;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-const SERVER_NAME: &str = "remora-operator.remora-system.svc";
-const NS: &str = "shop";
-const EXP: u64 = 4_000_000_000;
 const DEADLINE: Duration = Duration::from_secs(30);
-
-/// TokenReview: the one token is `web`'s of `shop`.
-struct Reviewer;
-
-impl Authenticate for Reviewer {
-    async fn authenticate(&self, token: &str) -> Result<Caller, AuthError> {
-        if token == jwt::service_account(TOKEN_AUDIENCE, EXP, 1) {
-            return Ok(Caller {
-                namespace: NS.into(),
-                service_account: "web".into(),
-                pod: None,
-            });
-        }
-        Err(AuthError::Rejected("invalid bearer token".into()))
-    }
-}
 
 /// Pod `web-0` as the pod watch reads it: injected with the inbound
 /// listener `injected`, carrying `remora.dev/inbound: inbound`.
@@ -89,22 +60,6 @@ fn apply(discovery: &Discovery, p: &LivePod) -> anyhow::Result<()> {
     let (key, info) = ProxyInfo::read(p).context("an injected pod")?;
     discovery.update(|r| r.apply_proxy(key, info));
     Ok(())
-}
-
-/// One HTTP/1.1 GET on a connection of its own: status and raw response.
-async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .ok()?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: web\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.ok()?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut out))
-        .await
-        .ok()?
-        .ok()?;
-    let status = out.split(' ').nth(1)?.parse().ok()?;
-    Some((status, out))
 }
 
 /// A keep-alive HTTP/1.1 connection to `127.0.0.1:port`.
@@ -144,19 +99,8 @@ async fn call(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inbound_is_served_changes_live_and_drains() -> anyhow::Result<()> {
-    let authority = testing::authority(&[SERVER_NAME]).map_err(anyhow::Error::msg)?;
-    let bundle = authority.bundle.clone();
-    let (_certs_tx, certs) = watch::channel(Some(Arc::new(authority)));
-    let (discovery, debounce) = Discovery::new(
-        "cluster.local",
-        None,
-        Debounce {
-            quiet: Duration::from_millis(10),
-            max_delay: Duration::from_millis(50),
-        },
-    );
-    tokio::spawn(debounce);
-    let metrics = Metrics::default();
+    let rig = Rig::new(Reviewer::new(&[(1, "web")]), None)?;
+    let (discovery, metrics) = (&rig.discovery, &rig.metrics);
 
     let (in1, in2) = (free_port(), free_port());
     let app1 = NamedBackend::start("127.0.0.1:0".parse()?, "app-1").await?;
@@ -164,95 +108,31 @@ async fn inbound_is_served_changes_live_and_drains() -> anyhow::Result<()> {
     let (p1, p2) = (app1.addr.port(), app2.addr.port());
     // Injected with one listener, the annotation saying the same.
     let first = format!("{in1}:{p1}");
-    apply(&discovery, &pod(&first, &first)?)?;
+    apply(discovery, &pod(&first, &first)?)?;
 
-    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
+    let addr = format!("127.0.0.1:{}", free_port()).parse()?;
     let stop = CancellationToken::new();
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let ads = AdsService {
-        auth: Reviewer,
-        gate: Gate::new(TOKEN_AUDIENCE, GateLimits::default()),
-        discovery: Arc::clone(&discovery),
-        metrics: metrics.clone(),
-        events: None,
-        shutdown: stop.clone(),
-        pod_wait: remora_operator::discovery::server::POD_WAIT,
+    let server = rig.serve_discovery(addr, stop.clone()).await?;
+    let upstreams = Upstreams {
+        discovery: Some(addr),
+        ca: None,
     };
-    let server = tokio::spawn(remora_operator::discovery::serve::serve(
-        listener,
-        ads,
-        Arc::new(ServingCert(certs)),
-        remora_operator::discovery::serve::limits(),
-        stop.clone(),
-    ));
-
-    let dir = tempfile::tempdir()?;
-    let write = |name: &str, text: &str| -> anyhow::Result<String> {
-        let path = dir.path().join(name);
-        std::fs::write(&path, text)?;
-        Ok(path.display().to_string())
-    };
-    let roots_file = write("root-cert.pem", &bundle)?;
-    let token = write("xds-token", &jwt::service_account(TOKEN_AUDIENCE, EXP, 1))?;
-    let (health, admin, agent_admin) = (free_port(), free_port(), free_port());
-    let run_dir = dir.path().join("run");
-    let log_path = dir.path().join("agent.log");
-    let log = std::fs::File::create(&log_path)?;
-    let mut agent = Command::new(e2e::jobpod::agent_bin()?)
-        .arg("run")
-        .arg(format!(
-            "--envoy-bin={}",
-            remora_test_support::bins::envoy_bin()?.display()
-        ))
-        .arg(format!("--run-dir={}", run_dir.display()))
-        .arg(format!(
-            "--annotations-file={}",
-            dir.path().join("annotations").display()
-        ))
-        .args(["--health-address=127.0.0.1", "--concurrency=1"])
-        .arg(format!("--health-port={health}"))
-        .arg(format!("--envoy-admin-port={admin}"))
-        .arg(format!("--admin-port={agent_admin}"))
-        .arg(format!("--stats-port={}", free_port()))
-        // As the webhook starts it: the inbound it was injected with.
-        .arg(format!("--inbound={first}"))
-        // A fixed drain of 2 s (responses carry `connection: close` from
-        // its start: the immediate strategy, the default).
-        .arg("--termination-drain-duration=2s")
-        .args([
-            "--pod-name=web-0",
-            "--pod-namespace=shop",
-            "--service-account=web",
-            "--instance-ip=127.0.0.1",
-        ])
-        .arg(format!("--discovery-address={addr}"))
-        .arg(format!("--discovery-server-name={SERVER_NAME}"))
-        .arg(format!("--ca-root-cert={roots_file}"))
-        .arg(format!("--discovery-token-path={token}"))
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .kill_on_drop(true)
-        .spawn()
-        .context("the agent starts")?;
-    let agent_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
-
-    let ready = wait_until(DEADLINE, "the sidecar ready", || async move {
-        get(health, "/healthz/ready")
-            .await
-            .filter(|(s, _)| *s == 200)
-            .map(|_| ())
-    })
-    .await;
-    if ready.is_err() {
-        let _ = agent.start_kill();
-        bail!(
-            "the sidecar is not ready within {DEADLINE:?}:\n{}",
-            agent_log()
-        );
-    }
+    let mut agent = Sidecar::start(
+        &rig,
+        &upstreams,
+        "web-0",
+        "web",
+        1,
+        &[
+            // As the webhook starts it: the inbound it was injected with.
+            format!("--inbound={first}"),
+            // A fixed drain of 2 s (responses carry `connection: close`
+            // from its start: the immediate strategy, the default).
+            "--termination-drain-duration=2s".to_owned(),
+        ],
+    )?;
+    agent.ready("the sidecar").await?;
+    let (admin, agent_admin) = (agent.envoy_admin, agent.agent_admin);
     // Ready means the served listener is there: the first call answers.
     let mut held = keep_alive(in1).await.context("the inbound port is bound")?;
     let (backend, closes) = call(&mut held).await?;
@@ -280,7 +160,7 @@ async fn inbound_is_served_changes_live_and_drains() -> anyhow::Result<()> {
 
     // The annotation gains a port: served without restarting Envoy.
     let lds_before = metrics.pushes_total(LISTENER);
-    apply(&discovery, &pod(&first, &format!("{first},{in2}:{p2}"))?)?;
+    apply(discovery, &pod(&first, &format!("{first},{in2}:{p2}"))?)?;
     let added = wait_until(
         DEADLINE,
         "the new inbound port serves app-2",
@@ -293,7 +173,7 @@ async fn inbound_is_served_changes_live_and_drains() -> anyhow::Result<()> {
     )
     .await;
     if added.is_err() {
-        bail!("the new inbound listener never served:\n{}", agent_log());
+        bail!("the new inbound listener never served:\n{}", agent.log());
     }
     ensure!(
         metrics.pushes_total(LISTENER) > lds_before,
@@ -313,8 +193,9 @@ async fn inbound_is_served_changes_live_and_drains() -> anyhow::Result<()> {
     );
 
     // The agent's drain takes both served listeners.
-    let admin_token = std::fs::read_to_string(run_dir.join(remora_contract::pod::ADMIN_TOKEN_FILE))
-        .context("the agent's admin token")?;
+    let admin_token =
+        std::fs::read_to_string(agent.run_dir().join(remora_contract::pod::ADMIN_TOKEN_FILE))
+            .context("the agent's admin token")?;
     let drain = tokio::spawn(async move {
         let mut s = tokio::net::TcpStream::connect(("127.0.0.1", agent_admin)).await?;
         let req = format!(
@@ -338,7 +219,7 @@ async fn inbound_is_served_changes_live_and_drains() -> anyhow::Result<()> {
     })
     .await;
     if closing.is_err() {
-        bail!("the drain did not reach inbound_{in2}:\n{}", agent_log());
+        bail!("the drain did not reach inbound_{in2}:\n{}", agent.log());
     }
     let (backend, closes) = call(&mut held).await?;
     ensure!(
@@ -358,17 +239,8 @@ async fn inbound_is_served_changes_live_and_drains() -> anyhow::Result<()> {
         "the drain did not count the held inbound connection: {json}"
     );
     ensure!(metrics.nacks_total(LISTENER) == 0, "LDS NACKed");
-    agent.start_kill()?;
+    agent.child.start_kill()?;
     stop.cancel();
-    server.await??;
+    server.await?;
     Ok(())
-}
-
-/// A counter or gauge of Envoy's `/stats`, 0 when absent.
-async fn stat(admin: u16, name: &str) -> u64 {
-    let body = get(admin, "/stats").await.map(|r| r.1).unwrap_or_default();
-    body.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
 }

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::ControlPlane;
 use e2e::jobpod::{self, JobPodOptions, JobsEnv, PROXY, STOP_ANNOTATION};
 use k8s_openapi::api::core::v1::{
     ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus, Pod,
@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams};
+use remora_test_support::wait::wait_until;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -134,7 +135,7 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
         );
         tokio::spawn(async move { jobpod::run(client, &kubelet, &ns, &pod, &opts).await })
     };
-    wait_until("the failing app's exit in the API", DEADLINE, || async {
+    wait_until(DEADLINE, "the failing app's exit in the API", || async {
         let p = pods.get(&failing).await?;
         let code = p
             .status
@@ -143,7 +144,7 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
             .iter()
             .find(|c| c.name == "app")
             .and_then(|c| c.state.as_ref()?.terminated.as_ref().map(|t| t.exit_code));
-        Ok::<_, kube::Error>(code.filter(|c| *c == 3))
+        Ok::<_, anyhow::Error>(code.filter(|c| *c == 3))
     })
     .await?;
 
@@ -174,9 +175,9 @@ async fn job_completes_when_its_app_exits_and_others_are_left_alone() -> anyhow:
     );
     env.wait_job("works", "Complete", DEADLINE).await?;
     let events: Api<Event> = Api::namespaced(env.client.clone(), &env.namespace);
-    let ev = wait_until("the SidecarStopRequested event", DEADLINE, || async {
+    let ev = wait_until(DEADLINE, "the SidecarStopRequested event", || async {
         let list = events.list(&ListParams::default()).await?;
-        Ok::<_, kube::Error>(list.items.into_iter().find(|e| {
+        Ok::<_, anyhow::Error>(list.items.into_iter().find(|e| {
             e.reason.as_deref() == Some("SidecarStopRequested")
                 && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job.as_str())
         }))

@@ -9,11 +9,12 @@
 
 use std::time::{Duration, Instant};
 
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::ControlPlane;
 use e2e::operator::{Operator, Options};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client};
 use nix::sys::signal::Signal;
+use remora_test_support::wait::wait_until;
 use serde_json::json;
 
 const LEASE: &str = "remora-operator";
@@ -110,11 +111,11 @@ async fn two_operators(
         Operator::start(cp.kubeconfig(), Options::fast_leader(&ns, "b")),
     )?;
     let holder = wait_until(
-        "one leader, by the Lease and both gauges",
         DEADLINE,
+        "one leader, by the Lease and both gauges",
         || async {
             let Some((holder, _)) = lease(&api).await? else {
-                return Ok::<_, kube::Error>(None);
+                return Ok::<_, anyhow::Error>(None);
             };
             let gauges = (leader_gauge(&a).await, leader_gauge(&b).await);
             let want = if holder == "a" {
@@ -270,8 +271,8 @@ async fn half_sent_request(
 /// Waits until the operator is inside an admission (a connection whose
 /// request has not been read yet would be closed by the drain, not finished).
 async fn in_flight(inj: &Operator) -> anyhow::Result<()> {
-    wait_until("an admission in flight", DEADLINE, || async {
-        Ok::<_, kube::Error>(
+    wait_until(DEADLINE, "an admission in flight", || async {
+        Ok::<_, anyhow::Error>(
             (gauge(inj, "remora_operator_admissions_in_flight ").await == Some(1)).then_some(()),
         )
     })
@@ -281,8 +282,8 @@ async fn in_flight(inj: &Operator) -> anyhow::Result<()> {
 
 /// Waits until the operator's log says `what`.
 async fn logged(inj: &Operator, what: &str) -> anyhow::Result<()> {
-    wait_until(what, DEADLINE, || async {
-        Ok::<_, kube::Error>(inj.log_text().contains(what).then_some(()))
+    wait_until(DEADLINE, what, || async {
+        Ok::<_, anyhow::Error>(inj.log_text().contains(what).then_some(()))
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}; log:\n{}", inj.log_tail()))

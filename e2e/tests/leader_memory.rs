@@ -14,12 +14,13 @@
 
 use std::time::{Duration, Instant};
 
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::ControlPlane;
 use e2e::operator::{Operator, Options};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::PostParams;
+use remora_test_support::wait::wait_until;
 use serde_json::json;
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -87,9 +88,9 @@ async fn counter(inj: &Operator, name: &str) -> Option<u64> {
 async fn read_by_watch(inj: &Operator, n: u64) -> anyhow::Result<()> {
     const TRIMMED: &str = "remora_operator_pod_watch_trimmed_total{what=\"labels\"} ";
     wait_until(
-        &format!("the leader's pod watch to read {n} bloated pods"),
         DEADLINE,
-        || async { Ok::<_, kube::Error>(counter(inj, TRIMMED).await.filter(|seen| *seen >= n)) },
+        &format!("the leader's pod watch to read {n} bloated pods"),
+        || async { Ok::<_, anyhow::Error>(counter(inj, TRIMMED).await.filter(|seen| *seen >= n)) },
     )
     .await?;
     Ok(())

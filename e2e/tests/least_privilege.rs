@@ -26,6 +26,7 @@ use kube::{Api, Client, Resource};
 use remora_contract::annotations::{LIFECYCLE, STOP};
 use remora_operator::controllers::lifecycle::ROLLOUT_ANNOTATION;
 use remora_operator::identity::FIELD_MANAGER;
+use remora_test_support::wait::wait_until;
 use serde_json::{Value, json};
 
 /// The policy's messages (charts/remora/templates/admissionpolicy.yaml).
@@ -765,14 +766,14 @@ async fn without_automatic_rollouts_no_workload_and_nothing_in_excluded_namespac
     ));
     let deploy = workload_api(&operator, &work, "Deployment");
     // RBAC's turn is over once it lets the operator read the Deployment.
-    e2e::controlplane::wait_until(
-        "the cluster-admin binding in effect",
+    wait_until(
         std::time::Duration::from_secs(60),
+        "the cluster-admin binding in effect",
         || async {
             match deploy.get("web").await {
                 Ok(_) => Ok(Some(())),
                 Err(kube::Error::Api(s)) if s.code == 403 => Ok(None),
-                Err(e) => Err(e),
+                Err(e) => Err(anyhow::Error::from(e)),
             }
         },
     )

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use remora_test_support::wait::Wait;
+
 /// Run `lifecycle-bench-emulated` with `args`, within `deadline`; its JSON report and stdout.
 fn bench(args: &[&str], deadline: Duration) -> (serde_json::Value, String) {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -19,16 +21,12 @@ fn bench(args: &[&str], deadline: Duration) -> (serde_json::Value, String) {
         .spawn()
         .expect("lifecycle-bench-emulated runs");
     // The bench bounds every wait itself; this deadline only guards the test.
-    let until = std::time::Instant::now() + deadline;
-    loop {
-        match child.try_wait().expect("wait") {
-            Some(_) => break,
-            None if std::time::Instant::now() > until => {
-                let _ = child.kill();
-                panic!("lifecycle-bench-emulated did not finish within {deadline:?}");
-            }
-            None => std::thread::sleep(Duration::from_millis(100)),
-        }
+    let finished = Wait::new(deadline, "lifecycle-bench-emulated to finish")
+        .every(Duration::from_millis(100))
+        .until_blocking(|| child.try_wait().expect("wait"));
+    if let Err(e) = finished {
+        let _ = child.kill();
+        panic!("{e}");
     }
     let output = child.wait_with_output().expect("output");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();

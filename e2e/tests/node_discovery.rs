@@ -44,11 +44,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use e2e::eds_convergence::cluster_hosts;
 use e2e::node::pods::LogFollower;
 use e2e::node::port_forward::PortForward;
 use e2e::node::workload_ca as ca;
 use e2e::node::workloads::{Recording, job_condition, terminated, wait_deployment_rolled_out};
-use e2e::node::{self, Check, Node, Remora, TestNamespace, pods, report, wait_for};
+use e2e::node::{self, Check, Node, Remora, TestNamespace, pods, report};
 use e2e::traffic::{Kind, Load, Sample, Traffic, summarize};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
@@ -63,6 +64,7 @@ use remora_contract::lifecycle::StopRequest;
 use remora_contract::pod::{
     ANNOTATIONS_FILE_NAME, ENVOY_ADMIN_PORT, INBOUND_PORT, PODINFO_VOLUME, PROXY_CONTAINER,
 };
+use remora_test_support::wait::wait_until;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -167,25 +169,15 @@ fn healthy_hosts(clusters: &str, cluster: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// Every host of `cluster` in Envoy's `/clusters` text, whatever its health.
-fn all_hosts(clusters: &str, cluster: &str) -> BTreeSet<String> {
-    clusters
-        .lines()
-        .filter_map(|l| l.strip_prefix(cluster)?.strip_prefix("::"))
-        .filter_map(|rest| Some(rest.split_once("::")?.0.to_owned()))
-        .filter(|h| h.parse::<std::net::SocketAddr>().is_ok())
-        .collect()
-}
-
 /// Runs one client until it has [`ANSWERS`] samples (deadline
 /// [`DEADLINE`]), then stops it and returns its samples.
 async fn run_one(load: Load) -> anyhow::Result<Vec<Sample>> {
     let name = load.name.clone();
     let traffic = Traffic::start(vec![load], Instant::now());
-    let waited = wait_for(&format!("{ANSWERS} answers to {name}"), DEADLINE, || {
+    let waited = wait_until(DEADLINE, &format!("{ANSWERS} answers to {name}"), || {
         let got = traffic.samples().len();
         async move {
-            Ok(if got >= ANSWERS {
+            Ok::<_, anyhow::Error>(if got >= ANSWERS {
                 Check::Done(())
             } else {
                 Check::NotYet(format!("{got}/{ANSWERS}"))
@@ -220,7 +212,7 @@ async fn wait_answers(
     n: usize,
     ok: impl Fn(&Sample) -> bool,
 ) -> anyhow::Result<()> {
-    wait_for(what, DEADLINE, || {
+    wait_until(DEADLINE, what, || {
         let samples = traffic.samples();
         let counts: BTreeMap<&str, usize> = loads
             .iter()
@@ -233,7 +225,7 @@ async fn wait_answers(
             })
             .collect();
         async move {
-            Ok(if counts.values().all(|c| *c >= n) {
+            Ok::<_, anyhow::Error>(if counts.values().all(|c| *c >= n) {
                 Check::Done(())
             } else {
                 Check::NotYet(format!("{counts:?} of {n} each"))
@@ -321,9 +313,9 @@ async fn wait_envoy_hosts(
     want: &BTreeSet<String>,
     timeout: Duration,
 ) -> anyhow::Result<BTreeSet<String>> {
-    Ok(wait_for(
-        &format!("the caller's Envoy to hold {cluster} → {want:?}"),
+    wait_until(
         timeout,
+        &format!("the caller's Envoy to hold {cluster} → {want:?}"),
         || async {
             let clusters =
                 envoy_clusters(client, ns, pod)
@@ -333,14 +325,14 @@ async fn wait_envoy_hosts(
                         detail: format!("{e:#}"),
                     })?;
             let hosts = healthy_hosts(&clusters, cluster);
-            Ok(if &hosts == want {
+            Ok::<_, anyhow::Error>(if &hosts == want {
                 Check::Done(hosts)
             } else {
                 Check::NotYet(format!("healthy hosts {hosts:?}"))
             })
         },
     )
-    .await?)
+    .await
 }
 
 /// What every traffic test stands up in a namespace of its own: `edge`
@@ -456,13 +448,13 @@ impl Mesh {
         // discovery gave them (Envoy's admin, on the pod's loopback).
         let cluster = cluster_name(&format!("{SERVER}.{n}.svc.cluster.local"), SERVICE_PORT);
         let listener = format!("127.0.0.1:{OUTBOUND_PORT}");
-        wait_for(
-            "the caller's Envoy to hold the outbound listener",
+        wait_until(
             DEADLINE,
+            "the caller's Envoy to hold the outbound listener",
             || async {
                 let (_, listeners) =
                     node::pod_http_get(client, &n, &cp, ENVOY_ADMIN_PORT, "/listeners").await?;
-                Ok(if listeners.contains(&listener) {
+                Ok::<_, anyhow::Error>(if listeners.contains(&listener) {
                     Check::Done(())
                 } else {
                     Check::NotYet(format!("no listener on {listener}: {listeners:?}"))
@@ -697,7 +689,7 @@ async fn a_server_under_an_unexpected_service_account_is_refused() -> anyhow::Re
     let cluster = cluster_name(&format!("cart.{n}.svc.cluster.local"), SERVICE_PORT);
     let want = hosts_of(&carts)?;
     wait_envoy_hosts(&client, &n, &cp, &cluster, &want, DEADLINE).await?;
-    let all = all_hosts(&envoy_clusters(&client, &n, &cp).await?, &cluster);
+    let all = cluster_hosts(&envoy_clusters(&client, &n, &cp).await?, &cluster);
     ensure!(
         all == want,
         "the caller's Envoy holds {all:?} for cart, not only {want:?}"
@@ -780,15 +772,15 @@ async fn a_server_under_an_unexpected_service_account_is_refused() -> anyhow::Re
         .create(&PostParams::default(), &slice)
         .await?;
     let stale = cluster_name(&format!("cart-stale.{n}.svc.cluster.local"), SERVICE_PORT);
-    let held = wait_for("the stale endpoint sent", DEADLINE, || async {
+    let held = wait_until(DEADLINE, "the stale endpoint sent", || async {
         let clusters = envoy_clusters(&client, &n, &cp)
             .await
             .map_err(|e| node::Error::Failed {
                 what: "reading the caller's Envoy clusters".into(),
                 detail: format!("{e:#}"),
             })?;
-        let hosts = all_hosts(&clusters, &stale);
-        Ok(if hosts.contains(&impostor_host) {
+        let hosts = cluster_hosts(&clusters, &stale);
+        Ok::<_, anyhow::Error>(if hosts.contains(&impostor_host) {
             Check::Done(hosts)
         } else {
             Check::NotYet(format!("hosts {hosts:?}"))
@@ -1089,9 +1081,9 @@ async fn calls_go_on_with_the_operator_scaled_to_zero_and_updates_resume_when_it
             .await?;
             scale(&client, &remora.namespace, &remora.operator(), 0).await?;
             let t_scaled = Instant::now();
-            wait_for("no operator pod left", DEADLINE, || async {
+            wait_until(DEADLINE, "no operator pod left", || async {
                 let left = remora.operator_pods(&client).await?;
-                Ok(if left.is_empty() {
+                Ok::<_, anyhow::Error>(if left.is_empty() {
                     Check::Done(())
                 } else {
                     Check::NotYet(format!("{:?}", names(&left)))
@@ -1146,7 +1138,7 @@ async fn calls_go_on_with_the_operator_scaled_to_zero_and_updates_resume_when_it
         let t_watch = Instant::now();
         let mut looks = 0;
         while t_watch.elapsed() < Duration::from_secs(2) {
-            let hosts = all_hosts(&envoy_clusters(&client, &n, &cp).await?, &mesh.cluster);
+            let hosts = cluster_hosts(&envoy_clusters(&client, &n, &cp).await?, &mesh.cluster);
             ensure!(
                 hosts == before,
                 "with the operator at 0, the caller's Envoy holds {hosts:?}, it had {before:?}"
@@ -1356,9 +1348,9 @@ async fn a_legacy_jobs_sidecar_stops_within_a_second_of_the_app_exit_through_the
         .parent()
         .context("the kubeconfig's directory")?
         .join("kubelet");
-    let created = wait_for("a pod of every Job", DEADLINE, || async {
+    let created = wait_until(DEADLINE, "a pod of every Job", || async {
         let list = pods_api.list(&ListParams::default()).await?.items;
-        Ok(if list.len() >= JOBS {
+        Ok::<_, anyhow::Error>(if list.len() >= JOBS {
             Check::Done(list)
         } else {
             Check::NotYet(format!("{} pods", list.len()))
@@ -1372,7 +1364,7 @@ async fn a_legacy_jobs_sidecar_stops_within_a_second_of_the_app_exit_through_the
             .map(|p| (name(p), p.metadata.uid.clone().unwrap_or_default()))
             .collect(),
     );
-    wait_for("every Job Complete", DEADLINE, || async {
+    wait_until(DEADLINE, "every Job Complete", || async {
         let mut pending = Vec::new();
         for j in &jobs {
             let job = jobs_api.get(j).await?;
@@ -1398,7 +1390,7 @@ async fn a_legacy_jobs_sidecar_stops_within_a_second_of_the_app_exit_through_the
                 detail: reason,
             });
         }
-        Ok(if pending.is_empty() {
+        Ok::<_, node::Error>(if pending.is_empty() {
             Check::Done(())
         } else {
             Check::NotYet(format!("not Complete: {pending:?}"))

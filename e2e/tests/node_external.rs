@@ -26,7 +26,7 @@ use anyhow::{Context, ensure};
 use e2e::node::port_forward::PortForward;
 use e2e::node::workload_ca as ca;
 use e2e::node::workloads::wait_deployment_rolled_out;
-use e2e::node::{self, Check, Node, Remora, TestNamespace, pods, report, wait_for};
+use e2e::node::{self, Check, Node, Remora, TestNamespace, pods, report};
 use e2e::traffic::{Kind, Load, Sample, Traffic};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Event, Pod};
@@ -37,6 +37,7 @@ use kube::{Api, Client};
 use remora_contract::annotations::OUTBOUND;
 use remora_contract::discovery::cluster_name;
 use remora_contract::pod::ENVOY_ADMIN_PORT;
+use remora_test_support::wait::wait_until;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -107,9 +108,9 @@ async fn wait_condition(
     status: &str,
     reason: &str,
 ) -> anyhow::Result<String> {
-    Ok(wait_for(
-        &format!("ExternalService {name}: {type_}={status} ({reason})"),
+    wait_until(
         DEADLINE,
+        &format!("ExternalService {name}: {type_}={status} ({reason})"),
         || async {
             let o = api.get(name).await?;
             let generation = o.metadata.generation;
@@ -119,7 +120,7 @@ async fn wait_condition(
                 .into_iter()
                 .flatten()
                 .find(|c| c["type"] == type_);
-            Ok(match c {
+            Ok::<_, anyhow::Error>(match c {
                 Some(c)
                     if c["status"] == status
                         && c["reason"] == reason
@@ -131,7 +132,7 @@ async fn wait_condition(
             })
         },
     )
-    .await?)
+    .await
 }
 
 /// The caller's Envoy's `/clusters` text.
@@ -146,10 +147,10 @@ async fn calls(client: &Client, ns: &str, pod: &str) -> anyhow::Result<Vec<Sampl
     let forward = PortForward::start(client, ns, pod, OUTBOUND_PORT).await?;
     let load = Load::new(Kind::Http1KeepAlive, forward.local_addr(), 20.0);
     let traffic = Traffic::start(vec![load], Instant::now());
-    let waited = wait_for(&format!("{ANSWERS} answers"), DEADLINE, || {
+    let waited = wait_until(DEADLINE, &format!("{ANSWERS} answers"), || {
         let got = traffic.samples().len();
         async move {
-            Ok(if got >= ANSWERS {
+            Ok::<_, anyhow::Error>(if got >= ANSWERS {
                 Check::Done(())
             } else {
                 Check::NotYet(format!("{got}/{ANSWERS}"))
@@ -298,9 +299,9 @@ async fn an_external_service_is_reached_by_its_host_and_a_nacked_change_keeps_th
 
     let cluster = cluster_name(HOST, PORT);
     let want = format!("{cluster}::{backend_ip}:{APP_PORT}::health_flags::healthy");
-    wait_for(
-        "the caller's Envoy to hold the external host",
+    wait_until(
         DEADLINE,
+        "the caller's Envoy to hold the external host",
         || async {
             let c = envoy_clusters(&client, &n, &cp)
                 .await
@@ -308,7 +309,7 @@ async fn an_external_service_is_reached_by_its_host_and_a_nacked_change_keeps_th
                     what: "reading the caller's Envoy clusters".into(),
                     detail: format!("{e:#}"),
                 })?;
-            Ok(if c.contains(&want) {
+            Ok::<_, anyhow::Error>(if c.contains(&want) {
                 Check::Done(())
             } else {
                 Check::NotYet(format!("no {want}"))
@@ -352,15 +353,15 @@ async fn an_external_service_is_reached_by_its_host_and_a_nacked_change_keeps_th
         .await?;
     let events: Api<Event> = Api::namespaced(client.clone(), &n);
     let by_pod = format!("involvedObject.name={cp}");
-    let note = wait_for(
-        "a ConfigurationRefused Warning on the caller's pod",
+    let note = wait_until(
         DEADLINE,
+        "a ConfigurationRefused Warning on the caller's pod",
         || async {
             let list = events
                 .list(&ListParams::default().fields(&by_pod))
                 .await?
                 .items;
-            Ok(
+            Ok::<_, anyhow::Error>(
                 match list.iter().find(|e| {
                     e.reason.as_deref() == Some("ConfigurationRefused")
                         && e.type_.as_deref() == Some("Warning")
@@ -381,14 +382,14 @@ async fn an_external_service_is_reached_by_its_host_and_a_nacked_change_keeps_th
         t_nack.elapsed().as_millis(),
         note.lines().next().unwrap_or_default()
     ));
-    let nacks = wait_for("the operator's NACK metric", DEADLINE, || async {
+    let nacks = wait_until(DEADLINE, "the operator's NACK metric", || async {
         let n = operator_nacks(&client, remora, "cds")
             .await
             .map_err(|e| node::Error::Failed {
                 what: "reading the operators' metrics".into(),
                 detail: format!("{e:#}"),
             })?;
-        Ok(if n > nacks_before {
+        Ok::<_, anyhow::Error>(if n > nacks_before {
             Check::Done(n)
         } else {
             Check::NotYet(format!("{n} (before: {nacks_before})"))

@@ -23,6 +23,7 @@ use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
+use remora_test_support::wait::wait_until;
 
 /// Leadership after the leader's pod is deleted: its preStop sleep (5 s),
 /// the Lease release on SIGTERM, the standby's next try (retryPeriod 2 s);
@@ -37,10 +38,10 @@ fn ms(d: Duration) -> u128 {
 /// Both webhooks carry the same non-empty caBundle, and it is the CA in the
 /// operator's Secret (the one its serving certificate is signed by).
 async fn wait_ca_bundle(client: &Client, remora: &Remora) -> anyhow::Result<Vec<u8>> {
-    let bundle = node::wait_for("caBundle patched into both webhooks", DEADLINE, || async {
+    let bundle = wait_until(DEADLINE, "caBundle patched into both webhooks", || async {
         let bundles = remora.ca_bundles(client).await?.unwrap_or_default();
         let ca = remora.secret_ca(client).await?.unwrap_or_default();
-        Ok(
+        Ok::<_, anyhow::Error>(
             if bundles.len() == 2 && !ca.is_empty() && bundles.iter().all(|b| *b == ca) {
                 node::Check::Done(ca)
             } else {
@@ -224,8 +225,8 @@ async fn helm_install_upgrade_failover_uninstall() -> anyhow::Result<()> {
     // The API server drops a deleted webhook configuration asynchronously.
     let t = Instant::now();
     let probe = node::pause_pod("after-uninstall");
-    node::wait_for("a pod admitted after helm uninstall", DEADLINE, || async {
-        Ok(
+    wait_until(DEADLINE, "a pod admitted after helm uninstall", || async {
+        Ok::<_, anyhow::Error>(
             match node::dry_run_create(&client, injected.name(), &probe).await {
                 Ok(p) => node::Check::Done(p),
                 Err(kube::Error::Api(s)) => node::Check::NotYet(s.message),

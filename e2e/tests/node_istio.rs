@@ -28,6 +28,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::Client;
 use kube::api::{DeleteParams, PostParams};
+use remora_test_support::wait::wait_until;
 
 const APP: &str = "web";
 const APP_CONTAINER: &str = "app";
@@ -317,9 +318,9 @@ async fn check_deletion(
         samples.clone(),
     ));
     // The probe's connection is up and answered before the deletion.
-    node::wait_for("the drain probe's first 200", DEADLINE, || async {
+    wait_until(DEADLINE, "the drain probe's first 200", || async {
         let s = samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        Ok(match s.iter().find(|s| matches!(s.outcome, Ok((200, _)))) {
+        Ok::<_, anyhow::Error>(match s.iter().find(|s| matches!(s.outcome, Ok((200, _)))) {
             Some(_) => node::Check::Done(()),
             None => node::Check::NotYet(format!("{s:?}")),
         })
@@ -338,17 +339,8 @@ async fn check_deletion(
         .unwrap_or(30);
     let limit = Duration::from_secs(u64::try_from(grace)? + 30);
     // Polled every 100 ms: when it disappears is a figure this prints.
-    let gone = loop {
-        match api.get_opt(&name).await? {
-            Some(p) if p.metadata.uid.as_deref() == Some(&uid) => {}
-            _ => break t0.elapsed(),
-        }
-        ensure!(
-            t0.elapsed() < limit,
-            "pod {name} still there {limit:?} after its deletion"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let gone =
+        node::wait_pod_gone(&api, &name, &uid, t0, Duration::from_millis(100), limit).await?;
     stop.store(true, Ordering::SeqCst);
     probe.await?;
     let agent_log = agent.finish(Duration::from_secs(10)).await?;

@@ -25,7 +25,7 @@ use e2e::node::workload_ca::{
     self as ca, CaClient, EnvoyCerts, envoy_certs, serials, signing_roots, sum_matching, sum_series,
 };
 use e2e::node::workloads::wait_deployment_rolled_out;
-use e2e::node::{self, Check, Node, Remora, TestNamespace, report, wait_for};
+use e2e::node::{self, Check, Node, Remora, TestNamespace, report};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use kube::Client;
@@ -33,6 +33,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use remora_contract::annotations::{INBOUND, INBOUND_TLS, MODE, OUTBOUND, OUTBOUND_TLS};
 use remora_contract::pod::{AGENT_ADMIN_PORT, INBOUND_PORT, STATS_PORT};
 use remora_contract::workload_ca::{SIGNING_SECRET, TOKEN_AUDIENCE, spiffe_id};
+use remora_test_support::wait::wait_until;
 use tokio::time::Instant;
 
 const APP_PORT: u16 = 8080;
@@ -288,10 +289,10 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
         "  client {cp} is {client_id}; server {sp} is {server_id}"
     ));
     // The calls go through, over TLS on both sides.
-    wait_for("mTLS handshakes on both sides", DEADLINE, || async {
+    wait_until(DEADLINE, "mTLS handshakes on both sides", || async {
         let c = tls_counts(&envoy_stats(cip).await?, "cluster");
         let s = tls_counts(&envoy_stats(sip).await?, "listener");
-        Ok(if c.handshakes.min(s.handshakes) >= 20.0 {
+        Ok::<_, anyhow::Error>(if c.handshakes.min(s.handshakes) >= 20.0 {
             Check::Done(())
         } else {
             Check::NotYet(format!("client {c:?}, server {s:?}"))
@@ -388,15 +389,15 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
     ];
     scale_operator(&client, remora, 0).await?;
     let t_down = Instant::now();
-    wait_for(
-        "both sidecars to fail a renewal",
+    wait_until(
         Duration::from_secs(180),
+        "both sidecars to fail a renewal",
         || async {
             let now = [
                 agent_certs(&client, &n, &cp).await?,
                 agent_certs(&client, &n, &sp).await?,
             ];
-            Ok(if now.iter().zip(&before).all(|(a, b)| a.1 > b.1) {
+            Ok::<_, anyhow::Error>(if now.iter().zip(&before).all(|(a, b)| a.1 > b.1) {
                 Check::Done(())
             } else {
                 Check::NotYet(format!("failures before {before:?}, now {now:?}"))
@@ -411,15 +412,15 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
         agent_certs(&client, &n, &cp).await?,
         agent_certs(&client, &n, &sp).await?,
     ];
-    wait_for(
-        "both sidecars to renew from the CA again",
+    wait_until(
         Duration::from_secs(180),
+        "both sidecars to renew from the CA again",
         || async {
             let now = [
                 agent_certs(&client, &n, &cp).await?,
                 agent_certs(&client, &n, &sp).await?,
             ];
-            Ok(if now.iter().zip(&mid).all(|(a, b)| a.0 > b.0) {
+            Ok::<_, anyhow::Error>(if now.iter().zip(&mid).all(|(a, b)| a.0 > b.0) {
                 Check::Done(())
             } else {
                 Check::NotYet(format!("updates when back {mid:?}, now {now:?}"))
@@ -496,10 +497,10 @@ async fn mtls_between_workloads_survives_renewal_and_root_rotation() -> anyhow::
         "the outsider was injected"
     );
     let opn = name(&op);
-    wait_for("the outsider's refused calls", DEADLINE, || async {
+    wait_until(DEADLINE, "the outsider's refused calls", || async {
         let log = pods::container_log(&client, &n, &opn, "app", false).await?;
         let refused = log.iter().filter(|l| l.text.contains(" failed:")).count();
-        Ok(if refused >= 5 {
+        Ok::<_, anyhow::Error>(if refused >= 5 {
             Check::Done(())
         } else {
             Check::NotYet(format!("{refused} refused so far"))
@@ -545,11 +546,11 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     let alice_token = ca::token(&client, &n, "alice", TOKEN_AUDIENCE, None).await?;
 
     // The good case first, so that a refusal below is not a broken setup.
-    let chain = wait_for(
-        "the CA to issue alice's own certificate",
+    let chain = wait_until(
         DEADLINE,
+        "the CA to issue alice's own certificate",
         || async {
-            Ok(
+            Ok::<_, anyhow::Error>(
                 match ca.create(Some(&alice_token), ca::csr(&alice)?, ttl).await {
                     Ok(chain) => Check::Done(chain),
                     Err(s) => Check::NotYet(format!("{:?}: {}", s.code(), s.message())),
@@ -575,8 +576,8 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
     ns.api::<Pod>()
         .delete("doomed", &DeleteParams::default().grace_period(0))
         .await?;
-    wait_for("the pod to be gone", DEADLINE, || async {
-        Ok(match ns.api::<Pod>().get_opt("doomed").await? {
+    wait_until(DEADLINE, "the pod to be gone", || async {
+        Ok::<_, anyhow::Error>(match ns.api::<Pod>().get_opt("doomed").await? {
             None => Check::Done(()),
             Some(_) => Check::NotYet("still there".into()),
         })

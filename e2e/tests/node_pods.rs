@@ -25,6 +25,7 @@ use kube::api::{DeleteParams, PostParams};
 use nix::sys::signal::Signal;
 use remora_contract::annotations::{INBOUND, MODE, OUTBOUND};
 use remora_contract::pod::{AGENT_ADMIN_PORT, HEALTH_PORT, INBOUND_PORT, PROXY_CONTAINER};
+use remora_test_support::wait::wait_until;
 
 const APP: &str = "web";
 const APP_CONTAINER: &str = "app";
@@ -364,20 +365,11 @@ async fn check_deletion(
     let t0 = Instant::now();
     let deleted_at = pods::timestamp(SystemTime::now());
     api.delete(&name, &DeleteParams::default()).await?;
-    // Polled every 150 ms (wait_for backs off to 500 ms): the time it
-    // disappears is a figure this reports.
+    // Polled every 150 ms (the default schedule backs off to 500 ms):
+    // the time it disappears is a figure this reports.
     let limit = Duration::from_secs(u64::try_from(grace)? + 30);
-    let gone = loop {
-        match api.get_opt(&name).await? {
-            Some(p) if p.metadata.uid.as_deref() == Some(&uid) => {}
-            _ => break t0.elapsed(),
-        }
-        ensure!(
-            t0.elapsed() < limit,
-            "pod {name} still there {limit:?} after its deletion"
-        );
-        tokio::time::sleep(Duration::from_millis(150)).await;
-    };
+    let gone =
+        node::wait_pod_gone(&api, &name, &uid, t0, Duration::from_millis(150), limit).await?;
     let agent_log = agent.finish(Duration::from_secs(10)).await?;
     let app_log = app.finish(Duration::from_secs(10)).await?;
 
@@ -574,14 +566,14 @@ async fn sidecar_crash() -> anyhow::Result<()> {
     let t = Instant::now();
     let killed_at = pods::timestamp(SystemTime::now());
     pods::signal(envoy_pid, Signal::SIGKILL)?;
-    let new_envoy = node::wait_for(
-        "a new Envoy in the sidecar, the agent ready again",
+    let new_envoy = wait_until(
         Duration::from_secs(60),
+        "a new Envoy in the sidecar, the agent ready again",
         || async {
             let pod = ns.api::<Pod>().get(&pod_name).await?;
             let (agent, envoy) = match sidecar_pids(&pod) {
                 Ok(p) => p,
-                Err(e) => return Ok(Check::NotYet(e.to_string())),
+                Err(e) => return Ok::<_, anyhow::Error>(Check::NotYet(e.to_string())),
             };
             if envoy == envoy_pid {
                 return Ok(Check::NotYet("the killed Envoy is still listed".into()));
@@ -649,13 +641,13 @@ async fn sidecar_crash() -> anyhow::Result<()> {
     // restarts it; the app keeps running.
     let t = Instant::now();
     pods::signal(agent_pid, Signal::SIGKILL)?;
-    let restarted = node::wait_for(
-        "the sidecar restarted by the kubelet, the pod Ready",
+    let restarted = wait_until(
         Duration::from_secs(60),
+        "the sidecar restarted by the kubelet, the pod Ready",
         || async {
             let pod = ns.api::<Pod>().get(&pod_name).await?;
             let sidecar = container_status(&pod, PROXY_CONTAINER).cloned();
-            Ok(match sidecar {
+            Ok::<_, anyhow::Error>(match sidecar {
                 Some(s) if s.restart_count == 1 && s.ready && is_ready(&pod) => Check::Done(pod),
                 s => Check::NotYet(format!(
                     "sidecar restarts {:?} ready {:?}, pod ready {}",

@@ -26,6 +26,7 @@ use kube::Client;
 use kube::api::{Patch, PatchParams, PostParams};
 use remora_contract::annotations::{INBOUND, MODE};
 use remora_contract::pod::INBOUND_PORT;
+use remora_test_support::wait::wait_until;
 use tokio::time::Instant;
 
 const APP: &str = "web";
@@ -106,7 +107,7 @@ async fn run(loads: Vec<Load>) -> anyhow::Result<Vec<Sample>> {
         })
         .collect();
     let traffic = Traffic::start(loads, Instant::now());
-    let waited = node::wait_for("every load's answers", DEADLINE, || async {
+    let waited = wait_until(DEADLINE, "every load's answers", || async {
         let samples = traffic.samples();
         let short: Vec<String> = wanted
             .iter()
@@ -115,7 +116,7 @@ async fn run(loads: Vec<Load>) -> anyhow::Result<Vec<Sample>> {
                 (got < *n).then(|| format!("{name}: {got}/{n}"))
             })
             .collect();
-        Ok(if short.is_empty() {
+        Ok::<_, anyhow::Error>(if short.is_empty() {
             Check::Done(())
         } else {
             Check::NotYet(short.join(", "))
@@ -252,12 +253,12 @@ async fn every_client_kind_in_steady_state() -> anyhow::Result<()> {
             &Patch::Merge(serde_json::json!({"spec": {"replicas": 3}})),
         )
         .await?;
-    let grown = node::wait_for(
-        "the ingress applying a third endpoint",
+    let grown = wait_until(
         DEADLINE,
+        "the ingress applying a third endpoint",
         || async {
             let now = feed.current();
-            Ok(if now.len() == 3 {
+            Ok::<_, anyhow::Error>(if now.len() == 3 {
                 Check::Done(now)
             } else {
                 Check::NotYet(format!("{now:?}"))

@@ -30,6 +30,7 @@ use kube::{Api, Client};
 use remora_contract::annotations::{INBOUND, MODE};
 use remora_contract::env::{CA_ADDRESS, DISCOVERY_ADDRESS};
 use remora_contract::pod::INBOUND_PORT;
+use remora_test_support::wait::wait_until;
 
 const APP: &str = "web";
 const APP_PORT: u16 = 8080;
@@ -305,11 +306,11 @@ async fn upgrade_keeps_the_mesh_off_and_a_new_install_turns_it_on() -> anyhow::R
     pods::wait_service_endpoints(&client, ns.name(), APP, 2, DEADLINE).await?;
     // kube-proxy may still hold the old endpoints a moment; then every GET
     // must answer.
-    node::wait_for(
-        "the meshed pods serve through the Service",
+    wait_until(
         DEADLINE,
+        "the meshed pods serve through the Service",
         || async {
-            Ok(match served(addr, 10).await {
+            Ok::<_, anyhow::Error>(match served(addr, 10).await {
                 Ok(()) => node::Check::Done(()),
                 Err(e) => node::Check::NotYet(e.to_string()),
             })

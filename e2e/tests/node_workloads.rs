@@ -27,6 +27,7 @@ use remora_contract::annotations::{INBOUND, LIFECYCLE, MODE, RESTARTED_FOR, STOP
 use remora_contract::lifecycle::{LifecycleAnnotation, StopRequest};
 use remora_contract::pod::{INBOUND_PORT, PROXY_CONTAINER};
 use remora_operator::identity::FIELD_MANAGER;
+use remora_test_support::wait::wait_until;
 use serde_json::{Value, json};
 
 const APP_PORT: u16 = 8080;
@@ -201,9 +202,9 @@ async fn check_job(
     let jobs_api: Api<Job> = Api::namespaced(client.clone(), ns);
     let pods_api: Api<Pod> = Api::namespaced(client.clone(), ns);
     let of_job = format!("batch.kubernetes.io/job-name={job}");
-    let done = node::wait_for(
-        &format!("Job {ns}/{job} Complete"),
+    let done = wait_until(
         JOB_DEADLINE,
+        &format!("Job {ns}/{job} Complete"),
         || async {
             let j = jobs_api.get(job).await?;
             let list = pods_api
@@ -223,7 +224,7 @@ async fn check_job(
                     detail: format!("{:?}: {:?}; {seen:?}", c.reason, c.message),
                 });
             }
-            Ok(match job_condition(&j, "Complete") {
+            Ok::<_, node::Error>(match job_condition(&j, "Complete") {
                 Some(_) => Check::Done(j),
                 None => Check::NotYet(format!("{seen:?}")),
             })
@@ -369,15 +370,15 @@ async fn check_job(
         );
         let events: Api<Event> = Api::namespaced(client.clone(), ns);
         let by_pod = format!("involvedObject.name={name}");
-        node::wait_for(
-            "the SidecarStopRequested Event on the pod",
+        wait_until(
             Duration::from_secs(30),
+            "the SidecarStopRequested Event on the pod",
             || async {
                 let list = events
                     .list(&ListParams::default().fields(&by_pod))
                     .await?
                     .items;
-                Ok(
+                Ok::<_, anyhow::Error>(
                     match list
                         .iter()
                         .find(|e| e.reason.as_deref() == Some("SidecarStopRequested"))
@@ -528,7 +529,7 @@ async fn cronjob_legacy_and_native() -> anyhow::Result<()> {
 
     // The first Job of each, made by the CronJob controller.
     let jobs_api: Api<Job> = ns.api();
-    let made = node::wait_for("a Job from each CronJob", CRON_DEADLINE, || async {
+    let made = wait_until(CRON_DEADLINE, "a Job from each CronJob", || async {
         let list = jobs_api.list(&ListParams::default()).await?.items;
         let mut found = BTreeMap::new();
         for (name, _) in modes {
@@ -544,7 +545,7 @@ async fn cronjob_legacy_and_native() -> anyhow::Result<()> {
                 found.insert(name, j.clone());
             }
         }
-        Ok(if found.len() == modes.len() {
+        Ok::<_, anyhow::Error>(if found.len() == modes.len() {
             Check::Done(found)
         } else {
             Check::NotYet(format!(
@@ -659,9 +660,9 @@ async fn wait_slc_settled(
     timeout: Duration,
 ) -> anyhow::Result<DynamicObject> {
     let api = lifecycles(client, ns);
-    Ok(node::wait_for(
-        &format!("SidecarLifecycle {ns}/{name} status settled"),
+    wait_until(
         timeout,
+        &format!("SidecarLifecycle {ns}/{name} status settled"),
         || async {
             let slc = api.get(name).await?;
             let st = &slc.data["status"];
@@ -676,7 +677,7 @@ async fn wait_slc_settled(
                 && want
                     .iter()
                     .all(|(t, s)| slc_condition(&slc, t).is_some_and(|(status, _)| status == *s));
-            Ok(if ok {
+            Ok::<_, anyhow::Error>(if ok {
                 Check::Done(slc)
             } else {
                 Check::NotYet(format!(
@@ -686,7 +687,7 @@ async fn wait_slc_settled(
             })
         },
     )
-    .await?)
+    .await
 }
 
 fn slc_summary(slc: &DynamicObject) -> String {
@@ -808,9 +809,9 @@ async fn sidecar_lifecycle_retune() -> anyhow::Result<()> {
     )
     .await?;
     let seen = std::sync::Mutex::new(BTreeMap::<String, Duration>::new());
-    node::wait_for(
-        "every agent reporting the new drain settings",
+    wait_until(
         RETUNE_DEADLINE,
+        "every agent reporting the new drain settings",
         || async {
             let mut lagging = Vec::new();
             for pod in &names {
@@ -834,7 +835,7 @@ async fn sidecar_lifecycle_retune() -> anyhow::Result<()> {
                     lagging.push(format!("{pod}: drain {drain:?} termination {term:?}"));
                 }
             }
-            Ok(if lagging.is_empty() {
+            Ok::<_, anyhow::Error>(if lagging.is_empty() {
                 Check::Done(())
             } else {
                 Check::NotYet(lagging.join("; "))
@@ -878,9 +879,9 @@ async fn sidecar_lifecycle_retune() -> anyhow::Result<()> {
 
     // A new drain duration is a bootstrap input: Envoy restarts hot, in the
     // same container.
-    let hot = node::wait_for(
-        "a hot restart of each Envoy (new --drain-time-s)",
+    let hot = wait_until(
         Duration::from_secs(30),
+        "a hot restart of each Envoy (new --drain-time-s)",
         || async {
             let mut waiting = Vec::new();
             for pod in &names {
@@ -890,7 +891,7 @@ async fn sidecar_lifecycle_retune() -> anyhow::Result<()> {
                     waiting.push(format!("{pod}: envoy {}", cfg["envoy"]));
                 }
             }
-            Ok(if waiting.is_empty() {
+            Ok::<_, anyhow::Error>(if waiting.is_empty() {
                 Check::Done(t0.elapsed())
             } else {
                 Check::NotYet(waiting.join("; "))
@@ -1020,9 +1021,9 @@ async fn rollout_policy_automatic() -> anyhow::Result<()> {
     .await?;
 
     // The controller annotates the template; the Deployment controller rolls.
-    let hash = node::wait_for(
-        "the controller rolling the Deployment",
+    let hash = wait_until(
         Duration::from_secs(90),
+        "the controller rolling the Deployment",
         || async {
             let d = deploys.get(name).await?;
             let hash = d
@@ -1031,7 +1032,7 @@ async fn rollout_policy_automatic() -> anyhow::Result<()> {
                 .and_then(|m| m.annotations)
                 .and_then(|a| a.get(RESTARTED_FOR).cloned());
             let slc = slcs.get(name).await?;
-            Ok(match hash {
+            Ok::<_, anyhow::Error>(match hash {
                 Some(h) => Check::Done(h),
                 None => Check::NotYet(slc_summary(&slc)),
             })

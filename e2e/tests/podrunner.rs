@@ -5,6 +5,8 @@
 use std::time::Duration;
 
 use e2e::podrunner::{ContainerStatus, Pod, PodSpec, RunnerOptions};
+use remora_test_support::assert_eventually;
+use remora_test_support::wait::Check;
 
 fn options(base: &std::path::Path) -> RunnerOptions {
     RunnerOptions {
@@ -28,18 +30,19 @@ async fn wait_status(
     container: &str,
     f: impl Fn(&ContainerStatus) -> bool,
 ) -> ContainerStatus {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let s = pod.status(container);
-        if f(&s) {
-            return s;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{container}: status never got there; last {s:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    assert_eventually!(
+        Duration::from_secs(20),
+        every: Duration::from_millis(10),
+        || {
+            let s = pod.status(container);
+            std::future::ready(if f(&s) {
+                Check::Done(s)
+            } else {
+                Check::NotYet(format!("{s:?}"))
+            })
+        },
+        "{container}'s status"
+    )
 }
 
 /// A container that exits 1 on its first `fails` runs, then stays up;
@@ -63,15 +66,19 @@ fn runs(pod: &Pod, name: &str) -> usize {
 /// Waits until `name` has started `n` times: its status counts a restart
 /// when the process is spawned, a moment before the script records the run.
 async fn wait_runs(pod: &Pod, name: &str, n: usize) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while runs(pod, name) < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{name}: {} runs, never {n}",
-            runs(pod, name)
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    assert_eventually!(
+        Duration::from_secs(20),
+        every: Duration::from_millis(10),
+        || {
+            let r = runs(pod, name);
+            std::future::ready(if r >= n {
+                Check::Done(())
+            } else {
+                Check::NotYet(format!("{r} runs"))
+            })
+        },
+        "{name} to run {n} times"
+    );
     // No more than that: a restart too many would show here.
     assert_eq!(runs(pod, name), n);
 }

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, Options, service_account_token, wait_until};
+use e2e::controlplane::{ControlPlane, Options, service_account_token};
 use e2e::webhook::{DEADLINE, Setup, lifecycles, pod};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
@@ -21,6 +21,7 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{ListParams, PostParams};
 use kube::{Api, Client};
+use remora_test_support::wait::wait_until;
 use serde_json::json;
 
 const ROLLOUT_ANNOTATION: &str = "remora.dev/restarted-for";
@@ -102,9 +103,9 @@ async fn pods_only_user(cp: &ControlPlane, admin: &Client, ns: &str) -> anyhow::
 /// Waits for a Warning `RolloutRefused` naming `pod`, and returns its note.
 async fn refusal(client: &Client, ns: &str, pod: &str) -> anyhow::Result<String> {
     let api: Api<Event> = Api::namespaced(client.clone(), ns);
-    let note = wait_until(&format!("RolloutRefused for {pod}"), DEADLINE, || async {
+    let note = wait_until(DEADLINE, &format!("RolloutRefused for {pod}"), || async {
         let list = api.list(&ListParams::default()).await?;
-        Ok::<_, kube::Error>(list.items.into_iter().find_map(|e| {
+        Ok::<_, anyhow::Error>(list.items.into_iter().find_map(|e| {
             (e.reason.as_deref() == Some("RolloutRefused")
                 && e.type_.as_deref() == Some("Warning")
                 && e.related.as_ref().and_then(|r| r.name.as_deref()) == Some(pod))
@@ -226,8 +227,8 @@ async fn forged_owners_and_status_roll_nothing() -> anyhow::Result<()> {
     // Whichever comes first: the refusal, or (the attack working) a rollout.
     let note = tokio::select! {
         note = refusal(&admin, &ns, "forged-status") => note.with_context(log)?,
-        rolled = wait_until("web rolled", DEADLINE, || async {
-            rolled_for(&admin, &ns, "web").await
+        rolled = wait_until(DEADLINE, "web rolled", || async {
+            Ok::<_, anyhow::Error>(rolled_for(&admin, &ns, "web").await?)
         }) => anyhow::bail!("a forged remora.dev/status rolled web to {rolled:?}"),
     };
     assert!(
@@ -246,8 +247,8 @@ async fn forged_owners_and_status_roll_nothing() -> anyhow::Result<()> {
         &kube::api::Patch::Merge(json!({"spec": {"proxy": {"concurrency": 4}}})),
     )
     .await?;
-    let want = wait_until("web rolled", DEADLINE, || async {
-        rolled_for(&admin, &ns, "web").await
+    let want = wait_until(DEADLINE, "web rolled", || async {
+        Ok::<_, anyhow::Error>(rolled_for(&admin, &ns, "web").await?)
     })
     .await
     .with_context(log)?;

@@ -28,264 +28,31 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, bail, ensure};
-use remora_contract::discovery::{ServiceHost, TOKEN_AUDIENCE as DISCOVERY_AUDIENCE};
-use remora_contract::workload_ca::TOKEN_AUDIENCE as CA_AUDIENCE;
-use remora_operator::discovery::push::{Debounce, Discovery};
+use anyhow::{Context, ensure};
+use e2e::discovery_rig::{NS, Reviewer, Rig, Sidecar, Upstreams, get, stat};
+use e2e::eds_convergence::cluster_hosts;
+use remora_contract::discovery::ServiceHost;
 use remora_operator::discovery::registry::{
     PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
 };
-use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
-use remora_operator::pki::workload_ca::service::{CaService, Lifetimes};
-use remora_operator::pki::workload_ca::{ServingCert, testing};
-use remora_test_support::jwt;
 use remora_test_support::named_backend::{self, NamedBackend};
 use remora_test_support::ports::free_port;
 use remora_test_support::wait::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-const SERVER_NAME: &str = "remora-operator.remora-system.svc";
-const NS: &str = "shop";
-const EXP: u64 = 4_000_000_000;
 const DEADLINE: Duration = Duration::from_secs(30);
 const CART: &str = "outbound|80||cart.shop.svc.cluster.local";
-/// Token nonces, one per ServiceAccount.
 const ACCOUNTS: [(u64, &str); 3] = [(1, "web"), (2, "server"), (3, "impostor")];
-
-/// The API server's TokenReview, as a table: each account's token (of
-/// either audience) is that account's in `shop`.
-struct Reviewer;
-
-impl Authenticate for Reviewer {
-    async fn authenticate(&self, token: &str) -> Result<Caller, AuthError> {
-        for (nonce, sa) in ACCOUNTS {
-            for aud in [CA_AUDIENCE, DISCOVERY_AUDIENCE] {
-                if token == jwt::service_account(aud, EXP, nonce) {
-                    return Ok(Caller {
-                        namespace: NS.into(),
-                        service_account: sa.into(),
-                        pod: None,
-                    });
-                }
-            }
-        }
-        Err(AuthError::Rejected("invalid bearer token".into()))
-    }
-}
-
-/// The operator's CA and discovery server on loopback.
-struct ControlPlane {
-    ca: SocketAddr,
-    xds: SocketAddr,
-    bundle: String,
-    discovery: Arc<Discovery>,
-    stop: CancellationToken,
-}
-
-impl ControlPlane {
-    async fn start() -> anyhow::Result<Self> {
-        let authority = testing::authority(&[SERVER_NAME]).map_err(anyhow::Error::msg)?;
-        let bundle = authority.bundle.clone();
-        let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
-        let stop = CancellationToken::new();
-
-        let ca = CaService {
-            auth: Reviewer,
-            gate: Gate::new(CA_AUDIENCE, GateLimits::default()),
-            authority: rx.clone(),
-            trust_domain: "cluster.local".into(),
-            lifetimes: Lifetimes {
-                default: Duration::from_secs(3600),
-                max: Duration::from_secs(3600),
-            },
-            metrics: remora_operator::pki::workload_ca::Metrics::default(),
-            events: None,
-        };
-        let ca_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let ca_addr = ca_listener.local_addr()?;
-        let token = stop.clone();
-        tokio::spawn(async move {
-            let _tx = tx;
-            let limits = remora_operator::pki::workload_ca::serve::Limits::default();
-            let served =
-                remora_operator::pki::workload_ca::serve::serve(ca_listener, ca, limits, token)
-                    .await;
-            served.expect("the CA served");
-        });
-
-        let (discovery, debounce) = Discovery::new(
-            "cluster.local",
-            Some("cluster.local"),
-            Debounce {
-                quiet: Duration::from_millis(10),
-                max_delay: Duration::from_millis(50),
-            },
-        );
-        tokio::spawn(debounce);
-        let ads = remora_operator::discovery::server::AdsService {
-            auth: Reviewer,
-            gate: Gate::new(DISCOVERY_AUDIENCE, GateLimits::default()),
-            discovery: Arc::clone(&discovery),
-            metrics: remora_operator::discovery::Metrics::default(),
-            events: None,
-            shutdown: stop.clone(),
-            pod_wait: remora_operator::discovery::server::POD_WAIT,
-        };
-        let xds_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let xds_addr = xds_listener.local_addr()?;
-        let token = stop.clone();
-        tokio::spawn(async move {
-            let served = remora_operator::discovery::serve::serve(
-                xds_listener,
-                ads,
-                Arc::new(ServingCert(rx)),
-                remora_operator::discovery::serve::limits(),
-                token,
-            )
-            .await;
-            served.expect("discovery served");
-        });
-        Ok(Self {
-            ca: ca_addr,
-            xds: xds_addr,
-            bundle,
-            discovery,
-            stop,
-        })
-    }
-}
-
-/// One HTTP/1.1 GET on a connection of its own (never retried): the
-/// status and the raw response, `None` when nothing answered.
-async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .ok()?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: cart.shop\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.ok()?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut out))
-        .await
-        .ok()?
-        .ok()?;
-    let status = out.split(' ').nth(1)?.parse().ok()?;
-    Some((status, out))
-}
 
 /// The `x-backend` of a response, lower-cased headers or not.
 fn backend(raw: &str) -> Option<&str> {
     raw.lines()
         .find_map(|l| l.strip_prefix("x-backend: "))
         .map(str::trim)
-}
-
-/// A counter of an Envoy's `/stats`, 0 when absent.
-async fn stat(admin_port: u16, name: &str) -> u64 {
-    let body = get(admin_port, "/stats")
-        .await
-        .map(|r| r.1)
-        .unwrap_or_default();
-    body.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
-/// A sidecar: `remora-agent run` with the settings the injector gives a
-/// pod wired to the workload CA (its token files written here).
-struct Sidecar {
-    child: Child,
-    health: u16,
-    envoy_admin: u16,
-    dir: tempfile::TempDir,
-}
-
-impl Sidecar {
-    async fn start(
-        cp: &ControlPlane,
-        pod: &str,
-        nonce: u64,
-        service_account: &str,
-        extra: &[String],
-    ) -> anyhow::Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let write = |name: &str, text: &str| -> anyhow::Result<String> {
-            let path = dir.path().join(name);
-            std::fs::write(&path, text)?;
-            Ok(path.display().to_string())
-        };
-        let bundle = write("root-cert.pem", &cp.bundle)?;
-        let ca_token = write("ca-token", &jwt::service_account(CA_AUDIENCE, EXP, nonce))?;
-        let xds_token = write(
-            "xds-token",
-            &jwt::service_account(DISCOVERY_AUDIENCE, EXP, nonce),
-        )?;
-        let (health, envoy_admin) = (free_port(), free_port());
-        let log = std::fs::File::create(dir.path().join("agent.log"))?;
-        let agent = e2e::jobpod::agent_bin()?;
-        let envoy = remora_test_support::bins::envoy_bin()?;
-        let child = Command::new(agent)
-            .arg("run")
-            .arg(format!("--envoy-bin={}", envoy.display()))
-            .arg(format!("--run-dir={}", dir.path().join("run").display()))
-            .arg(format!(
-                "--annotations-file={}",
-                dir.path().join("annotations").display()
-            ))
-            .args(["--health-address=127.0.0.1", "--concurrency=1"])
-            .arg(format!("--health-port={health}"))
-            .arg(format!("--envoy-admin-port={envoy_admin}"))
-            .arg(format!("--admin-port={}", free_port()))
-            .arg(format!("--stats-port={}", free_port()))
-            .arg(format!("--pod-name={pod}"))
-            .arg(format!("--pod-namespace={NS}"))
-            .arg(format!("--service-account={service_account}"))
-            .arg("--instance-ip=127.0.0.1")
-            .arg(format!("--ca-address={}", cp.ca))
-            .arg(format!("--ca-server-name={SERVER_NAME}"))
-            .arg(format!("--ca-root-cert={bundle}"))
-            .arg(format!("--token-path={ca_token}"))
-            .arg(format!("--discovery-token-path={xds_token}"))
-            .args(extra)
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .context("the agent starts")?;
-        Ok(Self {
-            child,
-            health,
-            envoy_admin,
-            dir,
-        })
-    }
-
-    async fn ready(&mut self, what: &str) -> anyhow::Result<()> {
-        let health = self.health;
-        let ok = wait_until(DEADLINE, &format!("{what} ready"), || async move {
-            get(health, "/healthz/ready")
-                .await
-                .filter(|(s, _)| *s == 200)
-                .map(|_| ())
-        })
-        .await;
-        if ok.is_err() {
-            let log =
-                std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default();
-            let _ = self.child.start_kill();
-            bail!("{what} not ready within {DEADLINE:?}:\n{log}");
-        }
-        Ok(())
-    }
 }
 
 fn pod(name: &str) -> PodKey {
@@ -454,12 +221,7 @@ async fn cart_endpoints(admin: u16) -> BTreeSet<String> {
         .await
         .map(|r| r.1)
         .unwrap_or_default();
-    body.lines()
-        .filter_map(|l| l.strip_prefix(&format!("{CART}::")))
-        .filter_map(|l| l.split("::").next())
-        .filter(|a| a.contains(':'))
-        .map(str::to_string)
-        .collect()
+    cluster_hosts(&body, CART)
 }
 
 async fn wait_endpoints(admin: u16, want: &[u16], why: &str) -> anyhow::Result<()> {
@@ -474,7 +236,21 @@ async fn wait_endpoints(admin: u16, want: &[u16], why: &str) -> anyhow::Result<(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> anyhow::Result<()> {
-    let cp = ControlPlane::start().await?;
+    let rig = Rig::new(Reviewer::new(&ACCOUNTS), Some("cluster.local"))?;
+    let stop = CancellationToken::new();
+    let ca = rig.serve_ca(stop.clone()).await?;
+    let xds: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
+    let _served = rig.serve_discovery(xds, stop.clone()).await?;
+    // The servers take their certificates from the CA and serve a static
+    // inbound; the client takes its configuration from discovery too.
+    let certified = Upstreams {
+        discovery: None,
+        ca: Some(ca),
+    };
+    let discovered = Upstreams {
+        discovery: Some(xds),
+        ca: Some(ca),
+    };
     let any = SocketAddr::from(([127, 0, 0, 1], 0));
     let server_app = NamedBackend::start(any, "server-0").await?;
     let impostor_app = NamedBackend::start(any, "impostor-0").await?;
@@ -482,7 +258,7 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
 
     // What the watches would bring: cart declares `server`; its two slices
     // name server-0 and impostor-0, both meshed on their inbound ports.
-    cp.discovery.update(|r| {
+    rig.discovery.update(|r| {
         let mut t = Vec::new();
         t.extend(r.apply_service(cart(), service(Some(&["server"]))));
         t.extend(r.apply_slice((NS.into(), "cart-a".into()), slice(server_in, "server-0")));
@@ -503,36 +279,32 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
     });
 
     let mut server = Sidecar::start(
-        &cp,
+        &rig,
+        &certified,
         "server-0",
-        2,
         "server",
+        2,
         &[format!("--inbound={server_in}:{}", server_app.addr.port())],
-    )
-    .await?;
+    )?;
     let mut impostor = Sidecar::start(
-        &cp,
+        &rig,
+        &certified,
         "impostor-0",
-        3,
         "impostor",
+        3,
         &[format!(
             "--inbound={impostor_in}:{}",
             impostor_app.addr.port()
         )],
-    )
-    .await?;
+    )?;
     let mut client = Sidecar::start(
-        &cp,
+        &rig,
+        &discovered,
         "client-0",
-        1,
         "web",
-        &[
-            format!("--discovery-address={}", cp.xds),
-            format!("--discovery-server-name={SERVER_NAME}"),
-            format!("--outbound={listen}:cart.shop:80"),
-        ],
-    )
-    .await?;
+        1,
+        &[format!("--outbound={listen}:cart.shop:80")],
+    )?;
     server.ready("server-0's sidecar").await?;
     impostor.ready("impostor-0's sidecar").await?;
     client.ready("the client's sidecar").await?;
@@ -570,7 +342,7 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
 
     // 2. The registry believes a `server` pod holds the impostor's address:
     // it is sent, and the client's Envoy refuses the certificate there.
-    cp.discovery
+    rig.discovery
         .update(|r| r.apply_proxy(pod("impostor-0"), meshed("server", &[impostor_in])));
     wait_endpoints(
         client.envoy_admin,
@@ -597,7 +369,7 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
     // server-0; a client without a sidecar reaches server-0's permissive
     // listener in plain text.
     let before = stat(impostor.envoy_admin, &impostor_tls).await;
-    cp.discovery.update(|r| {
+    rig.discovery.update(|r| {
         let mut t = Vec::new();
         t.extend(r.apply_service(cart(), service(None)));
         t.extend(r.apply_proxy(pod("impostor-0"), meshed("impostor", &[])));
@@ -647,6 +419,6 @@ async fn a_client_sidecar_reaches_only_the_services_identities_over_mtls() -> an
         "apps answered: server-0 {answered}, impostor-0 {}",
         impostor_app.served()
     );
-    cp.stop.cancel();
+    stop.cancel();
     Ok(())
 }

@@ -6,11 +6,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::ControlPlane;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::Api;
 use kube::api::{ListParams, PostParams};
+use remora_test_support::wait::wait_until;
 use serde_json::json;
 
 use e2e::webhook::{DEADLINE, PROXY, Setup, pod, sidecar};
@@ -211,7 +212,7 @@ async fn webhook_down_fail_refuses_and_ignore_admits_uninjected() -> anyhow::Res
         w.failure_policy = Some("Ignore".into());
     }
     mwc_api.replace(&s.mwc, &pp, &mwc).await?;
-    let created = wait_until("failurePolicy Ignore in force", DEADLINE, || {
+    let created = wait_until(DEADLINE, "failurePolicy Ignore in force", || {
         let api = api.clone();
         async move {
             match api
@@ -223,7 +224,7 @@ async fn webhook_down_fail_refuses_and_ignore_admits_uninjected() -> anyhow::Res
                 Err(kube::Error::Api(e)) if e.message.contains("failed calling webhook") => {
                     Ok(None)
                 }
-                Err(e) => Err(e),
+                Err(e) => Err(anyhow::Error::from(e)),
             }
         }
     })
@@ -254,9 +255,9 @@ async fn deployment_pods_are_injected() -> anyhow::Result<()> {
         .create(&PostParams::default(), &deploy)
         .await?;
     let api = s.pods(&s.enabled);
-    let pods = wait_until("two pods of the Deployment", DEADLINE, || async {
+    let pods = wait_until(DEADLINE, "two pods of the Deployment", || async {
         let list = api.list(&ListParams::default().labels("app=web")).await?;
-        Ok::<_, kube::Error>((list.items.len() == 2).then_some(list.items))
+        Ok::<_, anyhow::Error>((list.items.len() == 2).then_some(list.items))
     })
     .await?;
     for p in &pods {

@@ -3,13 +3,14 @@
 //! atomic volume writer, locating Envoy and sibling binaries, waiting with
 //! a deadline, inline label/annotation maps, an app that names itself, the webhook's HTTPS client,
 //! an HTTP/2-over-TLS connection from a chosen source address, an xDS
-//! server double, and a raised open-file limit for benches.
+//! server double and the ADS requests of a simulated Envoy, and a raised open-file limit for benches.
 //!
 //! Only ever a dev-dependency (or a dependency of the unpublished e2e
 //! crate): it sits below `remora-agent` and `remora-operator` and must not
 //! depend on them. Helpers panic with a clear message where a test could do
 //! nothing but fail; those a harness recovers from return errors.
 
+pub mod ads_requests;
 pub mod bins;
 pub mod h2_client;
 pub mod jwt;

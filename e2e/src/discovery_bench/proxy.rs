@@ -23,6 +23,7 @@ use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::StreamExt;
 use prost::Message;
+use remora_test_support::ads_requests::{delta_request, request};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -177,16 +178,6 @@ impl Board {
             last = Some(last.map_or(t, |l| l.max(t)));
         }
         last
-    }
-}
-
-fn request(t: &str, names: Vec<String>, ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
-    DiscoveryRequest {
-        type_url: t.into(),
-        resource_names: names,
-        version_info: ack.map(|r| r.version_info.clone()).unwrap_or_default(),
-        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
-        ..Default::default()
     }
 }
 
@@ -354,19 +345,6 @@ pub async fn run(
     match xds {
         Xds::Sotw => run_sotw(target, who, board, stop).await,
         Xds::Delta => run_delta(target, who, board, stop).await,
-    }
-}
-
-fn delta_request(
-    t: &str,
-    subscribe: Vec<String>,
-    ack: Option<&DeltaDiscoveryResponse>,
-) -> DeltaDiscoveryRequest {
-    DeltaDiscoveryRequest {
-        type_url: t.into(),
-        resource_names_subscribe: subscribe,
-        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
-        ..Default::default()
     }
 }
 

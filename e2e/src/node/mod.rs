@@ -35,7 +35,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, LogParams, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
-use remora_test_support::wait::{WaitError, try_wait_until};
+use remora_test_support::wait::{Timeout, Wait, wait_until};
 use tokio::sync::OnceCell;
 
 /// `1` lets the node tests run (CI and scripts/test.sh set it).
@@ -101,12 +101,8 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error(transparent)]
     Chart(#[from] crate::chart::Error),
-    #[error("timed out after {timeout:?} waiting for {what}; last seen: {last}")]
-    Timeout {
-        what: String,
-        timeout: Duration,
-        last: String,
-    },
+    #[error(transparent)]
+    Timeout(#[from] Timeout),
     #[error("{what}: {detail}")]
     Failed { what: String, detail: String },
     #[error("the shared node failed to start: {0}")]
@@ -122,44 +118,41 @@ impl Error {
     }
 }
 
-/// One poll of a condition: done with a value, or not yet and why (the last
-/// "why" goes into the timeout error, so a failure says what it saw).
-#[derive(Debug)]
-pub enum Check<T> {
-    Done(T),
-    NotYet(String),
-}
+pub use remora_test_support::wait::Check;
 
-/// Polls `check` until [`Check::Done`], for at most `timeout`. An `Err` from
-/// the check ends the wait at once.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T, Error>
+/// remora-test-support's `wait_until` with the arguments in the order
+/// `e2e/src/bin/*` still call it; everything else calls `wait_until`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, check: F) -> Result<T, Error>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Check<T>, Error>>,
 {
-    let last = Mutex::new(String::from("nothing yet"));
-    let res = try_wait_until(timeout, what, || {
-        let next = check();
-        let last = &last;
-        async move {
-            Ok(match next.await? {
-                Check::Done(v) => Some(v),
-                Check::NotYet(why) => {
-                    *last.lock().unwrap_or_else(|p| p.into_inner()) = why;
-                    None
+    wait_until(timeout, what, check).await
+}
+
+/// Polls every `every` until pod `name` of `uid` is gone (deleted, or
+/// replaced by one of the same name), for at most `limit`; how long after
+/// `t0` it was first seen gone. The poll interval is the caller's since
+/// that time is a figure tests report.
+pub async fn wait_pod_gone(
+    api: &Api<Pod>,
+    name: &str,
+    uid: &str,
+    t0: Instant,
+    every: Duration,
+    limit: Duration,
+) -> Result<Duration, Error> {
+    Wait::new(limit, &format!("pod {name} gone after its deletion"))
+        .every(every)
+        .until(|| async {
+            Ok::<_, Error>(match api.get_opt(name).await? {
+                Some(p) if p.metadata.uid.as_deref() == Some(uid) => {
+                    Check::NotYet("still there".to_owned())
                 }
+                _ => Check::Done(t0.elapsed()),
             })
-        }
-    })
-    .await;
-    res.map_err(|e| match e {
-        WaitError::TimedOut(t) => Error::Timeout {
-            what: t.what,
-            timeout: t.timeout,
-            last: last.into_inner().unwrap_or_else(|p| p.into_inner()),
-        },
-        WaitError::Failed(e) => e,
-    })
+        })
+        .await
 }
 
 /// Writes past libtest's output capture (which only `print!` and friends
@@ -524,11 +517,11 @@ pub async fn wait_injected(
 ) -> Result<(Pod, Duration), Error> {
     let t0 = Instant::now();
     let probe = pause_pod("inject-probe");
-    let pod = wait_for(
-        &format!("a pod in {namespace} injected by the webhook"),
+    let pod = wait_until(
         timeout,
+        &format!("a pod in {namespace} injected by the webhook"),
         || async {
-            Ok(match dry_run_create(client, namespace, &probe).await {
+            Ok::<_, Error>(match dry_run_create(client, namespace, &probe).await {
                 Ok(p) if crate::webhook::sidecar(&p).is_some() => Check::Done(p),
                 Ok(_) => Check::NotYet("admitted without a sidecar".into()),
                 // A refusal (webhook unreachable, TLS not trusted yet) is
@@ -596,11 +589,11 @@ impl TestNamespace {
         // The ServiceAccount admission plugin refuses pods until the
         // controller manager made `default`.
         let sa: Api<ServiceAccount> = Api::namespaced(client.clone(), &me.name);
-        wait_for(
-            &format!("ServiceAccount {}/default", me.name),
+        wait_until(
             Duration::from_secs(60),
+            &format!("ServiceAccount {}/default", me.name),
             || async {
-                Ok(match sa.get_opt("default").await? {
+                Ok::<_, Error>(match sa.get_opt("default").await? {
                     Some(_) => Check::Done(()),
                     None => Check::NotYet("not created yet".into()),
                 })
@@ -750,9 +743,9 @@ impl Remora {
         // helm's --wait returns with the previous replicas still there (and
         // answering the webhook until they are gone): a pod injected by one
         // of them would get the previous install's sidecar.
-        wait_for(
-            "only the new operator replicas",
+        wait_until(
             ROLLOUT_TIMEOUT,
+            "only the new operator replicas",
             || async {
                 let pods = self.operator_pods(client).await?;
                 let revisions: std::collections::BTreeSet<Option<&String>> = pods
@@ -763,7 +756,7 @@ impl Remora {
                     .iter()
                     .filter(|p| p.metadata.deletion_timestamp.is_some())
                     .count();
-                Ok(if revisions.len() <= 1 && leaving == 0 {
+                Ok::<_, Error>(if revisions.len() <= 1 && leaving == 0 {
                     Check::Done(())
                 } else {
                     Check::NotYet(format!(
@@ -943,9 +936,9 @@ impl Remora {
     /// API server's webhook calls go to). Returns their names.
     pub async fn wait_ready(&self, client: &Client, n: usize) -> Result<Vec<String>, Error> {
         let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &self.namespace);
-        let res = wait_for(
-            &format!("{n} operator replicas Ready behind the Service"),
+        let res = wait_until(
             ROLLOUT_TIMEOUT,
+            &format!("{n} operator replicas Ready behind the Service"),
             || async {
                 if let Some(reason) = self.stuck(client).await? {
                     return Err(Error::Failed {
@@ -956,7 +949,7 @@ impl Remora {
                 let pods = self.operator_pods(client).await?;
                 let ready = self.ready_operators(client).await?;
                 if pods.len() != n || ready.len() != n {
-                    return Ok(Check::NotYet(format!(
+                    return Ok::<_, Error>(Check::NotYet(format!(
                         "{} pods, ready: {ready:?}",
                         pods.len()
                     )));
@@ -999,13 +992,13 @@ impl Remora {
         not: Option<&str>,
         timeout: Duration,
     ) -> Result<String, Error> {
-        wait_for(
-            "a ready operator holding the leader Lease",
+        wait_until(
             timeout,
+            "a ready operator holding the leader Lease",
             || async {
                 let holder = self.leader(client).await?;
                 let ready = self.ready_operators(client).await?;
-                Ok(match holder {
+                Ok::<_, Error>(match holder {
                     Some(h) if Some(h.as_str()) != not && ready.contains(&h) => Check::Done(h),
                     h => Check::NotYet(format!("holder {h:?}, ready operators {ready:?}")),
                 })

@@ -206,12 +206,12 @@ pub async fn wait_pod_ready(
     timeout: Duration,
 ) -> Result<Pod, Error> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    wait_for(
-        &format!("pod {namespace}/{name} Ready"),
+    wait_until(
         timeout,
+        &format!("pod {namespace}/{name} Ready"),
         || async {
             let Some(pod) = pods.get_opt(name).await? else {
-                return Ok(Check::NotYet("not found".into()));
+                return Ok::<_, Error>(Check::NotYet("not found".into()));
             };
             if let Some(reason) = cannot_start(&pod) {
                 return Err(Error::Failed {
@@ -245,12 +245,12 @@ pub async fn wait_service_endpoints(
 ) -> Result<Duration, Error> {
     let t0 = Instant::now();
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), namespace);
-    wait_for(
-        &format!("{n} ready endpoints of Service {namespace}/{name}"),
+    wait_until(
         timeout,
+        &format!("{n} ready endpoints of Service {namespace}/{name}"),
         || async {
             let ready = ready_endpoints(&slices, name).await?;
-            Ok(if ready == n {
+            Ok::<_, Error>(if ready == n {
                 Check::Done(())
             } else {
                 Check::NotYet(format!("{ready} ready endpoints"))
@@ -271,9 +271,9 @@ pub async fn wait_kube_proxy(ip: IpAddr, port: u16, timeout: Duration) -> Result
     let t0 = Instant::now();
     let dest = format!("-d {ip}/32 ");
     let dport = format!("--dport {port} ");
-    wait_for(
-        &format!("kube-proxy programming {ip}:{port} with endpoints"),
+    wait_until(
         timeout,
+        &format!("kube-proxy programming {ip}:{port} with endpoints"),
         || async {
             let nat = run(
                 "iptables-save -t nat",
@@ -283,7 +283,7 @@ pub async fn wait_kube_proxy(ip: IpAddr, port: u16, timeout: Duration) -> Result
             let rule = nat.lines().find(|l| {
                 l.starts_with("-A KUBE-SERVICES ") && l.contains(&dest) && l.contains(&dport)
             });
-            Ok(match rule {
+            Ok::<_, Error>(match rule {
                 Some(r) if r.contains("-j KUBE-SVC-") => Check::Done(()),
                 Some(r) => Check::NotYet(r.to_owned()),
                 None => Check::NotYet("no rule".into()),
@@ -399,11 +399,11 @@ impl LogFollower {
                 });
             }
             Err(_) => {
-                return Err(Error::Timeout {
+                return Err(Error::Timeout(Timeout {
                     what: "a followed log to end".into(),
                     timeout,
-                    last: format!("{} lines", self.lines().len()),
-                });
+                    last: Some(format!("{} lines", self.lines().len())),
+                }));
             }
         }
         Ok(self.lines())

@@ -40,8 +40,8 @@ pub async fn wait_trust_bundle(
     namespace: &str,
     deadline: Duration,
 ) -> Result<String, Error> {
-    super::wait_for("the trust bundle ConfigMap", deadline, || async {
-        Ok(match trust_bundle(client, namespace).await? {
+    super::wait_until(deadline, "the trust bundle ConfigMap", || async {
+        Ok::<_, Error>(match trust_bundle(client, namespace).await? {
             Some(b) if !b.trim().is_empty() => super::Check::Done(b),
             _ => super::Check::NotYet("not written yet".into()),
         })

@@ -187,14 +187,14 @@ pub async fn wait_layer_in_force(
             .collect(),
     );
     let run = Mutex::new(0usize);
-    wait_for(
-        &format!("pods in {namespace} injected with layer {source}"),
+    wait_until(
         timeout,
+        &format!("pods in {namespace} injected with layer {source}"),
         || async {
             let sources = match dry_run_create(client, namespace, &probe).await {
                 Ok(p) => sidecar_status(&p).map(|s| s.sources).unwrap_or_default(),
                 Err(kube::Error::Api(s)) => {
-                    return Ok(Check::NotYet(format!("refused: {}", s.message)));
+                    return Ok::<_, Error>(Check::NotYet(format!("refused: {}", s.message)));
                 }
                 Err(e) => return Err(e.into()),
             };
@@ -227,9 +227,9 @@ pub async fn wait_deployment_rolled_out(
 ) -> Result<Vec<Pod>, Error> {
     let deploys: Api<Deployment> = Api::namespaced(client.clone(), namespace);
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    wait_for(
-        &format!("Deployment {namespace}/{name} rolled out"),
+    wait_until(
         timeout,
+        &format!("Deployment {namespace}/{name} rolled out"),
         || async {
             let d = deploys.get(name).await?;
             let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
@@ -267,7 +267,7 @@ pub async fn wait_deployment_rolled_out(
                 && st.replicas == Some(want)
                 && list.len() == usize::try_from(want).unwrap_or(0)
                 && ready == list.len();
-            Ok(if done {
+            Ok::<_, Error>(if done {
                 Check::Done(list)
             } else {
                 Check::NotYet(format!(

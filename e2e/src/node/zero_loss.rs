@@ -507,7 +507,7 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
         Scenario::DeleteFive => before.iter().take(5).cloned().collect(),
         _ => before.clone(),
     };
-    wait_for("the old pods to be gone", ROLLOUT_TIMEOUT, || async {
+    wait_until(ROLLOUT_TIMEOUT, "the old pods to be gone", || async {
         let names: Vec<String> = pods_api
             .list(&ListParams::default().labels(&format!("app={name}")))
             .await?
@@ -516,7 +516,7 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
             .filter_map(|p| p.metadata.name)
             .collect();
         let left = old.iter().filter(|o| names.contains(o)).count();
-        Ok(if left == 0 {
+        Ok::<_, Error>(if left == 0 {
             Check::Done(())
         } else {
             Check::NotYet(format!("{left} old pods left"))
@@ -527,9 +527,9 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
     // it sends meanwhile are in the counts. Then the settle time of traffic.
     let slices = ns.api::<EndpointSlice>();
     let service_label = format!("kubernetes.io/service-name={name}");
-    wait_for(
-        "the ingress to apply the last endpoint change",
+    wait_until(
         run.ingress_lag + ROLLOUT_TIMEOUT,
+        "the ingress to apply the last endpoint change",
         || async {
             let mut want: Vec<SocketAddr> = slices
                 .list(&ListParams::default().labels(&service_label))
@@ -541,7 +541,7 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
             want.sort();
             want.dedup();
             let have = feed.current();
-            Ok(if have == want {
+            Ok::<_, Error>(if have == want {
                 Check::Done(())
             } else {
                 Check::NotYet(format!(

@@ -1098,10 +1098,14 @@ async fn wait_webhook(client: &Client, probe_ns: &str, inj: &Operator) -> Result
         ..PostParams::default()
     };
     let probe = crate::webhook::pod("probe", &[], &[]);
-    let r = controlplane::wait_until("the webhook in force", Duration::from_secs(60), || async {
-        let p = api.create(&dry, &probe).await?;
-        Ok::<_, kube::Error>(crate::webhook::sidecar(&p).map(|_| ()))
-    })
+    let r = remora_test_support::wait::wait_until(
+        Duration::from_secs(60),
+        "the webhook in force",
+        || async {
+            let p = api.create(&dry, &probe).await?;
+            Ok::<_, crate::controlplane::Error>(crate::webhook::sidecar(&p).map(|_| ()))
+        },
+    )
     .await;
     r.map_err(|e| Error::Unexpected(format!("{e}; the operator's log:\n{}", inj.log_tail())))
 }

@@ -16,7 +16,7 @@ use anyhow::Context;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+    DeltaDiscoveryRequest, DiscoveryRequest, DiscoveryResponse,
 };
 use envoy_types::pb::google::protobuf::Any;
 use futures::StreamExt;
@@ -31,6 +31,7 @@ use remora_operator::discovery::serve::{limits, serve};
 use remora_operator::discovery::server::AdsService;
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
 use remora_operator::pki::workload_ca::{ServingCert, testing};
+use remora_test_support::ads_requests::{delta_request, request};
 use remora_test_support::h2_client::{self, H2};
 use remora_test_support::jwt;
 use tokio::sync::mpsc;
@@ -115,16 +116,6 @@ fn client(h2: &H2<tonic::body::Body>) -> Client {
         h2_client::channel(h2),
         format!("https://{SERVER_NAME}").parse().expect("origin"),
     )
-}
-
-fn request(t: &str, names: Vec<String>, ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
-    DiscoveryRequest {
-        type_url: t.into(),
-        resource_names: names,
-        version_info: ack.map(|r| r.version_info.clone()).unwrap_or_default(),
-        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
-        ..Default::default()
-    }
 }
 
 /// When each proxy ACKed each EDS version.
@@ -247,19 +238,6 @@ async fn run_sotw(
         } else {
             tx.send(request(t, Vec::new(), Some(&resp)))?;
         }
-    }
-}
-
-fn delta_request(
-    t: &str,
-    subscribe: Vec<String>,
-    ack: Option<&DeltaDiscoveryResponse>,
-) -> DeltaDiscoveryRequest {
-    DeltaDiscoveryRequest {
-        type_url: t.into(),
-        resource_names_subscribe: subscribe,
-        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
-        ..Default::default()
     }
 }
 
