@@ -55,8 +55,9 @@ pub fn stamp(machine_before: &Value) -> Map<String, Value> {
         "commit".into(),
         json!(command_output("git", &["rev-parse", "HEAD"])),
     );
-    // Results files are written by the benches: they do not make the code
-    // measured dirty.
+    // The whole checkout, whatever the directory the bench runs in (cargo
+    // bench runs in the package's). Results files are written by the
+    // benches: they do not make the code measured dirty.
     let status = command_output(
         "git",
         &[
@@ -64,8 +65,8 @@ pub fn stamp(machine_before: &Value) -> Map<String, Value> {
             "--porcelain",
             "--untracked-files=no",
             "--",
-            ".",
-            ":!bench/results",
+            ":(top)",
+            ":(top,exclude)bench/results",
         ],
     );
     out.insert("dirty".into(), json!(!status.is_empty()));
