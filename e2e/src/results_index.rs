@@ -282,9 +282,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/agentbench",
             "e2e/src/bin/agent-microbench.rs",
         ],
-        stale: Some(
-            "stale: needs Istio's pilot-agent built (scripts/build-pilot-agent.sh); not regenerated this session",
-        ),
+        stale: None,
     },
     Entry {
         files: &["jobs.json"],
@@ -358,16 +356,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: NODE,
         minutes: 20,
         measures: NODE_BENCH,
-        stale: Some(NODE_STALE),
-    },
-    Entry {
-        files: &["node-discovery.json"],
-        command: "cargo run --release -p e2e --bin node-bench -- --only jobs,retune --installs off,on \
-                  --jobs 10 --edits 10 --out bench/results/node-discovery.json",
-        needs: NODE,
-        minutes: 15,
-        measures: NODE_BENCH,
-        stale: Some(NODE_STALE),
+        stale: None,
     },
     Entry {
         files: &["eds-convergence.json"],

@@ -120,9 +120,9 @@ pub const TABLES: &[Table] = &[
         render: node_startup,
     },
     Table {
-        name: "node_discovery",
-        files: &["bench/results/node-discovery.json"],
-        render: node_discovery,
+        name: "node_jobs_retune",
+        files: &["bench/results/node.json"],
+        render: node_jobs_retune,
     },
     Table {
         name: "lifecycle_node",

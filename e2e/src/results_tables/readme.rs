@@ -417,7 +417,7 @@ pub fn node_startup(files: &[Value]) -> Result<String, Error> {
 }
 
 /// `README.md`, node Jobs and retune: a column pair per install.
-pub fn node_discovery(files: &[Value]) -> Result<String, Error> {
+pub fn node_jobs_retune(files: &[Value]) -> Result<String, Error> {
     let v = &files[0];
     let installs = list(v, "installs")?;
     let first = installs.first().ok_or_else(|| Error::Shape {
