@@ -267,7 +267,7 @@ pub const ENTRIES: &[Entry] = &[
             SERVE,
             "e2e/src/bin/lifecycle-bench-emulated.rs",
         ],
-        stale: Some("stale: being regenerated"),
+        stale: None,
     },
     Entry {
         files: &["agent-microbench.json"],
