@@ -238,7 +238,14 @@ async fn ack_nack_and_targeted_pushes() -> Result<()> {
     let r = a.next().await?;
     assert_eq!(names(&r), vec!["ROOTCA"]);
     // A drops `default`: a leaf rotation no longer reaches it, a root change does.
-    a.ack(&["ROOTCA"]).await?;
+    // The unknown name rides along so the test can see the server has taken the
+    // narrowed set (it is counted after `default` is dropped) before it rotates:
+    // the certificate wake is fast enough to beat an unacknowledged ACK.
+    a.ack(&["ROOTCA", "no-such-secret"]).await?;
+    wait_until(DEADLINE, "narrowed watch taken", || async {
+        (metric(&rig.registry, "sds_unknown_names_total") >= 1.0).then_some(())
+    })
+    .await?;
     rig.rotate_leaf();
     rig.rotate_root();
     let r = a.next().await?;
