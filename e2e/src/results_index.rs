@@ -389,9 +389,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: &[Need::Node, Need::IstioPeers],
         minutes: 35,
         measures: &["scripts", "Cargo.lock"],
-        stale: Some(
-            "stale: a whole CI run on the node (cold: about 36 min), copied from its target/ci-phases.json; not regenerated this session",
-        ),
+        stale: None,
     },
 ];
 
