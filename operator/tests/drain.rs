@@ -9,6 +9,7 @@ use axum::routing::get;
 use remora_operator::webhook::server::{Drained, serve_tls_draining};
 use remora_operator::webhook::tls::ReloadingCert;
 use remora_test_support::pki::self_signed;
+use remora_test_support::wait::wait_until;
 use remora_test_support::webhook_client::connect;
 use tokio_util::sync::CancellationToken;
 
@@ -85,16 +86,12 @@ async fn in_flight_requests_finish_and_new_connections_are_refused() -> anyhow::
 
     s.stop.cancel();
     // Not accepting any more (the listener is closed).
-    let refused = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if connect(s.addr, "localhost", &s.ca).await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    assert!(refused.is_ok(), "still accepting after shutdown");
+    wait_until(
+        Duration::from_secs(10),
+        "no more accepting after shutdown",
+        || async { connect(s.addr, "localhost", &s.ca).await.is_err() },
+    )
+    .await?;
     assert!(!s.done.is_finished(), "returned with a request in flight");
 
     release.notify_one();

@@ -6,7 +6,7 @@
 //! status controller (status subresource, live lifecycle annotation).
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -15,6 +15,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use remora_operator::pki::webhook_cert as ca;
+use remora_test_support::wait::Wait;
 use serde_json::{Value, json};
 
 const SECRET_PATH: &str = "/api/v1/namespaces/remora-system/secrets/remora-operator-tls";
@@ -192,14 +193,12 @@ async fn start_lister(nodes: &[&str], apiserver_minor: &str) -> anyhow::Result<k
 
 async fn wait_native(view: &remora_operator::cluster::view::KubeView, want: bool) {
     use remora_operator::webhook::view::ClusterView;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while view.native_sidecars() != want {
-        assert!(
-            Instant::now() < deadline,
-            "native_sidecars never became {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let what = format!("native_sidecars to become {want}");
+    Wait::new(Duration::from_secs(10), &what)
+        .every(Duration::from_millis(20))
+        .until(|| async { view.native_sidecars() == want })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[tokio::test]

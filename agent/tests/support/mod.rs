@@ -9,11 +9,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use remora_test_support::bins::envoy_bin;
 pub use remora_test_support::ports::{connect_from, free_port};
 pub use remora_test_support::wait::wait_until_blocking;
+use remora_test_support::wait::{Check, Wait};
 
 pub fn agent_bin() -> &'static str {
     env!("CARGO_BIN_EXE_remora-agent")
@@ -410,22 +411,23 @@ impl Agent {
 
     pub fn wait_ready(&mut self) {
         let port = self.ports.health;
-        let end = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(r) = get(port, "/healthz/ready")
-                && r.status == 200
-            {
-                return;
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("agent exited with {status} before ready:\n{}", self.log());
-            }
-            assert!(
-                Instant::now() < end,
-                "agent not ready in 20s:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
+        let child = &mut self.child;
+        let ready = Wait::new(Duration::from_secs(20), "the agent to be ready")
+            .every(Duration::from_millis(10))
+            .until_blocking(|| {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Check::Done(Err(status));
+                }
+                match get(port, "/healthz/ready") {
+                    Ok(r) if r.status == 200 => Check::Done(Ok(())),
+                    Ok(r) => Check::NotYet(format!("{}", r.status)),
+                    Err(e) => Check::NotYet(e.to_string()),
+                }
+            });
+        match ready {
+            Ok(Ok(())) => {}
+            Ok(Err(status)) => panic!("agent exited with {status} before ready:\n{}", self.log()),
+            Err(e) => panic!("{e}:\n{}", self.log()),
         }
     }
 
@@ -493,18 +495,11 @@ impl Agent {
 
     /// Wait for the agent to exit, at most `deadline`.
     pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
-        let end = Instant::now() + deadline;
-        loop {
-            if let Some(s) = self.child.try_wait().expect("try_wait") {
-                return s;
-            }
-            assert!(
-                Instant::now() < end,
-                "agent still running after {deadline:?}:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let child = &mut self.child;
+        Wait::new(deadline, "the agent to exit")
+            .every(Duration::from_millis(5))
+            .until_blocking(|| child.try_wait().expect("try_wait"))
+            .unwrap_or_else(|e| panic!("{e}:\n{}", self.log()))
     }
 
     pub fn is_running(&mut self) -> bool {

@@ -14,12 +14,12 @@ use anyhow::{Context, Result, anyhow, bail};
 use remora_agent::sds::bootstrap;
 pub use remora_test_support::pki::{Ca, Leaf, serial_of};
 pub use remora_test_support::wait::wait_until;
+use remora_test_support::wait::{Check, Wait};
 use rustls::pki_types::ServerName;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
-use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
@@ -224,19 +224,18 @@ pub async fn echo(s: &mut TlsStream<TcpStream>) -> Result<()> {
 
 /// Wait until a fresh connection sees Envoy present `serial`.
 pub async fn wait_serial(port: u16, tls: &TlsConnector, serial: &str) -> Result<()> {
-    let deadline = Instant::now() + DEADLINE;
-    let mut last;
-    loop {
-        match roundtrip(port, tls).await {
-            Ok((_, s)) if s == serial => return Ok(()),
-            Ok((_, s)) => last = s,
-            Err(e) => last = format!("error: {e}"),
-        }
-        if Instant::now() >= deadline {
-            bail!("Envoy did not present serial {serial} in time; last: {last}");
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let what = format!("Envoy to present serial {serial}");
+    Wait::new(DEADLINE, &what)
+        .every(Duration::from_millis(5))
+        .until(|| async {
+            match roundtrip(port, tls).await {
+                Ok((_, s)) if s == serial => Check::Done(()),
+                Ok((_, s)) => Check::NotYet(format!("serial {s}")),
+                Err(e) => Check::NotYet(format!("error: {e}")),
+            }
+        })
+        .await?;
+    Ok(())
 }
 
 /// Read a metric value from a prometheus-client registry.

@@ -16,8 +16,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use e2e::controlplane::{ControlPlane, wait_until};
+use e2e::controlplane::ControlPlane;
 use e2e::jobpod::{self, JobPodOptions, JobsEnv, PROXY};
+use remora_test_support::wait::wait_until;
 use serde::Serialize;
 use serde_json::json;
 use tokio::time::Instant;
@@ -147,8 +148,8 @@ async fn baseline(
     // The Job controller's verdict at the deadline; the pod, still Running,
     // is what made it necessary.
     let (condition, reason, phase) = wait_until(
-        "the Job controller to give up at activeDeadlineSeconds",
         Duration::from_secs(u64::try_from(args.baseline_deadline).unwrap_or(10) + 30),
+        "the Job controller to give up at activeDeadlineSeconds",
         || async {
             let j = jobs.get("baseline").await?;
             let c = j
@@ -160,7 +161,7 @@ async fn baseline(
                     (c.type_ == "FailureTarget" || c.type_ == "Failed") && c.status == "True"
                 });
             let Some(c) = c else {
-                return Ok::<_, kube::Error>(None);
+                return Ok::<_, anyhow::Error>(None);
             };
             let phase = pods
                 .get(&pod)

@@ -38,7 +38,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use e2e::eds_convergence::{self as conv, RemoraMesh, SizeResult, Watchers};
-use e2e::node::{self, Check, Node, TestNamespace, wait_for};
+use e2e::node::{self, Check, Node, TestNamespace};
 use e2e::stats::Summary;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
@@ -49,6 +49,7 @@ use kube::api::{
 use kube::{Api, Client};
 use remora_contract::annotations::{INBOUND, MODE};
 use remora_contract::pod::{INBOUND_PORT, PROXY_CONTAINER};
+use remora_test_support::wait::wait_until;
 use serde::Serialize;
 use serde_json::json;
 use tokio::time::Instant;
@@ -228,8 +229,8 @@ async fn poll_pod<T>(
 
 async fn delete_and_wait(pods: &Api<Pod>, name: &str) -> Result<()> {
     let _ = pods.delete(name, &DeleteParams::default()).await;
-    wait_for(&format!("pod {name} gone"), DEADLINE, || async {
-        Ok(match pods.get_opt(name).await? {
+    wait_until(DEADLINE, &format!("pod {name} gone"), || async {
+        Ok::<_, anyhow::Error>(match pods.get_opt(name).await? {
             None => Check::Done(()),
             Some(_) => Check::NotYet("still there".into()),
         })
@@ -327,9 +328,9 @@ async fn jobs(args: &Args, ns: &TestNamespace) -> Result<Vec<JobRow>> {
             }))?;
             jobs.create(&PostParams::default(), &job).await?;
             let selector = format!("job-name={name}");
-            let pod_name = wait_for(&format!("the pod of Job {name}"), DEADLINE, || async {
+            let pod_name = wait_until(DEADLINE, &format!("the pod of Job {name}"), || async {
                 let list = pods.list(&ListParams::default().labels(&selector)).await?;
-                Ok(
+                Ok::<_, anyhow::Error>(
                     match list.items.first().and_then(|p| p.metadata.name.clone()) {
                         Some(n) => Check::Done(n),
                         None => Check::NotYet("no pod yet".into()),
@@ -463,9 +464,9 @@ async fn retune(args: &Args, client: &Client, ns: &TestNamespace) -> Result<Retu
             node::is_ready(p).then_some(())
         })
         .await?;
-        wait_for(
-            &format!("{name} reports drainDuration 40s"),
+        wait_until(
             DEADLINE,
+            &format!("{name} reports drainDuration 40s"),
             || async {
                 let got = agent_drain_secs(client, ns.name(), name)
                     .await
@@ -473,7 +474,7 @@ async fn retune(args: &Args, client: &Client, ns: &TestNamespace) -> Result<Retu
                         what: format!("/debug/config of {name}"),
                         detail: format!("{e:#}"),
                     })?;
-                Ok(if got == Some(40.0) {
+                Ok::<_, anyhow::Error>(if got == Some(40.0) {
                     Check::Done(())
                 } else {
                     Check::NotYet(format!("drain_duration {got:?}"))

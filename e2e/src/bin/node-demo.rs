@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use e2e::node::{Check, INJECT_LABEL, Node, RELEASE_NAMESPACE, test_app_container, wait_for};
+use e2e::node::{Check, INJECT_LABEL, Node, RELEASE_NAMESPACE, test_app_container};
 use e2e::traffic::{Kind, Load, LoadSummary, Outcome, Traffic};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStatus, Namespace, Pod, Service};
@@ -20,6 +20,7 @@ use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use remora_contract::annotations::{INBOUND, MODE};
 use remora_contract::pod::{INBOUND_PORT, PROXY_CONTAINER};
+use remora_test_support::wait::wait_until;
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -109,13 +110,13 @@ async fn fresh_namespace(client: &kube::Client) -> Result<()> {
     let nss: Api<Namespace> = Api::all(client.clone());
     if nss.get_opt(NAMESPACE).await?.is_some() {
         nss.delete(NAMESPACE, &DeleteParams::default()).await?;
-        wait_for(
-            "the previous demo namespace to go",
+        wait_until(
             Duration::from_secs(120),
+            "the previous demo namespace to go",
             || {
                 let nss = nss.clone();
                 async move {
-                    Ok(match nss.get_opt(NAMESPACE).await? {
+                    Ok::<_, anyhow::Error>(match nss.get_opt(NAMESPACE).await? {
                         None => Check::Done(()),
                         Some(_) => Check::NotYet("still terminating".into()),
                     })
@@ -130,13 +131,13 @@ async fn fresh_namespace(client: &kube::Client) -> Result<()> {
     nss.create(&PostParams::default(), &ns).await?;
     let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> =
         Api::namespaced(client.clone(), NAMESPACE);
-    wait_for(
-        "the namespace's default ServiceAccount",
+    wait_until(
         Duration::from_secs(30),
+        "the namespace's default ServiceAccount",
         || {
             let sas = sas.clone();
             async move {
-                Ok(match sas.get_opt("default").await? {
+                Ok::<_, anyhow::Error>(match sas.get_opt("default").await? {
                     Some(_) => Check::Done(()),
                     None => Check::NotYet("not yet".into()),
                 })
@@ -148,7 +149,7 @@ async fn fresh_namespace(client: &kube::Client) -> Result<()> {
 }
 
 async fn rollout_done(deploys: &Api<Deployment>, replicas: i32) -> Result<()> {
-    wait_for("the Deployment rollout", Duration::from_secs(180), || {
+    wait_until(Duration::from_secs(180), "the Deployment rollout", || {
         let deploys = deploys.clone();
         async move {
             let d = deploys.get(APP).await?;
@@ -158,7 +159,7 @@ async fn rollout_done(deploys: &Api<Deployment>, replicas: i32) -> Result<()> {
                 && st.updated_replicas.unwrap_or_default() == replicas
                 && st.available_replicas.unwrap_or_default() == replicas
                 && st.replicas.unwrap_or_default() == replicas;
-            Ok(if done {
+            Ok::<_, anyhow::Error>(if done {
                 Check::Done(())
             } else {
                 Check::NotYet(format!(
@@ -231,11 +232,11 @@ async fn main() -> Result<()> {
     // The Service answers before the load starts (kube-proxy has the rules).
     let url = format!("http://{ip}/");
     let probe = remora_agent::http_client::HttpClient::new(Duration::from_secs(1));
-    wait_for("the Service to answer", Duration::from_secs(30), || {
+    wait_until(Duration::from_secs(30), "the Service to answer", || {
         let probe = probe.clone();
         let url = url.clone();
         async move {
-            Ok(match probe.get(&url).await {
+            Ok::<_, anyhow::Error>(match probe.get(&url).await {
                 Ok(r) if r.status == 200 => Check::Done(()),
                 Ok(r) => Check::NotYet(format!("HTTP {}", r.status)),
                 Err(e) => Check::NotYet(e.to_string()),
@@ -328,7 +329,7 @@ async fn main() -> Result<()> {
         .iter()
         .filter_map(|p| p.metadata.name.clone())
         .collect();
-    wait_for("the old pods to be gone", Duration::from_secs(120), || {
+    wait_until(Duration::from_secs(120), "the old pods to be gone", || {
         let seen = seen.clone();
         let old = old.clone();
         async move {
@@ -339,7 +340,7 @@ async fn main() -> Result<()> {
                 .iter()
                 .filter(|n| seen.get(*n).is_none_or(|s| s.gone_at.is_none()))
                 .count();
-            Ok(if left == 0 {
+            Ok::<_, anyhow::Error>(if left == 0 {
                 Check::Done(())
             } else {
                 Check::NotYet(format!("{left} still there"))

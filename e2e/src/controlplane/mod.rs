@@ -12,7 +12,6 @@ mod pki;
 pub mod process;
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -634,26 +633,6 @@ impl Drop for ControlPlane {
     }
 }
 
-/// remora-test-support's `wait_until` with the arguments in the order
-/// `e2e/src/bin/jobs-bench.rs` still calls it, and any error the harness
-/// knows; everything else calls `wait_until`.
-pub async fn wait_until<T, E, F, Fut>(
-    what: &str,
-    timeout: Duration,
-    mut check: F,
-) -> Result<T, Error>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Option<T>, E>>,
-    E: Into<Error>,
-{
-    remora_test_support::wait::wait_until(timeout, what, || {
-        let next = check();
-        async move { next.await.map_err(Into::into) }
-    })
-    .await
-}
-
 /// A free port. Another process may take it before the component binds
 /// it; [`ControlPlane::start`] retries for that.
 fn free_port() -> Result<u16, Error> {
@@ -747,22 +726,5 @@ mod tests {
         assert_eq!(sanitize(""), "test");
         assert_eq!(sanitize("ü"), "test");
         assert_eq!(sanitize(&"a".repeat(100)).len(), 40);
-    }
-
-    #[tokio::test]
-    async fn wait_until_times_out_and_returns_values() {
-        let mut n = 0;
-        let v = wait_until("n to reach 3", Duration::from_secs(5), || {
-            n += 1;
-            let r: Result<Option<i32>, Error> = Ok((n >= 3).then_some(n));
-            async move { r }
-        })
-        .await;
-        assert!(matches!(v, Ok(3)));
-        let e = wait_until("never", Duration::from_millis(120), || async {
-            Ok::<Option<()>, Error>(None)
-        })
-        .await;
-        assert!(matches!(e, Err(Error::Timeout { .. })));
     }
 }

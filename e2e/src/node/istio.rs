@@ -634,13 +634,12 @@ pub async fn require_image() -> Result<(), Error> {
                 detail: format!("no REMORA_CONTAINERD_BIN_DIR in {env:?}"),
             })
         })?;
-    let cluster_dir = std::env::var("REMORA_CLUSTER_DIR")
-        .unwrap_or_else(|_| "/var/tmp/remora-cluster".to_owned());
+    let socket = super::cluster_dir().join("containerd/containerd.sock");
     let listed = super::run(
         "ctr images ls",
         tokio::process::Command::new(format!("{bin_dir}/ctr"))
             .arg("--address")
-            .arg(format!("{cluster_dir}/containerd/containerd.sock"))
+            .arg(&socket)
             .args(["-n", "k8s.io", "images", "ls", "-q"])
             .arg(format!("name=={image}")),
     )

@@ -19,7 +19,6 @@ pub mod zero_loss;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::future::Future;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -119,16 +118,6 @@ impl Error {
 }
 
 pub use remora_test_support::wait::Check;
-
-/// remora-test-support's `wait_until` with the arguments in the order
-/// `e2e/src/bin/*` still call it; everything else calls `wait_until`.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, check: F) -> Result<T, Error>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Check<T>, Error>>,
-{
-    wait_until(timeout, what, check).await
-}
 
 /// Polls every `every` until pod `name` of `uid` is gone (deleted, or
 /// replaced by one of the same name), for at most `limit`; how long after
@@ -306,7 +295,7 @@ impl Node {
 
     /// `helm upgrade --install` of `charts/remora` as release [`RELEASE`]
     /// into `namespace`, with the locally built images and the workload CA
-    /// ([`node_chart_values`]) and `extra` `--set` values, `--wait`ing for
+    /// ([`node_settings`]) and `extra` `--set` values, `--wait`ing for
     /// the rollout. Idempotent: the same values again roll nothing. While
     /// helm waits, operator pods that cannot start (image not imported,
     /// crash loop) end the install at once with what the kubelet says.
@@ -322,7 +311,7 @@ impl Node {
     }
 
     /// [`Node::install_remora`] with the local images and only `values`
-    /// (none of [`node_chart_values`]): the chart's own defaults for
+    /// (none of [`node_settings`]): the chart's own defaults for
     /// everything else, as a user's `helm upgrade --install` gets them.
     pub async fn install_remora_with(
         &self,
@@ -349,7 +338,7 @@ static SHARED_REMORA: OnceCell<Remora> = OnceCell::const_new();
 
 impl Node {
     /// Remora installed once per test process into [`RELEASE_NAMESPACE`]
-    /// with [`node_chart_values`] (the local images, the CA on, discovery
+    /// with [`node_settings`] (the local images, the CA on, discovery
     /// off; the chart's defaults otherwise), for tests that only
     /// need it there; tests of install itself use [`Node::install_remora`].
     /// Concurrent callers wait for the one `helm upgrade --install`.
@@ -397,9 +386,7 @@ pub async fn pod_http_get(
 /// `harness_commit` and `harness_dirty`. Without that record the stamp is
 /// left as it is and `images_built_from` says so.
 pub fn stamp_images(doc: &mut serde_json::Map<String, serde_json::Value>) {
-    let dir = std::env::var("REMORA_CLUSTER_DIR")
-        .unwrap_or_else(|_| "/var/tmp/remora-cluster".to_owned());
-    let built = std::fs::read(Path::new(&dir).join("images/built-from.json"))
+    let built = std::fs::read(cluster_dir().join("images/built-from.json"))
         .ok()
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
         .filter(|b| b["commit"].is_string());
@@ -419,6 +406,14 @@ pub fn stamp_images(doc: &mut serde_json::Map<String, serde_json::Value>) {
             );
         }
     }
+}
+
+/// Where `scripts/cluster.sh` keeps the node's state (containerd's socket,
+/// the images' `built-from.json`): `$REMORA_CLUSTER_DIR`, else its default.
+pub fn cluster_dir() -> PathBuf {
+    std::env::var_os("REMORA_CLUSTER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/remora-cluster"))
 }
 
 /// The tag of the local images: `$REMORA_NODE_IMAGE_TAG`, else `dev`.
@@ -442,21 +437,14 @@ pub fn local_image_values() -> Vec<String> {
 }
 
 /// Every `--set` the node's install gives before a test's own (which win),
-/// on top of `values-local.yaml`: the local images' tag, the workload CA on, so injected pods get their
-/// certificates from the operator, and discovery off: the lifecycle tests
-/// sharing this release (node_pods, node_workloads, node_traffic,
-/// node_zero_loss, node_install, node_mtls) were written for sidecars in
-/// static mode, and the chart's "auto" would otherwise keep whatever the
-/// previous test binary left installed. Tests of discovery set it on
-/// (node_discovery, node_external); node_upgrade installs with the chart's
-/// own defaults.
-pub fn node_chart_values() -> Vec<String> {
-    let mut values = local_image_values();
-    values.extend(node_settings());
-    values
-}
-
-/// [`node_chart_values`] but the images.
+/// on top of `values-local.yaml` and [`local_image_values`]: the workload CA
+/// on, so injected pods get their certificates from the operator, and
+/// discovery off: the lifecycle tests sharing this release (node_pods,
+/// node_workloads, node_traffic, node_zero_loss, node_install, node_mtls)
+/// were written for sidecars in static mode, and the chart's "auto" would
+/// otherwise keep whatever the previous test binary left installed. Tests
+/// of discovery set it on (node_discovery, node_external); node_upgrade
+/// installs with the chart's own defaults.
 fn node_settings() -> Vec<String> {
     vec![
         "workloadCA.enabled=true".to_owned(),
@@ -703,7 +691,7 @@ impl Remora {
         &self.kubeconfig
     }
 
-    /// `helm upgrade --install --wait` with [`node_chart_values`] and `extra`.
+    /// `helm upgrade --install --wait` with [`node_settings`] and `extra`.
     pub async fn upgrade(&self, client: &Client, extra: &[String]) -> Result<Duration, Error> {
         let values: Vec<String> = node_settings()
             .into_iter()
