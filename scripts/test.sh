@@ -67,7 +67,7 @@ cleanup() {
 trap cleanup EXIT
 
 # The chart: lint (values.schema.json included) and render every mode; helm
-# comes from setup.sh. The e2e tests (e2e/tests/chart.rs) then hand the
+# comes from setup.sh. The e2e tests (e2e/tests/envtest/chart.rs) then hand the
 # rendered objects to the real API server with server-side dry-run, and the
 # node tests install it.
 helm_version=$(sed -n 's/^HELM_VERSION=//p' scripts/setup.sh)

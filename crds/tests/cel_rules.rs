@@ -69,7 +69,7 @@ fn cross_field_rules_fail() -> anyhow::Result<()> {
 
 /// The ExternalService's rules that the local evaluator supports (`isIP`,
 /// a Kubernetes library, is checked against the real API server in
-/// e2e/tests/external_crd.rs).
+/// e2e/tests/envtest/external_crd.rs).
 fn external_errors(spec: Value) -> anyhow::Result<Vec<String>> {
     let crd = serde_json::to_value(remora_crds::crds().remove(1))?;
     let schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone();

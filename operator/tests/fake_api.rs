@@ -1,8 +1,8 @@
 //! The operator's API-writing parts against small fake API servers over
 //! HTTP on 127.0.0.1:0: the self-managed CA (the first replica creates the
 //! Secret, a racing one adopts the winner's; the `caBundle` keeper watches,
-//! so it is tested on the real API server in `e2e/tests/chart.rs` and
-//! `e2e/tests/ca_rotation.rs`) and the
+//! so it is tested on the real API server in `e2e/tests/envtest/chart.rs` and
+//! `e2e/tests/envtest/ca_rotation.rs`) and the
 //! status controller (status subresource, live lifecycle annotation).
 
 use std::sync::{Arc, Mutex};

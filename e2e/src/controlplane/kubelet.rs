@@ -6,8 +6,8 @@
 
 use k8s_openapi::api::core::v1::{
     Binding, Container, ContainerState, ContainerStateRunning, ContainerStateTerminated,
-    ContainerStatus, Node, NodeAddress, NodeCondition, NodeStatus, ObjectReference, Pod,
-    PodCondition, PodSpec, PodStatus,
+    ContainerStatus, Node, NodeAddress, NodeCondition, NodeStatus, NodeSystemInfo, ObjectReference,
+    Pod, PodCondition, PodSpec, PodStatus,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -48,6 +48,7 @@ impl FakeKubelet {
             Err(kube::Error::Api(s)) if s.is_already_exists() => {}
             Err(e) => return Err(e.into()),
         }
+        let kubelet_version = client.apiserver_version().await?.git_version;
         let now = Time(Timestamp::now());
         let capacity = [("cpu", "8"), ("memory", "32Gi"), ("pods", "110")]
             .into_iter()
@@ -68,6 +69,19 @@ impl FakeKubelet {
             }]),
             allocatable: Some(capacity.clone()),
             capacity: Some(capacity),
+            // A kubelet of the API server's release, as on a real node: a
+            // Node without a version reads as one that cannot run native
+            // sidecars, and would turn them off for every test sharing the
+            // control plane.
+            node_info: Some(NodeSystemInfo {
+                kubelet_version: kubelet_version.clone(),
+                kube_proxy_version: kubelet_version,
+                architecture: std::env::consts::ARCH.into(),
+                operating_system: "linux".into(),
+                container_runtime_version: "remora-e2e://0".into(),
+                os_image: "remora e2e fake kubelet".into(),
+                ..NodeSystemInfo::default()
+            }),
             ..NodeStatus::default()
         };
         let patch = serde_json::json!({ "status": status });

@@ -10,7 +10,7 @@
 //!
 //! The marker names the files and the function in [`TABLES`] that renders
 //! them; prose stays outside. `results-tables --write` rewrites every block,
-//! `--check` (and `e2e/tests/docs.rs`) fails when a block disagrees with its
+//! `--check` (and `e2e/tests/repo/docs.rs`) fails when a block disagrees with its
 //! JSON. Tables read the files' data keys; only the caption reads the stamp
 //! (`commit`, `date`, `dirty`, `machine_before`/`machine_after`), and
 //! renders without it.

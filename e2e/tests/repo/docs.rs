@@ -1,7 +1,7 @@
 //! The docs name only what exists: every repository path a doc puts in
 //! backticks (`inject/src/patch.rs`, `operator/tests/`,
 //! `inject/src/{patch,container}.rs`, `charts/remora/values.yaml`) is there,
-//! and every test it cites as `file::test` (`e2e/tests/chart.rs::name`,
+//! and every test it cites as `file::test` (`e2e/tests/envtest/chart.rs::name`,
 //! `ca_rotation.rs::name`, `node_mtls::name`) is a `fn` of that file. Files
 //! move between crates; this keeps README.md, SECURITY.md and the crates'
 //! READMEs from pointing at where they used to be.
@@ -342,7 +342,7 @@ fn every_path_the_docs_name_exists() {
 /// The checker itself: what it takes for a path, and what it leaves alone.
 #[test]
 fn the_checker_reads_paths_and_tests_out_of_markdown() {
-    let text = "see `inject/src/{patch,offline}.rs` and `e2e/tests/chart.rs::a_test`,\n\
+    let text = "see `inject/src/{patch,offline}.rs` and `e2e/tests/envtest/chart.rs::a_test`,\n\
                 ```\nnot/checked.rs\n```\n[link](operator/README.md#x), `$REMORA_CACHE/helm`, \
                 `remora.dev/inject`, `/etc/remora/tls`, `kubectl get pods`";
     let spans: Vec<String> = spans(text).into_iter().map(|(_, s)| s).collect();
@@ -350,7 +350,7 @@ fn the_checker_reads_paths_and_tests_out_of_markdown() {
         spans,
         [
             "inject/src/{patch,offline}.rs",
-            "e2e/tests/chart.rs::a_test",
+            "e2e/tests/envtest/chart.rs::a_test",
             "$REMORA_CACHE/helm",
             "remora.dev/inject",
             "/etc/remora/tls",
@@ -382,9 +382,12 @@ fn the_checker_reads_paths_and_tests_out_of_markdown() {
     let tree = tree(&root);
     let top: BTreeSet<String> = tree.iter().filter(|p| !p.contains('/')).cloned().collect();
     let judge = |dir: &str, t: &str| judge(&root, dir, &top, &tree, t);
-    assert_eq!(judge("", "e2e/tests/docs.rs"), None);
+    assert_eq!(judge("", "e2e/tests/repo/docs.rs"), None);
     assert_eq!(
-        judge("", "e2e/tests/docs.rs::every_path_the_docs_name_exists"),
+        judge(
+            "",
+            "e2e/tests/repo/docs.rs::every_path_the_docs_name_exists"
+        ),
         None
     );
     assert_eq!(
@@ -394,9 +397,9 @@ fn the_checker_reads_paths_and_tests_out_of_markdown() {
         ),
         None
     );
-    assert_eq!(judge("e2e", "tests/docs.rs"), None);
+    assert_eq!(judge("e2e", "tests/repo/docs.rs"), None);
     assert!(judge("", "e2e/tests/nowhere.rs").is_some());
-    assert!(judge("", "e2e/tests/docs.rs::no_such_test").is_some());
+    assert!(judge("", "e2e/tests/repo/docs.rs::no_such_test").is_some());
     assert!(
         judge("", "injector/src/mutate.rs").is_some(),
         "a moved file"

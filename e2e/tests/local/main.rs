@@ -1,0 +1,14 @@
+//! Tests of real processes on loopback, with no API server: Envoy, the agent,
+//! the operator's discovery server, the test app and the traffic library.
+//! One binary, one module per subject.
+
+mod contract_agreement;
+mod delta_xds;
+mod demo;
+mod images;
+mod inbound_xds;
+mod lifecycle;
+mod podrunner;
+mod scale;
+mod secure_naming;
+mod traffic;
