@@ -73,14 +73,19 @@ const CLIENT: &[&str] = &[
 /// The part a server allocation is charged to: the first of these found
 /// walking the stack from the allocation outwards.
 const PARTS: &[(&str, &str)] = &[
-    // Before tonic's: its frames name the generated trait too.
+    // Before tonic's: its frames name the ADS service's routing too.
     (
         "discovery::server::AdsService",
         "remora: the stream's task (spawned future)",
     ),
     (
-        "aggregated_discovery_service_server",
-        "tonic: codec buffers of the generated ADS service (8 KiB each way)",
+        "discovery::ads_grpc",
+        "tonic: ADS codec buffers (from 512 B, grown to the largest message)",
+    ),
+    // The response encoder's buffer grows as h2 polls the response body.
+    (
+        "hyper::proto::h2::PipeToSendStream",
+        "tonic: ADS codec buffers (from 512 B, grown to the largest message)",
     ),
     (
         "hyper::proto::h2::server::Server",

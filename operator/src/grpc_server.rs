@@ -99,6 +99,12 @@ pub struct Limits {
     pub streams: usize,
     /// Requests (streams) open at once on one connection.
     pub streams_per_connection: u32,
+    /// HTTP/2 flow control windows: how many request bytes a client may
+    /// send on one stream, and over its connection, before the service has
+    /// read them (what h2 buffers for a stream that is busy elsewhere).
+    /// `None`: hyper's, 1 MiB each.
+    pub stream_window: Option<u32>,
+    pub connection_window: Option<u32>,
 }
 
 impl Default for Limits {
@@ -115,6 +121,8 @@ impl Default for Limits {
             max_in_flight: 256,
             streams: 16_384,
             streams_per_connection: 64,
+            stream_window: None,
+            connection_window: None,
         }
     }
 }
@@ -513,6 +521,8 @@ where
             .timer(TokioTimer::new())
             .max_concurrent_streams(limits.streams_per_connection)
             .max_header_list_size(MAX_HEADER_LIST_BYTES)
+            .initial_stream_window_size(limits.stream_window)
+            .initial_connection_window_size(limits.connection_window)
             .keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10));
         let conn = builder.serve_connection(TokioIo::new(tls), TowerToHyperService::new(svc));

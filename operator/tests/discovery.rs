@@ -351,6 +351,62 @@ async fn a_proxy_gets_its_declared_service_then_endpoint_changes_as_eds_only() {
     s.stop.cancel();
 }
 
+/// The ADS codec's buffers start small and grow on demand
+/// (`discovery::ads_grpc`), and the server's HTTP/2 window is 64 KiB: a
+/// first request larger than both (Envoy's node lists its hundreds of
+/// extensions; these are more) is read whole, and so is a push far larger
+/// than the buffers (a Service of 2,000 endpoints, more than tonic's usual
+/// 32 KiB batch), and the stream goes on with small messages after.
+#[tokio::test]
+async fn requests_and_pushes_larger_than_the_codec_buffers_arrive_whole() {
+    use envoy_types::pb::envoy::config::core::v3::Extension;
+    use prost::Message;
+    use remora_operator::discovery::ads_grpc::BUFFER_BYTES;
+    use remora_operator::discovery::serve::WINDOW;
+
+    let s = Server::start().await;
+    let h2 = s.connect().await;
+    let mut c = client(&h2);
+    let mut first = hello("web-0");
+    if let Some(n) = first.node.as_mut() {
+        n.extensions = (0..2000)
+            .map(|i| Extension {
+                name: format!("envoy.filters.network.extension_number_{i}"),
+                category: "envoy.filters.network".into(),
+                ..Default::default()
+            })
+            .collect();
+    }
+    let len = first.encoded_len();
+    assert!(len > WINDOW as usize && len > 20 * BUFFER_BYTES, "{len}");
+    let mut p = open(&mut c, Some(&token(WEB)), first)
+        .await
+        .expect("admitted");
+    subscribed(&mut p).await;
+
+    let ips: Vec<String> = (0..2000)
+        .map(|i| format!("10.2.{}.{}", i / 250, i % 250 + 1))
+        .collect();
+    let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&refs)));
+    let big = p.next().await.expect("push");
+    assert!(big.encoded_len() > 32 * 1024, "{}", big.encoded_len());
+    let got = endpoints(&big);
+    assert_eq!(got.len(), ips.len());
+    for ip in [&ips[0], &ips[1999]] {
+        assert!(got.iter().any(|e| e.contains(ip.as_str())), "{ip} missing");
+    }
+    p.send(request(ENDPOINTS, &[CART], Some(&big)));
+
+    // Small again after it: the stream goes on.
+    s.discovery
+        .update(|r| r.apply_slice(("shop".into(), "cart-1".into()), slice(&["10.1.0.9"])));
+    let small = p.next().await.expect("push");
+    assert_eq!(endpoints(&small).len(), 1);
+    s.stop.cancel();
+}
+
 /// A proxy whose agent reconnects names, on its new stream, the versions
 /// it holds: what is unchanged is not sent again, and the nonces of the two
 /// streams never meet.

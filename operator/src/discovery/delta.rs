@@ -44,7 +44,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 
 use super::resources::{self, Snapshot};
 use super::session::{
-    MAX_NACK_DETAIL, Nonces, Outcome, Push, Reply, SessionError, StreamSession, bounded,
+    ByType, MAX_NACK_DETAIL, Nonces, Outcome, Push, Reply, SessionError, StreamSession, bounded,
     served_type,
 };
 
@@ -81,7 +81,7 @@ struct TypeState {
 /// One proxy's delta stream, apart from its connection.
 #[derive(Debug)]
 pub struct DeltaSession {
-    types: BTreeMap<&'static str, TypeState>,
+    types: ByType<TypeState>,
     nonces: Nonces,
 }
 
@@ -90,7 +90,7 @@ impl DeltaSession {
     /// stream, as [`super::session::Session::new`]'s).
     pub fn new(nonce_prefix: impl Into<String>) -> Self {
         Self {
-            types: BTreeMap::new(),
+            types: ByType::default(),
             nonces: Nonces::new(nonce_prefix),
         }
     }
@@ -114,7 +114,7 @@ impl DeltaSession {
     ) -> Result<Outcome<DeltaDiscoveryResponse>, SessionError> {
         let t = served_type(&req.type_url)?;
         let first = !self.types.contains_key(t);
-        let state = self.types.entry(t).or_default();
+        let state = self.types.or_default(t);
         let too_many = SessionError::TooManyNames {
             max: MAX_NAMES,
             max_len: MAX_NAME_BYTES,
@@ -140,6 +140,11 @@ impl DeltaSession {
                 },
                 None => Reply::Stale,
             };
+            if state.pending.is_empty() {
+                // All answered, as is usual between pushes: its room goes
+                // back rather than staying with every idle stream.
+                state.pending = VecDeque::new();
+            }
         }
 
         let mut subscribed = false;

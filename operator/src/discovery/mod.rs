@@ -13,8 +13,10 @@
 //! - [`delta`]: the same for a delta stream (per-resource versions,
 //!   subscriptions, resuming from what the proxy holds), pure;
 //! - [`server`]: the ADS service (authentication, then each stream's
-//!   session), served by [`crate::grpc_server`].
+//!   session), served by [`crate::grpc_server`] through [`ads_grpc`]
+//!   (tonic's routing of it, with small codec buffers).
 
+pub mod ads_grpc;
 pub mod delta;
 pub mod external;
 pub mod feed;

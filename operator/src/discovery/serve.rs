@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 use remora_contract::discovery::MAX_REQUEST_BYTES;
 use rustls::server::ResolvesServerCert;
 use tokio::net::TcpListener;
@@ -12,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use crate::grpc_server::{Limits, ServeError};
 
+use super::ads_grpc::AdsServer;
 use super::server::AdsService;
 use crate::pki::workload_ca::authn::Authenticate;
 
@@ -19,6 +19,9 @@ use crate::pki::workload_ca::authn::Authenticate;
 /// few Services it declared, far below this even with thousands of
 /// endpoints.
 pub const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
+
+/// [`limits`]' HTTP/2 flow control windows (per stream and per connection).
+pub const WINDOW: u32 = 64 * 1024;
 
 /// The discovery server's bounds: the CA's, but a connection lives as long
 /// as its stream (30 min at most, then the proxy reconnects, possibly to
@@ -36,6 +39,14 @@ pub fn limits() -> Limits {
         connections: 16_384,
         streams: 16_384,
         streams_per_connection: 4,
+        // HTTP/2's own default window, not hyper's 1 MiB: a stream whose
+        // task is busy pushing (up to its send timeout) can have this much
+        // of its proxy's requests waiting in h2, on each of thousands of
+        // streams. Requests are ACKs of ~150 bytes; one larger than the
+        // window (a resume naming thousands of resources, up to
+        // MAX_REQUEST_BYTES) still arrives, at a window per round trip.
+        stream_window: Some(WINDOW),
+        connection_window: Some(WINDOW),
         ..Limits::default()
     }
 }
@@ -50,9 +61,7 @@ pub async fn serve<A: Authenticate>(
     token: CancellationToken,
 ) -> Result<(), ServeError> {
     let metrics = service.metrics.clone();
-    let svc = AggregatedDiscoveryServiceServer::new(service)
-        .max_decoding_message_size(MAX_REQUEST_BYTES)
-        .max_encoding_message_size(MAX_RESPONSE_BYTES);
+    let svc = AdsServer::new(service, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES);
     crate::grpc_server::serve(
         "discovery",
         listener,
