@@ -30,6 +30,37 @@ pub const PROXY_SOCKET: &str = "xds.sock";
 /// to it on the stream it holds for Envoy and keeps it from Envoy.
 pub const POD_ANNOTATIONS_TYPE: &str = "type.googleapis.com/remora.v1.PodAnnotations";
 
+/// The type URL of the resource that tells a pod's agent how the
+/// withdrawal of its pod's endpoints stands (`remora.v1.Withdrawal` in
+/// remora-proto), the contract of confirmed removal (issue 30):
+///
+/// - when the pod starts deleting or stops being Ready, the discovery
+///   server removes its addresses from every Service's endpoints at once
+///   and waits for each proxy that held them (its last EDS response named
+///   one) to ACK an EDS response without them;
+/// - the pod's own agent (and no one else: as for
+///   [`POD_ANNOTATIONS_TYPE`], the only resource of this type a stream is
+///   sent is its own pod's, named `<namespace>/<pod>`) subscribes to this
+///   type on the stream it holds for Envoy, and keeps it from Envoy;
+/// - while the pod is withdrawn the resource is present: `expected`
+///   proxies were waited for, of which `confirmed` ACKed a version without
+///   the pod and `gone` ended their stream first; `pending` names (as
+///   `<namespace>/<pod>`, sorted) at most [`MAX_WITHDRAWAL_PENDING_NAMES`]
+///   of the others; `done` once none is pending, with
+///   `last_confirmation_ms` from the withdrawal to the last confirmation.
+///   It is updated as confirmations arrive (intermediate counts may be
+///   debounced; `done` is sent at once);
+/// - absent: the pod is not withdrawn (serving, or not known to this
+///   replica yet); a pod Ready again has its withdrawal forgotten.
+///
+/// What the agent does with it (holding the app's SIGTERM until `done`,
+/// bounded) is not built yet.
+pub const WITHDRAWAL_TYPE: &str = "type.googleapis.com/remora.v1.Withdrawal";
+
+/// The most proxies a `remora.v1.Withdrawal` names as pending: the counts
+/// are whole, the names are for a human reading an Event or a log.
+pub const MAX_WITHDRAWAL_PENDING_NAMES: usize = 32;
+
 /// Whether the discovery server sends annotation `key` to the pod's agent:
 /// those the agent reads while it runs, nothing else of the pod.
 pub fn sent_to_agent(key: &str) -> bool {

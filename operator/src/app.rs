@@ -337,6 +337,7 @@ async fn start_discovery(
         },
         d_args.push_throttle,
     );
+    state.withdrawals.metrics.register(registry);
     rt.spawn_until_shutdown("discovery-debounce", debounce);
     // ExternalServices of the operator's namespace may claim any host.
     let mesh_ns = args.operator_namespace.clone();

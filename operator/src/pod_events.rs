@@ -1,5 +1,6 @@
-//! Warning Events on a pod from a server that answers many pods (the
-//! workload CA's refusals, the discovery server's NACKs), published on
+//! Events on a pod from a server that answers many pods (Warnings: the
+//! workload CA's refusals, the discovery server's NACKs; Normal: the
+//! discovery server's confirmed withdrawals), published on
 //! tasks of their own so the answer is not held up by the API server, and
 //! a bounded number at a time: more are dropped (the servers count them in
 //! their metrics all the same), so a pod misbehaving in a loop cannot make
@@ -15,7 +16,7 @@ const MAX_IN_FLIGHT: usize = 8;
 /// Kubernetes refuses an Event note over 1 kB.
 const MAX_NOTE_BYTES: usize = 1024;
 
-/// One Warning Event on a pod.
+/// One Event on a pod (a Warning, or Normal through [`PodEvents::normal`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Warning {
     pub namespace: String,
@@ -58,6 +59,16 @@ impl PodEvents {
 
     /// Publish `w` unless [`MAX_IN_FLIGHT`] are being published already.
     pub fn warn(&self, w: Warning) {
+        self.publish(EventType::Warning, w);
+    }
+
+    /// [`PodEvents::warn`], as a Normal Event (the test double's channel
+    /// carries both).
+    pub fn normal(&self, w: Warning) {
+        self.publish(EventType::Normal, w);
+    }
+
+    fn publish(&self, type_: EventType, w: Warning) {
         let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() else {
             tracing::debug!(
                 reason = w.reason,
@@ -73,7 +84,7 @@ impl PodEvents {
             }
         };
         let event = Event {
-            type_: EventType::Warning,
+            type_,
             reason: w.reason.into(),
             note: Some(bounded_note(w.note)),
             action: w.action.into(),

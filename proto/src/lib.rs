@@ -4,7 +4,7 @@
 //!   `istio.v1.auth.IstioCertificateService/CreateCertificate` (client and
 //!   server stubs), used by the agent's CA certificate source and by test CAs.
 //! - [`remora::v1`]: what the discovery server tells an agent about its pod
-//!   on the ADS stream ([`remora::v1::PodAnnotations`]).
+//!   on the ADS stream ([`remora::v1::PodAnnotations`], [`remora::v1::Withdrawal`]).
 
 pub mod istio {
     pub mod v1 {

@@ -220,6 +220,11 @@ pub struct LiveStatus {
     /// The discovery server checks a proxy's node id against it.
     #[serde(rename = "podIP")]
     pub pod_ip: Option<String>,
+    /// Its `Ready` condition (`None`: not reported yet): the discovery
+    /// server withdraws a pod that stops being Ready from its Services'
+    /// endpoints at once.
+    #[serde(default, rename = "conditions", deserialize_with = "ready_condition")]
+    pub ready: Option<bool>,
     #[serde(default, deserialize_with = "bounded_list")]
     pub container_statuses: Option<Vec<LiveContainerStatus>>,
 }
@@ -515,6 +520,55 @@ impl<'de> Deserialize<'de> for ControllerRef {
     }
 }
 
+/// Of a pod's conditions, its `Ready` one's status; the others (and every
+/// message) are read past, never allocated.
+fn ready_condition<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+    #[derive(Deserialize)]
+    struct Condition {
+        #[serde(rename = "type")]
+        type_: Option<ConditionWord>,
+        status: Option<ConditionWord>,
+    }
+    /// A short word (`Ready`, `True`): anything longer reads as none.
+    struct ConditionWord(Option<String>);
+    impl<'de> Deserialize<'de> for ConditionWord {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            Bounded(32).deserialize(d).map(ConditionWord)
+        }
+    }
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Option<bool>;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a list of conditions")
+        }
+
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_seq(self)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<Self::Value, A::Error> {
+            let mut ready = None;
+            while let Some(c) = s.next_element::<Condition>()? {
+                if c.type_.and_then(|t| t.0).as_deref() == Some("Ready") {
+                    ready = Some(c.status.and_then(|s| s.0).as_deref() == Some("True"));
+                }
+            }
+            Ok(ready)
+        }
+    }
+    d.deserialize_option(V)
+}
+
 /// A list of at most [`MAX_CONTAINERS`] elements; a longer one reads as
 /// absent, the rest read past, never allocated.
 fn bounded_list<'de, D, T>(d: D) -> Result<Option<Vec<T>>, D::Error>
@@ -624,6 +678,16 @@ impl LivePod {
 
     pub fn inbound_tls(&self) -> Option<&str> {
         self.annotations().get(INBOUND_TLS).map(String::as_str)
+    }
+
+    /// Its `Ready` condition, once reported.
+    pub fn ready(&self) -> Option<bool> {
+        self.status.as_ref()?.ready
+    }
+
+    /// Whether it has been asked to stop (a deletion timestamp).
+    pub fn deleting(&self) -> bool {
+        self.metadata.deletion_timestamp.is_some()
     }
 
     pub fn phase(&self) -> Option<&str> {
@@ -839,10 +903,15 @@ impl Slim {
                 ..LiveSpec::default()
             });
             // What the discovery server reads of a pod it serves.
-            p.status = p.status.take().and_then(|s| s.pod_ip).map(|ip| LiveStatus {
-                pod_ip: Some(ip),
-                ..LiveStatus::default()
-            });
+            p.status = p
+                .status
+                .take()
+                .filter(|s| s.pod_ip.is_some() || s.ready.is_some())
+                .map(|s| LiveStatus {
+                    pod_ip: s.pod_ip,
+                    ready: s.ready,
+                    ..LiveStatus::default()
+                });
         }
     }
 }
@@ -1027,6 +1096,50 @@ mod tests {
         );
         // The Jobs controller never looks further into it.
         assert!(!crate::controllers::jobs::may_complete(&live));
+    }
+
+    #[test]
+    fn an_injected_pod_keeps_its_ready_condition_and_deletion() {
+        use k8s_openapi::api::core::v1::PodCondition;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let pod = |conditions: Option<Vec<(&str, &str)>>, deleting: bool| Pod {
+            metadata: ObjectMeta {
+                name: Some("web-0".into()),
+                annotations: Some([(STATUS.to_string(), "{}".to_string())].into()),
+                deletion_timestamp: deleting.then(|| Time(Default::default())),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                restart_policy: Some("Always".into()),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                conditions: conditions.map(|cs| {
+                    cs.into_iter()
+                        .map(|(t, s)| PodCondition {
+                            type_: t.into(),
+                            status: s.into(),
+                            message: Some("x".repeat(10_000)),
+                            ..Default::default()
+                        })
+                        .collect()
+                }),
+                ..PodStatus::default()
+            }),
+        };
+        let read_back = |p: &Pod| {
+            let live = read(p);
+            (live.ready(), live.deleting())
+        };
+        assert_eq!(read_back(&pod(None, false)), (None, false));
+        let ready = vec![("PodScheduled", "True"), ("Ready", "True")];
+        assert_eq!(read_back(&pod(Some(ready), false)), (Some(true), false));
+        let unready = vec![("Ready", "False"), ("ContainersReady", "True")];
+        assert_eq!(read_back(&pod(Some(unready), true)), (Some(false), true));
+        assert_eq!(
+            read_back(&pod(Some(vec![("Ready", "Unknown")]), false)),
+            (Some(false), false)
+        );
     }
 
     #[test]

@@ -316,6 +316,10 @@ impl StreamSession for DeltaSession {
     fn push(&mut self, snapshot: &Snapshot) -> Vec<Push<DeltaDiscoveryResponse>> {
         DeltaSession::push(self, snapshot)
     }
+
+    fn holds(&self, t: &str, name: &str) -> bool {
+        self.held(t).is_some_and(|h| h.contains_key(name))
+    }
 }
 
 #[cfg(test)]

@@ -267,12 +267,13 @@ fn external_workload_changed(d: &Discovery, c: &Change<ExternalWorkload>) {
 fn pod_changed(d: &Discovery, c: &Change<LivePod>) {
     let o = c.object();
     match (c, ProxyInfo::read(o)) {
-        (Change::Applied(_), Some((key, info))) => d.update(|r| r.apply_proxy(key, info)),
+        // Withdrawn at once when it starts deleting or stops being Ready.
+        (Change::Applied(_), Some((key, info))) => d.apply_proxy(key, info),
         _ => {
             if let (Some(namespace), Some(name)) =
                 (o.metadata.namespace.clone(), o.metadata.name.clone())
             {
-                d.update(|r| r.delete_proxy(&PodKey { namespace, name }));
+                d.delete_proxy(&PodKey { namespace, name });
             }
         }
     }

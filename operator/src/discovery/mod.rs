@@ -28,6 +28,7 @@ pub mod resources;
 pub mod serve;
 pub mod server;
 pub mod session;
+pub mod withdrawal;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;

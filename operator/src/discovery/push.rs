@@ -6,6 +6,11 @@
 //!
 //! Pushes are throttled ([`Throttle`]): at most so many streams recompute
 //! and send at once, across all streams, as Istio's `PILOT_PUSH_THROTTLE`.
+//!
+//! A withdrawal ([`Discovery::apply_proxy`] of a pod that starts deleting
+//! or stops being Ready) is not debounced: its batch (the endpoints of the
+//! Services the pod backs, and the pod's own proxy) goes out at once, and so
+//! does the news that a withdrawal is done ([`super::withdrawal`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -17,8 +22,9 @@ use tokio::sync::{Semaphore, SemaphorePermit, mpsc, watch};
 use tokio::time::Instant;
 
 use super::inbound::ServedInbound;
-use super::registry::{PodKey, Registry, Touched};
+use super::registry::{PodKey, ProxyInfo, Registry, Touched};
 use super::resources::{self, Snapshot};
+use super::withdrawal::{Changed, EdsView, StreamId, Tracker};
 
 /// The debounce. The defaults (100 ms quiet, 1 s at most) were chosen by
 /// measurement (`benches/discovery_push.rs --debounce-quiet-ms`, README).
@@ -132,6 +138,15 @@ impl Batch {
     }
 }
 
+/// A change for the debounce.
+#[derive(Debug)]
+pub enum Change {
+    /// Gathered into the next batch.
+    Later(Touched),
+    /// Pushed at once, in a batch of its own.
+    Now(Vec<Touched>),
+}
+
 /// Snapshots (without the pod's own part) by outbound annotation and
 /// inbound listeners (the replicas of a workload share both).
 type SharedSnapshots = HashMap<(Option<Arc<str>>, Arc<ServedInbound>), Snapshot>;
@@ -145,8 +160,12 @@ pub struct Discovery {
     /// of a workload carry the same annotation, so a change the fleet
     /// depends on is generated once per distinct annotation, not per proxy.
     shared: Mutex<(u64, SharedSnapshots)>,
-    changes: mpsc::UnboundedSender<Touched>,
+    changes: mpsc::UnboundedSender<Change>,
     batches: watch::Receiver<Arc<Batch>>,
+    /// Who has confirmed each withdrawal.
+    pub withdrawals: Tracker,
+    /// The last stream number given.
+    streams: AtomicU64,
     /// The cluster's DNS domain (`cluster.local`).
     pub domain: String,
     /// The workload CA's trust domain when it is on: meshed endpoints are
@@ -188,6 +207,8 @@ impl Discovery {
             shared: Mutex::default(),
             changes,
             batches,
+            withdrawals: Tracker::default(),
+            streams: AtomicU64::new(0),
             domain: domain.to_string(),
             trust_domain: trust_domain.map(str::to_string),
             throttle: Throttle::new(push_throttle),
@@ -207,8 +228,111 @@ impl Discovery {
         };
         for t in touched {
             // The debounce ends only when every Discovery is gone.
-            let _ = self.changes.send(t);
+            let _ = self.changes.send(Change::Later(t));
         }
+    }
+
+    /// Push `touched` at once, in a batch of its own.
+    fn push_now(&self, touched: Vec<Touched>) {
+        if !touched.is_empty() {
+            let _ = self.changes.send(Change::Now(touched));
+        }
+    }
+
+    /// A proxy's pod created or changed ([`Registry::apply_proxy`]). If it
+    /// starts deleting or stops being Ready, its addresses are withdrawn:
+    /// pushed at once to the dependents of the Services it backs, and who
+    /// held them is tracked ([`Tracker::withdraw`]); if it is Ready again,
+    /// its withdrawal is forgotten and it serves again.
+    pub fn apply_proxy(&self, key: PodKey, info: ProxyInfo) {
+        let (touched, now) = {
+            let mut r = self
+                .registry
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            self.revision.fetch_add(1, Ordering::Release);
+            let was = r.is_withdrawn(&key);
+            let addresses = r.addresses(&key);
+            let touched = r.apply_proxy(key.clone(), info);
+            let is = r.is_withdrawn(&key);
+            // Under the registry's lock: a stream computing its snapshot
+            // after this sees both the endpoints and the withdrawal.
+            match (was, is) {
+                (false, true) => {
+                    let p = self
+                        .withdrawals
+                        .withdraw(key.clone(), addresses, Instant::now());
+                    tracing::debug!(pod = ?key, waiting = p.expected, "discovery: endpoints withdrawn");
+                }
+                (true, false) => {
+                    self.withdrawals.restore(&key);
+                }
+                _ => {}
+            }
+            (touched, was != is)
+        };
+        if now {
+            self.push_now(touched);
+        } else {
+            for t in touched {
+                let _ = self.changes.send(Change::Later(t));
+            }
+        }
+    }
+
+    /// A proxy's pod gone from the watch: its withdrawal, if any, ends.
+    pub fn delete_proxy(&self, key: &PodKey) {
+        self.update(|r| r.delete_proxy(key));
+        self.withdrawals.restore(key);
+    }
+
+    /// A new stream's number.
+    pub fn stream_id(&self) -> StreamId {
+        self.streams.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Stream `id` of `pod`'s proxy sent EDS of `snapshot`, after which the
+    /// proxy holds the load assignments `holds` says. Returns the
+    /// withdrawals that became done.
+    pub fn eds_sent(
+        &self,
+        id: StreamId,
+        pod: &PodKey,
+        snapshot: &Snapshot,
+        holds: impl Fn(&str) -> bool,
+    ) -> Vec<Changed> {
+        let view = EdsView::new(&snapshot.addresses, holds);
+        let c = self
+            .withdrawals
+            .sent(id, pod, &snapshot.endpoints.version, view);
+        self.withdrawals_changed(c)
+    }
+
+    /// Stream `id`'s proxy ACKed (or NACKed) EDS version `version`.
+    /// Returns the withdrawals that became done.
+    pub fn eds_answered(&self, id: StreamId, version: &str, acked: bool) -> Vec<Changed> {
+        let c = self
+            .withdrawals
+            .answered(id, version, acked, Instant::now());
+        self.withdrawals_changed(c)
+    }
+
+    /// Stream `id` ended. Returns the withdrawals that became done.
+    pub fn stream_ended(&self, id: StreamId) -> Vec<Changed> {
+        let c = self.withdrawals.gone(id);
+        self.withdrawals_changed(c)
+    }
+
+    /// The withdrawn pods' own proxies are told: at once when done,
+    /// debounced before. Returns those done.
+    fn withdrawals_changed(&self, changed: Vec<Changed>) -> Vec<Changed> {
+        let (done, progress): (Vec<Changed>, Vec<Changed>) =
+            changed.into_iter().partition(|c| c.settled);
+        for c in progress {
+            let _ = self.changes.send(Change::Later(Touched::Pod(c.pod)));
+        }
+        self.push_now(done.iter().map(|c| Touched::Pod(c.pod.clone())).collect());
+        done
     }
 
     /// Read the registry.
@@ -250,6 +374,11 @@ impl Discovery {
                 }
             };
             s.pod = resources::pod_annotations(&pod.namespace, &pod.name, &p.agent_annotations);
+            s.withdrawal = resources::withdrawal(
+                &pod.namespace,
+                &pod.name,
+                self.withdrawals.progress(pod).as_ref(),
+            );
             Some(s)
         })
     }
@@ -259,37 +388,63 @@ impl Discovery {
     }
 }
 
-/// Gather changes into batches (see the module doc) until `rx` closes.
+/// Add what `t` touched to `batch`.
+fn add(batch: &mut Batch, t: Touched) {
+    match t {
+        Touched::Service(s) | Touched::Endpoints(s) => {
+            batch.services.insert(s);
+        }
+        Touched::Pod(p) => {
+            batch.pods.insert(p);
+        }
+    }
+}
+
+/// Gather changes into batches (see the module doc) until `rx` closes;
+/// [`Change::Now`] is sent at once, in a batch of its own, whatever is
+/// being gathered meanwhile.
 pub async fn run(
-    mut rx: mpsc::UnboundedReceiver<Touched>,
+    mut rx: mpsc::UnboundedReceiver<Change>,
     tx: watch::Sender<Arc<Batch>>,
     debounce: Debounce,
 ) {
     let mut generation = 0u64;
+    let mut send = |mut batch: Batch| {
+        generation += 1;
+        batch.generation = generation;
+        tx.send_replace(Arc::new(batch));
+    };
     loop {
-        let Some(first) = rx.recv().await else { return };
         let mut batch = Batch::default();
-        let mut add = |t: Touched| match t {
-            Touched::Service(s) | Touched::Endpoints(s) => {
-                batch.services.insert(s);
+        match rx.recv().await {
+            None => return,
+            Some(Change::Now(ts)) => {
+                ts.into_iter().for_each(|t| add(&mut batch, t));
+                send(batch);
+                continue;
             }
-            Touched::Pod(p) => {
-                batch.pods.insert(p);
-            }
-        };
-        add(first);
+            Some(Change::Later(t)) => add(&mut batch, t),
+        }
         let deadline = Instant::now() + debounce.max_delay;
+        let quiet = || (Instant::now() + debounce.quiet).min(deadline);
+        // A change now does not extend the window of those gathered.
+        let mut quiet_until = quiet();
         loop {
-            let quiet_until = (Instant::now() + debounce.quiet).min(deadline);
             match tokio::time::timeout_at(quiet_until, rx.recv()).await {
-                Ok(Some(t)) => add(t),
+                Ok(Some(Change::Later(t))) => {
+                    add(&mut batch, t);
+                    quiet_until = quiet();
+                }
+                Ok(Some(Change::Now(ts))) => {
+                    let mut now = Batch::default();
+                    ts.into_iter().for_each(|t| add(&mut now, t));
+                    send(now);
+                }
                 // Gone: push what was gathered, then end.
                 Ok(None) | Err(_) => break,
             }
         }
-        generation += 1;
-        batch.generation = generation;
-        tx.send_replace(Arc::new(batch));
+        send(batch);
         if rx.is_closed() && rx.is_empty() {
             return;
         }
@@ -316,9 +471,9 @@ mod tests {
 
         // Two changes 50 ms apart: one batch, 100 ms after the second.
         let start = Instant::now();
-        tx.send(svc("a")).expect("send");
+        tx.send(Change::Later(svc("a"))).expect("send");
         tokio::time::sleep(Duration::from_millis(50)).await;
-        tx.send(svc("b")).expect("send");
+        tx.send(Change::Later(svc("b"))).expect("send");
         brx.changed().await.expect("batch");
         assert_eq!(start.elapsed(), Duration::from_millis(150));
         let b = brx.borrow_and_update().clone();
@@ -331,7 +486,7 @@ mod tests {
             let tx = tx.clone();
             async move {
                 loop {
-                    if tx.send(svc("c")).is_err() {
+                    if tx.send(Change::Later(svc("c"))).is_err() {
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -342,6 +497,35 @@ mod tests {
         assert_eq!(start.elapsed(), d.max_delay);
         assert_eq!(brx.borrow_and_update().generation, 2);
         feeding.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_change_now_is_pushed_at_once_whatever_is_being_gathered() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (btx, mut brx) = watch::channel(Arc::new(Batch::default()));
+        tokio::spawn(run(rx, btx, Debounce::default()));
+        let start = Instant::now();
+        tx.send(Change::Later(svc("a"))).expect("send");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        tx.send(Change::Now(vec![svc("w")])).expect("send");
+        brx.changed().await.expect("batch");
+        // Not a moment of the quiet window waited for.
+        assert_eq!(start.elapsed(), Duration::from_millis(10));
+        let b = brx.borrow_and_update().clone();
+        assert_eq!((b.generation, b.services.len()), (1, 1));
+        assert!(b.services.iter().all(|s| s.name == "w"));
+        // What was being gathered goes out after its window, next.
+        brx.changed().await.expect("batch");
+        assert_eq!(start.elapsed(), Duration::from_millis(100));
+        let b = brx.borrow_and_update().clone();
+        assert_eq!(b.generation, 2);
+        assert!(b.services.iter().all(|s| s.name == "a"));
+        // And with nothing being gathered.
+        let start = Instant::now();
+        tx.send(Change::Now(vec![svc("x")])).expect("send");
+        brx.changed().await.expect("batch");
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        assert_eq!(brx.borrow_and_update().generation, 3);
     }
 
     #[tokio::test(start_paused = true)]

@@ -218,6 +218,10 @@ pub struct ProxyInfo {
     /// The inbound ports on which its sidecar accepts the mesh's mTLS
     /// (`remora.dev/status`): none unless the workload CA is wired.
     pub mtls_ports: BTreeSet<u16>,
+    /// Its pod is deleting or not Ready: its addresses are withdrawn from
+    /// every Service's endpoints, whatever its EndpointSlices still say
+    /// (a terminating pod stays `serving` in them).
+    pub withdrawn: bool,
 }
 
 impl ProxyInfo {
@@ -241,6 +245,7 @@ impl ProxyInfo {
                     .injected()
                     .map(|i| i.mtls_ports.iter().copied().collect())
                     .unwrap_or_default(),
+                withdrawn: pod.deleting() || pod.ready() == Some(false),
             },
         ))
     }
@@ -310,6 +315,9 @@ pub struct Registry {
     /// endpoints change with what the pod's sidecar accepts).
     by_pod: BTreeMap<PodKey, BTreeSet<(String, String)>>,
     proxies: BTreeMap<PodKey, ProxyInfo>,
+    /// The proxies' pods whose addresses are withdrawn
+    /// ([`ProxyInfo::withdrawn`]): left out of every Service's endpoints.
+    withdrawn: BTreeSet<PodKey>,
     externals: Externals,
 }
 
@@ -416,8 +424,14 @@ impl Registry {
         if old == Some(&info) {
             return Vec::new();
         }
-        let serving = |p: &ProxyInfo| (p.service_account.clone(), p.mtls_ports.clone());
+        let serving =
+            |p: &ProxyInfo| (p.service_account.clone(), p.mtls_ports.clone(), p.withdrawn);
         let served_changed = old.map(serving) != Some(serving(&info));
+        if info.withdrawn {
+            self.withdrawn.insert(key.clone());
+        } else {
+            self.withdrawn.remove(&key);
+        }
         self.proxies.insert(key.clone(), info);
         let mut touched = vec![Touched::Pod(key.clone())];
         if served_changed {
@@ -430,6 +444,7 @@ impl Registry {
         if self.proxies.remove(key).is_none() {
             return Vec::new();
         }
+        self.withdrawn.remove(key);
         let mut touched = vec![Touched::Pod(key.clone())];
         touched.extend(self.services_served_by(key));
         touched
@@ -447,6 +462,28 @@ impl Registry {
         services
             .into_iter()
             .map(|s| Touched::Endpoints(s.clone()))
+            .collect()
+    }
+
+    /// Whether `pod`'s addresses are withdrawn ([`ProxyInfo::withdrawn`]).
+    pub fn is_withdrawn(&self, pod: &PodKey) -> bool {
+        self.withdrawn.contains(pod)
+    }
+
+    /// The addresses the EndpointSlices name ready for `pod`, withdrawn or
+    /// not: what a proxy holding one of its Services' endpoints may route to.
+    pub fn addresses(&self, pod: &PodKey) -> BTreeSet<IpAddr> {
+        self.by_pod
+            .get(pod)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.get(k))
+            .flat_map(|s| {
+                s.pods
+                    .iter()
+                    .filter(|(_, name)| **name == pod.name)
+                    .map(|(ip, _)| *ip)
+            })
             .collect()
     }
 
@@ -479,6 +516,9 @@ impl Registry {
                 continue;
             };
             for ip in &s.ready {
+                if self.withdrawn_ip(namespace, s.pods.get(ip)) {
+                    continue;
+                }
                 let backend = self.backend(namespace, s.pods.get(ip), target);
                 let slot = out
                     .entry(SocketAddr::new(*ip, target))
@@ -489,6 +529,17 @@ impl Registry {
             }
         }
         out
+    }
+
+    /// Whether the pod `name` of `namespace` is withdrawn.
+    fn withdrawn_ip(&self, namespace: &str, name: Option<&String>) -> bool {
+        !self.withdrawn.is_empty()
+            && name.is_some_and(|name| {
+                self.withdrawn.contains(&PodKey {
+                    namespace: namespace.to_string(),
+                    name: name.clone(),
+                })
+            })
     }
 
     /// What the pod `name` of `namespace` accepts on `port`.
@@ -773,6 +824,98 @@ mod tests {
             r.apply_proxy(pod("a"), proxy("cart", &[15006])),
             [Touched::Pod(pod("a"))]
         );
+    }
+
+    /// `cart` with one slice naming pods a (10.0.0.1) and b (10.0.0.2),
+    /// whose proxies are known.
+    fn withdrawable() -> (Registry, ServiceHost, (String, String), EndpointSlice) {
+        use k8s_openapi::api::core::v1::ObjectReference;
+        let mut r = Registry::default();
+        let (h, info) =
+            ServiceInfo::read(&service("cart", &[(80, Some("http"), None)])).expect("service");
+        r.apply_service(h.clone(), info);
+        let mut s = slice(
+            "cart",
+            &[("http", 8080)],
+            &[("10.0.0.1", Some(true)), ("10.0.0.2", Some(true))],
+        );
+        for (e, name) in s.endpoints.iter_mut().flatten().zip(["a", "b"]) {
+            e.target_ref = Some(ObjectReference {
+                kind: Some("Pod".into()),
+                name: Some(name.into()),
+                ..Default::default()
+            });
+        }
+        let key = ("shop".to_string(), "cart-abc".to_string());
+        r.apply_slice(key.clone(), SliceInfo::read(&s));
+        r.apply_proxy(pod("a"), proxy("cart", &[]));
+        r.apply_proxy(pod("b"), proxy("cart", &[]));
+        (r, h, key, s)
+    }
+
+    fn addrs(r: &Registry, h: &ServiceHost) -> Vec<String> {
+        r.endpoints(h, 80).keys().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn a_withdrawn_pod_leaves_every_endpoint_at_once_and_returns_when_ready() {
+        let (mut r, h, _, _) = withdrawable();
+        assert_eq!(addrs(&r, &h), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        assert_eq!(
+            r.addresses(&pod("a")),
+            BTreeSet::from(["10.0.0.1".parse::<IpAddr>().expect("ip")])
+        );
+        let withdrawn = ProxyInfo {
+            withdrawn: true,
+            ..proxy("cart", &[])
+        };
+        // The Service's endpoints change, before any slice does.
+        assert_eq!(
+            r.apply_proxy(pod("a"), withdrawn.clone()),
+            [Touched::Pod(pod("a")), Touched::Endpoints(h.clone())]
+        );
+        assert!(r.is_withdrawn(&pod("a")));
+        assert_eq!(addrs(&r, &h), ["10.0.0.2:8080"]);
+        // Its addresses are still known (who may still route to them).
+        assert_eq!(r.addresses(&pod("a")).len(), 1);
+        // Ready again, not deleting: it returns.
+        assert_eq!(
+            r.apply_proxy(pod("a"), proxy("cart", &[])),
+            [Touched::Pod(pod("a")), Touched::Endpoints(h.clone())]
+        );
+        assert!(!r.is_withdrawn(&pod("a")));
+        assert_eq!(addrs(&r, &h), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        // Gone from the watch: no longer withdrawn (nothing left to hold).
+        r.apply_proxy(pod("b"), withdrawn);
+        r.delete_proxy(&pod("b"));
+        assert!(!r.is_withdrawn(&pod("b")));
+    }
+
+    #[test]
+    fn a_slice_update_does_not_bring_a_withdrawn_pod_back() {
+        let (mut r, h, key, mut s) = withdrawable();
+        r.apply_proxy(
+            pod("a"),
+            ProxyInfo {
+                withdrawn: true,
+                ..proxy("cart", &[])
+            },
+        );
+        // The slice changes (a third endpoint), still naming a ready
+        // (terminating pods stay serving): a stays out.
+        let mut third = s.endpoints.as_ref().expect("endpoints")[1].clone();
+        third.addresses = vec!["10.0.0.3".into()];
+        third.target_ref = None;
+        s.endpoints.as_mut().expect("endpoints").push(third);
+        assert_eq!(
+            r.apply_slice(key.clone(), SliceInfo::read(&s)),
+            [Touched::Endpoints(h.clone())]
+        );
+        assert_eq!(addrs(&r, &h), ["10.0.0.2:8080", "10.0.0.3:8080"]);
+        // A slice deleted and created again: still out.
+        r.delete_slice(&key);
+        r.apply_slice(key, SliceInfo::read(&s));
+        assert_eq!(addrs(&r, &h), ["10.0.0.2:8080", "10.0.0.3:8080"]);
     }
 
     #[test]

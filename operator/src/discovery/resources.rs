@@ -87,6 +87,7 @@ use super::external::{EndpointMeta, external_key};
 use super::inbound::ServedInbound;
 use super::proto::{downstream_protocol_options, mesh_tls_context, socket};
 use super::registry::{Backend, Protocol, Registry};
+use super::withdrawal::{EndpointAddresses, Progress};
 
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -95,11 +96,15 @@ pub const ENDPOINTS: &str = "type.googleapis.com/envoy.config.endpoint.v3.Cluste
 /// The pod's annotations, for its agent (which keeps them from Envoy).
 pub const POD_ANNOTATIONS: &str = remora_contract::discovery::POD_ANNOTATIONS_TYPE;
 
+/// How the withdrawal of the pod's endpoints stands, for its agent
+/// ([`super::withdrawal`]).
+pub const WITHDRAWAL: &str = remora_contract::discovery::WITHDRAWAL_TYPE;
+
 /// The types served, in the order they are pushed: the agent's first (a
 /// Job's stop request should not wait for Envoy's), then as Envoy wants
 /// them (clusters before their endpoints and before the listeners that use
 /// them).
-pub const TYPES: [&str; 4] = [POD_ANNOTATIONS, CLUSTER, ENDPOINTS, LISTENER];
+pub const TYPES: [&str; 5] = [POD_ANNOTATIONS, WITHDRAWAL, CLUSTER, ENDPOINTS, LISTENER];
 
 /// As the agent's static clusters.
 const CONNECT_TIMEOUT: Duration = Duration {
@@ -218,6 +223,12 @@ pub struct Snapshot {
     pub endpoints: Arc<Typed>,
     /// Its pod's annotations, for its agent: one resource named after the pod.
     pub pod: Typed,
+    /// How its pod's withdrawal stands, for its agent: one resource named
+    /// after the pod while it is withdrawn, none otherwise.
+    pub withdrawal: Typed,
+    /// The addresses of each of its load assignments: what a proxy holding
+    /// them may route to ([`super::withdrawal`]).
+    pub addresses: Arc<EndpointAddresses>,
     /// The Services it declared (known or not yet): a change to any other
     /// does not concern it.
     pub services: Arc<BTreeSet<ServiceHost>>,
@@ -232,6 +243,7 @@ impl Snapshot {
             CLUSTER => Some(self.clusters.as_ref()),
             ENDPOINTS => Some(self.endpoints.as_ref()),
             POD_ANNOTATIONS => Some(&self.pod),
+            WITHDRAWAL => Some(&self.withdrawal),
             _ => None,
         }
     }
@@ -254,6 +266,7 @@ pub fn generate(
     let mut listeners = BTreeMap::new();
     let mut clusters = BTreeMap::new();
     let mut endpoints = BTreeMap::new();
+    let mut addresses = EndpointAddresses::new();
     let mut services = BTreeSet::new();
     let mut skipped = inbound.skipped.clone();
     for i in &inbound.listeners {
@@ -318,7 +331,7 @@ pub fn generate(
                                 .map(|sa| spiffe_id(td, &host.namespace, sa))
                                 .collect(),
                         };
-                        let eps = eps
+                        let eps: BTreeMap<std::net::SocketAddr, Reach> = eps
                             .iter()
                             .map(|(a, b)| (*a, reach(declared, b)))
                             .filter(|(_, r)| *r != Reach::Withheld)
@@ -332,6 +345,7 @@ pub fn generate(
                     pack_any(eds_cluster(&cluster, protocol, mtls.as_ref())),
                 );
                 let marked = mtls.is_some();
+                addresses.insert(cluster.clone(), eps.keys().map(|a| a.ip()).collect());
                 endpoints.insert(
                     cluster.clone(),
                     pack_any(load_assignment(&cluster, &eps, marked)),
@@ -396,6 +410,8 @@ pub fn generate(
         clusters: Arc::new(Typed::new(clusters)),
         endpoints: Arc::new(Typed::new(endpoints)),
         pod: Typed::default(),
+        withdrawal: Typed::default(),
+        addresses: Arc::new(addresses),
         services: Arc::new(services),
         skipped,
     }
@@ -454,6 +470,31 @@ pub fn pod_annotations(
     };
     let any = Any {
         type_url: POD_ANNOTATIONS.into(),
+        value: msg.encode_to_vec(),
+    };
+    Typed::new(BTreeMap::from([(format!("{namespace}/{name}"), any)]))
+}
+
+/// The [`WITHDRAWAL`] resource of pod `namespace/name`: none unless it is
+/// withdrawn (`progress`).
+pub fn withdrawal(namespace: &str, name: &str, progress: Option<&Progress>) -> Typed {
+    let Some(p) = progress else {
+        // Versioned all the same: "none" is an answer the agent can ACK.
+        return Typed::new(BTreeMap::new());
+    };
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    let msg = remora_proto::remora::v1::Withdrawal {
+        expected: count(p.expected),
+        confirmed: count(p.confirmed),
+        gone: count(p.gone),
+        pending: p.pending.clone(),
+        done: p.done,
+        last_confirmation_ms: p
+            .last_confirmation
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+    };
+    let any = Any {
+        type_url: WITHDRAWAL.into(),
         value: msg.encode_to_vec(),
     };
     Typed::new(BTreeMap::from([(format!("{namespace}/{name}"), any)]))

@@ -18,6 +18,10 @@
 //! message and raises it as a Warning Event on the proxy's pod, or ends
 //! the stream with the session's status.
 //!
+//! Each EDS response sent, and each ACK or NACK of one, is told to the
+//! withdrawal tracker ([`super::withdrawal`]), which raises an Event on a
+//! withdrawn pod once every proxy that held it has confirmed.
+//!
 //! Pushes follow the debounced batches ([`super::push`]): a batch that
 //! concerns the proxy recomputes its resources, and only the types whose
 //! version changed are sent (EDS alone when only endpoints changed; over
@@ -46,6 +50,7 @@ use super::push::{Batch, Discovery};
 use super::registry::PodKey;
 use super::resources::{self, Snapshot};
 use super::session::{AdsRequest, Push, Reply, Session, StreamSession};
+use super::withdrawal::{self, Changed, StreamId};
 use crate::grpc_server::Peer;
 use crate::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, bearer};
 
@@ -314,6 +319,7 @@ impl<A: Authenticate> AdsService<A> {
         };
         let (tx, rx) = mpsc::channel(QUEUE);
         let stream = ProxyStream {
+            id: self.discovery.stream_id(),
             pod,
             discovery: Arc::clone(&self.discovery),
             metrics: self.metrics.clone(),
@@ -331,6 +337,7 @@ impl<A: Authenticate> AdsService<A> {
 
 /// One proxy's stream.
 struct ProxyStream<S: StreamSession> {
+    id: StreamId,
     pod: PodKey,
     discovery: Arc<Discovery>,
     metrics: Metrics,
@@ -415,6 +422,8 @@ impl<S: StreamSession> ProxyStream<S> {
                 let last = self.tx.send_timeout(Box::new(Err(s)), SEND_TIMEOUT).boxed();
                 let _ = last.await;
             }
+            let done = self.discovery.stream_ended(self.id);
+            self.withdrawals_done(&done);
             self.metrics.stream_closed();
         }
     }
@@ -461,6 +470,9 @@ impl<S: StreamSession> ProxyStream<S> {
         if let Reply::Nack { version, detail } = &outcome.reply {
             self.nacked(outcome.type_url, version, detail);
         }
+        if outcome.type_url == resources::ENDPOINTS {
+            self.eds_answered(&outcome.reply);
+        }
         match outcome.push {
             Some(p) => self.send(p).await,
             None => Ok(()),
@@ -487,8 +499,48 @@ impl<S: StreamSession> ProxyStream<S> {
         }
     }
 
+    /// What the proxy said of an EDS response, for the withdrawal tracker.
+    fn eds_answered(&self, reply: &Reply) {
+        let d = &self.discovery;
+        let done = match reply {
+            Reply::Ack { version } => d.eds_answered(self.id, version, true),
+            Reply::Nack { version, .. } => d.eds_answered(self.id, version, false),
+            // It holds what it would be sent: as sent and ACKed.
+            Reply::Resumed { version } => {
+                let mut done = self.eds_sent();
+                done.extend(d.eds_answered(self.id, version, true));
+                done
+            }
+            Reply::Request | Reply::Stale => Vec::new(),
+        };
+        self.withdrawals_done(&done);
+    }
+
+    /// EDS of the snapshot sent: what the proxy holds once it applies it.
+    fn eds_sent(&self) -> Vec<Changed> {
+        self.discovery
+            .eds_sent(self.id, &self.pod, &self.snapshot, |name| {
+                self.session.holds(resources::ENDPOINTS, name)
+            })
+    }
+
+    /// Withdrawals every proxy has confirmed: an Event on each pod.
+    fn withdrawals_done(&self, done: &[Changed]) {
+        for c in done {
+            tracing::info!(pod = ?c.pod, confirmed = c.progress.confirmed, expected = c.progress.expected,
+                gone = c.progress.gone, after = ?c.progress.last_confirmation, "discovery: withdrawal confirmed");
+            if let Some(events) = &self.events {
+                withdrawal::raise_done(events, &c.pod, &c.progress);
+            }
+        }
+    }
+
     /// Send what the session decided, counting it.
     async fn send(&mut self, p: Push<S::Response>) -> Result<(), End> {
+        if p.type_url == resources::ENDPOINTS {
+            let done = self.eds_sent();
+            self.withdrawals_done(&done);
+        }
         if p.out_of_scope > 0 {
             self.metrics.out_of_scope(p.type_url, p.out_of_scope);
         }
@@ -513,6 +565,8 @@ pub fn short_type(t: &str) -> &'static str {
         resources::LISTENER => "lds",
         resources::CLUSTER => "cds",
         resources::ENDPOINTS => "eds",
+        resources::POD_ANNOTATIONS => "pod",
+        resources::WITHDRAWAL => "withdrawal",
         _ => "other",
     }
 }

@@ -38,7 +38,7 @@ pub const MAX_NACK_DETAIL: usize = 4096;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SessionError {
     #[error(
-        "type {0:?} is not served: only listeners, clusters, cluster load assignments and the agent's pod annotations"
+        "type {0:?} is not served: only listeners, clusters, cluster load assignments and the agent's pod annotations and withdrawal"
     )]
     UnknownType(String),
     #[error(
@@ -181,6 +181,10 @@ pub trait StreamSession: Send + 'static {
     /// The proxy's resources changed to `snapshot`: what to send, in
     /// [`resources::TYPES`] order.
     fn push(&mut self, snapshot: &Snapshot) -> Vec<Push<Self::Response>>;
+
+    /// Whether the proxy holds resource `name` of type `t` once it applies
+    /// what was last sent of that type.
+    fn holds(&self, t: &str, name: &str) -> bool;
 }
 
 impl StreamSession for Session {
@@ -197,6 +201,14 @@ impl StreamSession for Session {
 
     fn push(&mut self, snapshot: &Snapshot) -> Vec<Push> {
         Session::push(self, snapshot)
+    }
+
+    fn holds(&self, t: &str, name: &str) -> bool {
+        // The last response held every name asked for (none: all).
+        self.types
+            .get(t)
+            .and_then(|s| s.sent.as_ref())
+            .is_some_and(|(_, names, _)| names.is_empty() || names.contains(name))
     }
 }
 
