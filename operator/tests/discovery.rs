@@ -21,7 +21,7 @@ use remora_operator::discovery::push::{DEFAULT_PUSH_THROTTLE, Debounce, Discover
 use remora_operator::discovery::registry::{
     PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
 };
-use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER, decode};
+use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER, WITHDRAWAL, decode};
 use remora_operator::discovery::serve::{Limits, limits, serve};
 use remora_operator::discovery::server::AdsService;
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
@@ -110,18 +110,29 @@ impl Server {
     }
 
     async fn start_throttled(pod_wait: Duration, limits: Limits, push_throttle: usize) -> Self {
+        let debounce = Debounce {
+            quiet: Duration::from_millis(10),
+            max_delay: Duration::from_millis(50),
+        };
+        Self::start_full(pod_wait, limits, push_throttle, debounce).await
+    }
+
+    /// A server whose debounced changes wait `debounce`.
+    async fn start_debounced(debounce: Debounce) -> Self {
+        Self::start_full(Duration::ZERO, limits(), DEFAULT_PUSH_THROTTLE, debounce).await
+    }
+
+    async fn start_full(
+        pod_wait: Duration,
+        limits: Limits,
+        push_throttle: usize,
+        debounce: Debounce,
+    ) -> Self {
         let authority = testing::authority(&[SERVER_NAME]).expect("authority");
         let bundle = authority.bundle.clone();
         let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(authority)));
-        let (discovery, debounce) = Discovery::with_push_throttle(
-            "cluster.local",
-            None,
-            Debounce {
-                quiet: Duration::from_millis(10),
-                max_delay: Duration::from_millis(50),
-            },
-            push_throttle,
-        );
+        let (discovery, debounce) =
+            Discovery::with_push_throttle("cluster.local", None, debounce, push_throttle);
         tokio::spawn(debounce);
         discovery.update(|r| {
             let mut t = Vec::new();
@@ -1598,5 +1609,191 @@ async fn the_real_envoy_reaches_an_external_host_and_keeps_serving_through_a_nac
     let counted = calls(listen, 20, false).await;
     assert!(both(&counted), "after the NACK: {counted:?}");
     envoy.kill().await.expect("Envoy stopped");
+    s.stop.cancel();
+}
+
+/// Issue 30: a pod marked deleting leaves the EDS of every proxy that
+/// routes to it at once, and its own agent is told, over its stream, when
+/// every one of them has confirmed (ACKed a version without it), a NACK
+/// not counting and a proxy that leaves counting as gone.
+#[tokio::test]
+async fn a_deleting_pod_is_withdrawn_at_once_and_its_agent_told_who_confirmed() {
+    // A debounce no test outlives: whatever arrives was pushed without it.
+    let s = Server::start_debounced(Debounce {
+        quiet: Duration::from_secs(3600),
+        max_delay: Duration::from_secs(3600),
+    })
+    .await;
+    let ip = |a: &str| a.parse::<IpAddr>().expect("ip");
+    let (gone_ip, stays) = ("10.1.0.1", "10.1.0.2");
+    s.discovery.update(|r| {
+        let mut t = r.apply_slice(
+            ("shop".into(), "cart-1".into()),
+            SliceInfo {
+                pods: [(ip(gone_ip), "cart-0".into()), (ip(stays), "cart-1".into())].into(),
+                ..slice(&[gone_ip, stays])
+            },
+        );
+        for name in ["web-1", "web-2", "web-3", "web-4"] {
+            t.extend(r.apply_proxy(
+                pod(name),
+                ProxyInfo {
+                    ip: Some("127.0.0.1".into()),
+                    service_account: "web".into(),
+                    outbound: Some("15001:cart.shop:80".into()),
+                    ..Default::default()
+                },
+            ));
+        }
+        t
+    });
+    // cart-0 runs a sidecar too (as ServiceAccount db, whose token the
+    // double knows).
+    let cart_0 = ProxyInfo {
+        ip: Some("127.0.0.1".into()),
+        service_account: "db".into(),
+        ..Default::default()
+    };
+    s.discovery.apply_proxy(pod("cart-0"), cart_0.clone());
+
+    // A connection each, as sidecars hold them.
+    let mut connections = Vec::new();
+    let mut connect = async || {
+        let h2 = s.connect().await;
+        let c = client(&h2);
+        connections.push(h2);
+        c
+    };
+    // Four state-of-the-world proxies and one delta, each holding both.
+    let mut sotw = Vec::new();
+    for name in ["web-0", "web-1", "web-2", "web-3"] {
+        let mut p = open(&mut connect().await, Some(&token(WEB)), hello(name))
+            .await
+            .expect("admitted");
+        let eds = subscribed(&mut p).await;
+        assert_eq!(endpoints(&eds).len(), 2, "{name}");
+        sotw.push(p);
+    }
+    let mut delta_proxy = DeltaProxy::open(&mut connect().await, delta_hello("web-4"))
+        .await
+        .expect("admitted");
+    let held = delta_proxy.subscribed().await;
+    assert_eq!(held[ENDPOINTS].len(), 1);
+    // cart-0's agent subscribes to its withdrawal: none yet.
+    let mut own = open(
+        &mut connect().await,
+        Some(&token(DB)),
+        DiscoveryRequest {
+            node: node("cart-0"),
+            ..request(WITHDRAWAL, &[], None)
+        },
+    )
+    .await
+    .expect("admitted");
+    let none = own.next().await.expect("withdrawal");
+    assert_eq!(
+        (none.type_url.as_str(), none.resources.len()),
+        (WITHDRAWAL, 0)
+    );
+    own.send(request(WITHDRAWAL, &[], Some(&none)));
+
+    // cart-0 is deleted: its slice still says it serves.
+    s.discovery.apply_proxy(
+        pod("cart-0"),
+        ProxyInfo {
+            withdrawn: true,
+            ..cart_0
+        },
+    );
+    let mut web_3 = sotw.pop().expect("web-3");
+    for p in &mut sotw {
+        let pushed = p.next().await.expect("push");
+        assert_eq!(pushed.type_url, ENDPOINTS, "EDS only, first");
+        let eps = endpoints(&pushed);
+        assert_eq!(eps.len(), 1);
+        assert!(eps[0].contains(stays), "{eps:?}");
+        p.send(request(ENDPOINTS, &[CART], Some(&pushed)));
+    }
+    let pushed = delta_proxy.next().await.expect("push");
+    assert_eq!(pushed.type_url, ENDPOINTS);
+    assert_eq!(pushed.resources.len(), 1, "the load assignment, changed");
+    delta_proxy.ack(&pushed);
+    // web-3 refuses it: not a confirmation.
+    let refused = web_3.next().await.expect("push");
+    assert_eq!(refused.type_url, ENDPOINTS);
+    web_3.send(DiscoveryRequest {
+        error_detail: Some(RpcStatus {
+            code: 3,
+            message: "refused".into(),
+            details: vec![],
+        }),
+        ..request(ENDPOINTS, &[CART], Some(&refused))
+    });
+    let tracker = &s.discovery.withdrawals;
+    let four = tokio::time::timeout(
+        WAIT,
+        tracker.wait_for(&pod("cart-0"), |p| p.is_some_and(|p| p.confirmed == 4)),
+    )
+    .await
+    .expect("four confirmed within 10 s")
+    .expect("withdrawn");
+    assert_eq!(four.expected, 5);
+    wait_until(WAIT, "the NACK counted", || async {
+        (s.metrics.nacks_total(ENDPOINTS) == 1).then_some(())
+    })
+    .await
+    .expect("counted");
+    let p = tracker.progress(&pod("cart-0")).expect("withdrawn");
+    assert_eq!(
+        (p.confirmed, p.pending.as_slice(), p.done),
+        (4, &["shop/web-3".to_string()][..], false)
+    );
+
+    // web-3 leaves without confirming: no longer waited for.
+    drop(web_3);
+    let done = loop {
+        let r = own.next().await.expect("withdrawal");
+        assert_eq!(r.type_url, WITHDRAWAL);
+        own.send(request(WITHDRAWAL, &[], Some(&r)));
+        assert_eq!(r.resources.len(), 1, "its own pod's only");
+        let w: remora_proto::remora::v1::Withdrawal = decode(&r.resources[0]).expect("withdrawal");
+        if w.done {
+            break w;
+        }
+    };
+    assert_eq!(
+        (done.expected, done.confirmed, done.gone, done.pending.len()),
+        (5, 4, 1, 0)
+    );
+    let event = loop {
+        let w = tokio::time::timeout(WAIT, async { s.warnings.lock().await.recv().await })
+            .await
+            .expect("an Event within 10 s")
+            .expect("event");
+        if w.reason == "EndpointsWithdrawn" {
+            break w;
+        }
+    };
+    assert_eq!(event.pod, "cart-0");
+    assert!(
+        event.note.starts_with("4 of 5 proxies confirmed in ")
+            && event.note.contains("1 disconnected"),
+        "{}",
+        event.note
+    );
+    assert_eq!(tracker.metrics.unconfirmed_total("gone"), 1);
+    assert_eq!(tracker.metrics.confirmations_observed(), 1);
+    // Ready again (not deleting): it returns, and its withdrawal is gone.
+    s.discovery.apply_proxy(
+        pod("cart-0"),
+        ProxyInfo {
+            ip: Some("127.0.0.1".into()),
+            service_account: "db".into(),
+            ..Default::default()
+        },
+    );
+    let back = sotw[0].next().await.expect("push");
+    assert_eq!(endpoints(&back).len(), 2);
+    assert!(tracker.progress(&pod("cart-0")).is_none());
     s.stop.cancel();
 }

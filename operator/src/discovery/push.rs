@@ -374,11 +374,12 @@ impl Discovery {
                 }
             };
             s.pod = resources::pod_annotations(&pod.namespace, &pod.name, &p.agent_annotations);
-            s.withdrawal = resources::withdrawal(
-                &pod.namespace,
-                &pod.name,
-                self.withdrawals.progress(pod).as_ref(),
-            );
+            // Only a withdrawn pod has a withdrawal to look up.
+            let progress = r
+                .is_withdrawn(pod)
+                .then(|| self.withdrawals.progress(pod))
+                .flatten();
+            s.withdrawal = resources::withdrawal(&pod.namespace, &pod.name, progress.as_ref());
             Some(s)
         })
     }

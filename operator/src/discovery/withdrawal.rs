@@ -90,6 +90,8 @@ struct Stream {
     /// The number of its last EDS send.
     seq: u64,
     latest: EdsView,
+    /// Its last ACKed send (what the proxy holds when it NACKed those after).
+    acked: Option<(u64, EdsView)>,
     /// Sends not answered yet: number, the type's version, view.
     unanswered: VecDeque<(u64, String, EdsView)>,
     /// The withdrawn pods it is pending for.
@@ -166,8 +168,16 @@ impl Withdrawals {
         self.restore(&pod);
         let mut waits = BTreeMap::new();
         for (id, s) in &mut self.streams {
-            if s.latest.holds_any(&addresses) {
-                waits.insert(*id, Wait::Pending { last_with: s.seq });
+            // The last send that holds it, of those the proxy may hold.
+            let sent = std::iter::once((s.seq, &s.latest))
+                .chain(s.unanswered.iter().map(|(n, _, v)| (*n, v)))
+                .chain(s.acked.iter().map(|(n, v)| (*n, v)));
+            if let Some(last_with) = sent
+                .filter(|(_, v)| v.holds_any(&addresses))
+                .map(|(n, _)| n)
+                .max()
+            {
+                waits.insert(*id, Wait::Pending { last_with });
                 s.pending_for.insert(pod.clone());
             }
         }
@@ -208,6 +218,7 @@ impl Withdrawals {
             pod: pod.clone(),
             seq: 0,
             latest: EdsView::default(),
+            acked: None,
             unanswered: VecDeque::new(),
             pending_for: BTreeSet::new(),
         });
@@ -264,6 +275,7 @@ impl Withdrawals {
         if !acked {
             return Vec::new();
         }
+        s.acked = Some((seq, view.clone()));
         let mut confirmed = Vec::new();
         for p in &s.pending_for {
             let Some(w) = self.pods.get_mut(p) else {
@@ -649,6 +661,23 @@ mod tests {
         assert!(p.pending.is_empty());
         // Done once: a later ACK changes nothing.
         assert!(w.answered(2, "v3", true, t0).is_empty());
+    }
+
+    #[test]
+    fn a_proxy_that_refused_the_version_without_the_pod_still_holds_it() {
+        let t0 = Instant::now();
+        let mut w = Withdrawals::default();
+        let with = eds(&[("cart", &[A])]);
+        let without = eds(&[("cart", &[])]);
+        w.sent(1, &pod("c-1"), "v1", all(&with));
+        w.answered(1, "v1", true, t0);
+        w.sent(1, &pod("c-1"), "v2", all(&without));
+        w.answered(1, "v2", false, t0);
+        // Its last send lacks the pod, but it keeps v1, which holds it.
+        let p = w.withdraw(pod("cart-0"), ips(&[A]), t0);
+        assert_eq!(p.pending, ["shop/c-1"]);
+        w.sent(1, &pod("c-1"), "v3", all(&without));
+        assert!(w.answered(1, "v3", true, t0)[0].settled);
     }
 
     #[test]
