@@ -389,6 +389,88 @@ mod tests {
         assert!(d.read(|r| r.proxy(&key).is_none()));
     }
 
+    /// A pod of the watch that starts deleting leaves its Service's
+    /// endpoints at once, tracked; Ready again (a readiness blip), it returns.
+    #[tokio::test]
+    async fn a_deleting_or_unready_pod_is_withdrawn_from_the_watch() {
+        use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let (d, debounce) = Discovery::new("cluster.local", None, Debounce::default());
+        tokio::spawn(debounce);
+        let cart = ServiceHost {
+            name: "cart".into(),
+            namespace: "shop".into(),
+        };
+        let ip: std::net::IpAddr = "10.0.0.1".parse().expect("ip");
+        service_changed(&d, &Change::Applied(service(None)));
+        d.update(|r| {
+            r.apply_slice(
+                ("shop".into(), "cart-abc".into()),
+                SliceInfo {
+                    service: Some(cart.clone()),
+                    ports: [(String::new(), 8080)].into(),
+                    ready: [ip].into(),
+                    pods: [(ip, "cart-0".to_string())].into(),
+                },
+            )
+        });
+        let pod = |ready: &str, deleting: bool| {
+            let p = Pod {
+                metadata: ObjectMeta {
+                    name: Some("cart-0".into()),
+                    namespace: Some("shop".into()),
+                    annotations: Some(
+                        [(
+                            remora_contract::annotations::STATUS.to_string(),
+                            "{}".to_string(),
+                        )]
+                        .into(),
+                    ),
+                    deletion_timestamp: deleting.then(|| Time(Default::default())),
+                    ..Default::default()
+                },
+                status: Some(PodStatus {
+                    pod_ip: Some(ip.to_string()),
+                    conditions: Some(vec![PodCondition {
+                        type_: "Ready".into(),
+                        status: ready.into(),
+                        ..Default::default()
+                    }]),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            Change::Applied(Arc::new(crate::cluster::live_pod::read(&p)))
+        };
+        let key = PodKey {
+            namespace: "shop".into(),
+            name: "cart-0".into(),
+        };
+        let served = || d.read(|r| r.endpoints(&cart, 80).len());
+        pod_changed(&d, &pod("True", false));
+        assert_eq!(served(), 1);
+        assert!(d.withdrawals.progress(&key).is_none());
+        pod_changed(&d, &pod("False", false));
+        assert_eq!(served(), 0, "not Ready: withdrawn");
+        pod_changed(&d, &pod("True", false));
+        assert_eq!(served(), 1, "Ready again: back");
+        assert!(d.withdrawals.progress(&key).is_none());
+        pod_changed(&d, &pod("True", true));
+        assert_eq!(served(), 0, "deleting: withdrawn though Ready");
+        // Nobody held it: done at once.
+        let p = d.withdrawals.progress(&key).expect("withdrawn");
+        assert_eq!((p.expected, p.done), (0, true));
+        pod_changed(
+            &d,
+            &Change::Deleted(Arc::new(LivePod::from_meta(ObjectMeta {
+                name: Some("cart-0".into()),
+                namespace: Some("shop".into()),
+                ..Default::default()
+            }))),
+        );
+        assert!(d.withdrawals.progress(&key).is_none());
+    }
+
     /// What the agent is sent of its pod, read as the pod watch reads a pod
     /// (the lifecycle kept apart, everything else Remora does not read gone).
     #[test]

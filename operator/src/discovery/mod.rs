@@ -15,6 +15,9 @@
 //! - [`server`]: the ADS service (authentication, then each stream's
 //!   session), served by [`crate::grpc_server`] through [`ads_grpc`]
 //!   (tonic's routing of it, with small codec buffers).
+//! - [`withdrawal`]: a pod deleting or not Ready is withdrawn from every
+//!   endpoint at once; who of the proxies that held it has confirmed (ACKed
+//!   EDS without it), pure, and told to the pod's own agent.
 
 pub mod ads_grpc;
 pub mod delta;

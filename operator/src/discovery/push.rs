@@ -243,7 +243,9 @@ impl Discovery {
     /// starts deleting or stops being Ready, its addresses are withdrawn:
     /// pushed at once to the dependents of the Services it backs, and who
     /// held them is tracked ([`Tracker::withdraw`]); if it is Ready again,
-    /// its withdrawal is forgotten and it serves again.
+    /// its withdrawal is forgotten and it serves again. The pod watch
+    /// applies pods through this ([`super::feed`]); [`Registry::apply_proxy`]
+    /// through [`Discovery::update`] changes the registry alone (tests).
     pub fn apply_proxy(&self, key: PodKey, info: ProxyInfo) {
         let (touched, now) = {
             let mut r = self

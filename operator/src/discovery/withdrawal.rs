@@ -414,7 +414,8 @@ impl WithdrawalMetrics {
             .get()
     }
 
-    /// Withdrawals with a confirmation time observed.
+    /// Withdrawals with a confirmation time observed (for tests: read
+    /// back through the text encoding, as a scrape would).
     pub fn confirmations_observed(&self) -> u64 {
         let mut text = String::new();
         let mut r = Registry::default();
