@@ -59,6 +59,8 @@ pub const MAX_NAME_BYTES: usize = 1024;
 /// Responses of one type awaiting their ACK that are remembered: the
 /// stream's queue holds fewer, so an older one was answered or lost.
 pub const MAX_PENDING: usize = 16;
+// The withdrawal tracker remembers as many EDS sends per stream.
+const _: () = assert!(MAX_PENDING == super::withdrawal::MAX_UNANSWERED);
 
 /// One type's state on one delta stream.
 #[derive(Debug, Default)]

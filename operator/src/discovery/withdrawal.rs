@@ -47,9 +47,9 @@ use crate::pod_events::{PodEvents, Warning};
 pub type EndpointAddresses = BTreeMap<String, BTreeSet<IpAddr>>;
 
 /// EDS sends remembered per stream, awaiting their answer: as many as a
-/// delta stream remembers ([`super::delta::MAX_PENDING`]); an older one was
-/// answered or lost.
-pub const MAX_UNANSWERED: usize = super::delta::MAX_PENDING;
+/// delta stream remembers (its `MAX_PENDING`; this module does not depend on
+/// the sessions); an older one was answered or lost.
+pub const MAX_UNANSWERED: usize = 16;
 
 /// A stream, numbered by the server (one proxy may hold several in turn).
 pub type StreamId = u64;
