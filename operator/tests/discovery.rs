@@ -1702,6 +1702,7 @@ async fn a_deleting_pod_is_withdrawn_at_once_and_its_agent_told_who_confirmed() 
         pod("cart-0"),
         ProxyInfo {
             withdrawn: true,
+            deleting: true,
             ..cart_0
         },
     );

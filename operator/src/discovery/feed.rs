@@ -455,6 +455,20 @@ mod tests {
         pod_changed(&d, &pod("True", false));
         assert_eq!(served(), 1, "Ready again: back");
         assert!(d.withdrawals.progress(&key).is_none());
+        // Not Ready, with none of its addresses served: still starting, not
+        // tracked (nobody can have held it).
+        let mut starting = pod("False", false);
+        if let Change::Applied(p) = &mut starting {
+            let p = Arc::make_mut(p);
+            p.metadata.name = Some("cart-9".into());
+        }
+        pod_changed(&d, &starting);
+        let cart_9 = PodKey {
+            name: "cart-9".into(),
+            ..key.clone()
+        };
+        assert!(d.read(|r| r.is_withdrawn(&cart_9)));
+        assert!(d.withdrawals.progress(&cart_9).is_none());
         pod_changed(&d, &pod("True", true));
         assert_eq!(served(), 0, "deleting: withdrawn though Ready");
         // Nobody held it: done at once.

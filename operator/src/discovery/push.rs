@@ -242,8 +242,10 @@ impl Discovery {
     /// A proxy's pod created or changed ([`Registry::apply_proxy`]). If it
     /// starts deleting or stops being Ready, its addresses are withdrawn:
     /// pushed at once to the dependents of the Services it backs, and who
-    /// held them is tracked ([`Tracker::withdraw`]); if it is Ready again,
-    /// its withdrawal is forgotten and it serves again. The pod watch
+    /// held them is tracked ([`Tracker::withdraw`]) if any Service had them
+    /// or the pod is deleting (its agent will ask; a pod still starting is
+    /// not tracked); if it is Ready again, its withdrawal is forgotten and
+    /// it serves again. The pod watch
     /// applies pods through this ([`super::feed`]); [`Registry::apply_proxy`]
     /// through [`Discovery::update`] changes the registry alone (tests).
     pub fn apply_proxy(&self, key: PodKey, info: ProxyInfo) {
@@ -255,23 +257,22 @@ impl Discovery {
             self.revision.fetch_add(1, Ordering::Release);
             let was = r.is_withdrawn(&key);
             let addresses = r.addresses(&key);
+            let deleting = info.deleting;
             let touched = r.apply_proxy(key.clone(), info);
             let is = r.is_withdrawn(&key);
             // Under the registry's lock: a stream computing its snapshot
             // after this sees both the endpoints and the withdrawal.
-            match (was, is) {
-                (false, true) => {
-                    let p = self
-                        .withdrawals
-                        .withdraw(key.clone(), addresses, Instant::now());
-                    tracing::debug!(pod = ?key, waiting = p.expected, "discovery: endpoints withdrawn");
-                }
-                (true, false) => {
-                    self.withdrawals.restore(&key);
-                }
-                _ => {}
+            let tracked = self.withdrawals.progress(&key).is_some();
+            let track = is && !tracked && (deleting || !addresses.is_empty());
+            if track {
+                let p = self
+                    .withdrawals
+                    .withdraw(key.clone(), addresses, Instant::now());
+                tracing::debug!(pod = ?key, waiting = p.expected, "discovery: endpoints withdrawn");
+            } else if !is && tracked {
+                self.withdrawals.restore(&key);
             }
-            (touched, was != is)
+            (touched, was != is || track)
         };
         if now {
             self.push_now(touched);

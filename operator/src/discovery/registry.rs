@@ -222,6 +222,8 @@ pub struct ProxyInfo {
     /// every Service's endpoints, whatever its EndpointSlices still say
     /// (a terminating pod stays `serving` in them).
     pub withdrawn: bool,
+    /// Its pod is deleting (withdrawn, then, too).
+    pub deleting: bool,
 }
 
 impl ProxyInfo {
@@ -246,6 +248,7 @@ impl ProxyInfo {
                     .map(|i| i.mtls_ports.iter().copied().collect())
                     .unwrap_or_default(),
                 withdrawn: pod.deleting() || pod.ready() == Some(false),
+                deleting: pod.deleting(),
             },
         ))
     }
