@@ -98,7 +98,6 @@ const NODE_BENCH: &[&str] = &[
     "e2e/src/eds_convergence.rs",
     "e2e/src/bin/node-bench.rs",
 ];
-const NODE_STALE: &str = "stale: a run on the real node, not regenerated this session";
 const ISTIOD_STALE: &str = "stale: a side-by-side with Istio's pilot-discovery kept as a README history row, not regenerated this session";
 const REQUESTS_MOVED: &str = "stale: the simulated proxies' request builders moved to test-support (e35bb17) after this run, the operator's discovery code unchanged; not re-run this session";
 
