@@ -5,6 +5,7 @@
 mod contract_agreement;
 mod delta_xds;
 mod demo;
+mod grpc_drain;
 mod images;
 mod inbound_xds;
 mod lifecycle;
