@@ -99,7 +99,6 @@ const NODE_BENCH: &[&str] = &[
     "e2e/src/bin/node-bench.rs",
 ];
 const ISTIOD_STALE: &str = "stale: a side-by-side with Istio's pilot-discovery kept as a README history row, not regenerated this session";
-const REQUESTS_MOVED: &str = "stale: the simulated proxies' request builders moved to test-support (e35bb17) after this run, the operator's discovery code unchanged; not re-run this session";
 
 const RELEASE: &[Need] = &[Need::Release];
 const NODE: &[Need] = &[Need::Node, Need::Release];
@@ -170,7 +169,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: RELEASE,
         minutes: 5,
         measures: PUSH_BENCH,
-        stale: Some(REQUESTS_MOVED),
+        stale: None,
     },
     Entry {
         files: &["discovery-debounce.json"],
@@ -296,9 +295,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/jobpod.rs",
             "e2e/src/bin/jobs-bench.rs",
         ],
-        stale: Some(
-            "stale: measured before the harness's wait helper replaced jobs-bench's own (the Jobs controller and the agent are unchanged since); regenerated after this stop's merges",
-        ),
+        stale: None,
     },
     Entry {
         files: &["hostile.json"],
@@ -347,9 +344,7 @@ pub const ENTRIES: &[Entry] = &[
             CHART,
             "e2e/src/bin/ca-bench.rs",
         ],
-        stale: Some(
-            "stale: grpc_server.rs gained the discovery server's HTTP/2 window settings (the CA keeps hyper's) after this run; needs the node, not regenerated this session",
-        ),
+        stale: None,
     },
     Entry {
         files: &["node.json"],
@@ -357,9 +352,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: NODE,
         minutes: 20,
         measures: NODE_BENCH,
-        stale: Some(
-            "stale: the harness's waits moved to remora-test-support after the run (node-bench's own code; the measured components are unchanged since); a run takes about 18 min on the node",
-        ),
+        stale: None,
     },
     Entry {
         files: &["eds-convergence.json"],

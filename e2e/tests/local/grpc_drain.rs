@@ -31,18 +31,16 @@
 //! `REMORA_AGENT_BIN`); Envoy is found as the other tests find it.
 
 use std::net::SocketAddr;
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::test_app::App;
 use anyhow::{Context, bail, ensure};
 use e2e::discovery_rig::{Reviewer, Rig, Sidecar, Upstreams, stat};
 use e2e::traffic::{Outcome, grpc_channel};
 use futures::FutureExt as _;
 use remora_test_support::ports::free_port;
 use remora_test_support::wait::wait_until;
-use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::process::{Child, Command};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::time::Instant;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
@@ -56,42 +54,6 @@ const PAST_FINAL_GOAWAY: Duration = Duration::from_secs(3);
 const _: () = assert!(
     PAST_FINAL_GOAWAY.as_millis() >= 2 * remora_contract::inbound::DRAIN_TIMEOUT.as_millis()
 );
-
-/// The test app on a free loopback port, its stderr collected.
-async fn test_app() -> anyhow::Result<(Child, SocketAddr, Arc<Mutex<Vec<String>>>)> {
-    let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_test-app"))
-        .args(["--port", &port.to_string(), "--address", "127.0.0.1"])
-        .env("HOSTNAME", "grpc-0")
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting test-app")?;
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let stderr = child.stderr.take().context("stderr")?;
-    let sink = log.clone();
-    tokio::spawn(async move {
-        let mut lines = tokio::io::BufReader::new(stderr).lines();
-        while let Ok(Some(l)) = lines.next_line().await {
-            sink.lock().unwrap_or_else(|p| p.into_inner()).push(l);
-        }
-    });
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    // The app's own word, not a connect (see traffic.rs).
-    let listening = format!("test-app: listening on {addr}");
-    let seen = log.clone();
-    wait_until(DEADLINE, "test-app listening", || {
-        let found = seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .any(|l| l.contains(&listening));
-        async move { found.then_some(()) }
-    })
-    .await?;
-    Ok((child, addr, log))
-}
 
 /// One unary `Check` on `channel`, classified as the traffic library does.
 async fn check(channel: &tonic::transport::Channel) -> Outcome {
@@ -141,7 +103,8 @@ struct Run {
 }
 
 async fn drain_with_calls(hold_stream: bool) -> anyhow::Result<Run> {
-    let (mut app, app_addr, app_log) = test_app().await?;
+    let mut app = App::start("grpc-0", &[]).await?;
+    let app_addr = app.addr;
     let rig = Rig::new(Reviewer::new(&[]), None)?;
     let inbound = free_port();
     let mut sidecar = Sidecar::start(
@@ -208,9 +171,9 @@ async fn drain_with_calls(hold_stream: bool) -> anyhow::Result<Run> {
         outcomes.push((epoch.elapsed(), o));
     }
     ensure!(
-        app.try_wait()?.is_none(),
+        app.child.try_wait()?.is_none(),
         "the app exited: {:?}",
-        app_log.lock().unwrap_or_else(|p| p.into_inner())
+        app.log()
     );
     // Still open: no message and no end pending.
     let stream_open = watch.as_mut().map(|w| {

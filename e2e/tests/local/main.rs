@@ -12,4 +12,5 @@ mod lifecycle;
 mod podrunner;
 mod scale;
 mod secure_naming;
+mod test_app;
 mod traffic;

@@ -6,11 +6,11 @@
 //! reports a request the server cut as lost, never resent.
 
 use std::net::SocketAddr;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::test_app::App;
 use anyhow::{Context, ensure};
 use e2e::node::ingress::{EndpointFeed, LaggingIngress};
 use e2e::traffic::{
@@ -21,83 +21,11 @@ use remora_test_support::pki::{Ca, client_config};
 use remora_test_support::wait::wait_until;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject as _;
-use tokio::io::{AsyncBufReadExt as _, AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
-use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 const POD: &str = "traffic-test-pod";
-
-/// The test app on a free loopback port, stderr collected.
-struct App {
-    child: Child,
-    addr: SocketAddr,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl App {
-    async fn start(extra: &[&str]) -> anyhow::Result<Self> {
-        let port = remora_test_support::ports::free_port();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_test-app"))
-            .args([
-                "--port",
-                &port.to_string(),
-                "--address",
-                "127.0.0.1",
-                "--delay",
-                "1ms",
-            ])
-            .args(extra)
-            .env("HOSTNAME", POD)
-            .stdin(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .context("starting test-app")?;
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let stderr = child.stderr.take().context("stderr")?;
-        let sink = log.clone();
-        tokio::spawn(async move {
-            let mut lines = tokio::io::BufReader::new(stderr).lines();
-            while let Ok(Some(l)) = lines.next_line().await {
-                sink.lock().unwrap_or_else(|p| p.into_inner()).push(l);
-            }
-        });
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        // The app's own word, not a connect: a connect may reach whatever
-        // else holds the port for a moment (a CI run once saw refused
-        // connects after a connect-based wait succeeded).
-        let listening = format!("test-app: listening on {addr}");
-        let mut app = Self { child, addr, log };
-        wait_until(Duration::from_secs(10), "test-app listening", || {
-            let found = app.log().contains(&listening);
-            let exited = app.child.try_wait().ok().flatten();
-            async move {
-                match (found, exited) {
-                    (true, _) => Some(Ok(())),
-                    (false, Some(status)) => Some(Err(status)),
-                    (false, None) => None,
-                }
-            }
-        })
-        .await?
-        .map_err(|status| anyhow::anyhow!("test-app exited {status}: {:?}", app.log()))?;
-        Ok(app)
-    }
-
-    fn sigterm(&self) -> anyhow::Result<()> {
-        let pid = self.child.id().context("test-app has exited")?;
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(i32::try_from(pid)?),
-            nix::sys::signal::Signal::SIGTERM,
-        )?;
-        Ok(())
-    }
-
-    fn log(&self) -> Vec<String> {
-        self.log.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
 
 /// Waits (at most 20 s) until every load named in `loads` has `n` samples.
 async fn until_each_has(traffic: &Traffic, loads: &[&str], n: usize) -> anyhow::Result<()> {
@@ -127,7 +55,7 @@ fn print(samples: &[Sample]) {
 
 #[tokio::test]
 async fn every_client_kind_gets_its_answers() -> anyhow::Result<()> {
-    let app = App::start(&[]).await?;
+    let app = App::start(POD, &["--delay", "1ms"]).await?;
     let loads = vec![
         Load::new(Kind::Http1KeepAlive, app.addr, 50.0),
         Load::new(Kind::H2c { connections: 2 }, app.addr, 50.0),
@@ -187,7 +115,7 @@ async fn every_client_kind_gets_its_answers() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn sigterm_waits_for_a_long_request_and_ends_streams_cleanly() -> anyhow::Result<()> {
-    let mut app = App::start(&[]).await?;
+    let mut app = App::start(POD, &["--delay", "1ms"]).await?;
     let epoch = Instant::now();
     let slow = Duration::from_millis(1500);
     let traffic = Traffic::start(
@@ -292,7 +220,18 @@ async fn outbound_calls_end_with_a_final_flush_after_in_flight_work() -> anyhow:
     );
     tokio::spawn(async move { axum::serve(upstream, router).await });
     let url = format!("http://{upstream_addr}/");
-    let mut app = App::start(&["--outbound-every", "50ms", "--outbound-url", &url]).await?;
+    let mut app = App::start(
+        POD,
+        &[
+            "--delay",
+            "1ms",
+            "--outbound-every",
+            "50ms",
+            "--outbound-url",
+            &url,
+        ],
+    )
+    .await?;
     wait_until(Duration::from_secs(10), "3 periodic calls", || async {
         (calls.lock().unwrap_or_else(|p| p.into_inner()).len() >= 3).then_some(())
     })
@@ -358,7 +297,7 @@ async fn outbound_calls_end_with_a_final_flush_after_in_flight_work() -> anyhow:
 
 #[tokio::test]
 async fn ingress_errors_reach_the_client_classified() -> anyhow::Result<()> {
-    let app = App::start(&[]).await?;
+    let app = App::start(POD, &["--delay", "1ms"]).await?;
     let dead = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await?
         .local_addr()?;
