@@ -36,6 +36,8 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# stamp_dirty: what built-from.json records.
+source "$ROOT/scripts/lib/stamp.sh"
 CLUSTER_DIR="${REMORA_CLUSTER_DIR:-/var/tmp/remora-cluster}"
 OUT="$CLUSTER_DIR/images"
 BUILDAH_DIR="$CLUSTER_DIR/buildah"
@@ -308,9 +310,7 @@ done
 # node benchmarks' results (bench/results): what ran in the pods.
 for img in "${WANT[@]}"; do
   if [[ $img == agent || $img == operator ]]; then
-    dirty=false
-    [[ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no -- . ':!bench/results')" ]] && dirty=true
-    printf '{"commit":"%s","dirty":%s,"date":"%s"}\n' "$(git -C "$ROOT" rev-parse HEAD)" "$dirty" \
+    printf '{"commit":"%s","dirty":%s,"date":"%s"}\n' "$(git -C "$ROOT" rev-parse HEAD)" "$(stamp_dirty "$ROOT")" \
       "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$OUT/built-from.json"
     break
   fi

@@ -30,22 +30,16 @@ phase() {
   table+=("$(printf '  %-28s %5d s' "$1" $((now - t_phase)))")
   t_phase=$now
 }
-# The machine now, as a JSON object (the fields of results::machine).
-machine() {
-  local cpu mem
-  cpu=$(sed -n 's/^model name[[:space:]]*:[[:space:]]*//p' /proc/cpuinfo | head -n 1 | sed 's/[\\"]//g')
-  mem=$(awk '/^MemTotal:/ {printf "%.3f", $2 / 1048576}' /proc/meminfo)
-  printf '{"cores":%d,"cpu":"%s","memory_gib":%s,"kernel":"%s","load_average":"%s"}' \
-    "$(nproc)" "$cpu" "${mem:-0}" "$(uname -r)" "$(cat /proc/loadavg)"
-}
-machine_before=$(machine)
+# machine and dirty, as every results file records them.
+source scripts/lib/stamp.sh
+machine_before=$(stamp_machine)
 command_line="scripts/test.sh${*:+ $*}"
 write_phases() {
-  local IFS=, commit dirty=false
+  local IFS=, commit dirty
   commit=$(git rev-parse HEAD 2>/dev/null || true)
-  [[ -n "$(git status --porcelain --untracked-files=no -- . ':!bench/results' 2>/dev/null)" ]] && dirty=true
+  dirty=$(stamp_dirty)
   printf '{"command":"%s","commit":"%s","dirty":%s,"date":"%s","machine_before":%s,"machine_after":%s,"total_seconds":%d,"phases":[%s]}\n' \
-    "$command_line" "$commit" "$dirty" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$machine_before" "$(machine)" \
+    "$command_line" "$commit" "$dirty" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$machine_before" "$(stamp_machine)" \
     $(($(date +%s) - t_all)) "${phases[*]}" >"$PHASES"
 }
 

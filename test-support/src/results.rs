@@ -15,31 +15,23 @@ pub fn command_output(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
-/// The machine now: cores, CPU model, memory, kernel, load average.
+/// `scripts/lib/stamp.sh`, which holds what a stamp records of the machine
+/// and of the tree, for the shell scripts and the benches alike.
+const STAMP_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/lib/stamp.sh");
+
+/// The machine now (`stamp.sh machine`): cores, CPU model, memory, kernel,
+/// load average; `{"error": ...}` if the script could not say.
 pub fn machine() -> Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("model name"))
-                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
-        })
-        .unwrap_or_default();
-    let mem_gib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0 / 1024.0);
-    json!({
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "cpu": cpu,
-        "memory_gib": mem_gib,
-        "kernel": command_output("uname", &["-r"]),
-        "load_average": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(),
-    })
+    let out = command_output("bash", &[STAMP_SCRIPT, "machine"]);
+    serde_json::from_str(&out)
+        .unwrap_or_else(|e| json!({"error": format!("{STAMP_SCRIPT} machine: {e}: {out:?}")}))
+}
+
+/// Whether the checkout has uncommitted changes to the code a results file
+/// could measure (`stamp.sh dirty`: tracked files, bench/results left out).
+pub fn dirty() -> bool {
+    let top = command_output("git", &["rev-parse", "--show-toplevel"]);
+    command_output("bash", &[STAMP_SCRIPT, "dirty", &top]) != "false"
 }
 
 /// What every results file starts with: `command`, `commit`, `dirty`,
@@ -55,21 +47,7 @@ pub fn stamp(machine_before: &Value) -> Map<String, Value> {
         "commit".into(),
         json!(command_output("git", &["rev-parse", "HEAD"])),
     );
-    // The whole checkout, whatever the directory the bench runs in (cargo
-    // bench runs in the package's). Results files are written by the
-    // benches: they do not make the code measured dirty.
-    let status = command_output(
-        "git",
-        &[
-            "status",
-            "--porcelain",
-            "--untracked-files=no",
-            "--",
-            ":(top)",
-            ":(top,exclude)bench/results",
-        ],
-    );
-    out.insert("dirty".into(), json!(!status.is_empty()));
+    out.insert("dirty".into(), json!(dirty()));
     out.insert(
         "date".into(),
         json!(command_output("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"])),

@@ -100,19 +100,7 @@ fn main() -> anyhow::Result<()> {
         );
     }
     // The stamp records whether the tree was dirty; say so before an hour of runs.
-    let status = Command::new("git")
-        .current_dir(&root)
-        .args([
-            "status",
-            "--porcelain",
-            "--untracked-files=no",
-            "--",
-            ".",
-            ":!bench/results",
-        ])
-        .output()
-        .context("running git")?;
-    if !status.stdout.is_empty() {
+    if remora_test_support::results::dirty() {
         eprintln!(
             "bench-all: the tree has uncommitted changes: the files will say dirty (and count as stale)"
         );

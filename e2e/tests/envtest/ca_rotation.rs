@@ -6,8 +6,9 @@
 //! end serving certificates of the new CA and the caBundle holds its root.
 //! Then a corrupted Secret is repaired and a blanked caBundle restored.
 
+use std::cell::Cell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -21,7 +22,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::PostParams;
 use remora_operator::pki::webhook_cert::{NEXT_CA_KEY, PREVIOUS_CA_KEY, bundle_has_root};
-use remora_test_support::wait::wait_until;
+use remora_test_support::wait::{Check, Wait, wait_until};
 use remora_test_support::webhook_client::connect;
 
 const SECRET: &str = "rotation-tls";
@@ -99,11 +100,13 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
 
     // Pods created all along, through both replicas.
     let stop = Arc::new(AtomicBool::new(false));
+    let created = Arc::new(AtomicUsize::new(0));
     let creator = {
-        let (pods, stop) = (Api::<Pod>::namespaced(client.clone(), &ns), stop.clone());
+        let pods = Api::<Pod>::namespaced(client.clone(), &ns);
+        let (stop, created) = (stop.clone(), created.clone());
         tokio::spawn(async move {
             let start = Instant::now();
-            let (mut created, mut refused) = (0usize, Vec::new());
+            let mut refused = Vec::new();
             let mut i = 0;
             while !stop.load(Ordering::Relaxed) {
                 i += 1;
@@ -111,51 +114,67 @@ async fn ca_rotation_with_two_replicas_refuses_no_admission() -> anyhow::Result<
                     .create(&PostParams::default(), &pod(&format!("p{i}"), &[], &[]))
                     .await
                 {
-                    Ok(p) if e2e::webhook::sidecar(&p).is_some() => created += 1,
+                    Ok(p) if e2e::webhook::sidecar(&p).is_some() => {
+                        created.fetch_add(1, Ordering::Relaxed);
+                    }
                     Ok(_) => refused.push(format!("p{i}: not injected")),
                     Err(e) => refused.push(format!("p{i} at {:?}: {e}", start.elapsed())),
                 }
+                // The pace of the stream of creations, not a wait.
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            (created, refused)
+            refused
         })
     };
 
     // The rotation: staged with both roots published, switched, retired.
     let start = Instant::now();
-    let mut saw_both = false;
-    let new_ca = loop {
-        anyhow::ensure!(
-            start.elapsed() < Duration::from_secs(90),
-            "no completed CA rotation within 90 s (saw both roots published: {saw_both})\n{}",
-            logs()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        let s = secrets.get(SECRET).await?;
-        let m = bundles(&mwcs.get(mwc_name).await?);
-        if let Some(next) = text(&s, NEXT_CA_KEY) {
-            saw_both |= m
-                .iter()
-                .all(|b| bundle_has_root(b, &first_ca) && bundle_has_root(b, &next));
-        }
-        let Some(ca) = text(&s, "ca.crt") else {
-            continue;
-        };
-        let settled = ca != first_ca
-            && text(&s, PREVIOUS_CA_KEY).is_none()
-            && text(&s, NEXT_CA_KEY).is_none()
-            && m.iter()
-                .all(|b| bundle_has_root(b, &ca) && !bundle_has_root(b, &first_ca))
-            && both_serve(&[a, b], &ca).await;
-        if settled {
-            break ca;
-        }
-    };
+    let saw_both = Cell::new(false);
+    let new_ca = Wait::new(Duration::from_secs(90), "a completed CA rotation")
+        .every(Duration::from_millis(250))
+        .until(|| async {
+            let s = secrets.get(SECRET).await?;
+            let m = bundles(&mwcs.get(mwc_name).await?);
+            if let Some(next) = text(&s, NEXT_CA_KEY) {
+                let both = m
+                    .iter()
+                    .all(|b| bundle_has_root(b, &first_ca) && bundle_has_root(b, &next));
+                saw_both.set(saw_both.get() || both);
+            }
+            let Some(ca) = text(&s, "ca.crt") else {
+                return Ok::<_, anyhow::Error>(Check::NotYet("no ca.crt".into()));
+            };
+            let settled = ca != first_ca
+                && text(&s, PREVIOUS_CA_KEY).is_none()
+                && text(&s, NEXT_CA_KEY).is_none()
+                && m.iter()
+                    .all(|b| bundle_has_root(b, &ca) && !bundle_has_root(b, &first_ca))
+                && both_serve(&[a, b], &ca).await;
+            Ok(if settled {
+                Check::Done(ca)
+            } else {
+                Check::NotYet(format!(
+                    "not settled (both roots seen published: {})",
+                    saw_both.get()
+                ))
+            })
+        })
+        .await
+        .with_context(logs)?;
+    let saw_both = saw_both.get();
     let rotated_after = start.elapsed();
-    // Keep creating for a few seconds on the new CA alone.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Creations go on on the new CA alone.
+    let at_rotation = created.load(Ordering::Relaxed);
+    wait_until(
+        Duration::from_secs(30),
+        "10 more pods created on the new CA alone",
+        || async { created.load(Ordering::Relaxed) >= at_rotation + 10 },
+    )
+    .await
+    .with_context(logs)?;
     stop.store(true, Ordering::Relaxed);
-    let (created, refused) = creator.await?;
+    let refused = creator.await?;
+    let created = created.load(Ordering::Relaxed);
     eprintln!(
         "CA rotated and old root retired after {rotated_after:?}; {created} pods created, {} refused",
         refused.len()

@@ -7,14 +7,16 @@
 //! Short timings: lease 3 s, renew deadline 2 s, retry 500 ms. The measured
 //! failover times are printed, not asserted (a loaded machine is slower).
 
+use std::cell::Cell;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use e2e::controlplane::ControlPlane;
 use e2e::operator::{Operator, Options};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client};
 use nix::sys::signal::Signal;
-use remora_test_support::wait::wait_until;
+use remora_test_support::wait::{Check, Wait, wait_until};
 use serde_json::json;
 
 const LEASE: &str = "remora-operator";
@@ -153,27 +155,33 @@ async fn takeover(
     name: &str,
     from: Instant,
 ) -> anyhow::Result<(Duration, Duration, i32)> {
-    let deadline = from + DEADLINE;
-    let mut by_lease = None;
-    loop {
-        if by_lease.is_none()
-            && let Some((h, t)) = lease(api).await?
-            && h == name
-        {
-            by_lease = Some((from.elapsed(), t));
-        }
-        if let Some((l, t)) = by_lease
-            && leader_gauge(standby).await == Some(1)
-        {
-            return Ok((l, from.elapsed(), t));
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{name} did not take over within {DEADLINE:?} (Lease: {by_lease:?}); its log:\n{}",
-            standby.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // When the Lease first named `name`, and its transitions then.
+    let by_lease = Cell::new(None);
+    let what = format!("{name} to take over (the Lease, then its leader gauge)");
+    Wait::new(DEADLINE.saturating_sub(from.elapsed()), &what)
+        .every(Duration::from_millis(20))
+        .until(|| async {
+            if by_lease.get().is_none()
+                && let Some((h, t)) = lease(api).await?
+                && h == name
+            {
+                by_lease.set(Some((from.elapsed(), t)));
+            }
+            let Some((l, t)) = by_lease.get() else {
+                return Ok::<_, anyhow::Error>(Check::NotYet(
+                    "the Lease names another holder".into(),
+                ));
+            };
+            Ok(if leader_gauge(standby).await == Some(1) {
+                Check::Done((l, from.elapsed(), t))
+            } else {
+                Check::NotYet(format!(
+                    "the Lease named {name} after {l:?}; its gauge is not 1"
+                ))
+            })
+        })
+        .await
+        .with_context(|| format!("its log:\n{}", standby.log_tail()))
 }
 
 #[tokio::test]
