@@ -67,6 +67,8 @@ impl Entry {
 }
 
 const AGENT: &str = "agent/src";
+/// The agent binary's link options.
+const AGENT_BUILD: &str = "agent/build.rs";
 const CONTRACT: &str = "contract/src";
 const SERVE: &str = "serve/src";
 const INJECT: &str = "inject/src";
@@ -91,6 +93,7 @@ const DISCOVERY_BENCH: &[&str] = &[
 ];
 const NODE_BENCH: &[&str] = &[
     AGENT,
+    AGENT_BUILD,
     CONTRACT,
     OPERATOR,
     INJECT,
@@ -261,6 +264,7 @@ pub const ENTRIES: &[Entry] = &[
         minutes: 15,
         measures: &[
             AGENT,
+            AGENT_BUILD,
             CONTRACT,
             SERVE,
             "e2e/src/bin/lifecycle-bench-emulated.rs",
@@ -275,6 +279,7 @@ pub const ENTRIES: &[Entry] = &[
         minutes: 10,
         measures: &[
             AGENT,
+            AGENT_BUILD,
             CONTRACT,
             SERVE,
             "e2e/src/agentbench",
@@ -290,6 +295,7 @@ pub const ENTRIES: &[Entry] = &[
         minutes: 3,
         measures: &[
             AGENT,
+            AGENT_BUILD,
             CONTRACT,
             "operator/src/controllers",
             "e2e/src/jobpod.rs",
@@ -305,6 +311,7 @@ pub const ENTRIES: &[Entry] = &[
         minutes: 3,
         measures: &[
             AGENT,
+            AGENT_BUILD,
             SERVE,
             "operator/src/webhook",
             "e2e/src/hostile.rs",
@@ -372,6 +379,7 @@ pub const ENTRIES: &[Entry] = &[
         minutes: 40,
         measures: &[
             AGENT,
+            AGENT_BUILD,
             CONTRACT,
             OPERATOR,
             INJECT,
