@@ -163,6 +163,7 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         readiness.clone(),
         metrics.clone(),
         live,
+        shutdown.clone(),
     );
     // Render once now: an invalid configuration fails here, not in Envoy.
     let rendered = supervisor.render()?;
@@ -270,6 +271,9 @@ impl App {
             shutdown.clone(),
         )));
 
+        // Cancelled by the supervisor as Envoy's final stop begins, so the
+        // servers and watchers end while Envoy shuts down; here for the
+        // exits that stop nothing.
         let reason = self.supervisor.run().await;
         shutdown.cancel();
         // Servers finish their in-flight answers; bounded so exit is never held up.

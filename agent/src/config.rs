@@ -196,7 +196,8 @@ pub struct RunConfig {
     #[arg(long, env = env::DRAIN_DEADLINE, value_parser = duration::parse, default_value = defaults::DRAIN_DEADLINE)]
     #[serde(with = "duration_text")]
     pub drain_deadline: Duration,
-    /// How often Envoy's counters are read during a drain.
+    /// How often Envoy's counters are read during a drain (exit-on-zero's
+    /// wait for the last connection reads at least every 10 ms).
     #[arg(long, env = "REMORA_DRAIN_POLL_INTERVAL", value_parser = duration::parse, default_value = "50ms")]
     #[serde(with = "duration_text")]
     pub drain_poll_interval: Duration,

@@ -38,6 +38,10 @@ pub const ADMIN_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 pub const IDLE_CLOSED: Duration = idle_close::IDLE_AFTER
     .saturating_add(idle_close::CLOSE_GRACE)
     .saturating_add(idle_close::REFRESH);
+/// Exit-on-zero counts connections at least this often once its minimum is
+/// over: the last close is followed by the agent's exit, and a count costs
+/// Envoy's admin a fraction of a millisecond.
+pub const ZERO_POLL: Duration = Duration::from_millis(10);
 /// The last count of open connections (for the report) is made in this slot
 /// before the end of the wait, so it never eats into the stop reserve.
 const FINAL_COUNT_SLOT: Duration = Duration::from_millis(200);
@@ -178,6 +182,19 @@ pub async fn run<T: DrainTarget>(
             None
         }
     };
+    if let Some(outcome) = nothing_to_wait_for(&settings, active_at_start) {
+        // Envoy is stopped next: telling clients to leave first would only
+        // cost an admin call before the stop closes their connections anyway.
+        inbound_quiet.send_replace(true);
+        tracing::info!(?active_at_start, ?settings, "nothing to drain for");
+        return DrainReport {
+            outcome,
+            active_at_start,
+            duration_seconds: started.elapsed().as_secs_f64(),
+            inbound_quiet_seconds: None,
+            settings,
+        };
+    }
     if let Err(e) = bounded("drain_listeners", target.drain_inbound(), wait_until).await {
         // Without Envoy's drain the wait still protects in-flight requests.
         tracing::warn!(error = %e, "Envoy did not accept drain_listeners");
@@ -204,7 +221,7 @@ pub async fn run<T: DrainTarget>(
             at_deadline(target, wait_until, None).await
         } else {
             tokio::time::sleep_until(min_end).await;
-            wait_for_zero(target, poll, wait_until).await
+            wait_for_zero(target, poll.min(ZERO_POLL), wait_until).await
         }
     } else {
         inbound_quiet.send_replace(true);
@@ -223,6 +240,24 @@ pub async fn run<T: DrainTarget>(
         duration_seconds: started.elapsed().as_secs_f64(),
         inbound_quiet_seconds: inbound_quiet_at.map(|t: Instant| (t - started).as_secs_f64()),
         settings,
+    }
+}
+
+/// How a fixed drain ends at once, when it has no time to wait: a
+/// termination drain of zero, or exit-on-zero with no minimum and no
+/// connection open.
+fn nothing_to_wait_for(settings: &DrainSettings, active: Option<u64>) -> Option<DrainOutcome> {
+    if settings.adaptive() {
+        return None;
+    }
+    if settings.exit_on_zero_active_connections {
+        (settings.minimum_drain_duration.is_zero() && active == Some(0))
+            .then_some(DrainOutcome::Drained)
+    } else {
+        settings
+            .termination_drain_duration
+            .is_zero()
+            .then_some(DrainOutcome::Elapsed)
     }
 }
 
@@ -504,6 +539,55 @@ mod tests {
         let (r, _) = drain(&envoy, settings(true)).await;
         assert_eq!(r.outcome, DrainOutcome::Drained);
         assert_eq!(start.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn exit_on_zero_counts_often_once_the_minimum_is_over() {
+        let envoy = FakeEnvoy::new(vec![Duration::from_millis(2345)]);
+        let start = Instant::now();
+        let (r, _) = drain(&envoy, settings(true)).await;
+        assert_eq!(r.outcome, DrainOutcome::Drained);
+        let took = start.elapsed();
+        assert!(took >= Duration::from_millis(2345), "{took:?}");
+        assert!(took <= Duration::from_millis(2345) + ZERO_POLL, "{took:?}");
+    }
+
+    /// With no time to wait, Envoy is not asked to drain (it is stopped
+    /// next); the connections are still counted for the report.
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_with_nothing_to_wait_for_ends_at_once_without_draining_envoy() {
+        let zero_termination = DrainSettings {
+            termination_drain_duration: Duration::ZERO,
+            ..settings(false)
+        };
+        let zero_minimum = DrainSettings {
+            minimum_drain_duration: Duration::ZERO,
+            ..settings(true)
+        };
+        for (s, open, outcome) in [
+            (
+                zero_termination,
+                vec![Duration::from_secs(60)],
+                DrainOutcome::Elapsed,
+            ),
+            (zero_termination, vec![], DrainOutcome::Elapsed),
+            (zero_minimum, vec![], DrainOutcome::Drained),
+        ] {
+            let envoy = FakeEnvoy::new(open.clone());
+            let start = Instant::now();
+            let (r, quiet) = drain(&envoy, s).await;
+            assert_eq!(r.outcome, outcome, "{s:?}");
+            assert_eq!(start.elapsed(), Duration::ZERO, "{s:?}");
+            assert_eq!(r.active_at_start, Some(open.len() as u64));
+            assert!(!envoy.drained.load(Ordering::SeqCst), "{s:?}");
+            assert!(*quiet.borrow(), "the app is let go");
+        }
+        // A connection open: exit-on-zero still drains and waits for it.
+        let envoy = FakeEnvoy::new(vec![Duration::from_secs(1)]);
+        let (r, _) = drain(&envoy, zero_minimum).await;
+        assert_eq!(r.outcome, DrainOutcome::Drained);
+        assert!(envoy.drained.load(Ordering::SeqCst));
+        assert!(Duration::from_secs_f64(r.duration_seconds) >= Duration::from_secs(1));
     }
 
     #[tokio::test(start_paused = true)]

@@ -142,6 +142,28 @@ impl MountedWake {
     }
 }
 
+impl Drop for MountedWake {
+    /// Closing an inotify instance that has watches waits in the kernel until
+    /// its marks are destroyed (an SRCU grace period: 10 ms and more on a busy
+    /// machine). On the agent's one runtime thread that wait would stall
+    /// everything, and at exit the instances would be closed one grace period
+    /// after another; a thread of its own closes it instead, and several such
+    /// closes share one grace period.
+    fn drop(&mut self) {
+        let Some(events) = self.events.take() else {
+            return;
+        };
+        // Holds the descriptor open past the stream, whose drop takes it out
+        // of the runtime's reactor here.
+        let fd = events.watches();
+        drop(events);
+        // Without a thread the closure, and the descriptor, are dropped here.
+        let _ = std::thread::Builder::new()
+            .name("inotify-close".into())
+            .spawn(move || drop(fd));
+    }
+}
+
 /// The events taken in one wake.
 struct Burst {
     /// Watches the kernel dropped (their directory was removed or

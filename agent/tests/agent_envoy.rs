@@ -274,6 +274,38 @@ fn sigterm_exit_on_zero_waits_for_held_connection() {
     );
 }
 
+/// Exit-on-zero with an idle keep-alive connection held by a client that
+/// never closes it: the draining Envoy closes it itself (idle close) while
+/// the minimum drain still runs, so the agent then exits drained, never with
+/// the connection open.
+#[test]
+fn exit_on_zero_closes_an_idle_connection_before_the_agent_exits() {
+    let mut agent = Agent::builder()
+        .args([
+            "--exit-on-zero-active-connections",
+            "--minimum-drain-duration",
+            "5s",
+        ])
+        .start();
+    let mut idle = Conn::open(agent.ports.inbound).expect("connect");
+    assert_eq!(idle.get("/").expect("before").status, 200);
+    agent.signal(Signal::SIGTERM);
+    wait_until_blocking(
+        Duration::from_secs(10),
+        "Envoy closes the idle connection",
+        || idle.closed_by_peer().expect("peek").then_some(()),
+    );
+    assert!(
+        agent.is_running(),
+        "the connection closed only as the agent exited\n{}",
+        agent.log()
+    );
+    assert_eq!(agent.wait_exit(Duration::from_secs(20)).code(), Some(0));
+    let log = agent.log();
+    assert!(log.contains("\"outcome\":\"drained\""), "{log}");
+    assert!(log.contains("\"active_at_start\":1"), "{log}");
+}
+
 #[test]
 fn inbound_drain_tells_clients_connection_close() {
     let mut agent = Agent::builder()

@@ -23,6 +23,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::bootstrap::{self, BootstrapError, Extras};
 use crate::config::RunConfig;
@@ -151,11 +152,17 @@ pub struct Supervisor {
     /// An app hook waits for the release (see [`drain::run`]).
     app_waits: Arc<AtomicBool>,
     state_tx: watch::Sender<EnvoyState>,
+    /// Cancelled as Envoy's final stop begins (see [`Supervisor::new`]).
+    stopping: CancellationToken,
 }
 
 type DrainFuture = Pin<Box<dyn std::future::Future<Output = DrainReport> + Send>>;
 
 impl Supervisor {
+    /// `stopping` is cancelled when Envoy's final stop begins: what serves
+    /// Envoy or watches the agent's inputs can end then, while Envoy shuts
+    /// down, instead of after it (closing an inotify instance alone waits for
+    /// a kernel grace period).
     pub fn new(
         cfg: Arc<RunConfig>,
         envoy_bin: PathBuf,
@@ -163,6 +170,7 @@ impl Supervisor {
         readiness: Readiness,
         metrics: Metrics,
         live: LiveSettings,
+        stopping: CancellationToken,
     ) -> (Self, SupervisorHandle) {
         let (control, rx) = mpsc::channel(16);
         let (drained_tx, drained) = watch::channel(None);
@@ -193,6 +201,7 @@ impl Supervisor {
             inbound_quiet_tx,
             app_waits: Arc::default(),
             state_tx,
+            stopping,
         };
         let handle = SupervisorHandle {
             control,
@@ -571,7 +580,10 @@ impl Supervisor {
                 *drain = None;
                 self.undo_drain().await;
             }
-            Action::Stop { grace } => self.stop_all(grace).await,
+            Action::Stop { grace } => {
+                self.stopping.cancel();
+                self.stop_all(grace).await;
+            }
             Action::Exit(reason) => return Some(reason),
         }
         None
@@ -665,6 +677,7 @@ mod tests {
             Readiness::new(),
             Metrics::new(&mut registry),
             live,
+            CancellationToken::new(),
         );
         let run = tokio::spawn(sup.run());
         let mut state = handle.state.clone();
