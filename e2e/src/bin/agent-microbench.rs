@@ -443,8 +443,14 @@ fn mb(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-/// Fresh mTLS handshakes (each with a GET through the listener), 5 ms
-/// apart, until one is served `want`; when that request completed, or None
+/// The gap between the cert row's probes: short against the few ms a
+/// change takes to reach Envoy, or a push that lands just after a probe
+/// began costs a whole gap (at 5 ms both agents' samples split into a ~2 ms
+/// and a ~9 ms cluster).
+const PROBE_GAP: Duration = Duration::from_millis(1);
+
+/// Fresh mTLS handshakes (each with a GET through the listener),
+/// [`PROBE_GAP`] apart, until one is served `want`; when that request completed, or None
 /// after `wait`. The completion, not the start: a handshake that began just
 /// before the change can still be served the new certificate, which would
 /// make a fast watcher look instant; the completion is an upper bound by
@@ -461,7 +467,7 @@ async fn served(
         if s.outcome.is_ok() && s.peer == Some(want) {
             return Some((epoch + s.at + s.latency).into_std());
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(PROBE_GAP).await;
     }
     None
 }
