@@ -151,6 +151,9 @@ pub struct Supervisor {
     /// An app hook waits for the release (see [`drain::run`]).
     app_waits: Arc<AtomicBool>,
     state_tx: watch::Sender<EnvoyState>,
+    /// Discovery mode: the xDS proxy's view of the pod's withdrawal, which
+    /// an adaptive drain waits on ([`drain::run_confirming`]).
+    withdrawal: Option<watch::Receiver<crate::withdrawal::Upstream>>,
 }
 
 type DrainFuture = Pin<Box<dyn std::future::Future<Output = DrainReport> + Send>>;
@@ -193,6 +196,7 @@ impl Supervisor {
             inbound_quiet_tx,
             app_waits: Arc::default(),
             state_tx,
+            withdrawal: None,
         };
         let handle = SupervisorHandle {
             control,
@@ -202,6 +206,12 @@ impl Supervisor {
             live,
         };
         (sup, handle)
+    }
+
+    /// Discovery mode: drains wait for the confirmed removal of the pod's
+    /// endpoints, as the xDS proxy sees it.
+    pub fn confirm_withdrawal(&mut self, upstream: watch::Receiver<crate::withdrawal::Upstream>) {
+        self.withdrawal = Some(upstream);
     }
 
     /// Render and write the bootstrap from the current inputs.
@@ -364,8 +374,17 @@ impl Supervisor {
         let poll = self.cfg.drain_poll_interval;
         let inbound_quiet = self.inbound_quiet_tx.clone();
         let app_waits = Arc::clone(&self.app_waits);
+        let mut withdrawal = self.withdrawal.clone();
         Box::pin(async move {
-            drain::run(&admin, settings, poll, started, &inbound_quiet, &app_waits).await
+            drain::run_confirming(
+                &admin,
+                settings,
+                poll,
+                started,
+                (&inbound_quiet, &app_waits),
+                withdrawal.as_mut(),
+            )
+            .await
         })
     }
 
@@ -389,6 +408,9 @@ impl Supervisor {
                 outcome: report.outcome.label(),
             })
             .inc();
+        if let Some(w) = &report.withdrawal {
+            self.metrics.record_withdrawal(w);
+        }
         tracing::info!(report = %serde_json::to_string(report).unwrap_or_default(), "drain finished");
         self.drained_tx.send_replace(Some(report.clone()));
     }
@@ -562,6 +584,7 @@ impl Supervisor {
                     active_at_start: None,
                     duration_seconds: elapsed.as_secs_f64(),
                     inbound_quiet_seconds: None,
+                    withdrawal: None,
                     settings: self.live.current(),
                 };
                 self.inbound_quiet_tx.send_replace(true);
