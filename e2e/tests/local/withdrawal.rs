@@ -82,7 +82,8 @@ async fn the_callee_stops_only_once_its_clients_confirmed_and_names_one_that_nev
         namespace: NS.into(),
     };
     discovery.update(|r| {
-        let mut t = r.apply_service(
+        let mut t = Vec::new();
+        t.extend(r.apply_service(
             cart.clone(),
             ServiceInfo {
                 ports: vec![ServicePort {
@@ -92,7 +93,7 @@ async fn the_callee_stops_only_once_its_clients_confirmed_and_names_one_that_nev
                 }],
                 ..Default::default()
             },
-        );
+        ));
         t.extend(
             r.apply_slice(
                 (NS.into(), "cart-x".into()),
