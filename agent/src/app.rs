@@ -144,10 +144,15 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         &cfg,
         PodAnnotations::new(cfg.annotations_file.clone(), stream_copy),
     );
+    // The pod's withdrawal, which the drain waits on (confirmed removal).
+    let (withdrawal, withdrawal_rx) = tokio::sync::watch::channel(Default::default());
     let xds = xds::start(
         &cfg,
         sds.bundles(),
-        pod_annotations,
+        xds::ToAgent {
+            pod_annotations,
+            withdrawal,
+        },
         &mut registry,
         shutdown.clone(),
     )
@@ -156,7 +161,7 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         x.hold_readiness(&readiness);
     }
     let extras = sds::bootstrap::extras(&cfg, &sds.socket);
-    let (supervisor, handle) = Supervisor::new(
+    let (mut supervisor, handle) = Supervisor::new(
         cfg.clone(),
         envoy_bin,
         extras,
@@ -165,6 +170,9 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         live,
         shutdown.clone(),
     );
+    if xds.is_some() {
+        supervisor.confirm_withdrawal(withdrawal_rx);
+    }
     // Render once now: an invalid configuration fails here, not in Envoy.
     let rendered = supervisor.render()?;
     // Readiness waits for the certificates only if the bootstrap makes Envoy

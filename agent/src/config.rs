@@ -178,6 +178,12 @@ pub struct RunConfig {
     #[arg(long, env = env::QUIET_PERIOD, value_parser = duration::parse, default_value = defaults::QUIET_PERIOD)]
     #[serde(with = "duration_text")]
     pub quiet_period: Duration,
+    /// Adaptive drain in discovery mode: wait at most this long (within the
+    /// drain deadline) for every proxy that routed to the pod to confirm it
+    /// no longer does, before the quiet period runs.
+    #[arg(long, env = env::WITHDRAWAL_TIMEOUT, value_parser = duration::parse, default_value = defaults::WITHDRAWAL_TIMEOUT)]
+    #[serde(with = "duration_text")]
+    pub withdrawal_timeout: Duration,
     /// Where to put the app containers' preStop helper and the file telling
     /// it how to reach this agent (an emptyDir the operator mounts read-only
     /// into the app containers); unset: no app hook.

@@ -12,6 +12,12 @@
 //! - fixed: the termination drain duration, or — with exit-on-zero — the
 //!   minimum drain duration and then until no workload connection is left.
 //!
+//! In discovery mode an adaptive drain first waits for the pod's withdrawal
+//! to be confirmed ([`crate::withdrawal`]: every proxy that routed to the
+//! pod has taken it out of its endpoints), bounded by the withdrawal
+//! timeout; only then, and once no inbound request is in flight, does the
+//! quiet period run and the app get released ([`run_confirming`]).
+//!
 //! It never runs past the drain deadline, minus a reserve kept for stopping
 //! Envoy: every admin call it makes is bounded, by [`ADMIN_CALL_TIMEOUT`] and
 //! by the end of the wait, so a hung or slow admin API cannot hold it (Envoy
@@ -29,6 +35,7 @@ use crate::envoy::admin::{AdminError, EnvoyAdmin, Traffic};
 use crate::envoy::idle_close;
 use crate::lifecycle::DrainSettings;
 use crate::metrics::DrainOutcomeLabel;
+use crate::withdrawal::{self, Upstream};
 
 /// No admin call of a drain waits longer than this for its answer.
 pub const ADMIN_CALL_TIMEOUT: Duration = Duration::from_secs(1);
@@ -133,6 +140,10 @@ pub struct DrainReport {
     /// Adaptive: when inbound traffic went quiet (the app's SIGTERM), since the start.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inbound_quiet_seconds: Option<f64>,
+    /// Adaptive in discovery mode: how the wait for the confirmed removal
+    /// of the pod's endpoints ended.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub withdrawal: Option<withdrawal::Outcome>,
     pub settings: DrainSettings,
 }
 
@@ -152,6 +163,28 @@ pub async fn run<T: DrainTarget>(
     started: Instant,
     inbound_quiet: &watch::Sender<bool>,
     app_waits: &AtomicBool,
+) -> DrainReport {
+    run_confirming(
+        target,
+        settings,
+        poll,
+        started,
+        (inbound_quiet, app_waits),
+        None,
+    )
+    .await
+}
+
+/// [`run`]; in discovery mode (`upstream`, the xDS proxy's view) an
+/// adaptive drain first waits for the confirmed removal of the pod's
+/// endpoints (see the module docs).
+pub async fn run_confirming<T: DrainTarget>(
+    target: &T,
+    settings: DrainSettings,
+    poll: Duration,
+    started: Instant,
+    (inbound_quiet, app_waits): (&watch::Sender<bool>, &AtomicBool),
+    upstream: Option<&mut watch::Receiver<Upstream>>,
 ) -> DrainReport {
     let wait_until = started
         + settings
@@ -192,6 +225,7 @@ pub async fn run<T: DrainTarget>(
             active_at_start,
             duration_seconds: started.elapsed().as_secs_f64(),
             inbound_quiet_seconds: None,
+            withdrawal: None,
             settings,
         };
     }
@@ -202,10 +236,23 @@ pub async fn run<T: DrainTarget>(
     tracing::info!(?active_at_start, ?settings, "draining inbound listeners");
 
     let mut inbound_quiet_at = None;
+    let mut confirmation = None;
     let outcome = if settings.adaptive() {
+        let mut quiet = Quiet {
+            period: settings.quiet_period,
+            floor: IDLE_CLOSED,
+            from: started,
+            needs_idle: false,
+        };
+        if let Some(upstream) = upstream {
+            let until = wait_until.min(started + settings.withdrawal_timeout);
+            let c = withdrawal::confirm(upstream, until).await;
+            quiet = confirmed_quiet(quiet, &c);
+            confirmation = Some(c);
+        }
         let (outcome, quiet_at) = wait_for_quiet(
             target,
-            settings.quiet_period,
+            quiet,
             poll,
             (started, wait_until),
             baseline,
@@ -239,6 +286,7 @@ pub async fn run<T: DrainTarget>(
         active_at_start,
         duration_seconds: started.elapsed().as_secs_f64(),
         inbound_quiet_seconds: inbound_quiet_at.map(|t: Instant| (t - started).as_secs_f64()),
+        withdrawal: confirmation,
         settings,
     }
 }
@@ -261,20 +309,55 @@ fn nothing_to_wait_for(settings: &DrainSettings, active: Option<u64>) -> Option<
     }
 }
 
+/// How the adaptive wait decides that inbound has gone quiet.
+#[derive(Debug, Clone, Copy)]
+struct Quiet {
+    period: Duration,
+    /// Inbound quiet never counts before this long (see [`IDLE_CLOSED`]).
+    floor: Duration,
+    /// The quiet period counts from here.
+    from: Instant,
+    /// The app is released only once no inbound request is in flight.
+    needs_idle: bool,
+}
+
+/// The quiet period after the wait for the confirmation: it counts from
+/// the confirmation, and once every meshed client confirmed, without the
+/// idle-connection floor. Each of their Envoys drains its pools to the pod
+/// as it takes the pod out of its endpoints, so no idle pooled connection
+/// of theirs can be picked again; a client outside the mesh is what the
+/// quiet period is for, and a workload that sets it to 0 says it has none.
+/// Timed out or fallen back: the floor stays, as without discovery.
+fn confirmed_quiet(quiet: Quiet, c: &withdrawal::Outcome) -> Quiet {
+    let from = Instant::now();
+    if c.is_confirmed() {
+        Quiet {
+            floor: Duration::ZERO,
+            from,
+            needs_idle: true,
+            ..quiet
+        }
+    } else {
+        Quiet { from, ..quiet }
+    }
+}
+
 /// The adaptive wait. A counter that moved (or could not be read) restarts
 /// its quiet period; the drain ends when every counter has been still for
 /// `quiet` and no request is in flight. Returns when inbound went quiet too.
 async fn wait_for_quiet<T: DrainTarget>(
     target: &T,
-    quiet: Duration,
+    how: Quiet,
     poll: Duration,
     (started, wait_until): (Instant, Instant),
     baseline: Option<Traffic>,
     (inbound_quiet, app_waits): (&watch::Sender<bool>, &AtomicBool),
 ) -> (DrainOutcome, Option<Instant>) {
+    let quiet = how.period;
     let mut last = baseline;
-    let (mut inbound_since, mut any_since) = (started, started);
+    let (mut inbound_since, mut any_since) = (how.from, how.from);
     let mut inbound_quiet_at = None;
+    let mut inbound_in_flight = None;
     loop {
         let now = Instant::now();
         let in_flight = match bounded("the traffic counters", target.traffic(), wait_until).await {
@@ -292,6 +375,7 @@ async fn wait_for_quiet<T: DrainTarget>(
                     None => (inbound_since, any_since) = (now, now),
                 }
                 last = Some(t);
+                inbound_in_flight = Some(t.inbound_in_flight);
                 Some(t.in_flight)
             }
             Err(e) => {
@@ -300,7 +384,9 @@ async fn wait_for_quiet<T: DrainTarget>(
                 None
             }
         };
-        if inbound_quiet_at.is_none() && now.duration_since(inbound_since) >= quiet.max(IDLE_CLOSED)
+        if inbound_quiet_at.is_none()
+            && now.duration_since(inbound_since) >= quiet.max(how.floor)
+            && (!how.needs_idle || inbound_in_flight == Some(0))
         {
             inbound_quiet_at = Some(now);
             // An app hook waiting returns now and its app gets SIGTERM: the
@@ -469,14 +555,17 @@ mod tests {
             let now = self.start.elapsed();
             let seen = |v: &[Duration]| v.iter().filter(|t| **t <= now).count() as u64;
             let inbound = seen(&self.inbound_at);
+            // The double's requests in flight are inbound ones.
+            let in_flight = self
+                .in_flight
+                .iter()
+                .filter(|(a, b)| *a <= now && now < *b)
+                .count() as u64;
             Ok(Traffic {
                 inbound_arrivals: inbound,
                 arrivals: inbound + seen(&self.outbound_at),
-                in_flight: self
-                    .in_flight
-                    .iter()
-                    .filter(|(a, b)| *a <= now && now < *b)
-                    .count() as u64,
+                in_flight,
+                inbound_in_flight: in_flight,
             })
         }
     }
@@ -490,6 +579,7 @@ mod tests {
             drain_deadline: Duration::from_secs(25),
             drain_mode: DrainMode::Fixed,
             quiet_period: Duration::from_secs(3),
+            withdrawal_timeout: Duration::from_secs(5),
         }
     }
 

@@ -22,4 +22,5 @@ pub mod supervisor;
 pub mod telemetry;
 pub mod token;
 pub mod unix_socket;
+pub mod withdrawal;
 pub mod xds;

@@ -32,6 +32,8 @@ pub struct DrainSettings {
     pub drain_mode: DrainMode,
     #[serde(with = "secs")]
     pub quiet_period: Duration,
+    #[serde(with = "secs")]
+    pub withdrawal_timeout: Duration,
 }
 
 mod secs {
@@ -51,6 +53,7 @@ impl DrainSettings {
             drain_deadline: cfg.drain_deadline,
             drain_mode: cfg.drain_mode,
             quiet_period: cfg.quiet_period,
+            withdrawal_timeout: cfg.withdrawal_timeout,
         }
     }
 
@@ -71,6 +74,7 @@ impl DrainSettings {
             minimum_drain_duration: &mut self.minimum_drain_duration,
             drain_mode: &mut self.drain_mode,
             quiet_period: &mut self.quiet_period,
+            withdrawal_timeout: &mut self.withdrawal_timeout,
             drain_deadline: Some(&mut self.drain_deadline),
         });
         (self, problems.iter().map(ToString::to_string).collect())
@@ -138,6 +142,7 @@ mod tests {
             drain_deadline: Duration::from_secs(25),
             drain_mode: DrainMode::Adaptive,
             quiet_period: Duration::from_secs(3),
+            withdrawal_timeout: Duration::from_secs(5),
         }
     }
 

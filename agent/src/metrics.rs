@@ -40,6 +40,12 @@ pub struct DrainLabels {
     pub outcome: DrainOutcomeLabel,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WithdrawalLabels {
+    /// `confirmed`, `timed_out` or `fell_back` ([`crate::withdrawal::Outcome::label`]).
+    pub outcome: &'static str,
+}
+
 #[derive(Clone, Debug)]
 pub struct Metrics {
     pub envoy_restarts: Family<RestartLabels, Counter>,
@@ -48,6 +54,9 @@ pub struct Metrics {
     pub drain_duration: Histogram,
     pub drain_active_connections_at_start: Gauge,
     pub drains: Family<DrainLabels, Counter>,
+    pub drain_withdrawals: Family<WithdrawalLabels, Counter>,
+    pub drain_withdrawal_wait: Histogram,
+    pub drain_withdrawal_unconfirmed: Counter,
     pub ready: Gauge,
 }
 
@@ -62,6 +71,11 @@ impl Metrics {
             ]),
             drain_active_connections_at_start: Gauge::default(),
             drains: Family::default(),
+            drain_withdrawals: Family::default(),
+            drain_withdrawal_wait: Histogram::new([
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ]),
+            drain_withdrawal_unconfirmed: Counter::default(),
             ready: Gauge::default(),
         };
         registry.register(
@@ -92,10 +106,48 @@ impl Metrics {
         );
         registry.register("drains", "Drains by outcome", m.drains.clone());
         registry.register(
+            "drain_withdrawals",
+            "Discovery mode: adaptive drains by how the wait for the confirmed removal of the \
+             pod's endpoints ended (confirmed; timed_out: a proxy never confirmed; fell_back: \
+             the discovery stream was down or said nothing, the quiet period alone decided)",
+            m.drain_withdrawals.clone(),
+        );
+        registry.register(
+            "drain_withdrawal_wait_seconds",
+            "Discovery mode: how long a drain waited for the confirmed removal of the pod's endpoints",
+            m.drain_withdrawal_wait.clone(),
+        );
+        registry.register(
+            "drain_withdrawal_unconfirmed",
+            "Proxies still routing to the pod when a drain stopped waiting for them",
+            m.drain_withdrawal_unconfirmed.clone(),
+        );
+        registry.register(
             "ready",
             "1 while /healthz/ready answers 200",
             m.ready.clone(),
         );
         m
+    }
+
+    /// How a drain's wait for the confirmed removal ended.
+    pub fn record_withdrawal(&self, w: &crate::withdrawal::Outcome) {
+        use crate::withdrawal::Outcome;
+        self.drain_withdrawals
+            .get_or_create(&WithdrawalLabels { outcome: w.label() })
+            .inc();
+        match w {
+            Outcome::Confirmed { waited_ms, .. } => {
+                self.drain_withdrawal_wait.observe(*waited_ms as f64 / 1e3);
+            }
+            Outcome::TimedOut {
+                pending, waited_ms, ..
+            } => {
+                self.drain_withdrawal_wait.observe(*waited_ms as f64 / 1e3);
+                self.drain_withdrawal_unconfirmed
+                    .inc_by(u64::from(*pending));
+            }
+            Outcome::FellBack { .. } => {}
+        }
     }
 }

@@ -44,6 +44,8 @@ struct Rig {
     _bundles: watch::Sender<Option<Arc<CertBundle>>>,
     /// The pod's annotations as the proxy hands them to the agent.
     pod_annotations: watch::Receiver<StreamCopy>,
+    /// The pod's withdrawal and the stream's state, likewise.
+    withdrawal: watch::Receiver<remora_agent::withdrawal::Upstream>,
 }
 
 impl Rig {
@@ -81,10 +83,14 @@ impl Rig {
         let mut registry = Registry::default();
         let cancel = CancellationToken::new();
         let (annotations_tx, pod_annotations) = watch::channel(None);
+        let (withdrawal_tx, withdrawal) = watch::channel(Default::default());
         let handle = xds::start_with(
             socket.clone(),
             upstream,
-            annotations_tx,
+            xds::ToAgent {
+                pod_annotations: annotations_tx,
+                withdrawal: withdrawal_tx,
+            },
             &mut registry,
             cancel.clone(),
         )
@@ -116,6 +122,7 @@ impl Rig {
             double: Some(double),
             _bundles: bundles,
             pod_annotations,
+            withdrawal,
         })
     }
 
@@ -319,11 +326,63 @@ async fn the_pods_annotations_reach_the_agent_and_not_envoy() -> Result<()> {
     // would not answer): nothing was refused either.
     assert_eq!(metric(&rig.registry, "xds_nacks_total"), 0.0);
 
-    // The server away: the agent reads the file again.
+    // The pod's withdrawal (issue 30) the same way, for the drain, with
+    // whether the stream is up.
+    use remora_contract::discovery::WITHDRAWAL_TYPE;
+    assert!(rig.withdrawal.borrow().connected, "the stream is up");
+    let w = remora_proto::remora::v1::Withdrawal {
+        expected: 2,
+        confirmed: 2,
+        done: true,
+        last_confirmation_ms: 12,
+        ..Default::default()
+    };
+    rig.double().set(
+        WITHDRAWAL_TYPE,
+        "w1",
+        vec![envoy_types::pb::google::protobuf::Any {
+            type_url: WITHDRAWAL_TYPE.into(),
+            value: w.encode_to_vec(),
+        }],
+    );
+    let got = wait_until(DEADLINE, "the withdrawal at the agent", || {
+        let w = rig.withdrawal.borrow().withdrawal.clone();
+        async move { w }
+    })
+    .await?;
+    assert_eq!(
+        (
+            got.expected,
+            got.confirmed,
+            got.done,
+            got.last_confirmation_ms
+        ),
+        (2, 2, true, 12)
+    );
+    wait_until(DEADLINE, "the proxy's ACK of the withdrawal", || async {
+        rig.double()
+            .requests()
+            .iter()
+            .any(|r| {
+                r.request.type_url == WITHDRAWAL_TYPE
+                    && r.request.version_info == "w1"
+                    && !r.request.response_nonce.is_empty()
+            })
+            .then_some(())
+    })
+    .await?;
+
+    // The server away: the agent reads the file again, and the drain
+    // knows the stream is down (keeping the withdrawal last told).
     let stopped = rig.double.take().unwrap().stop().await;
     wait_until(DEADLINE, "the stream's copy dropped", || {
         let a = rig.pod_annotations.borrow().clone();
         async move { a.is_none().then_some(()) }
+    })
+    .await?;
+    wait_until(DEADLINE, "the stream down for the drain", || {
+        let u = rig.withdrawal.borrow().clone();
+        async move { (!u.connected && u.withdrawal.is_some()).then_some(()) }
     })
     .await?;
     rig.double = Some(XdsDouble::restart(stopped).await?);

@@ -55,11 +55,12 @@ pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: &str = "remora.dev/exit-on-zero-activ
 pub const MINIMUM_DRAIN_DURATION: &str = "remora.dev/minimum-drain-duration";
 pub const DRAIN_MODE: &str = "remora.dev/drain-mode";
 pub const QUIET_PERIOD: &str = "remora.dev/quiet-period";
+pub const WITHDRAWAL_TIMEOUT: &str = "remora.dev/withdrawal-timeout";
 pub const CONCURRENCY: &str = "remora.dev/concurrency";
 pub const LOG_LEVEL: &str = "remora.dev/log-level";
 
 /// The per-field keys, in the order [`crate::overlay::Overlay`] reads them.
-pub const PER_FIELD: [&str; 11] = [
+pub const PER_FIELD: [&str; 12] = [
     MODE,
     HOLD_APPLICATION_UNTIL_PROXY_STARTS,
     STARTUP_TIMEOUT,
@@ -69,6 +70,7 @@ pub const PER_FIELD: [&str; 11] = [
     MINIMUM_DRAIN_DURATION,
     DRAIN_MODE,
     QUIET_PERIOD,
+    WITHDRAWAL_TIMEOUT,
     CONCURRENCY,
     LOG_LEVEL,
 ];

@@ -50,11 +50,20 @@ pub const POD_ANNOTATIONS_TYPE: &str = "type.googleapis.com/remora.v1.PodAnnotat
 ///   `last_confirmation_ms` from the withdrawal to the last confirmation.
 ///   It is updated as confirmations arrive (intermediate counts may be
 ///   debounced; `done` is sent at once);
+/// - bounded: a proxy still pending when the pod's withdrawal timeout
+///   (`remora.dev/withdrawal-timeout`, read by [`crate::overlay::withdrawal_timeout`])
+///   has passed since the withdrawal is given up on: the resource turns
+///   `done` and `timed_out`, `pending` naming those never confirmed, and
+///   the server raises a Warning Event on the pod naming them;
 /// - absent: the pod is not withdrawn (serving, or not known to this
 ///   replica yet); a pod Ready again has its withdrawal forgotten.
 ///
-/// What the agent does with it (holding the app's SIGTERM until `done`,
-/// bounded) is not built yet.
+/// What the agent does with it: in discovery mode its drain (adaptive)
+/// holds the app's SIGTERM until the resource is `done`, bounded by the
+/// same timeout and by the drain deadline, then runs the quiet period; if
+/// its stream is down when the drain starts, or no withdrawal arrives soon
+/// after, it falls back to the quiet period alone and says so (agent
+/// `drain.rs` and `withdrawal.rs`).
 pub const WITHDRAWAL_TYPE: &str = "type.googleapis.com/remora.v1.Withdrawal";
 
 /// The most proxies a `remora.v1.Withdrawal` names as pending: the counts

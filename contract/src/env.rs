@@ -14,6 +14,7 @@ pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: &str = "REMORA_EXIT_ON_ZERO_ACTIVE_CO
 pub const MINIMUM_DRAIN_DURATION: &str = "REMORA_MINIMUM_DRAIN_DURATION";
 pub const DRAIN_MODE: &str = "REMORA_DRAIN_MODE";
 pub const QUIET_PERIOD: &str = "REMORA_QUIET_PERIOD";
+pub const WITHDRAWAL_TIMEOUT: &str = "REMORA_WITHDRAWAL_TIMEOUT";
 /// Where the agent puts the app containers' preStop helper and its
 /// endpoint file ([`crate::pod::HOOK_DIR`]); unset: no app hook.
 pub const HOOK_DIR: &str = "REMORA_HOOK_DIR";

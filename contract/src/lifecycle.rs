@@ -55,6 +55,8 @@ pub struct ShutdownAnnotation {
     pub drain_mode: Option<crate::DrainMode>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quiet_period: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub withdrawal_timeout: Option<String>,
 }
 
 /// The value of `remora.dev/stop` as the operator writes it. Informational:

@@ -22,6 +22,7 @@ pub struct Overlay {
     pub minimum_drain_duration: Option<Duration>,
     pub drain_mode: Option<DrainMode>,
     pub quiet_period: Option<Duration>,
+    pub withdrawal_timeout: Option<Duration>,
     /// Only in `remora.dev/lifecycle`: the operator derives it.
     pub drain_deadline: Option<Duration>,
     pub concurrency: Option<u32>,
@@ -39,6 +40,7 @@ pub struct DrainFields<'a> {
     pub minimum_drain_duration: &'a mut Duration,
     pub drain_mode: &'a mut DrainMode,
     pub quiet_period: &'a mut Duration,
+    pub withdrawal_timeout: &'a mut Duration,
     /// `None` for the operator: it derives the deadline from the pod's
     /// grace period.
     pub drain_deadline: Option<&'a mut Duration>,
@@ -111,6 +113,11 @@ impl Overlay {
         );
         field!(o.quiet_period, annotations::QUIET_PERIOD, duration::parse);
         field!(
+            o.withdrawal_timeout,
+            annotations::WITHDRAWAL_TIMEOUT,
+            duration::parse
+        );
+        field!(
             o.concurrency,
             annotations::CONCURRENCY,
             value::parse_concurrency
@@ -158,6 +165,7 @@ impl Overlay {
                 o.exit_on_zero_active_connections,
             );
             o.quiet_period = dur("shutdown.quietPeriod", &s.quiet_period);
+            o.withdrawal_timeout = dur("shutdown.withdrawalTimeout", &s.withdrawal_timeout);
         }
         o.drain_deadline = dur("drainDeadline", &l.drain_deadline);
         (o, problems)
@@ -204,6 +212,7 @@ impl Overlay {
         set(to.minimum_drain_duration, self.minimum_drain_duration);
         set(to.drain_mode, self.drain_mode);
         set(to.quiet_period, self.quiet_period);
+        set(to.withdrawal_timeout, self.withdrawal_timeout);
         if let Some(slot) = to.drain_deadline {
             set(slot, self.drain_deadline);
         }
@@ -229,11 +238,26 @@ impl Overlay {
                 .or(self.minimum_drain_duration),
             drain_mode: stronger.drain_mode.or(self.drain_mode),
             quiet_period: stronger.quiet_period.or(self.quiet_period),
+            withdrawal_timeout: stronger.withdrawal_timeout.or(self.withdrawal_timeout),
             drain_deadline: stronger.drain_deadline.or(self.drain_deadline),
             concurrency: stronger.concurrency.or(self.concurrency),
             log_level: stronger.log_level.or(self.log_level),
         }
     }
+}
+
+/// How long the discovery server waits for the proxies that routed to a
+/// withdrawn pod (confirmed removal), read from the pod's annotations as
+/// its agent reads them ([`Overlay::from_pod_annotations`]): the built-in
+/// default when they do not say (a bad value is the agent's to report), and
+/// never past the drain deadline they state, as the agent's wait never is.
+pub fn withdrawal_timeout(ann: &BTreeMap<String, String>) -> Duration {
+    let (o, _) = Overlay::from_pod_annotations(ann);
+    // The contract's own test parses every default.
+    let bound = o.withdrawal_timeout.unwrap_or_else(|| {
+        duration::parse(crate::defaults::WITHDRAWAL_TIMEOUT).unwrap_or_default()
+    });
+    o.drain_deadline.map_or(bound, |d| bound.min(d))
 }
 
 #[cfg(test)]
@@ -254,6 +278,7 @@ mod tests {
             (annotations::MINIMUM_DRAIN_DURATION, "1s"),
             (annotations::DRAIN_MODE, "fixed"),
             (annotations::QUIET_PERIOD, "500ms"),
+            (annotations::WITHDRAWAL_TIMEOUT, "2s"),
             (annotations::CONCURRENCY, "4"),
             (annotations::LOG_LEVEL, "debug"),
         ]);
@@ -273,6 +298,7 @@ mod tests {
                 minimum_drain_duration: Some(s(1)),
                 drain_mode: Some(DrainMode::Fixed),
                 quiet_period: Some(Duration::from_millis(500)),
+                withdrawal_timeout: Some(s(2)),
                 drain_deadline: None,
                 concurrency: Some(4),
                 log_level: Some(LogLevel::Debug),
@@ -365,11 +391,13 @@ mod tests {
         let s = Duration::from_secs;
         let (mut drain, mut termination, mut exit, mut minimum) = (s(45), s(5), false, s(5));
         let (mut mode, mut quiet, mut deadline) = (DrainMode::Adaptive, s(3), s(25));
+        let mut withdrawal = s(5);
         let o = Overlay {
             termination_drain_duration: Some(s(7)),
             exit_on_zero_active_connections: Some(true),
             drain_mode: Some(DrainMode::Fixed),
             drain_deadline: Some(s(50)),
+            withdrawal_timeout: Some(s(1)),
             // Not a drain setting: untouched.
             startup_timeout: Some(s(1)),
             ..Overlay::default()
@@ -381,12 +409,14 @@ mod tests {
             minimum_drain_duration: &mut minimum,
             drain_mode: &mut mode,
             quiet_period: &mut quiet,
+            withdrawal_timeout: &mut withdrawal,
             drain_deadline: Some(&mut deadline),
         });
         assert_eq!(
             (drain, termination, exit, minimum, mode, quiet, deadline),
             (s(45), s(7), true, s(5), DrainMode::Fixed, s(3), s(50))
         );
+        assert_eq!(withdrawal, s(1));
     }
 
     #[test]
@@ -403,6 +433,30 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_servers_withdrawal_bound_is_the_agents_within_the_deadline() {
+        let s = Duration::from_secs;
+        assert_eq!(withdrawal_timeout(&ann(&[])), s(5), "the default");
+        let json = |t: &str, d: &str| {
+            format!(r#"{{"shutdown":{{"withdrawalTimeout":"{t}"}},"drainDeadline":"{d}"}}"#)
+        };
+        let both = ann(&[
+            (annotations::LIFECYCLE, &json("8s", "25s")),
+            (annotations::WITHDRAWAL_TIMEOUT, "2s"),
+        ]);
+        assert_eq!(withdrawal_timeout(&both), s(2), "the per-field key wins");
+        let json_only = ann(&[(annotations::LIFECYCLE, &json("8s", "25s"))]);
+        assert_eq!(withdrawal_timeout(&json_only), s(8));
+        let past = ann(&[(annotations::LIFECYCLE, &json("40s", "25s"))]);
+        assert_eq!(withdrawal_timeout(&past), s(25), "within the deadline");
+        let bad = ann(&[(annotations::WITHDRAWAL_TIMEOUT, "soon")]);
+        assert_eq!(
+            withdrawal_timeout(&bad),
+            s(5),
+            "a bad value keeps the default"
+        );
+    }
+
     proptest! {
         #[test]
         fn no_value_panics_and_every_accepted_duration_is_bounded(
@@ -413,7 +467,8 @@ mod tests {
             let a = ann(&[(key, raw.as_str()), (annotations::LIFECYCLE, json.as_str())]);
             let (o, _) = Overlay::from_pod_annotations(&a);
             for d in [o.startup_timeout, o.drain_duration, o.termination_drain_duration,
-                      o.minimum_drain_duration, o.drain_deadline].into_iter().flatten() {
+                      o.minimum_drain_duration, o.drain_deadline,
+                      o.withdrawal_timeout].into_iter().flatten() {
                 prop_assert!(d <= duration::MAX);
             }
         }

@@ -212,6 +212,13 @@ pub struct ShutdownSpec {
     /// before the pod counts as no longer used. Default: 3s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quiet_period: Option<DurationString>,
+    /// Adaptive drain with Remora's discovery server: how long the drain
+    /// waits for every sidecar that routed to the pod to confirm it no
+    /// longer does before the quiet period runs (a sidecar that never
+    /// confirms is named in a Warning Event), within the drain deadline.
+    /// Default: 5s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub withdrawal_timeout: Option<DurationString>,
 }
 
 /// Envoy process settings.

@@ -344,3 +344,55 @@ pub async fn stat(admin: u16, name: &str) -> u64 {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
 }
+
+/// The app containers' preStop hook as the kubelet runs it (what
+/// `remora-prestop` does): POST the agent's app hook with the token of the
+/// endpoint file in `hook_dir` (the sidecar's `--hook-dir`). Answers once
+/// the agent lets the app stop: the status and the raw response, `None`
+/// when the file or the agent is not there.
+pub async fn app_prestop(hook_dir: &std::path::Path) -> Option<(u16, String)> {
+    use remora_contract::pod::{APP_PRESTOP_PATH, HOOK_ENDPOINT_FILE};
+    let text = std::fs::read_to_string(hook_dir.join(HOOK_ENDPOINT_FILE)).ok()?;
+    let field = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .map(str::to_owned)
+    };
+    let (addr, token) = (field("addr=")?, field("token=")?);
+    let mut s = tokio::net::TcpStream::connect(addr.as_str()).await.ok()?;
+    let req = format!(
+        "POST {APP_PRESTOP_PATH} HTTP/1.1\r\nHost: agent\r\nAuthorization: Bearer {token}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.ok()?;
+    let mut out = String::new();
+    // Bounded by the agent's drain deadline; this only guards the test.
+    tokio::time::timeout(Duration::from_secs(60), s.read_to_string(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    let status = out.split(' ').nth(1)?.parse().ok()?;
+    Some((status, out))
+}
+
+impl Sidecar {
+    /// The pid of the agent's Envoy, from the agent's `/debug/config`.
+    pub async fn envoy_pid(&self) -> Option<i32> {
+        let (_, raw) = get(self.agent_admin, "/debug/config").await?;
+        let body = raw.split("\r\n\r\n").nth(1)?;
+        let v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
+        i32::try_from(v["envoy"]["pid"].as_u64()?).ok()
+    }
+
+    /// A line of the agent's `/metrics` that starts with `prefix`, its
+    /// value (0 when absent).
+    pub async fn metric(&self, prefix: &str) -> f64 {
+        let body = get(self.agent_admin, "/metrics")
+            .await
+            .map(|r| r.1)
+            .unwrap_or_default();
+        body.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+}

@@ -21,7 +21,8 @@ use std::collections::HashMap;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 use remora_agent::xds::session::{
-    MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session, SessionError, pod_annotations,
+    MAX_TYPES, OWN_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session, SessionError, is_own,
+    pod_annotations, withdrawal,
 };
 use remora_agent::xds::upstream::MAX_RESPONSE_BYTES;
 use remora_contract::discovery::MAX_REQUEST_BYTES;
@@ -54,23 +55,31 @@ struct Model {
     sent: HashMap<String, String>,
     /// Whether Envoy has sent a node.
     node: bool,
-    /// Whether the agent's own subscription went up on the current stream.
+    /// Whether the agent's own subscriptions went up on the current stream.
     own_sent: bool,
-    /// The version of the pod's annotations last applied.
-    applied: String,
+    /// Per own type, the version last applied.
+    applied: HashMap<String, String>,
 }
 
 impl Model {
-    /// The session's own subscription, checked: once per upstream stream,
-    /// naming the version last applied.
-    fn own(&mut self, own: Option<DiscoveryRequest>) {
-        if let Some(own) = own {
-            assert!(!self.own_sent, "the own subscription twice on one stream");
-            assert!(self.node, "the own subscription before any node");
-            assert_eq!(own.type_url, POD_ANNOTATIONS_TYPE);
-            assert_eq!(own.version_info, self.applied);
-            self.own_sent = true;
+    /// The session's own subscriptions, checked: once per upstream stream,
+    /// one per own type, each naming the version last applied.
+    fn own(&mut self, own: Vec<DiscoveryRequest>) {
+        if own.is_empty() {
+            return;
         }
+        assert!(!self.own_sent, "the own subscriptions twice on one stream");
+        assert!(self.node, "the own subscriptions before any node");
+        let types: Vec<&str> = own.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(types, OWN_TYPES);
+        for r in &own {
+            assert_eq!(r.version_info, self.applied(&r.type_url));
+        }
+        self.own_sent = true;
+    }
+
+    fn applied(&self, type_url: &str) -> String {
+        self.applied.get(type_url).cloned().unwrap_or_default()
     }
 }
 
@@ -135,19 +144,28 @@ pub fn run(data: &[u8]) -> usize {
                         panic!("{reply:?} for a request answering: {answers}, NACK: {detail:?}")
                     }
                 }
-                m.own(session.own_subscription());
+                m.own(session.own_subscriptions());
             }
             Event::Server(resp) => {
-                if resp.type_url == POD_ANNOTATIONS_TYPE {
-                    let applied = pod_annotations(&resp).map(|_| ());
+                if is_own(&resp.type_url) {
+                    let applied = if resp.type_url == POD_ANNOTATIONS_TYPE {
+                        pod_annotations(&resp).map(|_| ())
+                    } else {
+                        withdrawal(&resp).map(|_| ())
+                    };
                     let ok = applied.is_ok();
                     let ack = session.own_ack(&resp, applied);
                     if ok {
-                        m.applied.clone_from(&resp.version_info);
+                        m.applied
+                            .insert(resp.type_url.clone(), resp.version_info.clone());
                     }
-                    assert_eq!(ack.type_url, POD_ANNOTATIONS_TYPE);
+                    assert_eq!(ack.type_url, resp.type_url);
                     assert_eq!(ack.response_nonce, resp.nonce);
-                    assert_eq!(ack.version_info, m.applied, "the version last applied");
+                    assert_eq!(
+                        ack.version_info,
+                        m.applied(&resp.type_url),
+                        "the version last applied"
+                    );
                     assert_eq!(ack.error_detail.is_none(), ok);
                 } else {
                     session.from_server(&resp);
@@ -170,7 +188,7 @@ pub fn run(data: &[u8]) -> usize {
                         "the node on the first only"
                     );
                 }
-                m.own(session.own_subscription());
+                m.own(session.own_subscriptions());
             }
         }
         handled += 1;

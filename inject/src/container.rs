@@ -48,6 +48,7 @@ pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Durat
         ),
         env(env_name::DRAIN_MODE, cfg.drain_mode.as_str().to_string()),
         env(env_name::QUIET_PERIOD, d(cfg.quiet_period)),
+        env(env_name::WITHDRAWAL_TIMEOUT, d(cfg.withdrawal_timeout)),
         env(env_name::DRAIN_DEADLINE, d(deadline)),
         env(env_name::RUN_DIR, RUN_DIR.into()),
         env(

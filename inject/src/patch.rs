@@ -506,6 +506,7 @@ pub fn lifecycle_annotation(
             minimum_drain_duration: Some(format_duration(cfg.minimum_drain_duration)),
             drain_mode: Some(cfg.drain_mode),
             quiet_period: Some(format_duration(cfg.quiet_period)),
+            withdrawal_timeout: Some(format_duration(cfg.withdrawal_timeout)),
         }),
         drain_deadline: Some(format_duration(deadline)),
     }

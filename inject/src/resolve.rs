@@ -85,6 +85,7 @@ pub struct EffectiveConfig {
     pub minimum_drain_duration: Duration,
     pub drain_mode: DrainMode,
     pub quiet_period: Duration,
+    pub withdrawal_timeout: Duration,
     pub concurrency: i32,
     pub log_level: LogLevel,
     pub resources: ResourceRequirements,
@@ -152,6 +153,7 @@ impl EffectiveConfig {
             minimum_drain_duration: dur(defaults::MINIMUM_DRAIN_DURATION),
             drain_mode: defaults::DRAIN_MODE,
             quiet_period: dur(defaults::QUIET_PERIOD),
+            withdrawal_timeout: dur(defaults::WITHDRAWAL_TIMEOUT),
             concurrency: concurrency(defaults::CONCURRENCY),
             log_level: defaults::LOG_LEVEL,
             resources: d.resources.clone(),
@@ -203,6 +205,11 @@ impl EffectiveConfig {
                 &s.quiet_period,
                 &mut self.quiet_period,
             );
+            set(
+                "shutdown.withdrawalTimeout",
+                &s.withdrawal_timeout,
+                &mut self.withdrawal_timeout,
+            );
             if let Some(b) = s.exit_on_zero_active_connections {
                 self.exit_on_zero_active_connections = b;
             }
@@ -245,6 +252,7 @@ impl EffectiveConfig {
             minimum_drain_duration: &mut self.minimum_drain_duration,
             drain_mode: &mut self.drain_mode,
             quiet_period: &mut self.quiet_period,
+            withdrawal_timeout: &mut self.withdrawal_timeout,
             drain_deadline: None,
         });
         // Baked into the pod spec at admission: the agent does not take these live.

@@ -202,6 +202,9 @@ pub struct Traffic {
     pub arrivals: u64,
     /// Requests in flight on every HTTP connection manager.
     pub in_flight: u64,
+    /// Of those, the ones on inbound HTTP connection managers (the app
+    /// serves them).
+    pub inbound_in_flight: u64,
 }
 
 impl Traffic {
@@ -242,6 +245,9 @@ impl Traffic {
                 }
                 ("http", "downstream_rq_active") => {
                     t.in_flight = t.in_flight.saturating_add(value);
+                    if inbound {
+                        t.inbound_in_flight = t.inbound_in_flight.saturating_add(value);
+                    }
                 }
                 _ => {}
             }
@@ -285,6 +291,7 @@ tcp.outbound_15001.downstream_cx_total: 5
                 inbound_arrivals: 4 + 40 + 2,
                 arrivals: 4 + 5 + 40 + 7,
                 in_flight: 2 + 1,
+                inbound_in_flight: 2,
             }
         );
         assert_eq!(Traffic::parse("garbage\n"), Traffic::default());

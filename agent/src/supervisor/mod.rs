@@ -154,6 +154,9 @@ pub struct Supervisor {
     state_tx: watch::Sender<EnvoyState>,
     /// Cancelled as Envoy's final stop begins (see [`Supervisor::new`]).
     stopping: CancellationToken,
+    /// Discovery mode: the xDS proxy's view of the pod's withdrawal, which
+    /// an adaptive drain waits on ([`drain::run_confirming`]).
+    withdrawal: Option<watch::Receiver<crate::withdrawal::Upstream>>,
 }
 
 type DrainFuture = Pin<Box<dyn std::future::Future<Output = DrainReport> + Send>>;
@@ -202,6 +205,7 @@ impl Supervisor {
             app_waits: Arc::default(),
             state_tx,
             stopping,
+            withdrawal: None,
         };
         let handle = SupervisorHandle {
             control,
@@ -211,6 +215,12 @@ impl Supervisor {
             live,
         };
         (sup, handle)
+    }
+
+    /// Discovery mode: drains wait for the confirmed removal of the pod's
+    /// endpoints, as the xDS proxy sees it.
+    pub fn confirm_withdrawal(&mut self, upstream: watch::Receiver<crate::withdrawal::Upstream>) {
+        self.withdrawal = Some(upstream);
     }
 
     /// Render and write the bootstrap from the current inputs.
@@ -373,8 +383,17 @@ impl Supervisor {
         let poll = self.cfg.drain_poll_interval;
         let inbound_quiet = self.inbound_quiet_tx.clone();
         let app_waits = Arc::clone(&self.app_waits);
+        let mut withdrawal = self.withdrawal.clone();
         Box::pin(async move {
-            drain::run(&admin, settings, poll, started, &inbound_quiet, &app_waits).await
+            drain::run_confirming(
+                &admin,
+                settings,
+                poll,
+                started,
+                (&inbound_quiet, &app_waits),
+                withdrawal.as_mut(),
+            )
+            .await
         })
     }
 
@@ -398,6 +417,9 @@ impl Supervisor {
                 outcome: report.outcome.label(),
             })
             .inc();
+        if let Some(w) = &report.withdrawal {
+            self.metrics.record_withdrawal(w);
+        }
         tracing::info!(report = %serde_json::to_string(report).unwrap_or_default(), "drain finished");
         self.drained_tx.send_replace(Some(report.clone()));
     }
@@ -571,6 +593,7 @@ impl Supervisor {
                     active_at_start: None,
                     duration_seconds: elapsed.as_secs_f64(),
                     inbound_quiet_seconds: None,
+                    withdrawal: None,
                     settings: self.live.current(),
                 };
                 self.inbound_quiet_tx.send_replace(true);

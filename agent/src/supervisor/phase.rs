@@ -460,6 +460,7 @@ mod tests {
             active_at_start: Some(0),
             duration_seconds: 1.0,
             inbound_quiet_seconds: None,
+            withdrawal: None,
             settings: DrainSettings::from_config(
                 &crate::config::tests::run(&[], &[]).expect("config"),
             ),

@@ -20,11 +20,12 @@
 //! while no upstream stream is up change this state, which the replay then
 //! carries.
 //!
-//! # The agent's own subscription
+//! # The agent's own subscriptions
 //!
-//! As with state of the world: [`DeltaSession::own_subscription`] once per
+//! As with state of the world: [`DeltaSession::own_subscriptions`] once per
 //! upstream stream after the node, with the versions of the pod's
-//! annotations the agent holds; responses of that type never reach Envoy.
+//! annotations and withdrawal the agent holds; responses of those types
+//! never reach Envoy.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -34,9 +35,10 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 use prost::Message as _;
-use remora_proto::remora::v1::PodAnnotations;
+use remora_proto::remora::v1::{PodAnnotations, Withdrawal};
 
-use super::session::{MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, SessionError};
+use super::session::{MAX_TYPES, OWN_TYPES, POD_ANNOTATIONS_TYPE, Reply, SessionError};
+use crate::withdrawal::Told;
 
 /// The wildcard subscription's name.
 pub const WILDCARD: &str = "*";
@@ -87,10 +89,10 @@ pub struct DeltaSession {
     types: HashMap<String, TypeState>,
     /// Whether the current upstream stream has had a node yet.
     node_sent: bool,
-    /// Whether the agent's own subscription went up on the current stream.
+    /// Whether the agent's own subscriptions went up on the current stream.
     own_sent: bool,
-    /// The pod's annotations resource as the agent last applied it.
-    own_held: BTreeMap<String, String>,
+    /// Per own type, its resources as the agent last applied them.
+    own_held: HashMap<&'static str, BTreeMap<String, String>>,
 }
 
 impl DeltaSession {
@@ -205,34 +207,43 @@ impl DeltaSession {
         Some(&self.types.get(type_url)?.held)
     }
 
-    /// The agent's subscription to its pod's annotations, once per upstream
-    /// stream, as soon as the node has gone up on it.
-    pub fn own_subscription(&mut self) -> Option<DeltaDiscoveryRequest> {
+    /// The agent's subscriptions to its own types ([`OWN_TYPES`]), once
+    /// per upstream stream, as soon as the node has gone up on it.
+    pub fn own_subscriptions(&mut self) -> Vec<DeltaDiscoveryRequest> {
         if self.own_sent || !self.node_sent {
-            return None;
+            return Vec::new();
         }
         self.own_sent = true;
-        Some(DeltaDiscoveryRequest {
-            type_url: POD_ANNOTATIONS_TYPE.into(),
-            initial_resource_versions: self
-                .own_held
-                .iter()
-                .map(|(n, v)| (n.clone(), v.clone()))
-                .collect(),
-            ..Default::default()
-        })
+        OWN_TYPES
+            .iter()
+            .map(|t| DeltaDiscoveryRequest {
+                type_url: (*t).into(),
+                initial_resource_versions: self
+                    .own_held
+                    .get(t)
+                    .map(|h| h.iter().map(|(n, v)| (n.clone(), v.clone())).collect())
+                    .unwrap_or_default(),
+                ..Default::default()
+            })
+            .collect()
     }
 
-    /// A response of the agent's own type: the reply to send up, an ACK
-    /// when `applied` (what it carries is now the agent's), else a NACK.
+    /// A response of one of the agent's own types: the reply to send up,
+    /// an ACK when `applied` (what it carries is now the agent's), else a
+    /// NACK.
     pub fn own_ack(
         &mut self,
         resp: &DeltaDiscoveryResponse,
         applied: Result<(), String>,
     ) -> DeltaDiscoveryRequest {
+        let own = OWN_TYPES
+            .iter()
+            .find(|t| **t == resp.type_url)
+            .copied()
+            .unwrap_or(POD_ANNOTATIONS_TYPE);
         let error_detail = match applied {
             Ok(()) => {
-                TypeState::apply(&mut self.own_held, changes(resp));
+                TypeState::apply(self.own_held.entry(own).or_default(), changes(resp));
                 None
             }
             Err(message) => Some(RpcStatus {
@@ -242,7 +253,7 @@ impl DeltaSession {
             }),
         };
         DeltaDiscoveryRequest {
-            type_url: POD_ANNOTATIONS_TYPE.into(),
+            type_url: own.into(),
             response_nonce: resp.nonce.clone(),
             error_detail,
             ..Default::default()
@@ -307,6 +318,30 @@ pub fn pod_annotations(
     let msg = PodAnnotations::decode(any.value.as_slice())
         .map_err(|e| format!("the pod's annotations do not decode: {e}"))?;
     Ok(Some(msg.annotations.into_iter().collect()))
+}
+
+/// The pod's withdrawal a delta response of
+/// [`super::session::WITHDRAWAL_TYPE`] carries: removed (absent: the pod is
+/// not withdrawn), nothing (unchanged), or exactly one
+/// `remora.v1.Withdrawal`, or why not (the NACK's message).
+pub fn withdrawal(resp: &DeltaDiscoveryResponse) -> Result<Told, String> {
+    let any = match resp.resources.as_slice() {
+        [] if resp.removed_resources.is_empty() => return Ok(Told::Unchanged),
+        [] => return Ok(Told::Absent),
+        [one] => one
+            .resource
+            .as_ref()
+            .ok_or("the pod's withdrawal resource is empty")?,
+        more => {
+            return Err(format!(
+                "{} resources of the pod's withdrawal, not 1",
+                more.len()
+            ));
+        }
+    };
+    Withdrawal::decode(any.value.as_slice())
+        .map(|w| Told::Withdrawn(w.into()))
+        .map_err(|e| format!("the pod's withdrawal does not decode: {e}"))
 }
 
 #[cfg(test)]
@@ -477,9 +512,9 @@ mod tests {
                 .iter()
                 .all(|r| r.response_nonce.is_empty() && r.error_detail.is_none())
         );
-        // The agent's own subscription follows, once.
-        assert!(s.own_subscription().is_some());
-        assert!(s.own_subscription().is_none());
+        // The agent's own subscriptions follow, once.
+        assert_eq!(s.own_subscriptions().len(), OWN_TYPES.len());
+        assert!(s.own_subscriptions().is_empty());
         // Envoy ACKs a response of the old stream late: it is applied.
         s.from_server(&resp(EDS, "x1", &[("c", "e1")], &[]));
         let (fwd, r) = s.from_envoy(req(EDS, &[], &[], "x1")).expect("ok");
@@ -505,17 +540,19 @@ mod tests {
     }
 
     #[test]
-    fn the_own_subscription_resumes_from_the_annotations_applied() {
+    fn the_own_subscriptions_resume_from_what_was_applied() {
+        use crate::xds::session::WITHDRAWAL_TYPE;
         let mut s = DeltaSession::default();
-        assert!(s.own_subscription().is_none(), "no node yet");
+        assert!(s.own_subscriptions().is_empty(), "no node yet");
         s.from_envoy(DeltaDiscoveryRequest {
             node: Some(node()),
             ..req(CLUSTER_TYPE, &[], &[], "")
         })
         .expect("ok");
-        let own = s.own_subscription().expect("after the node");
-        assert_eq!(own.type_url, POD_ANNOTATIONS_TYPE);
-        assert!(own.initial_resource_versions.is_empty());
+        let own = s.own_subscriptions();
+        let types: Vec<&str> = own.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(types, OWN_TYPES, "after the node");
+        assert!(own.iter().all(|r| r.initial_resource_versions.is_empty()));
         let ack = s.own_ack(
             &resp(POD_ANNOTATIONS_TYPE, "o1", &[("ns/p", "a1")], &[]),
             Ok(()),
@@ -530,14 +567,24 @@ mod tests {
             nack.error_detail.map(|e| e.message).as_deref(),
             Some("garbage")
         );
+        let w = s.own_ack(&resp(WITHDRAWAL_TYPE, "o3", &[("ns/p", "w1")], &[]), Ok(()));
+        assert_eq!(w.type_url, WITHDRAWAL_TYPE);
         s.resume();
-        let own = s.own_subscription().expect("on the new stream");
-        assert_eq!(
-            own.initial_resource_versions
-                .get("ns/p")
-                .map(String::as_str),
-            Some("a1")
-        );
+        let own = s.own_subscriptions();
+        let held: Vec<Option<&str>> = own
+            .iter()
+            .map(|r| r.initial_resource_versions.get("ns/p").map(String::as_str))
+            .collect();
+        assert_eq!(held, [Some("a1"), Some("w1")], "each type its own");
+        // Removed: absent; nothing: unchanged.
+        let removed = resp(WITHDRAWAL_TYPE, "o4", &[], &["ns/p"]);
+        assert_eq!(withdrawal(&removed), Ok(Told::Absent));
+        let nothing = resp(WITHDRAWAL_TYPE, "o5", &[], &[]);
+        assert_eq!(withdrawal(&nothing), Ok(Told::Unchanged));
+        s.own_ack(&removed, Ok(()));
+        s.resume();
+        let own = s.own_subscriptions();
+        assert!(own[1].initial_resource_versions.is_empty(), "removed");
     }
 
     #[test]

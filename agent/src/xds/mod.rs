@@ -44,6 +44,7 @@ use crate::config::RunConfig;
 use crate::pod_annotations::StreamCopy;
 use crate::readiness::Readiness;
 use crate::unix_socket::{SocketError, bind_private};
+use crate::withdrawal;
 pub use upstream::{UpstreamConfig, UpstreamError};
 
 /// Name of the readiness guard held until the first listeners and clusters
@@ -144,13 +145,23 @@ impl XdsHandle {
     }
 }
 
+/// What the proxy hands the rest of the agent, from the server's pushes of
+/// the agent's own types.
+#[derive(Debug)]
+pub struct ToAgent {
+    /// The pod's annotations (`None` while the upstream stream is down).
+    pub pod_annotations: watch::Sender<StreamCopy>,
+    /// Whether the upstream stream is open, and the pod's withdrawal.
+    pub withdrawal: watch::Sender<withdrawal::Upstream>,
+}
+
 /// Start the proxy as configured by the flags: `None` without
 /// `--discovery-address`. `bundles`: the workload certificate source's, if
-/// any. `pod_annotations` gets the pod's annotations the server pushes.
+/// any. `to_agent` gets what the server pushes for the agent.
 pub async fn start(
     cfg: &RunConfig,
     bundles: Option<BundleReceiver>,
-    pod_annotations: watch::Sender<StreamCopy>,
+    to_agent: ToAgent,
     registry: &mut Registry,
     cancel: CancellationToken,
 ) -> Result<Option<XdsHandle>, XdsError> {
@@ -166,22 +177,16 @@ pub async fn start(
         min_backoff: MIN_BACKOFF,
         max_backoff: MAX_BACKOFF,
     };
-    start_with(
-        cfg.xds_socket_path(),
-        upstream,
-        pod_annotations,
-        registry,
-        cancel,
-    )
-    .await
-    .map(Some)
+    start_with(cfg.xds_socket_path(), upstream, to_agent, registry, cancel)
+        .await
+        .map(Some)
 }
 
 /// Start the proxy on `socket` towards `upstream`.
 pub async fn start_with(
     socket: PathBuf,
     upstream: UpstreamConfig,
-    pod_annotations: watch::Sender<StreamCopy>,
+    to_agent: ToAgent,
     registry: &mut Registry,
     cancel: CancellationToken,
 ) -> Result<XdsHandle, XdsError> {
@@ -195,7 +200,8 @@ pub async fn start_with(
         upstream,
         metrics,
         acked,
-        pod_annotations,
+        pod_annotations: to_agent.pod_annotations,
+        withdrawal: to_agent.withdrawal,
         streams: Arc::new(Semaphore::new(MAX_STREAMS)),
         cancel: cancel.clone(),
     });

@@ -29,14 +29,15 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::delta::DeltaSession;
 use super::session::{
-    CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, POD_ANNOTATIONS_TYPE, Reply, Session, SessionError,
+    CLUSTER_TYPE, LISTENER_TYPE, MAX_TYPES, Reply, Session, SessionError, WITHDRAWAL_TYPE, is_own,
 };
 use super::upstream::{UpstreamConfig, UpstreamError};
 use super::{FirstAcks, XdsMetrics};
 use crate::pod_annotations::StreamCopy;
+use crate::withdrawal::{Told, Upstream as UpstreamView};
 
 /// Requests queued towards the upstream stream; more than a whole replay
-/// ([`MAX_TYPES`]). A full queue counts as a failed upstream: the session
+/// ([`MAX_TYPES`], and the agent's own few). A full queue counts as a failed upstream: the session
 /// keeps Envoy's latest requests, so a reconnect loses nothing.
 const UP_QUEUE: usize = 2 * MAX_TYPES;
 /// Responses queued towards Envoy.
@@ -49,6 +50,9 @@ pub(super) struct Shared {
     /// The pod's annotations as the server pushes them; `None` while the
     /// upstream stream is down (the agent reads the downward-API file then).
     pub pod_annotations: watch::Sender<StreamCopy>,
+    /// Whether the upstream stream is open, and the pod's withdrawal as
+    /// the server last told it (for the drain, [`crate::withdrawal`]).
+    pub withdrawal: watch::Sender<UpstreamView>,
     pub streams: Arc<Semaphore>,
     pub cancel: CancellationToken,
 }
@@ -98,6 +102,37 @@ impl Shared {
                 .send_replace(Some(Arc::new(annotations)));
         }
         Ok(())
+    }
+
+    /// A response of the withdrawal type: the pod's withdrawal, published
+    /// when it decodes.
+    fn apply_withdrawal(&self, told: Result<Told, String>) -> Result<(), String> {
+        let withdrawal = match told? {
+            Told::Unchanged => return Ok(()),
+            Told::Absent => None,
+            Told::Withdrawn(p) => {
+                tracing::debug!(
+                    expected = p.expected,
+                    confirmed = p.confirmed,
+                    gone = p.gone,
+                    done = p.done,
+                    timed_out = p.timed_out,
+                    "the pod's withdrawal, from the discovery server"
+                );
+                Some(p)
+            }
+        };
+        self.withdrawal.send_modify(|u| u.withdrawal = withdrawal);
+        Ok(())
+    }
+
+    /// Whether the upstream stream is open, for the drain.
+    fn set_connected(&self, connected: bool) {
+        self.withdrawal.send_if_modified(|u| {
+            let changed = u.connected != connected;
+            u.connected = connected;
+            changed
+        });
     }
 
     fn backoff(&self) -> impl Iterator<Item = std::time::Duration> + use<> {
@@ -184,12 +219,14 @@ pub(super) trait Flavor: Default + Send + 'static {
         req: Self::Request,
     ) -> Result<(Self::Request, Reply, String), SessionError>;
     fn on_server(&mut self, resp: &Self::Response);
-    fn own_subscription(&mut self) -> Option<Self::Request>;
+    fn own_subscriptions(&mut self) -> Vec<Self::Request>;
     fn own_ack(&mut self, resp: &Self::Response, applied: Result<(), String>) -> Self::Request;
     fn resume(&mut self) -> Vec<Self::Request>;
     /// The pod's annotations a response of the agent's own type carries
     /// (`None`: no change).
     fn pod_annotations(resp: &Self::Response) -> Result<Option<BTreeMap<String, String>>, String>;
+    /// What a response of the withdrawal type says.
+    fn withdrawal(resp: &Self::Response) -> Result<Told, String>;
     fn open(
         cfg: UpstreamConfig,
         requests: mpsc::Receiver<Self::Request>,
@@ -213,8 +250,8 @@ impl Flavor for Session {
     fn on_server(&mut self, resp: &DiscoveryResponse) {
         Session::from_server(self, resp);
     }
-    fn own_subscription(&mut self) -> Option<DiscoveryRequest> {
-        Session::own_subscription(self)
+    fn own_subscriptions(&mut self) -> Vec<DiscoveryRequest> {
+        Session::own_subscriptions(self)
     }
     fn own_ack(
         &mut self,
@@ -230,6 +267,9 @@ impl Flavor for Session {
         resp: &DiscoveryResponse,
     ) -> Result<Option<BTreeMap<String, String>>, String> {
         super::session::pod_annotations(resp).map(Some)
+    }
+    fn withdrawal(resp: &DiscoveryResponse) -> Result<Told, String> {
+        super::session::withdrawal(resp)
     }
     fn open(
         cfg: UpstreamConfig,
@@ -256,8 +296,8 @@ impl Flavor for DeltaSession {
     fn on_server(&mut self, resp: &DeltaDiscoveryResponse) {
         DeltaSession::from_server(self, resp);
     }
-    fn own_subscription(&mut self) -> Option<DeltaDiscoveryRequest> {
-        DeltaSession::own_subscription(self)
+    fn own_subscriptions(&mut self) -> Vec<DeltaDiscoveryRequest> {
+        DeltaSession::own_subscriptions(self)
     }
     fn own_ack(
         &mut self,
@@ -273,6 +313,9 @@ impl Flavor for DeltaSession {
         resp: &DeltaDiscoveryResponse,
     ) -> Result<Option<BTreeMap<String, String>>, String> {
         super::delta::pod_annotations(resp)
+    }
+    fn withdrawal(resp: &DeltaDiscoveryResponse) -> Result<Told, String> {
+        super::delta::withdrawal(resp)
     }
     fn open(
         cfg: UpstreamConfig,
@@ -324,9 +367,9 @@ fn connect<F: Flavor>(
     for r in session
         .resume()
         .into_iter()
-        .chain(session.own_subscription())
+        .chain(session.own_subscriptions())
     {
-        // Fits: a replay has at most MAX_TYPES requests, and one of ours.
+        // Fits: a replay has at most MAX_TYPES requests, and a few of ours.
         let _ = tx.try_send(r);
     }
     *up = Some(tx);
@@ -342,6 +385,10 @@ async fn run_stream<F: Flavor>(
     shared.metrics.streams.inc();
     proxy_stream::<F>(&shared, envoy, down).await;
     shared.metrics.streams.dec();
+    // No Envoy stream left, so no upstream one either.
+    if shared.metrics.streams.get() == 0 {
+        shared.set_connected(false);
+    }
 }
 
 async fn proxy_stream<F: Flavor>(
@@ -369,8 +416,8 @@ async fn proxy_stream<F: Flavor>(
             Event::Envoy(Ok(Some(req))) => match session.on_envoy(req) {
                 Ok((fwd, reply, type_url)) => {
                     shared.observe(&type_url, &reply);
-                    // Ours goes up right after the first request with the node.
-                    let own = session.own_subscription();
+                    // Ours go up right after the first request with the node.
+                    let own = session.own_subscriptions();
                     match &up {
                         Some(tx)
                             if std::iter::once(fwd)
@@ -403,6 +450,7 @@ async fn proxy_stream<F: Flavor>(
             }
             Event::Connected(Ok(stream)) => {
                 tracing::info!(%address, "ADS stream to the discovery server open");
+                shared.set_connected(true);
                 upstream = Upstream::Streaming(Box::new(stream));
                 opened_at = Some(tokio::time::Instant::now());
                 None
@@ -416,10 +464,15 @@ async fn proxy_stream<F: Flavor>(
                     failures = 0;
                     backoff = shared.backoff();
                 }
-                if F::response_type(&resp) == POD_ANNOTATIONS_TYPE {
-                    let applied = shared.apply_pod_annotations(F::pod_annotations(&resp));
+                let t = F::response_type(&resp);
+                if is_own(t) {
+                    let applied = if t == WITHDRAWAL_TYPE {
+                        shared.apply_withdrawal(F::withdrawal(&resp))
+                    } else {
+                        shared.apply_pod_annotations(F::pod_annotations(&resp))
+                    };
                     if let Err(e) = &applied {
-                        tracing::warn!(error = %e, "refused the pod's annotations from the discovery server");
+                        tracing::warn!(error = %e, r#type = %t, "refused a resource of the agent's own from the discovery server");
                     }
                     let reply = session.own_ack(&resp, applied);
                     match &up {
@@ -456,6 +509,7 @@ async fn proxy_stream<F: Flavor>(
             up = None;
             // The pod's annotations come from the file until the stream is back.
             shared.pod_annotations.send_replace(None);
+            shared.set_connected(false);
             upstream = Upstream::Waiting(Box::pin(tokio::time::sleep(delay)));
         }
     }

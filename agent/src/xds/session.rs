@@ -21,13 +21,15 @@
 //! Requests Envoy sends while no upstream stream is up are not queued: they
 //! replace the latest of their type, which the replay then carries.
 //!
-//! # The agent's own subscription
+//! # The agent's own subscriptions
 //!
 //! The agent subscribes to its pod's annotations
-//! ([`POD_ANNOTATIONS_TYPE`]) on every upstream stream, once the node has
-//! gone up ([`Session::own_subscription`]), naming the version it last
-//! applied; responses of that type are the agent's and never reach Envoy
-//! ([`pod_annotations`] reads them, [`Session::own_ack`] answers them).
+//! ([`POD_ANNOTATIONS_TYPE`]) and to the withdrawal of its endpoints
+//! ([`WITHDRAWAL_TYPE`]) on every upstream stream, once the node has gone
+//! up ([`Session::own_subscriptions`]), each naming the version it last
+//! applied; responses of those types ([`OWN_TYPES`]) are the agent's and
+//! never reach Envoy ([`pod_annotations`] and [`withdrawal`] read them,
+//! [`Session::own_ack`] answers them).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -35,11 +37,21 @@ use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 use prost::Message as _;
-pub use remora_contract::discovery::POD_ANNOTATIONS_TYPE;
-use remora_proto::remora::v1::PodAnnotations;
+pub use remora_contract::discovery::{POD_ANNOTATIONS_TYPE, WITHDRAWAL_TYPE};
+use remora_proto::remora::v1::{PodAnnotations, Withdrawal};
+
+use crate::withdrawal::Told;
 
 pub const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+
+/// The agent's own types, subscribed to in this order; never sent to Envoy.
+pub const OWN_TYPES: [&str; 2] = [POD_ANNOTATIONS_TYPE, WITHDRAWAL_TYPE];
+
+/// Whether `type_url` is one of the agent's own types.
+pub fn is_own(type_url: &str) -> bool {
+    OWN_TYPES.contains(&type_url)
+}
 
 /// At most this many type URLs per stream: Envoy uses a handful, so more is
 /// a broken client, and the session's memory stays bounded.
@@ -82,10 +94,10 @@ pub struct Session {
     sent: HashMap<String, String>,
     /// Whether the current upstream stream has had a node yet.
     node_sent: bool,
-    /// Whether the agent's own subscription went up on the current stream.
+    /// Whether the agent's own subscriptions went up on the current stream.
     own_sent: bool,
-    /// The version of the pod's annotations the agent last applied.
-    own_version: String,
+    /// Per own type, the version the agent last applied.
+    own_versions: HashMap<&'static str, String>,
 }
 
 impl Session {
@@ -137,32 +149,40 @@ impl Session {
         // A type Envoy never asked for: Envoy will ignore it; nothing to track.
     }
 
-    /// The agent's subscription to its pod's annotations, once per upstream
-    /// stream, as soon as the node has gone up on it (the server reads the
-    /// node on a stream's first request).
-    pub fn own_subscription(&mut self) -> Option<DiscoveryRequest> {
+    /// The agent's subscriptions to its own types ([`OWN_TYPES`]), once
+    /// per upstream stream, as soon as the node has gone up on it (the
+    /// server reads the node on a stream's first request).
+    pub fn own_subscriptions(&mut self) -> Vec<DiscoveryRequest> {
         if self.own_sent || !self.node_sent {
-            return None;
+            return Vec::new();
         }
         self.own_sent = true;
-        Some(DiscoveryRequest {
-            type_url: POD_ANNOTATIONS_TYPE.into(),
-            version_info: self.own_version.clone(),
-            ..Default::default()
-        })
+        OWN_TYPES
+            .iter()
+            .map(|t| DiscoveryRequest {
+                type_url: (*t).into(),
+                version_info: self.own_versions.get(t).cloned().unwrap_or_default(),
+                ..Default::default()
+            })
+            .collect()
     }
 
-    /// A response of the agent's own type: the reply to send up, an ACK
-    /// when `applied` (its version is now the agent's), else a NACK that
-    /// keeps the last version and says why.
+    /// A response of one of the agent's own types ([`is_own`]): the reply
+    /// to send up, an ACK when `applied` (its version is now the agent's),
+    /// else a NACK that keeps the last version and says why.
     pub fn own_ack(
         &mut self,
         resp: &DiscoveryResponse,
         applied: Result<(), String>,
     ) -> DiscoveryRequest {
+        let own = OWN_TYPES
+            .iter()
+            .find(|t| **t == resp.type_url)
+            .copied()
+            .unwrap_or(POD_ANNOTATIONS_TYPE);
         let error_detail = match applied {
             Ok(()) => {
-                self.own_version.clone_from(&resp.version_info);
+                self.own_versions.insert(own, resp.version_info.clone());
                 None
             }
             Err(message) => Some(RpcStatus {
@@ -172,8 +192,8 @@ impl Session {
             }),
         };
         DiscoveryRequest {
-            type_url: POD_ANNOTATIONS_TYPE.into(),
-            version_info: self.own_version.clone(),
+            type_url: own.into(),
+            version_info: self.own_versions.get(own).cloned().unwrap_or_default(),
             response_nonce: resp.nonce.clone(),
             error_detail,
             ..Default::default()
@@ -219,6 +239,22 @@ pub fn pod_annotations(resp: &DiscoveryResponse) -> Result<BTreeMap<String, Stri
     Ok(msg.annotations.into_iter().collect())
 }
 
+/// The pod's withdrawal a response of [`WITHDRAWAL_TYPE`] carries: none
+/// (absent: the pod is not withdrawn), or exactly one
+/// `remora.v1.Withdrawal`, or why not (the NACK's message).
+pub fn withdrawal(resp: &DiscoveryResponse) -> Result<Told, String> {
+    match resp.resources.as_slice() {
+        [] => Ok(Told::Absent),
+        [any] => Withdrawal::decode(any.value.as_slice())
+            .map(|w| Told::Withdrawn(w.into()))
+            .map_err(|e| format!("the pod's withdrawal does not decode: {e}")),
+        more => Err(format!(
+            "{} resources of the pod's withdrawal, not 1",
+            more.len()
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,18 +286,19 @@ mod tests {
     }
 
     #[test]
-    fn the_own_subscription_goes_up_once_per_stream_after_the_node() {
+    fn the_own_subscriptions_go_up_once_per_stream_after_the_node() {
         let mut s = Session::default();
-        assert_eq!(s.own_subscription(), None, "no node yet");
+        assert_eq!(s.own_subscriptions(), [], "no node yet");
         s.from_envoy(DiscoveryRequest {
             node: Some(node()),
             ..req(CLUSTER_TYPE, "", "", &[])
         })
         .expect("ok");
-        let own = s.own_subscription().expect("after the node");
-        assert_eq!(own.type_url, POD_ANNOTATIONS_TYPE);
-        assert_eq!(own.version_info, "");
-        assert_eq!(s.own_subscription(), None, "once a stream");
+        let own = s.own_subscriptions();
+        let types: Vec<&str> = own.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(types, OWN_TYPES, "after the node");
+        assert!(own.iter().all(|r| r.version_info.is_empty()));
+        assert_eq!(s.own_subscriptions(), [], "once a stream");
 
         // Applied: the ACK names it, and the next stream resumes from it.
         let ack = s.own_ack(&resp(POD_ANNOTATIONS_TYPE, "a1", "n1"), Ok(()));
@@ -280,10 +317,53 @@ mod tests {
             Some("garbage")
         );
 
+        // The withdrawal's versions are its own.
+        let w = s.own_ack(&resp(WITHDRAWAL_TYPE, "w1", "n3"), Ok(()));
+        assert_eq!(
+            (w.type_url.as_str(), w.version_info.as_str()),
+            (WITHDRAWAL_TYPE, "w1")
+        );
+
         let replay = s.resume();
         assert!(replay[0].node.is_some());
-        let own = s.own_subscription().expect("on the new stream");
-        assert_eq!(own.version_info, "a1");
+        let own = s.own_subscriptions();
+        let versions: Vec<&str> = own.iter().map(|r| r.version_info.as_str()).collect();
+        assert_eq!(versions, ["a1", "w1"], "on the new stream");
+    }
+
+    #[test]
+    fn a_withdrawal_is_none_or_one_message_or_refused_saying_why() {
+        use envoy_types::pb::google::protobuf::Any;
+        let one = Any {
+            type_url: WITHDRAWAL_TYPE.into(),
+            value: Withdrawal {
+                expected: 3,
+                confirmed: 2,
+                pending: vec!["shop/web-1".into()],
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        };
+        let with = |resources: Vec<Any>| DiscoveryResponse {
+            resources,
+            ..resp(WITHDRAWAL_TYPE, "w1", "n1")
+        };
+        assert_eq!(withdrawal(&with(vec![])), Ok(Told::Absent));
+        let Ok(Told::Withdrawn(p)) = withdrawal(&with(vec![one.clone()])) else {
+            panic!("one withdrawal")
+        };
+        assert_eq!((p.expected, p.confirmed, p.pending_count()), (3, 2, 1));
+        let garbage = Any {
+            value: vec![0x0a, 0xff, 0xff],
+            ..one.clone()
+        };
+        for (resources, why) in [
+            (vec![one.clone(), one], "2 resources"),
+            (vec![garbage], "does not decode"),
+        ] {
+            let e = withdrawal(&with(resources)).expect_err("refused");
+            assert!(e.contains(why), "{e}");
+        }
     }
 
     #[test]

@@ -14,3 +14,4 @@ mod scale;
 mod secure_naming;
 mod test_app;
 mod traffic;
+mod withdrawal;

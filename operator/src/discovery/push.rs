@@ -20,11 +20,13 @@ use std::time::Duration;
 use remora_contract::discovery::ServiceHost;
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc, watch};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::inbound::ServedInbound;
 use super::registry::{PodKey, ProxyInfo, Registry, Touched};
 use super::resources::{self, Snapshot};
-use super::withdrawal::{Changed, EdsView, StreamId, Tracker};
+use super::withdrawal::{self, Changed, EdsView, StreamId, Tracker};
+use crate::pod_events::PodEvents;
 
 /// The debounce. The defaults (100 ms quiet, 1 s at most) were chosen by
 /// measurement (`benches/discovery_push.rs --debounce-quiet-ms`, README).
@@ -258,6 +260,8 @@ impl Discovery {
             let was = r.is_withdrawn(&key);
             let addresses = r.addresses(&key);
             let deleting = info.deleting;
+            // The pod's own bound, read as its agent reads it.
+            let bound = remora_contract::overlay::withdrawal_timeout(&info.agent_annotations);
             let touched = r.apply_proxy(key.clone(), info);
             let is = r.is_withdrawn(&key);
             // Under the registry's lock: a stream computing its snapshot
@@ -267,7 +271,7 @@ impl Discovery {
             if track {
                 let p = self
                     .withdrawals
-                    .withdraw(key.clone(), addresses, Instant::now());
+                    .withdraw(key.clone(), addresses, Instant::now(), bound);
                 tracing::debug!(pod = ?key, waiting = p.expected, "discovery: endpoints withdrawn");
             } else if !is && tracked {
                 self.withdrawals.restore(&key);
@@ -324,6 +328,47 @@ impl Discovery {
     pub fn stream_ended(&self, id: StreamId) -> Vec<Changed> {
         let c = self.withdrawals.gone(id);
         self.withdrawals_changed(c)
+    }
+
+    /// Withdrawals whose pod's withdrawal timeout has come by `now` with
+    /// proxies still pending ([`Tracker::expire`]): given up on, and their
+    /// pods' own proxies told at once. Returns them.
+    pub fn expire_withdrawals(&self, now: Instant) -> Vec<Changed> {
+        let c = self.withdrawals.expire(now);
+        self.withdrawals_changed(c)
+    }
+
+    /// The clock of the withdrawals' bounds, until `stop`: at each
+    /// deadline, [`Discovery::expire_withdrawals`], and a Warning Event on
+    /// each pod given up on naming the proxies that never confirmed.
+    pub async fn bound_withdrawals(
+        self: Arc<Self>,
+        events: Option<PodEvents>,
+        stop: CancellationToken,
+    ) {
+        let mut changes = self.withdrawals.changes();
+        loop {
+            let next = self.withdrawals.next_deadline();
+            tokio::select! {
+                () = stop.cancelled() => return,
+                r = changes.changed() => if r.is_err() { return },
+                () = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
+            }
+            for c in self.expire_withdrawals(Instant::now()) {
+                tracing::warn!(pod = ?c.pod, pending = c.progress.pending_count(),
+                    names = ?c.progress.pending, confirmed = c.progress.confirmed,
+                    expected = c.progress.expected,
+                    "discovery: proxies never confirmed a withdrawal within its timeout");
+                if let Some(events) = &events {
+                    withdrawal::raise_timed_out(events, &c.pod, &c.progress);
+                }
+            }
+        }
     }
 
     /// The withdrawn pods' own proxies are told: at once when done,
@@ -578,5 +623,81 @@ mod tests {
             ..Batch::default()
         };
         assert!(mine.concerns(&pod, &BTreeSet::new()));
+    }
+
+    /// The bound of a withdrawal is the pod's own withdrawal timeout: at
+    /// it, the pod's proxy is told at once and a Warning Event names the
+    /// proxy that never confirmed.
+    #[tokio::test(start_paused = true)]
+    async fn a_withdrawal_is_given_up_on_at_the_pods_own_timeout() {
+        use super::super::registry::SliceInfo;
+        use super::super::withdrawal::EndpointAddresses;
+        let key = |n: &str| PodKey {
+            namespace: "shop".into(),
+            name: n.into(),
+        };
+        let ip: std::net::IpAddr = "10.1.0.1".parse().expect("ip");
+        let (d, debounce) = Discovery::new("cluster.local", None, Debounce::default());
+        tokio::spawn(debounce);
+        d.update(|r| {
+            r.apply_slice(
+                ("shop".into(), "cart-x".into()),
+                SliceInfo {
+                    service: Some(ServiceHost {
+                        name: "cart".into(),
+                        namespace: "shop".into(),
+                    }),
+                    ready: [ip].into(),
+                    pods: [(ip, "cart-0".to_string())].into(),
+                    ..Default::default()
+                },
+            )
+        });
+        // web-0's proxy holds it.
+        let held: Arc<EndpointAddresses> = Arc::new([("cart".to_string(), [ip].into())].into());
+        d.withdrawals
+            .sent(1, &key("web-0"), "v1", EdsView::new(&held, |_| true));
+        let (events, mut warnings) = crate::pod_events::PodEvents::channel_for_tests();
+        let stop = CancellationToken::new();
+        tokio::spawn(Arc::clone(&d).bound_withdrawals(Some(events), stop.clone()));
+        let mut batches = d.batches();
+        let t0 = Instant::now();
+        d.apply_proxy(
+            key("cart-0"),
+            ProxyInfo {
+                agent_annotations: [(
+                    remora_contract::annotations::WITHDRAWAL_TIMEOUT.to_string(),
+                    "2s".to_string(),
+                )]
+                .into(),
+                withdrawn: true,
+                deleting: true,
+                ..Default::default()
+            },
+        );
+        assert_eq!(
+            d.withdrawals.next_deadline(),
+            Some(t0 + Duration::from_secs(2))
+        );
+        let w = warnings.recv().await.expect("a Warning Event");
+        assert_eq!(
+            t0.elapsed(),
+            Duration::from_secs(2),
+            "at the pod's own bound"
+        );
+        assert_eq!(
+            (w.reason, w.pod.as_str()),
+            ("EndpointsWithdrawalTimedOut", "cart-0")
+        );
+        assert!(w.note.ends_with("shop/web-0"), "{}", w.note);
+        let p = d.withdrawals.progress(&key("cart-0")).expect("withdrawn");
+        assert!(p.done && p.timed_out, "{p:?}");
+        // The pod's own proxy is told at once, in a batch of its own.
+        let told = batches
+            .wait_for(|b| b.pods.contains(&key("cart-0")) && b.services.is_empty())
+            .await
+            .expect("a batch");
+        drop(told);
+        stop.cancel();
     }
 }

@@ -489,6 +489,7 @@ pub fn withdrawal(namespace: &str, name: &str, progress: Option<&Progress>) -> T
         gone: count(p.gone),
         pending: p.pending.clone(),
         done: p.done,
+        timed_out: p.timed_out,
         last_confirmation_ms: p
             .last_confirmation
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),

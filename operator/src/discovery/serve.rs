@@ -61,6 +61,11 @@ pub async fn serve<A: Authenticate>(
     token: CancellationToken,
 ) -> Result<(), ServeError> {
     let metrics = service.metrics.clone();
+    // The withdrawals' bounds run while the server does.
+    tokio::spawn(
+        Arc::clone(&service.discovery)
+            .bound_withdrawals(service.events.clone(), token.child_token()),
+    );
     let svc = AdsServer::new(service, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES);
     crate::grpc_server::serve(
         "discovery",

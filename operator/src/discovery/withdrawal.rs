@@ -24,7 +24,13 @@
 //! - a proxy whose stream ends is no longer waited for: it counts as gone;
 //! - the withdrawal is done when no proxy is pending; it is forgotten when
 //!   the pod is Ready again or leaves the watch (proxies still pending then
-//!   were never confirmed, and are counted).
+//!   were never confirmed, and are counted);
+//! - bounded: once the pod's withdrawal timeout has passed since the
+//!   withdrawal, proxies still pending are given up on ([`Withdrawals::expire`]):
+//!   the withdrawal is done and timed out, they are counted and named (the
+//!   pod's agent is told, and a Warning Event on the pod names them,
+//!   [`raise_timed_out`]); [`Discovery::bound_withdrawals`](super::push::Discovery::bound_withdrawals)
+//!   runs the clock.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::IpAddr;
@@ -114,9 +120,13 @@ enum Wait {
 struct Withdrawal {
     addresses: BTreeSet<IpAddr>,
     started: Instant,
+    /// Proxies still pending then are given up on.
+    deadline: Instant,
     waits: BTreeMap<StreamId, Wait>,
     last_confirmed: Option<Instant>,
     done: bool,
+    /// Done at the deadline, with proxies still pending.
+    timed_out: bool,
 }
 
 /// Where the withdrawal of one pod stands: what the server tells the
@@ -131,8 +141,10 @@ pub struct Progress {
     /// The pods of the proxies still pending, sorted, at most
     /// [`MAX_WITHDRAWAL_PENDING_NAMES`] (`namespace/name`).
     pub pending: Vec<String>,
-    /// None pending.
+    /// None pending, or given up on those pending (`timed_out`).
     pub done: bool,
+    /// Done at the withdrawal timeout: `pending` never confirmed.
+    pub timed_out: bool,
     /// From the withdrawal to the last confirmation so far.
     pub last_confirmation: Option<Duration>,
 }
@@ -162,9 +174,15 @@ pub struct Withdrawals {
 
 impl Withdrawals {
     /// `pod` withdrawn at `now`, its addresses `addresses`: every stream
-    /// whose last EDS send holds one is waited for. Replaces a withdrawal
-    /// of the same pod in progress.
-    pub fn withdraw(&mut self, pod: PodKey, addresses: BTreeSet<IpAddr>, now: Instant) -> Progress {
+    /// whose last EDS send holds one is waited for, for `bound` at most.
+    /// Replaces a withdrawal of the same pod in progress.
+    pub fn withdraw(
+        &mut self,
+        pod: PodKey,
+        addresses: BTreeSet<IpAddr>,
+        now: Instant,
+        bound: Duration,
+    ) -> Progress {
         self.restore(&pod);
         let mut waits = BTreeMap::new();
         for (id, s) in &mut self.streams {
@@ -185,8 +203,10 @@ impl Withdrawals {
             done: waits.is_empty(),
             addresses,
             started: now,
+            deadline: now + bound,
             waits,
             last_confirmed: None,
+            timed_out: false,
         };
         let progress = self.progress_of(&w);
         self.pods.insert(pod, w);
@@ -240,7 +260,9 @@ impl Withdrawals {
             let before = w.waits.insert(id, Wait::Pending { last_with: seq });
             s.pending_for.insert(p.clone());
             if !matches!(before, Some(Wait::Pending { .. })) {
+                // Past its deadline, the next expiry gives up on it again.
                 w.done = false;
+                w.timed_out = false;
                 touched.push(p.clone());
             }
         }
@@ -319,6 +341,42 @@ impl Withdrawals {
             .collect()
     }
 
+    /// Withdrawals whose deadline has come by `now` with proxies still
+    /// pending: done and timed out, the pending ones named in their
+    /// progress (they stay pending: an ACK still confirms, for the count).
+    pub fn expire(&mut self, now: Instant) -> Vec<Changed> {
+        let due: Vec<PodKey> = self
+            .pods
+            .iter()
+            .filter(|(_, w)| !w.done && w.deadline <= now)
+            .map(|(p, _)| p.clone())
+            .collect();
+        let mut changed = Vec::new();
+        for pod in due {
+            if let Some(w) = self.pods.get_mut(&pod) {
+                w.done = true;
+                w.timed_out = true;
+            }
+            if let Some(p) = self.progress(&pod) {
+                changed.push(Changed {
+                    pod,
+                    progress: p,
+                    settled: true,
+                });
+            }
+        }
+        changed
+    }
+
+    /// The earliest deadline of a withdrawal not done.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.pods
+            .values()
+            .filter(|w| !w.done)
+            .map(|w| w.deadline)
+            .min()
+    }
+
     /// Where `pod`'s withdrawal stands, if it is withdrawn.
     pub fn progress(&self, pod: &PodKey) -> Option<Progress> {
         Some(self.progress_of(self.pods.get(pod)?))
@@ -347,6 +405,7 @@ impl Withdrawals {
         let mut p = Progress {
             expected: w.waits.len(),
             done: w.done,
+            timed_out: w.timed_out,
             last_confirmation: w.last_confirmed.map(|t| t.duration_since(w.started)),
             ..Progress::default()
         };
@@ -403,7 +462,7 @@ impl WithdrawalMetrics {
         );
         r.register(
             "withdrawal_unconfirmed",
-            "Proxies waited for that never confirmed a withdrawal, by outcome (gone: the stream ended; abandoned: the withdrawal ended first)",
+            "Proxies waited for that never confirmed a withdrawal, by outcome (gone: the stream ended; abandoned: the withdrawal ended first; timed_out: the pod's withdrawal timeout passed)",
             self.unconfirmed.clone(),
         );
     }
@@ -457,10 +516,16 @@ impl Tracker {
     }
 
     /// See [`Withdrawals::withdraw`].
-    pub fn withdraw(&self, pod: PodKey, addresses: BTreeSet<IpAddr>, now: Instant) -> Progress {
+    pub fn withdraw(
+        &self,
+        pod: PodKey,
+        addresses: BTreeSet<IpAddr>,
+        now: Instant,
+        bound: Duration,
+    ) -> Progress {
         let abandoned = self.with(|w| w.restore(&pod));
         self.abandoned(abandoned);
-        let p = self.with(|w| w.withdraw(pod, addresses, now));
+        let p = self.with(|w| w.withdraw(pod, addresses, now, bound));
         self.notify();
         p
     }
@@ -477,7 +542,8 @@ impl Tracker {
     }
 
     fn abandoned(&self, p: Option<Progress>) {
-        if let Some(p) = p.filter(|p| p.pending_count() > 0) {
+        // Given up on already: counted then.
+        if let Some(p) = p.filter(|p| p.pending_count() > 0 && !p.timed_out) {
             self.metrics
                 .unconfirmed
                 .get_or_create(&OutcomeLabel {
@@ -524,6 +590,30 @@ impl Tracker {
         changed
     }
 
+    /// See [`Withdrawals::expire`]; the proxies given up on are counted as
+    /// never confirmed.
+    pub fn expire(&self, now: Instant) -> Vec<Changed> {
+        let c = self.with(|w| w.expire(now));
+        let given_up: usize = c.iter().map(|c| c.progress.pending_count()).sum();
+        if given_up > 0 {
+            self.metrics
+                .unconfirmed
+                .get_or_create(&OutcomeLabel {
+                    outcome: "timed_out",
+                })
+                .inc_by(given_up as u64);
+        }
+        if !c.is_empty() {
+            self.notify();
+        }
+        c
+    }
+
+    /// See [`Withdrawals::next_deadline`].
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.with(|w| w.next_deadline())
+    }
+
     /// Where `pod`'s withdrawal stands, if it is withdrawn.
     pub fn progress(&self, pod: &PodKey) -> Option<Progress> {
         self.with(|w| w.progress(pod))
@@ -551,6 +641,29 @@ impl Tracker {
             }
         }
     }
+}
+
+/// The Warning Event on a pod whose withdrawal timed out, naming the
+/// proxies that never confirmed (at most [`MAX_WITHDRAWAL_PENDING_NAMES`]).
+pub fn raise_timed_out(events: &PodEvents, pod: &PodKey, p: &Progress) {
+    let mut names = p.pending.join(", ");
+    if p.pending_count() > p.pending.len() {
+        names.push_str(&format!(
+            " and {} more",
+            p.pending_count() - p.pending.len()
+        ));
+    }
+    events.warn(Warning {
+        namespace: pod.namespace.clone(),
+        pod: pod.name.clone(),
+        reason: "EndpointsWithdrawalTimedOut",
+        action: "WithdrawEndpoints",
+        note: format!(
+            "{} of {} proxies did not confirm within the pod's withdrawal timeout that they stopped routing to it: {names}",
+            p.pending_count(),
+            p.expected,
+        ),
+    });
 }
 
 /// The Event on a pod whose withdrawal is done, for the proxies that
@@ -605,6 +718,9 @@ mod tests {
         EdsView::new(a, |_| true)
     }
 
+    /// The pods' withdrawal timeout.
+    const BOUND: Duration = Duration::from_secs(5);
+
     const A: &str = "10.0.0.1";
     const B: &str = "10.0.0.2";
 
@@ -629,7 +745,7 @@ mod tests {
             w.sent(id, p, "v1", all(&with));
             w.answered(id, "v1", true, t0);
         }
-        let progress = w.withdraw(pod("cart-0"), ips(&[A]), t0);
+        let progress = w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
         assert_eq!((progress.expected, progress.done), (3, false));
         assert_eq!(progress.pending, ["shop/c-1", "shop/c-2", "shop/c-3"]);
 
@@ -675,7 +791,7 @@ mod tests {
         w.sent(1, &pod("c-1"), "v2", all(&without));
         w.answered(1, "v2", false, t0);
         // Its last send lacks the pod, but it keeps v1, which holds it.
-        let p = w.withdraw(pod("cart-0"), ips(&[A]), t0);
+        let p = w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
         assert_eq!(p.pending, ["shop/c-1"]);
         w.sent(1, &pod("c-1"), "v3", all(&without));
         assert!(w.answered(1, "v3", true, t0)[0].settled);
@@ -688,7 +804,7 @@ mod tests {
         let with = eds(&[("cart", &[A])]);
         w.sent(1, &pod("c-1"), "v1", all(&with));
         w.sent(2, &pod("c-2"), "v1", all(&with));
-        w.withdraw(pod("cart-0"), ips(&[A]), t0);
+        w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
         w.sent(1, &pod("c-1"), "v2", all(&eds(&[("cart", &[])])));
         let c = w.answered(1, "v2", true, t0 + Duration::from_millis(3));
         assert!(!c[0].settled);
@@ -708,14 +824,14 @@ mod tests {
         let with = eds(&[("cart", &[A])]);
         let without = eds(&[("cart", &[])]);
         w.sent(1, &pod("c-1"), "v1", all(&with));
-        w.withdraw(pod("cart-0"), ips(&[A]), t0);
+        w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
         // A new stream, sent the load assignment without the pod.
         assert!(w.sent(2, &pod("c-2"), "v2", all(&without)).is_empty());
         assert_eq!(w.progress(&pod("cart-0")).expect("withdrawn").expected, 1);
         // A proxy not holding the pod at all is not waited for either.
         let mut w2 = Withdrawals::default();
         w2.sent(1, &pod("c-1"), "v0", all(&without));
-        let p = w2.withdraw(pod("cart-0"), ips(&[A]), t0);
+        let p = w2.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
         assert_eq!((p.expected, p.done), (0, true));
     }
 
@@ -725,7 +841,7 @@ mod tests {
         let mut w = Withdrawals::default();
         let with = eds(&[("cart", &[A])]);
         // Nobody held it: done at once.
-        let p = w.withdraw(pod("cart-0"), ips(&[A]), t0);
+        let p = w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
         assert_eq!((p.expected, p.done), (0, true));
         // Computed before the withdrawal, sent after it: it holds the pod,
         // and is waited for after all.
@@ -745,8 +861,8 @@ mod tests {
         let both = eds(&[("cart", &[A]), ("db", &[B])]);
         w.sent(1, &pod("c-1"), "v1", all(&both));
         w.sent(2, &pod("c-2"), "v1", EdsView::new(&both, |c| c == "db"));
-        let pa = w.withdraw(pod("cart-0"), ips(&[A]), t0);
-        let pb = w.withdraw(pod("db-0"), ips(&[B]), t0);
+        let pa = w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
+        let pb = w.withdraw(pod("db-0"), ips(&[B]), t0, BOUND);
         assert_eq!((pa.expected, pb.expected), (1, 2));
         // c-1 drops cart-0 only: cart-0 is done, db-0 still waits for it.
         w.sent(
@@ -779,7 +895,7 @@ mod tests {
         for id in 0..n as u64 {
             w.sent(id, &pod(&format!("c-{id:03}")), "v1", all(&with));
         }
-        let p = w.withdraw(pod("cart-0"), ips(&[A]), t0);
+        let p = w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
         assert_eq!(p.expected, n);
         assert_eq!(p.pending_count(), n);
         assert_eq!(p.pending.len(), MAX_WITHDRAWAL_PENDING_NAMES);
@@ -792,7 +908,7 @@ mod tests {
         t.sent(1, &pod("c-1"), "v1", all(&with));
         t.sent(2, &pod("c-2"), "v1", all(&with));
         let t0 = Instant::now();
-        t.withdraw(pod("cart-0"), ips(&[A]), t0);
+        t.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
         let waiter = tokio::spawn({
             let t = Arc::clone(&t);
             async move {
@@ -811,8 +927,66 @@ mod tests {
         assert_eq!(t.metrics.confirmations_observed(), 1);
         // A second withdrawal abandoned with one pending.
         t.sent(3, &pod("c-3"), "v1", all(&with));
-        t.withdraw(pod("cart-1"), ips(&[A]), t0);
+        t.withdraw(pod("cart-1"), ips(&[A]), t0, BOUND);
         t.restore(&pod("cart-1"));
         assert_eq!(t.metrics.unconfirmed_total("abandoned"), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_proxy_that_never_confirms_is_given_up_on_at_the_bound() {
+        let t = Tracker::default();
+        let with = eds(&[("cart", &[A])]);
+        let without = eds(&[("cart", &[])]);
+        t.sent(1, &pod("c-1"), "v1", all(&with));
+        t.sent(2, &pod("c-2"), "v1", all(&with));
+        let t0 = Instant::now();
+        t.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
+        assert_eq!(t.next_deadline(), Some(t0 + BOUND));
+        t.sent(1, &pod("c-1"), "v2", all(&without));
+        t.answered(1, "v2", true, t0 + Duration::from_millis(4));
+        // Not yet due.
+        assert!(t.expire(t0 + BOUND - Duration::from_millis(1)).is_empty());
+        let c = t.expire(t0 + BOUND);
+        assert_eq!(c.len(), 1);
+        assert!(c[0].settled);
+        let p = &c[0].progress;
+        assert_eq!(
+            (p.expected, p.confirmed, p.done, p.timed_out),
+            (2, 1, true, true)
+        );
+        assert_eq!(p.pending, ["shop/c-2"], "named");
+        assert_eq!(t.metrics.unconfirmed_total("timed_out"), 1);
+        assert_eq!(t.next_deadline(), None, "nothing left to time");
+        assert!(t.expire(t0 + 2 * BOUND).is_empty(), "once");
+        // Forgotten later: not counted again as abandoned.
+        t.restore(&pod("cart-0"));
+        assert_eq!(t.metrics.unconfirmed_total("abandoned"), 0);
+        // A withdrawal confirmed in time never times out.
+        t.withdraw(pod("cart-1"), ips(&[A]), t0, BOUND);
+        t.sent(2, &pod("c-2"), "v2", all(&without));
+        t.answered(2, "v2", true, t0);
+        t.sent(1, &pod("c-1"), "v3", all(&without));
+        assert!(t.expire(t0 + BOUND).is_empty());
+    }
+
+    #[test]
+    fn the_timeout_event_names_the_pending_and_counts_the_rest() {
+        let (events, mut rx) = PodEvents::channel_for_tests();
+        let p = Progress {
+            expected: 40,
+            confirmed: 2,
+            pending: (0..MAX_WITHDRAWAL_PENDING_NAMES)
+                .map(|i| format!("shop/c-{i:02}"))
+                .collect(),
+            done: true,
+            timed_out: true,
+            ..Progress::default()
+        };
+        raise_timed_out(&events, &pod("cart-0"), &p);
+        let w = rx.try_recv().expect("an Event");
+        assert_eq!(w.reason, "EndpointsWithdrawalTimedOut");
+        assert!(w.note.starts_with("38 of 40 proxies"), "{}", w.note);
+        assert!(w.note.contains("shop/c-00, shop/c-01"), "{}", w.note);
+        assert!(w.note.ends_with("and 6 more"), "{}", w.note);
     }
 }
