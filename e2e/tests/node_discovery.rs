@@ -845,17 +845,19 @@ fn drain_report(lines: &[pods::LogLine]) -> Option<Value> {
 }
 
 /// A drain report in a few words: outcome, duration, when inbound went
-/// quiet, the quiet period in force.
+/// quiet, the quiet period in force, and how the withdrawal of the pod's
+/// endpoints went (confirmed by how many proxies in how long).
 fn drain_summary(r: &Value) -> String {
     format!(
-        "{} in {:.2} s (inbound quiet at {}, quiet period {} s, {} connections at start)",
+        "{} in {:.2} s (inbound quiet at {}, quiet period {} s, {} connections at start; withdrawal {})",
         r["outcome"].as_str().unwrap_or("?"),
         r["duration_seconds"].as_f64().unwrap_or(-1.0),
         r["inbound_quiet_seconds"]
             .as_f64()
             .map_or("-".into(), |s| format!("{s:.2} s")),
         r["settings"]["quiet_period"],
-        r["active_at_start"]
+        r["active_at_start"],
+        r["withdrawal"]
     )
 }
 
@@ -1008,6 +1010,13 @@ async fn a_rolling_restart_of_the_callee_loses_nothing_with_quiet_period_zero() 
         ensure!(
             quiet == Some(json!(0.0)),
             "{p}: drained with quiet period {quiet:?} (want 0, {QUIET_PERIOD}: \"0s\"): {stops:#?}"
+        );
+        // Confirmed removal: the app was let go once the caller's Envoy had
+        // taken the pod out of its endpoints, not after a fallback.
+        let withdrawal = drain.as_ref().map(|r| r["withdrawal"]["outcome"].clone());
+        ensure!(
+            withdrawal == Some(json!("confirmed")),
+            "{p}: the withdrawal was {withdrawal:?}, not confirmed: {stops:#?}"
         );
     }
     // Every new replica answered every client (waited for above); once
