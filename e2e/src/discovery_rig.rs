@@ -10,10 +10,12 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use remora_contract::discovery::ServiceHost;
 use remora_contract::discovery::TOKEN_AUDIENCE as DISCOVERY_AUDIENCE;
 use remora_contract::workload_ca::TOKEN_AUDIENCE as CA_AUDIENCE;
 use remora_operator::discovery::Metrics;
 use remora_operator::discovery::push::{Debounce, Discovery};
+use remora_operator::discovery::registry::{Protocol, ServiceInfo, ServicePort};
 use remora_operator::discovery::server::{AdsService, POD_WAIT};
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
 use remora_operator::pki::workload_ca::service::{CaService, Lifetimes};
@@ -33,6 +35,26 @@ pub const SERVER_NAME: &str = "remora-operator.remora-system.svc";
 pub const NS: &str = "shop";
 /// The expiry of the rig's tokens (far off).
 const EXP: u64 = 4_000_000_000;
+/// Service `name` in the rig's namespace.
+pub fn host(name: &str) -> ServiceHost {
+    ServiceHost {
+        name: name.into(),
+        namespace: NS.into(),
+    }
+}
+
+/// A Service with one HTTP port, 80.
+pub fn http_service() -> ServiceInfo {
+    ServiceInfo {
+        ports: vec![ServicePort {
+            port: 80,
+            name: "http".into(),
+            protocol: Protocol::Http,
+        }],
+        ..Default::default()
+    }
+}
+
 /// How long a sidecar may take to become ready.
 pub const READY_DEADLINE: Duration = Duration::from_secs(30);
 

@@ -22,11 +22,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use e2e::discovery_rig::{NS, Reviewer, Rig, Sidecar, Upstreams, get, stat};
-use remora_contract::discovery::ServiceHost;
-use remora_operator::discovery::registry::{
-    PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
-};
+use e2e::discovery_rig::{NS, Reviewer, Rig, Sidecar, Upstreams, get, host, http_service, stat};
+use remora_operator::discovery::registry::{PodKey, ProxyInfo, SliceInfo};
 use remora_operator::discovery::resources::{CLUSTER, ENDPOINTS, LISTENER};
 use remora_test_support::named_backend::NamedBackend;
 use remora_test_support::ports::free_port;
@@ -36,24 +33,6 @@ use tokio_util::sync::CancellationToken;
 const DEADLINE: Duration = Duration::from_secs(30);
 const CART: &str = "outbound|80||cart.shop.svc.cluster.local";
 const PAY: &str = "outbound|80||pay.shop.svc.cluster.local";
-
-fn host(name: &str) -> ServiceHost {
-    ServiceHost {
-        name: name.into(),
-        namespace: NS.into(),
-    }
-}
-
-fn http_service() -> ServiceInfo {
-    ServiceInfo {
-        ports: vec![ServicePort {
-            port: 80,
-            name: "http".into(),
-            protocol: Protocol::Http,
-        }],
-        ..Default::default()
-    }
-}
 
 /// A slice of `service` whose endpoints are `ips` at `port`.
 fn slice(service: &str, port: u16, ips: &[&str]) -> SliceInfo {

@@ -20,14 +20,13 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use e2e::discovery_rig::{NS, Reviewer, Rig, Sidecar, Upstreams, app_prestop, get};
+use e2e::discovery_rig::{
+    NS, Reviewer, Rig, Sidecar, Upstreams, app_prestop, get, host, http_service,
+};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use remora_contract::annotations::WITHDRAWAL_TIMEOUT;
-use remora_contract::discovery::ServiceHost;
-use remora_operator::discovery::registry::{
-    PodKey, Protocol, ProxyInfo, ServiceInfo, ServicePort, SliceInfo,
-};
+use remora_operator::discovery::registry::{PodKey, ProxyInfo, SliceInfo};
 use remora_test_support::named_backend::NamedBackend;
 use remora_test_support::ports::free_port;
 use remora_test_support::wait::wait_until;
@@ -77,23 +76,10 @@ async fn the_callee_stops_only_once_its_clients_confirmed_and_names_one_that_nev
     let addr_1: SocketAddr = format!("127.0.0.3:{app_port}").parse()?;
     NamedBackend::start(addr_0, "cart-0").await?;
     NamedBackend::start(addr_1, "cart-1").await?;
-    let cart = ServiceHost {
-        name: "cart".into(),
-        namespace: NS.into(),
-    };
+    let cart = host("cart");
     discovery.update(|r| {
         let mut t = Vec::new();
-        t.extend(r.apply_service(
-            cart.clone(),
-            ServiceInfo {
-                ports: vec![ServicePort {
-                    port: 80,
-                    name: "http".into(),
-                    protocol: Protocol::Http,
-                }],
-                ..Default::default()
-            },
-        ));
+        t.extend(r.apply_service(cart.clone(), http_service()));
         t.extend(
             r.apply_slice(
                 (NS.into(), "cart-x".into()),
