@@ -130,7 +130,9 @@ node_tests=()
 for f in e2e/tests/node_*.rs; do
   node_tests+=(--test "$(basename "$f" .rs)")
 done
-REMORA_NODE_TESTS=1 cargo test --locked -p e2e "${node_tests[@]}" -- --ignored
+# --workspace as above: with -p e2e alone, features unify differently and
+# every dependency is compiled again (about 3 minutes).
+REMORA_NODE_TESTS=1 cargo test --workspace --locked "${node_tests[@]}" -- --ignored
 phase "node tests"
 drops=$(bash scripts/cluster.sh status | sed -n 's/^egress guard dropped: //p')
 if [[ "$drops" != 0 ]]; then

@@ -330,16 +330,20 @@ fn forward_signals(
 struct Inputs {
     override_file: Option<Result<Vec<u8>, std::io::ErrorKind>>,
     drain_duration: Duration,
+    /// Whether a drain can wait decides the idle-close monitor's presence.
+    drain_can_wait: bool,
 }
 
 fn read_inputs(cfg: &RunConfig, live: &LiveSettings) -> Inputs {
+    let settings = live.current_quiet().0;
     Inputs {
         override_file: cfg
             .bootstrap_override
             .as_ref()
             .map(|p| std::fs::read(p).map_err(|e| e.kind())),
         // Quiet: this runs every second; the drain itself logs bad values.
-        drain_duration: live.current_quiet().0.drain_duration,
+        drain_duration: settings.drain_duration,
+        drain_can_wait: settings.can_wait(),
     }
 }
 
@@ -372,6 +376,8 @@ async fn watch_inputs(
         if now != last {
             let reason = if now.drain_duration != last.drain_duration {
                 format!("drain duration changed to {:?}", now.drain_duration)
+            } else if now.drain_can_wait != last.drain_can_wait {
+                format!("a drain can wait: {}", now.drain_can_wait)
             } else {
                 "bootstrap override changed".to_string()
             };

@@ -109,10 +109,14 @@ pub fn parse_override(path: &Path, text: &str) -> Result<Value, BootstrapError> 
 }
 
 /// Build the bootstrap for `cfg`, with `extras` and the override applied.
+/// With `idle_close`, Envoy gets the monitor that closes idle connections in
+/// a drain ([`idle_close`]): only when a drain can wait, because its inotify
+/// watch costs Envoy's exit a kernel grace period (about 10 ms).
 pub fn generate(
     cfg: &RunConfig,
     extras: &Extras,
     override_doc: Option<&Value>,
+    idle_close: bool,
 ) -> Result<Value, BootstrapError> {
     let mut listeners = Vec::new();
     let mut clusters = vec![prometheus_cluster(cfg.envoy_admin_port)];
@@ -174,7 +178,20 @@ pub fn generate(
     }
     clusters.extend(extras.clusters.iter().cloned());
 
-    let (idle_monitor, idle_action) = idle_close::overload(&cfg.drain_pressure_path());
+    // A bound on downstream connections (Envoy warns at start without one).
+    let mut monitors = vec![json!({
+        "name": "envoy.resource_monitors.global_downstream_max_connections",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+            "max_active_downstream_connections": 100000
+        }
+    })];
+    let mut actions = Vec::new();
+    if idle_close {
+        let (monitor, action) = idle_close::overload(&cfg.drain_pressure_path());
+        monitors.push(monitor);
+        actions.push(action);
+    }
     let mut bootstrap = json!({
         "node": node(cfg)?,
         "admin": {
@@ -186,18 +203,8 @@ pub fn generate(
         },
         "overload_manager": {
             "refresh_interval": idle_close::refresh_interval(),
-            "resource_monitors": [
-                // A bound on downstream connections (Envoy warns at start without one).
-                {
-                    "name": "envoy.resource_monitors.global_downstream_max_connections",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-                        "max_active_downstream_connections": 100000
-                    }
-                },
-                idle_monitor,
-            ],
-            "actions": [idle_action],
+            "resource_monitors": monitors,
+            "actions": actions,
         }
     });
 
@@ -495,7 +502,7 @@ mod tests {
             "--outbound",
             "15001:example.org:80",
         ]);
-        let b = generate(&c, &Extras::default(), None).expect("generates");
+        let b = generate(&c, &Extras::default(), None, true).expect("generates");
         let listeners = b["static_resources"]["listeners"]
             .as_array()
             .expect("array");
@@ -523,6 +530,33 @@ mod tests {
     }
 
     #[test]
+    fn idle_close_monitor_only_when_asked() {
+        let c = cfg(&["--inbound", "15006:8080"]);
+        let monitors = |idle_close| {
+            let b = generate(&c, &Extras::default(), None, idle_close).expect("generates");
+            let om = &b["overload_manager"];
+            let names: Vec<Value> = om["resource_monitors"]
+                .as_array()
+                .expect("monitors")
+                .iter()
+                .map(|m| m["name"].clone())
+                .collect();
+            (names, om["actions"].as_array().expect("actions").len())
+        };
+        let (with, actions) = monitors(true);
+        assert!(with.contains(&json!("envoy.resource_monitors.injected_resource")));
+        assert_eq!(actions, 1);
+        let (without, actions) = monitors(false);
+        assert_eq!(
+            without,
+            [json!(
+                "envoy.resource_monitors.global_downstream_max_connections"
+            )]
+        );
+        assert_eq!(actions, 0);
+    }
+
+    #[test]
     fn xds_mode_has_ads() {
         let c = cfg(&[
             "--discovery-address",
@@ -540,7 +574,7 @@ mod tests {
             "--instance-ip",
             "10.0.0.7",
         ]);
-        let b = generate(&c, &Extras::default(), None).expect("generates");
+        let b = generate(&c, &Extras::default(), None, true).expect("generates");
         assert_eq!(
             b["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]["cluster_name"],
             XDS_CLUSTER
@@ -557,7 +591,7 @@ mod tests {
             "istiod.istio-system.svc:15010",
             "--discovery-delta=false",
         ]);
-        let sotw = generate(&sotw, &Extras::default(), None).expect("generates");
+        let sotw = generate(&sotw, &Extras::default(), None, true).expect("generates");
         assert_eq!(sotw["dynamic_resources"]["ads_config"]["api_type"], "GRPC");
         let clusters = b["static_resources"]["clusters"]
             .as_array()
@@ -594,7 +628,7 @@ mod tests {
             "15006:8081",
         ]);
         assert!(matches!(
-            generate(&twice, &Extras::default(), None),
+            generate(&twice, &Extras::default(), None, true),
             Err(BootstrapError::DuplicatePort(15006))
         ));
         assert_eq!(
@@ -612,17 +646,17 @@ mod tests {
             "15006:cart.shop:80",
         ]);
         assert!(matches!(
-            generate(&clash, &Extras::default(), None),
+            generate(&clash, &Extras::default(), None, true),
             Err(BootstrapError::DuplicatePort(15006))
         ));
         let bad_node = cfg(&["--discovery-address", "x:1", "--pod-name", "a~b"]);
         assert!(matches!(
-            generate(&bad_node, &Extras::default(), None),
+            generate(&bad_node, &Extras::default(), None, true),
             Err(BootstrapError::NodeId(_))
         ));
         let bad = cfg(&["--discovery-address", "nohost"]);
         assert!(matches!(
-            generate(&bad, &Extras::default(), None),
+            generate(&bad, &Extras::default(), None, true),
             Err(BootstrapError::DiscoveryAddress(_))
         ));
     }
@@ -631,7 +665,7 @@ mod tests {
     fn override_merges_and_admin_stays_loopback() {
         let c = cfg(&[]);
         let patch = json!({"node": {"cluster": "custom"}, "stats_flush_interval": "10s"});
-        let b = generate(&c, &Extras::default(), Some(&patch)).expect("generates");
+        let b = generate(&c, &Extras::default(), Some(&patch), true).expect("generates");
         assert_eq!(b["node"]["cluster"], "custom");
         assert_eq!(b["stats_flush_interval"], "10s");
         assert!(
@@ -643,7 +677,7 @@ mod tests {
 
         let expose = json!({"admin": {"address": {"socket_address": {"address": "0.0.0.0"}}}});
         assert!(matches!(
-            generate(&c, &Extras::default(), Some(&expose)),
+            generate(&c, &Extras::default(), Some(&expose), true),
             Err(BootstrapError::AdminNotLoopback(_))
         ));
     }
@@ -652,7 +686,7 @@ mod tests {
     fn duplicate_ports_are_refused() {
         let c = cfg(&["--inbound", "15090:8080"]);
         assert!(matches!(
-            generate(&c, &Extras::default(), None),
+            generate(&c, &Extras::default(), None, true),
             Err(BootstrapError::DuplicatePort(15090))
         ));
     }

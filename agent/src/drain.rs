@@ -295,18 +295,13 @@ pub async fn run_confirming<T: DrainTarget>(
 /// termination drain of zero, or exit-on-zero with no minimum and no
 /// connection open.
 fn nothing_to_wait_for(settings: &DrainSettings, active: Option<u64>) -> Option<DrainOutcome> {
-    if settings.adaptive() {
-        return None;
+    if !settings.can_wait() {
+        return Some(DrainOutcome::Elapsed);
     }
-    if settings.exit_on_zero_active_connections {
-        (settings.minimum_drain_duration.is_zero() && active == Some(0))
-            .then_some(DrainOutcome::Drained)
-    } else {
-        settings
-            .termination_drain_duration
-            .is_zero()
-            .then_some(DrainOutcome::Elapsed)
-    }
+    (settings.exit_on_zero_active_connections
+        && settings.minimum_drain_duration.is_zero()
+        && active == Some(0))
+    .then_some(DrainOutcome::Drained)
 }
 
 /// How the adaptive wait decides that inbound has gone quiet.
@@ -654,6 +649,16 @@ mod tests {
             minimum_drain_duration: Duration::ZERO,
             ..settings(true)
         };
+        // Only the fixed zero never waits (Envoy then runs without idle close).
+        assert!(!zero_termination.can_wait());
+        assert!(zero_minimum.can_wait());
+        assert!(
+            DrainSettings {
+                termination_drain_duration: Duration::ZERO,
+                ..adaptive()
+            }
+            .can_wait()
+        );
         for (s, open, outcome) in [
             (
                 zero_termination,

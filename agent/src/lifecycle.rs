@@ -62,6 +62,15 @@ impl DrainSettings {
         self.drain_mode == DrainMode::Adaptive && !self.exit_on_zero_active_connections
     }
 
+    /// Whether a drain can last at all: not with a fixed termination drain
+    /// of zero, which stops Envoy at once (as pilot-agent's
+    /// `terminationDrainDuration: 0s` does).
+    pub fn can_wait(&self) -> bool {
+        self.adaptive()
+            || self.exit_on_zero_active_connections
+            || !self.termination_drain_duration.is_zero()
+    }
+
     /// Apply the pod's annotations over these settings with the contract's
     /// [`Overlay::apply_drain`], as the operator does. Each bad value is
     /// reported and skipped; the others still apply.

@@ -681,6 +681,36 @@ fn istios_termination_drain_of_zero_is_honoured() {
     );
 }
 
+/// inotify watches held by this process (an Envoy's idle-close monitor
+/// holds one on the run directory).
+fn inotify_fds(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fd dir")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy() == "anon_inode:inotify")
+        .count()
+}
+
+/// A termination drain of 0 never waits, so Envoy runs without the
+/// idle-close monitor, whose inotify watch would cost its exit a kernel
+/// grace period; once the annotations give the drain time to wait, a hot
+/// restart brings the monitor in.
+#[test]
+fn idle_close_monitor_only_while_a_drain_can_wait() {
+    let mut agent = Agent::builder()
+        .args(["--termination-drain-duration", "0s"])
+        .start();
+    let pid = agent.envoy_pid().expect("pid");
+    assert_eq!(inotify_fds(pid), 0, "{}", agent.log());
+    agent.write_annotations(&[("remora.dev/termination-drain-duration", "5s")]);
+    wait_until_blocking(STARTUP, "a hot restart for the idle-close monitor", || {
+        (agent.debug()["envoy"]["epoch"] == 1).then_some(())
+    });
+    let pid = agent.envoy_pid().expect("pid");
+    assert_eq!(inotify_fds(pid), 1, "{}", agent.log());
+    assert!(agent.is_running());
+}
+
 #[test]
 fn hot_restart_keeps_a_live_connection() {
     let dir = tempfile::tempdir().expect("tempdir");

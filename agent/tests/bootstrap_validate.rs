@@ -50,7 +50,8 @@ fn static_mode_bootstrap_is_valid() {
         "--outbound",
         "15002:10.0.0.1:80",
     ]);
-    validate(&bootstrap::generate(&c, &Extras::default(), None).expect("generate"));
+    validate(&bootstrap::generate(&c, &Extras::default(), None, true).expect("generate"));
+    validate(&bootstrap::generate(&c, &Extras::default(), None, false).expect("generate"));
 }
 
 /// Both directions of mTLS, with the SDS snippets the agent adds.
@@ -66,13 +67,13 @@ fn static_mode_mtls_bootstrap_is_valid() {
         "15001=spiffe://cluster.local/ns/a/sa/b",
     ]);
     let extras = remora_agent::sds::bootstrap::extras(&c, std::path::Path::new("/tmp/sds.sock"));
-    validate(&bootstrap::generate(&c, &extras, None).expect("generate"));
+    validate(&bootstrap::generate(&c, &extras, None, true).expect("generate"));
 }
 
 #[test]
 fn xds_mode_bootstrap_is_valid() {
     let c = cfg(&["--discovery-address", "istiod.istio-system.svc:15010"]);
-    validate(&bootstrap::generate(&c, &Extras::default(), None).expect("generate"));
+    validate(&bootstrap::generate(&c, &Extras::default(), None, true).expect("generate"));
 }
 
 #[test]
@@ -82,7 +83,7 @@ fn overridden_bootstrap_is_valid() {
         "stats_flush_interval": "7s",
         "node": {"locality": {"zone": "z1"}}
     });
-    validate(&bootstrap::generate(&c, &Extras::default(), Some(&patch)).expect("generate"));
+    validate(&bootstrap::generate(&c, &Extras::default(), Some(&patch), true).expect("generate"));
 }
 
 #[test]
@@ -97,7 +98,7 @@ fn identity_comes_from_the_pod_env() {
         "--service-account",
         "web",
     ]);
-    let b = bootstrap::generate(&c, &Extras::default(), None).expect("generate");
+    let b = bootstrap::generate(&c, &Extras::default(), None, true).expect("generate");
     assert_eq!(
         b["node"]["id"],
         "sidecar~10.1.2.3~web-1.shop~shop.svc.cluster.local"

@@ -178,7 +178,7 @@ pub fn bootstrap_override(data: &[u8]) {
         return;
     };
     assert!(doc.is_object(), "an accepted override must be a mapping");
-    if let Ok(b) = bootstrap::generate(run_config(), &Extras::default(), Some(&doc))
+    if let Ok(b) = bootstrap::generate(run_config(), &Extras::default(), Some(&doc), true)
         && let Err(e) = serde_json::to_vec_pretty(&b)
     {
         panic!("an accepted bootstrap does not serialise: {e}");

@@ -269,6 +269,7 @@ mod tests {
             &c,
             &extras(&c, Path::new("/run/sds.sock")),
             override_doc.as_ref(),
+            true,
         )
         .expect("bootstrap");
         UsedSecrets::of_bootstrap(&b)
@@ -375,7 +376,7 @@ mod tests {
             "--outbound-tls",
             &format!("15001={id}"),
         ]);
-        let b = crate::bootstrap::generate(&c, &extras(&c, Path::new("/run/sds.sock")), None)
+        let b = crate::bootstrap::generate(&c, &extras(&c, Path::new("/run/sds.sock")), None, true)
             .expect("bootstrap");
         let cluster = |name: &str| {
             b["static_resources"]["clusters"]
@@ -458,7 +459,7 @@ mod tests {
     /// The inbound listener of `args`' bootstrap.
     fn inbound(args: &[&str]) -> Value {
         let c = cfg(args);
-        let b = crate::bootstrap::generate(&c, &extras(&c, Path::new("/run/sds.sock")), None)
+        let b = crate::bootstrap::generate(&c, &extras(&c, Path::new("/run/sds.sock")), None, true)
             .expect("bootstrap");
         b["static_resources"]["listeners"]
             .as_array()

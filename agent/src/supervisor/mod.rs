@@ -229,7 +229,8 @@ impl Supervisor {
             Some(p) => Some(bootstrap::read_override(p)?),
             None => None,
         };
-        bootstrap::generate(&self.cfg, &self.extras, ov.as_ref())
+        let idle_close = self.live.current_quiet().0.can_wait();
+        bootstrap::generate(&self.cfg, &self.extras, ov.as_ref(), idle_close)
     }
 
     fn envoy_args(&self, epoch: u32, bootstrap: PathBuf, drain_time: Duration) -> EnvoyArgs {

@@ -175,7 +175,7 @@ fn inbound_resources(app: u16, inbound: u16, tls: bool) -> Result<(Value, Value)
         inbound_transport_socket: tls.then(|| inbound_tls_transport_socket(&[])),
         ..Default::default()
     };
-    let doc = generate(&cfg, &extras, None).map_err(|e| fail(e.to_string()))?;
+    let doc = generate(&cfg, &extras, None, false).map_err(|e| fail(e.to_string()))?;
     let listener = doc["static_resources"]["listeners"]
         .as_array()
         .and_then(|ls| ls.iter().find(|l| l["traffic_direction"] == "INBOUND"))

@@ -138,7 +138,7 @@ struct RowDef {
     settings: &'static str,
 }
 
-const ROWS: [RowDef; 13] = [
+const ROWS: [RowDef; 14] = [
     RowDef {
         key: "rss_agent_plain",
         label: "RSS once ready: agent (plain)",
@@ -208,6 +208,13 @@ const ROWS: [RowDef; 13] = [
         unit: "ms",
         scenario: "sigterm-short",
         settings: "remora --termination-drain-duration 0s; pilot-agent PROXY_CONFIG terminationDrainDuration: 0s",
+    },
+    RowDef {
+        key: "sigterm_gone_termination_drain_0s",
+        label: "  SIGTERM→agent and its Envoy both gone",
+        unit: "ms",
+        scenario: "sigterm-short",
+        settings: "as the row above; pilot-agent exits before its Envoy is gone, so its Envoy's end is polled every 1 ms after its exit",
     },
     RowDef {
         key: "sigterm_exit_exit_on_zero_0s",
@@ -310,7 +317,7 @@ impl Bench {
         r.add_ms("exec_to_ready", c, s.exec_to_ready);
         r.add_ms("envoy_exec_to_live", c, s.envoy_exec_to_live);
         r.add_ms("agent_exec_to_envoy_exec", c, s.agent_to_envoy_exec);
-        self.stop("sigterm_exit_defaults", c, &mut inst, r).await
+        self.stop("sigterm_exit_defaults", c, &mut inst, r).await.map(drop)
     }
 
     /// SIGTERM with nothing open under the two shortest documented settings.
@@ -334,7 +341,11 @@ impl Bench {
                 .start(c, drain, false, &self.serving(), &format!("{name}{k}"))
                 .await?;
             inst.wait_ready(&self.execs, READY_TIMEOUT).await?;
-            self.stop(row, c, &mut inst, r).await?;
+            let exit = self.stop(row, c, &mut inst, r).await?;
+            if matches!(drain, Drain::TerminationDrain(_)) {
+                let gone = exit.after + exit.envoy_lingered.unwrap_or_default();
+                r.add_ms("sigterm_gone_termination_drain_0s", c, gone);
+            }
         }
         Ok(())
     }
@@ -345,12 +356,12 @@ impl Bench {
         c: Contender,
         inst: &mut Instance,
         r: &mut Results,
-    ) -> Result<()> {
+    ) -> Result<Exit> {
         let sent = inst.sigterm()?;
         let exit = inst.wait_exit(sent, EXIT_TIMEOUT).await?;
         r.add_ms(row, c, exit.after);
         r.lingered(c, &exit);
-        Ok(())
+        Ok(exit)
     }
 
     /// Exit-on-zero with one request in flight past the minimum drain: its

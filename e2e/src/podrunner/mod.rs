@@ -615,7 +615,7 @@ impl Pod {
         let remora_agent::config::Command::Run(cfg) = cli.command else {
             return Err(err("not a run command".into()));
         };
-        let doc = remora_agent::bootstrap::generate(&cfg, &Default::default(), None)
+        let doc = remora_agent::bootstrap::generate(&cfg, &Default::default(), None, true)
             .map_err(|e| err(e.to_string()))?;
         let path = self.dir.join("envoy-bootstrap.json");
         remora_agent::bootstrap::write(&path, &doc).map_err(|e| err(e.to_string()))?;
