@@ -317,7 +317,9 @@ impl Bench {
         r.add_ms("exec_to_ready", c, s.exec_to_ready);
         r.add_ms("envoy_exec_to_live", c, s.envoy_exec_to_live);
         r.add_ms("agent_exec_to_envoy_exec", c, s.agent_to_envoy_exec);
-        self.stop("sigterm_exit_defaults", c, &mut inst, r).await.map(drop)
+        self.stop("sigterm_exit_defaults", c, &mut inst, r)
+            .await
+            .map(drop)
     }
 
     /// SIGTERM with nothing open under the two shortest documented settings.
