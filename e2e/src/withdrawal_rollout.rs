@@ -224,9 +224,14 @@ impl RolloutResult {
     }
 }
 
-fn ms_since(t: SystemTime, from: SystemTime) -> Option<f64> {
-    let d = t.duration_since(from).ok()?;
-    Some((d.as_secs_f64() * 1e6).round() / 1e3)
+/// `t - from` in ms, negative when `t` came first (the pod watch here can
+/// show a deletion after the agent already acted on it).
+fn ms_since(t: SystemTime, from: SystemTime) -> f64 {
+    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+    match t.duration_since(from) {
+        Ok(d) => ms(d),
+        Err(e) => -ms(e.duration()),
+    }
 }
 
 fn wall(at: Instant, anchor: (Instant, SystemTime)) -> SystemTime {
@@ -382,7 +387,7 @@ pub async fn disrupt(
             .find(|(_, v)| stopped(v))
             .or(mine.last())
             .map(|(t, _)| wall(*t, anchor));
-        let since = |t: Option<SystemTime>| deleted.zip(t).and_then(|(d, t)| ms_since(t, d));
+        let since = |t: Option<SystemTime>| deleted.zip(t).map(|(d, t)| ms_since(t, d));
         let server_confirmation_ms = withdrawal
             .as_ref()
             .and_then(|w| w.get("last_confirmation_ms")?.as_f64());

@@ -84,7 +84,17 @@ const DEADLINE: Duration = Duration::from_secs(120);
 /// Each client's rate, and how many answers it must have (5 s' worth).
 const RATE: f64 = 20.0;
 const ANSWERS: usize = 100;
-const VALUES: [&str; 2] = ["workloadCA.enabled=true", "discovery.enabled=true"];
+/// One operator replica: a discovery server replica tracks confirmations
+/// only for the streams it serves, and tells a pod's agent only what it
+/// knows; with two, a subscriber on the other replica is not waited for
+/// (seen on the node: a frozen client Envoy named by one old pod, not by
+/// the others). Until replicas share what they track, the confirmed-removal
+/// tests run where one replica serves every stream.
+const VALUES: [&str; 3] = [
+    "workloadCA.enabled=true",
+    "discovery.enabled=true",
+    "operator.replicas=1",
+];
 /// The app container's name in the Jobs' pods.
 const APP: &str = "app";
 /// What the agent logs when it obeys `remora.dev/stop` (agent/src/app.rs).
@@ -1618,9 +1628,13 @@ async fn ten_replicas_called_by_mesh_clients_are_withdrawn_confirmed_in_a_rollou
     // that routed to it had confirmed, not after a fallback or the bound.
     for r in &results {
         for p in &r.pods {
+            // The client pod's proxy routed to every old pod: it was
+            // waited for (a withdrawal nobody was waited for is confirmed
+            // too, vacuously).
+            let expected = p.withdrawal.as_ref().and_then(|w| w["expected"].as_u64());
             ensure!(
-                p.outcome() == Some("confirmed"),
-                "{} of {}: {}'s withdrawal was {:?}, not confirmed:\n{}",
+                p.outcome() == Some("confirmed") && expected >= Some(1),
+                "{} of {}: {}'s withdrawal was {:?}, not confirmed by the client's proxy:\n{}",
                 r.disruption.label(),
                 conv::SERVER,
                 p.pod,

@@ -720,6 +720,10 @@ struct WithdrawalRow {
     deletion_to_released: Summary,
     /// Old pods whose withdrawal was not `confirmed`, with the outcome.
     not_confirmed: Vec<String>,
+    /// Old pods `confirmed` with no proxy waited for: the discovery
+    /// server replica their agent asked knew no subscriber of theirs (a
+    /// replica tracks only the streams it serves).
+    confirmed_by_nobody: Vec<String>,
     rollout: wr::RolloutResult,
 }
 
@@ -773,6 +777,16 @@ async fn withdrawal(args: &Args, node: &Node, client: &Client) -> Result<Vec<Wit
                             .iter()
                             .filter(|p| p.outcome() != Some("confirmed"))
                             .map(|p| format!("{}: {:?}", p.pod, p.outcome()))
+                            .collect(),
+                        confirmed_by_nobody: r
+                            .pods
+                            .iter()
+                            .filter(|p| p.outcome() == Some("confirmed"))
+                            .filter(|p| {
+                                p.withdrawal.as_ref().and_then(|w| w["expected"].as_u64())
+                                    == Some(0)
+                            })
+                            .map(|p| p.pod.clone())
                             .collect(),
                         rollout: r,
                     };
