@@ -379,6 +379,25 @@ pub const ENTRIES: &[Entry] = &[
         ),
     },
     Entry {
+        files: &["withdrawal-node.json"],
+        command: "cargo run --release -p e2e --bin node-bench -- --only withdrawal --installs on \
+                  --rollouts 3",
+        needs: NODE,
+        minutes: 5,
+        measures: &[
+            AGENT,
+            AGENT_BUILD,
+            CONTRACT,
+            OPERATOR,
+            INJECT,
+            CHART,
+            "e2e/src/eds_convergence.rs",
+            "e2e/src/withdrawal_rollout.rs",
+            "e2e/src/bin/node-bench.rs",
+        ],
+        stale: None,
+    },
+    Entry {
         files: &["lifecycle-node.json"],
         command: "scripts/images.sh istio-proxy && cargo run --release -p e2e --bin lifecycle-bench",
         needs: NODE_ISTIO,

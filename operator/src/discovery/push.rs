@@ -13,6 +13,7 @@
 //! does the news that a withdrawal is done ([`super::withdrawal`]).
 
 use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
@@ -258,7 +259,18 @@ impl Discovery {
                 .unwrap_or_else(PoisonError::into_inner);
             self.revision.fetch_add(1, Ordering::Release);
             let was = r.is_withdrawn(&key);
-            let addresses = r.addresses(&key);
+            let in_slices = r.addresses(&key);
+            // The pod's own address too: its EndpointSlices may already
+            // call it not ready (a terminating endpoint) when the pod watch
+            // shows the deletion, and a proxy last sent it still routes to
+            // it until it ACKs a send without it.
+            let own = r
+                .proxy(&key)
+                .and_then(|p| p.ip.as_deref())
+                .into_iter()
+                .chain(info.ip.as_deref())
+                .filter_map(|ip| ip.parse::<IpAddr>().ok());
+            let addresses: BTreeSet<_> = in_slices.iter().copied().chain(own).collect();
             let deleting = info.deleting;
             // The pod's own bound, read as its agent reads it.
             let bound = remora_contract::overlay::withdrawal_timeout(&info.agent_annotations);
@@ -267,7 +279,7 @@ impl Discovery {
             // Under the registry's lock: a stream computing its snapshot
             // after this sees both the endpoints and the withdrawal.
             let tracked = self.withdrawals.progress(&key).is_some();
-            let track = is && !tracked && (deleting || !addresses.is_empty());
+            let track = is && !tracked && (deleting || !in_slices.is_empty());
             if track {
                 let p = self
                     .withdrawals
@@ -636,7 +648,7 @@ mod tests {
             namespace: "shop".into(),
             name: n.into(),
         };
-        let ip: std::net::IpAddr = "10.1.0.1".parse().expect("ip");
+        let ip: IpAddr = "10.1.0.1".parse().expect("ip");
         let (d, debounce) = Discovery::new("cluster.local", None, Debounce::default());
         tokio::spawn(debounce);
         d.update(|r| {
@@ -699,5 +711,42 @@ mod tests {
             .expect("a batch");
         drop(told);
         stop.cancel();
+    }
+
+    /// The EndpointSlice controller may mark a deleted pod's endpoint not
+    /// ready before the pod watch shows the deletion: the proxies last
+    /// sent the pod's address are waited for all the same (the
+    /// withdrawal is not done with nobody waited for).
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_its_slices_already_call_not_ready_is_waited_for_by_its_own_address() {
+        use super::super::withdrawal::EndpointAddresses;
+        let key = |n: &str| PodKey {
+            namespace: "shop".into(),
+            name: n.into(),
+        };
+        let ip: IpAddr = "10.1.0.1".parse().expect("ip");
+        let (d, debounce) = Discovery::new("cluster.local", None, Debounce::default());
+        tokio::spawn(debounce);
+        let serving = ProxyInfo {
+            ip: Some(ip.to_string()),
+            ..Default::default()
+        };
+        d.apply_proxy(key("cart-0"), serving.clone());
+        // web-0's proxy was last sent the pod's address; the slice no
+        // longer names it ready (no slice here at all).
+        let held: Arc<EndpointAddresses> = Arc::new([("cart".to_string(), [ip].into())].into());
+        d.withdrawals
+            .sent(1, &key("web-0"), "v1", EdsView::new(&held, |_| true));
+        d.apply_proxy(
+            key("cart-0"),
+            ProxyInfo {
+                withdrawn: true,
+                deleting: true,
+                ..serving
+            },
+        );
+        let p = d.withdrawals.progress(&key("cart-0")).expect("withdrawn");
+        assert_eq!((p.expected, p.done), (1, false), "{p:?}");
+        assert_eq!(p.pending, ["shop/web-0"]);
     }
 }
