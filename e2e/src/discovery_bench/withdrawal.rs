@@ -310,16 +310,21 @@ async fn phase(
     }
     .await;
     stop.cancel();
-    let mut ended = Ok(());
-    for t in tasks.drain(..) {
-        if let Ok(Err(e)) = t.await {
-            ended = Err(anyhow::anyhow!("{contender}: {e}"));
-        }
-    }
     // Whatever happened: the next phase's pods replace these.
     force_delete(&client, &ns, &callees).await?;
-    let p = measured?;
-    ended?;
+    let p = match measured {
+        Ok(p) => p,
+        Err(e) => {
+            // A task whose end was read already must not be awaited again.
+            tasks.drain(..).for_each(|t| t.abort());
+            return Err(e);
+        }
+    };
+    for t in tasks.drain(..) {
+        if let Ok(Err(e)) = t.await {
+            anyhow::bail!("{contender}: {e}");
+        }
+    }
     Ok(p)
 }
 
