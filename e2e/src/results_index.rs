@@ -112,6 +112,8 @@ const CHANGED_AFTER: &str = "stale: issue 30's withdrawal wait (agent drain, ser
 const RELEASE: &[Need] = &[Need::Release];
 const NODE: &[Need] = &[Need::Node, Need::Release];
 const NODE_ISTIO: &[Need] = &[Need::Node, Need::IstioPeers, Need::Release];
+/// Istio's binaries on a local control plane of the bench's own.
+const ISTIO: &[Need] = &[Need::IstioPeers, Need::Release];
 
 /// Every file under `bench/results/`.
 pub const ENTRIES: &[Entry] = &[
@@ -261,6 +263,16 @@ pub const ENTRIES: &[Entry] = &[
         minutes: 25,
         measures: DISCOVERY_BENCH,
         stale: Some(ISTIOD_STALE),
+    },
+    Entry {
+        files: &["withdrawal-convergence.json"],
+        command: "scripts/build-pilot-discovery.sh && \
+                  env -u KUBECONFIG cargo run --release -p e2e --bin discovery-bench -- --only withdrawal \
+                  --proxies 10,100,1000 --services 100 --rollouts 3",
+        needs: ISTIO,
+        minutes: 15,
+        measures: DISCOVERY_BENCH,
+        stale: None,
     },
     Entry {
         files: &["lifecycle.json", "lifecycle.svg"],

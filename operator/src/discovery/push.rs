@@ -637,6 +637,62 @@ mod tests {
         assert!(mine.concerns(&pod, &BTreeSet::new()));
     }
 
+    /// A slice that marked the pod's endpoint not ready before the pod's
+    /// deletion reached the watch names no address for it; a proxy that
+    /// still holds the pod's IP is waited for all the same.
+    #[tokio::test]
+    async fn a_pod_its_slice_dropped_first_is_waited_for_by_its_own_ip() {
+        use super::super::registry::SliceInfo;
+        use super::super::withdrawal::EndpointAddresses;
+        let key = |n: &str| PodKey {
+            namespace: "shop".into(),
+            name: n.into(),
+        };
+        let ip: IpAddr = "10.1.0.1".parse().expect("ip");
+        let (d, _debounce) = Discovery::new("cluster.local", None, Debounce::default());
+        // The slice already says not ready: no ready address names cart-0.
+        d.update(|r| {
+            r.apply_slice(
+                ("shop".into(), "cart-x".into()),
+                SliceInfo {
+                    service: Some(ServiceHost {
+                        name: "cart".into(),
+                        namespace: "shop".into(),
+                    }),
+                    ..Default::default()
+                },
+            )
+        });
+        assert!(d.read(|r| r.addresses(&key("cart-0")).is_empty()));
+        // web-0's proxy still holds it (the push without it not ACKed yet).
+        let held: Arc<EndpointAddresses> = Arc::new([("cart".to_string(), [ip].into())].into());
+        d.withdrawals
+            .sent(1, &key("web-0"), "v1", EdsView::new(&held, |_| true));
+        d.apply_proxy(
+            key("cart-0"),
+            ProxyInfo {
+                ip: Some(ip.to_string()),
+                withdrawn: true,
+                deleting: true,
+                ..Default::default()
+            },
+        );
+        let p = d.withdrawals.progress(&key("cart-0")).expect("withdrawn");
+        assert_eq!((p.expected, p.done), (1, false), "{p:?}");
+        assert_eq!(p.pending, ["shop/web-0"]);
+        // A pod still starting (not Ready, not deleting, named by no slice)
+        // is not tracked, its IP notwithstanding.
+        d.apply_proxy(
+            key("cart-1"),
+            ProxyInfo {
+                ip: Some("10.1.0.2".into()),
+                withdrawn: true,
+                ..Default::default()
+            },
+        );
+        assert!(d.withdrawals.progress(&key("cart-1")).is_none());
+    }
+
     /// The bound of a withdrawal is the pod's own withdrawal timeout: at
     /// it, the pod's proxy is told at once and a Warning Event names the
     /// proxy that never confirmed.
