@@ -452,7 +452,8 @@ pub const SERVER: &str = "edge";
 pub const CLIENT: &str = "client";
 const APP_PORT: u16 = 8080;
 const SERVICE_PORT: u16 = 80;
-const OUTBOUND_PORT: u16 = 15001;
+/// The clients' outbound listener for the Service, on their pods' loopback.
+pub const OUTBOUND_PORT: u16 = 15001;
 
 fn slc_api(client: &Client, ns: &str) -> Api<DynamicObject> {
     let gvk = GroupVersionKind::gvk("remora.dev", "v1alpha1", "SidecarLifecycle");
@@ -462,12 +463,14 @@ fn slc_api(client: &Client, ns: &str) -> Api<DynamicObject> {
 
 impl RemoraMesh {
     /// Remora must be installed with the workload CA and discovery on.
-    /// `mode`: the sidecars' mode (Legacy or Native).
+    /// `mode`: the sidecars' mode (Legacy or Native); `server_annotations`:
+    /// more on the servers' template (e.g. a withdrawal timeout).
     pub async fn start(
         node: &Node,
         client: &Client,
         replicas: usize,
         mode: &str,
+        server_annotations: &[(&str, &str)],
         timeout: Duration,
     ) -> Result<Self, Error> {
         let ns = TestNamespace::injected(node, client, "eds-convergence").await?;
@@ -507,14 +510,29 @@ impl RemoraMesh {
         // Deleted servers go at once: no quiet period to wait out between
         // deletions (the clients drop them on the EndpointSlice's
         // not-ready, before any drain).
-        let mut edge = pods::test_app_deployment(
-            SERVER,
-            replicas as i32,
-            &[(INBOUND, &inbound), (MODE, mode), (QUIET_PERIOD, "0s")],
-            &["--port", &port],
-        )?;
-        if let Some(t) = edge.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-            t.termination_grace_period_seconds = Some(5);
+        let mut annotations = vec![
+            (INBOUND, inbound.as_str()),
+            (MODE, mode),
+            (QUIET_PERIOD, "0s"),
+        ];
+        annotations.extend_from_slice(server_annotations);
+        let mut edge =
+            pods::test_app_deployment(SERVER, replicas as i32, &annotations, &["--port", &port])?;
+        if let Some(spec) = edge.spec.as_mut() {
+            // A rollout never lowers the serving replicas (the zero-loss
+            // tests' strategy), for `e2e::withdrawal_rollout`.
+            spec.strategy = Some(
+                serde_json::from_value(json!({
+                    "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "0%"}
+                }))
+                .map_err(|e| Error::Setup {
+                    what: "building the rollout strategy".into(),
+                    detail: e.to_string(),
+                })?,
+            );
+            if let Some(t) = spec.template.spec.as_mut() {
+                t.termination_grace_period_seconds = Some(5);
+            }
         }
         ns.api::<Deployment>()
             .create(&PostParams::default(), &edge)

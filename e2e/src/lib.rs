@@ -22,3 +22,4 @@ pub mod scale_run;
 pub mod stats;
 pub mod traffic;
 pub mod webhook;
+pub mod withdrawal_rollout;

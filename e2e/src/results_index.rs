@@ -112,6 +112,8 @@ const CHANGED_AFTER: &str = "stale: issue 30's withdrawal wait (agent drain, ser
 const RELEASE: &[Need] = &[Need::Release];
 const NODE: &[Need] = &[Need::Node, Need::Release];
 const NODE_ISTIO: &[Need] = &[Need::Node, Need::IstioPeers, Need::Release];
+/// Istio's binaries on a local control plane of the bench's own.
+const ISTIO: &[Need] = &[Need::IstioPeers, Need::Release];
 
 /// Every file under `bench/results/`.
 pub const ENTRIES: &[Entry] = &[
@@ -121,7 +123,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: RELEASE,
         minutes: 2,
         measures: &[AGENT, CONTRACT, SERVE, "agent/benches/agent.rs"],
-        stale: Some(CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["sds.json"],
@@ -144,7 +146,7 @@ pub const ENTRIES: &[Entry] = &[
             SERVE,
             "operator/benches/injector.rs",
         ],
-        stale: Some(CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["pod-store.json"],
@@ -156,7 +158,7 @@ pub const ENTRIES: &[Entry] = &[
             "operator/src/controllers/lifecycle/status.rs",
             "operator/benches/pod_store.rs",
         ],
-        stale: Some(CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["discovery-heap.json"],
@@ -261,6 +263,18 @@ pub const ENTRIES: &[Entry] = &[
         minutes: 25,
         measures: DISCOVERY_BENCH,
         stale: Some(ISTIOD_STALE),
+    },
+    Entry {
+        files: &["withdrawal-convergence.json"],
+        command: "scripts/build-pilot-discovery.sh && \
+                  env -u KUBECONFIG cargo run --release -p e2e --bin discovery-bench -- --only withdrawal \
+                  --proxies 10,100,1000 --services 100 --rollouts 3",
+        needs: ISTIO,
+        minutes: 15,
+        measures: DISCOVERY_BENCH,
+        stale: Some(
+            "stale: measured on its branch at d00ce06 (2 rollouts per size); its operator fix was merged with the node branch's version of the same fix after the run",
+        ),
     },
     Entry {
         files: &["lifecycle.json", "lifecycle.svg"],
@@ -376,6 +390,27 @@ pub const ENTRIES: &[Entry] = &[
         measures: NODE_BENCH,
         stale: Some(
             "stale: the harness's waits moved to remora-test-support after the run (node-bench's own code; the measured components are unchanged since); a run takes about 18 min on the node",
+        ),
+    },
+    Entry {
+        files: &["withdrawal-node.json"],
+        command: "cargo run --release -p e2e --bin node-bench -- --only withdrawal --installs on \
+                  --rollouts 3",
+        needs: NODE,
+        minutes: 5,
+        measures: &[
+            AGENT,
+            AGENT_BUILD,
+            CONTRACT,
+            OPERATOR,
+            INJECT,
+            CHART,
+            "e2e/src/eds_convergence.rs",
+            "e2e/src/withdrawal_rollout.rs",
+            "e2e/src/bin/node-bench.rs",
+        ],
+        stale: Some(
+            "stale: measured on its branch at 4e15cb6; the agent's idle-close change (a termination drain of 0 only) and the merge of the operator fix with the convergence branch's version of it landed after; a 5-min run on the node",
         ),
     },
     Entry {

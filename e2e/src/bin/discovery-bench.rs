@@ -8,9 +8,18 @@
 //!   cargo run --release -p e2e --bin discovery-bench -- --proxies 100,1000 --services 100
 //! ```
 //! prints a table and writes `bench/results/discovery-istiod.json`.
+//!
+//! Confirmed removal's convergence (issue 30), on a local control plane
+//! of its own when no kubeconfig is given:
+//!
+//! ```text
+//! cargo run --release -p e2e --bin discovery-bench -- --only withdrawal \
+//!   --proxies 10,100,1000 --services 100 --rollouts 3
+//! ```
+//! writes `bench/results/withdrawal-convergence.json`.
 
 use clap::Parser;
-use e2e::discovery_bench::{Args, HEAP_FILE, report, run, serve_remora};
+use e2e::discovery_bench::{Args, HEAP_FILE, Outcome, report, run, serve_remora};
 
 // The operator's allocator (its main.rs), so Remora's child measures as the
 // operator would; `cap` counts the child's live heap beside its RSS.
@@ -39,17 +48,20 @@ async fn main() -> anyhow::Result<()> {
     }
     let started = std::time::Instant::now();
     let before = remora_test_support::results::machine();
-    let phases = run(&args).await?;
-    let rows = report::summarize(&phases);
-    report::print_table(&rows);
-    report::write(
-        &args.out,
-        &args,
-        &phases,
-        &rows,
-        before,
-        started.elapsed().as_secs_f64(),
-    )?;
-    println!("wrote {}", args.out.display());
+    let out = args.out();
+    let seconds = || started.elapsed().as_secs_f64();
+    match run(&args).await? {
+        Outcome::Push(phases) => {
+            let rows = report::summarize(&phases);
+            report::print_table(&rows);
+            report::write(&out, &args, &phases, &rows, before, seconds())?;
+        }
+        Outcome::Withdrawal(phases) => {
+            let rows = report::summarize_withdrawal(&phases);
+            report::print_withdrawal_table(&rows);
+            report::write_withdrawal(&out, &args, &phases, &rows, before, seconds())?;
+        }
+    }
+    println!("wrote {}", out.display());
     Ok(())
 }

@@ -19,6 +19,12 @@
 //! - **convergence** (`on` only; its own results file): a server pod of a
 //!   Service deleted → every subscribed client Envoy no longer holds its
 //!   endpoint, with 1, 10 and 50 clients (`e2e::eds_convergence`).
+//! - **withdrawal** (`on` only; its own results file, not in the default
+//!   set): confirmed removal (issue 30) under rollouts of a 10-replica
+//!   callee, quiet period 0, called by mesh clients through one client
+//!   pod's sidecar: per rolling update and per 5-at-once deletion, calls
+//!   lost, each old pod's deletion → its agent learned every subscriber
+//!   confirmed, and deletion → pod stopped (`e2e::withdrawal_rollout`).
 //!
 //! Times are seen by this client polling the API (every `--poll`), so each
 //! includes up to one poll of lag on both ends. Table on stdout, JSON in
@@ -38,8 +44,11 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use e2e::eds_convergence::{self as conv, RemoraMesh, SizeResult, Watchers};
+use e2e::node::port_forward::PortForward;
 use e2e::node::{self, Check, Node, TestNamespace};
 use e2e::stats::Summary;
+use e2e::traffic::Traffic;
+use e2e::withdrawal_rollout as wr;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{
@@ -110,6 +119,21 @@ struct Args {
     convergence_poll: Duration,
     #[arg(long, default_value = "bench/results/eds-convergence.json")]
     convergence_out: PathBuf,
+    /// Rounds of the withdrawal section, each a rolling update and a
+    /// deletion of `--withdrawal-at-once` pods at once.
+    #[arg(long, default_value_t = 3)]
+    rollouts: usize,
+    /// The callee's replicas in the withdrawal section.
+    #[arg(long, default_value_t = 10)]
+    withdrawal_replicas: usize,
+    /// Pods deleted in one go in the withdrawal section.
+    #[arg(long, default_value_t = 5)]
+    withdrawal_at_once: usize,
+    /// Each mesh client's calls per second in the withdrawal section.
+    #[arg(long, default_value_t = 20.0)]
+    withdrawal_rate: f64,
+    #[arg(long, default_value = "bench/results/withdrawal-node.json")]
+    withdrawal_out: PathBuf,
 }
 
 /// The two installs compared.
@@ -633,8 +657,15 @@ async fn lifecycle(
 
 /// EDS convergence with each client count in turn, on one mesh scaled up.
 async fn convergence(args: &Args, node: &Node, client: &Client) -> Result<Vec<SizeResult>> {
-    let mesh =
-        RemoraMesh::start(node, client, args.servers, &args.convergence_mode, DEADLINE).await?;
+    let mesh = RemoraMesh::start(
+        node,
+        client,
+        args.servers,
+        &args.convergence_mode,
+        &[],
+        DEADLINE,
+    )
+    .await?;
     let mut rows = Vec::new();
     let res: Result<()> = async {
         for &n in &args.clients {
@@ -670,17 +701,201 @@ async fn convergence(args: &Args, node: &Node, client: &Client) -> Result<Vec<Si
     Ok(rows)
 }
 
+/// One disruption of the withdrawal section.
+#[derive(Debug, Serialize)]
+struct WithdrawalRow {
+    round: usize,
+    disruption: String,
+    /// Calls that failed, of those sent from the disruption's start until
+    /// the callee rolled out again and every old pod was gone.
+    lost: usize,
+    sent: usize,
+    /// Per old pod: deletion → the last subscriber confirmed.
+    deletion_to_last_confirmation: Summary,
+    /// The discovery server's withdrawal → last confirmation.
+    server_confirmation: Summary,
+    /// Deletion → every container terminated (or the pod gone).
+    deletion_to_stop: Summary,
+    /// Deletion → the agent let the app stop.
+    deletion_to_released: Summary,
+    /// Old pods whose withdrawal was not `confirmed`, with the outcome.
+    not_confirmed: Vec<String>,
+    /// Old pods `confirmed` with no proxy waited for: the discovery
+    /// server replica their agent asked knew no subscriber of theirs (a
+    /// replica tracks only the streams it serves).
+    confirmed_by_nobody: Vec<String>,
+    rollout: wr::RolloutResult,
+}
+
+/// Confirmed removal under `--rollouts` rounds of a rolling update and a
+/// deletion of several pods at once, the mesh clients running throughout.
+async fn withdrawal(args: &Args, node: &Node, client: &Client) -> Result<Vec<WithdrawalRow>> {
+    let mesh = RemoraMesh::start(
+        node,
+        client,
+        args.withdrawal_replicas,
+        "Native",
+        &[],
+        node::ROLLOUT_TIMEOUT,
+    )
+    .await?;
+    let res: Result<Vec<WithdrawalRow>> = async {
+        let (_, watched) = mesh.scale_clients(client, 1, DEADLINE).await?;
+        let caller = &watched.first().context("no client pod")?.pod;
+        let forward =
+            PortForward::start(client, mesh.ns.name(), caller, conv::OUTBOUND_PORT).await?;
+        let loads = wr::mesh_clients(forward.local_addr(), args.withdrawal_rate);
+        let epoch = Instant::now();
+        let traffic = Traffic::start(loads, epoch);
+        let mut rows = Vec::new();
+        let run: Result<()> = async {
+            for round in 0..args.rollouts {
+                for how in [
+                    wr::Disruption::Rolling,
+                    wr::Disruption::DeleteAtOnce(args.withdrawal_at_once),
+                ] {
+                    let from = epoch.elapsed();
+                    let r = wr::disrupt(client, &mesh, how, node::ROLLOUT_TIMEOUT).await?;
+                    let to = epoch.elapsed();
+                    let during: Vec<_> = traffic
+                        .samples()
+                        .into_iter()
+                        .filter(|s| s.at >= from && s.at <= to)
+                        .collect();
+                    let s = r.summary();
+                    let row = WithdrawalRow {
+                        round,
+                        disruption: how.label(),
+                        lost: during.iter().filter(|s| !s.outcome.is_ok()).count(),
+                        sent: during.len(),
+                        deletion_to_last_confirmation: s["deletion_to_confirmation"],
+                        server_confirmation: s["server_confirmation"],
+                        deletion_to_stop: s["deletion_to_stopped"],
+                        deletion_to_released: s["deletion_to_released"],
+                        not_confirmed: r
+                            .pods
+                            .iter()
+                            .filter(|p| p.outcome() != Some("confirmed"))
+                            .map(|p| format!("{}: {:?}", p.pod, p.outcome()))
+                            .collect(),
+                        confirmed_by_nobody: r
+                            .pods
+                            .iter()
+                            .filter(|p| p.outcome() == Some("confirmed"))
+                            .filter(|p| {
+                                p.withdrawal.as_ref().and_then(|w| w["expected"].as_u64())
+                                    == Some(0)
+                            })
+                            .map(|p| p.pod.clone())
+                            .collect(),
+                        rollout: r,
+                    };
+                    eprintln!(
+                        "node-bench: withdrawal round {round} {}: lost {}/{}, confirmed p50 {:.0} ms, stop p50 {:.0} ms max {:.0} ms\n{}",
+                        row.disruption,
+                        row.lost,
+                        row.sent,
+                        row.deletion_to_last_confirmation.p50_ms,
+                        row.deletion_to_stop.p50_ms,
+                        row.deletion_to_stop.max_ms,
+                        row.rollout.table()
+                    );
+                    rows.push(row);
+                }
+            }
+            Ok(())
+        }
+        .await;
+        traffic.stop().await;
+        drop(forward);
+        run?;
+        Ok(rows)
+    }
+    .await;
+    mesh.ns.delete().await?;
+    res
+}
+
+fn write_withdrawal(
+    args: &Args,
+    rows: Vec<WithdrawalRow>,
+    machine_before: &serde_json::Value,
+    guard: u64,
+) -> Result<()> {
+    println!();
+    println!(
+        "Confirmed removal: {} replicas, quiet period 0, mesh clients through one client pod's sidecar",
+        args.withdrawal_replicas
+    );
+    println!(
+        "{:>5} {:<12} {:>9} {:>30} {:>30}",
+        "round",
+        "disruption",
+        "lost",
+        "deletion → confirmed p50/p99/max",
+        "deletion → stop p50/p99/max"
+    );
+    for r in &rows {
+        let c = &r.deletion_to_last_confirmation;
+        let st = &r.deletion_to_stop;
+        println!(
+            "{:>5} {:<12} {:>9} {:>30} {:>30}",
+            r.round,
+            r.disruption,
+            format!("{}/{}", r.lost, r.sent),
+            format!("{:.0}/{:.0}/{:.0} ms", c.p50_ms, c.p99_ms, c.max_ms),
+            format!("{:.0}/{:.0}/{:.0} ms", st.p50_ms, st.p99_ms, st.max_ms),
+        );
+    }
+    let mut out = remora_test_support::results::stamp(machine_before);
+    e2e::node::stamp_images(&mut out);
+    out.insert(
+        "measured".into(),
+        json!(
+            "per rollout of the callee (a rolling update, maxSurge 25% maxUnavailable 0; or pods \
+             deleted in one go), per old pod: its deletion (the delete request, or the pod watch \
+             first showing the ReplicaSet's deletion) → the last proxy that routed to it confirmed \
+             (deletion_to_last_confirmation: this host's pod watch seeing the deletion, as the \
+             discovery server's watch does, plus the server's own withdrawal → last confirmation, \
+             which is server_confirmation), → the agent let the app stop, \
+             → the pod watch first showed every container terminated (deletion_to_stop: includes \
+             the kubelet's relist, up to 1 s). lost: calls of the mesh clients that failed from \
+             the rollout's start until it was done and every old pod gone. Host clock throughout"
+        ),
+    );
+    out.insert(
+        "setup".into(),
+        json!({
+            "install": Install::On.values(),
+            "callee": format!("{} replicas of the test app, Native sidecars, remora.dev/quiet-period 0s, withdrawal timeout default (5 s), terminationGracePeriodSeconds 5; namespace-wide SidecarLifecycle: Envoy concurrency 1, requests cpu 5m memory 48Mi", args.withdrawal_replicas),
+            "clients": format!("one client pod (remora.dev/outbound names the Service); on the host through a port-forward to its outbound listener: HTTP/1.1 keep-alive, h2c (1 connection), gRPC unary at {} calls/s each, gRPC server-streaming (500 ms streams) at a quarter of that; none retries", args.withdrawal_rate),
+            "rounds": args.rollouts,
+            "at_once": args.withdrawal_at_once,
+        }),
+    );
+    out.insert("rollouts".into(), serde_json::to_value(&rows)?);
+    out.insert("egress_guard_dropped".into(), json!(guard));
+    write(&args.withdrawal_out, out)
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
     for o in &args.only {
-        if !matches!(o.as_str(), "startup" | "jobs" | "retune" | "convergence") {
-            bail!("--only: unknown measurement {o:?} (startup, jobs, retune, convergence)");
+        if !matches!(
+            o.as_str(),
+            "startup" | "jobs" | "retune" | "convergence" | "withdrawal"
+        ) {
+            bail!(
+                "--only: unknown measurement {o:?} (startup, jobs, retune, convergence, withdrawal)"
+            );
         }
     }
     let want = |m: &str| args.only.iter().any(|o| o == m);
-    if want("convergence") && !args.installs.contains(&Install::On) {
-        bail!("--only convergence needs discovery: --installs must include on");
+    for m in ["convergence", "withdrawal"] {
+        if want(m) && !args.installs.contains(&Install::On) {
+            bail!("--only {m} needs discovery: --installs must include on");
+        }
     }
     let lifecycle_wanted = ["startup", "jobs", "retune"].iter().any(|m| want(m));
     let machine_before = remora_test_support::results::machine();
@@ -690,6 +905,7 @@ async fn main() -> Result<()> {
     let mut table = vec![header()];
     let mut installs = Vec::new();
     let mut conv_rows = None;
+    let mut withdrawal_rows = None;
     for &install in &args.installs {
         let t = Instant::now();
         let remora = node
@@ -709,6 +925,9 @@ async fn main() -> Result<()> {
         }
         if install == Install::On && want("convergence") {
             conv_rows = Some(convergence(&args, node, &client).await?);
+        }
+        if install == Install::On && want("withdrawal") {
+            withdrawal_rows = Some(withdrawal(&args, node, &client).await?);
         }
     }
     let guard = node.guard_drops().await? - guard_before;
@@ -792,6 +1011,9 @@ async fn main() -> Result<()> {
         out.insert("sizes".into(), serde_json::to_value(&rows)?);
         out.insert("egress_guard_dropped".into(), json!(guard));
         write(&args.convergence_out, out)?;
+    }
+    if let Some(rows) = withdrawal_rows {
+        write_withdrawal(&args, rows, &machine_before, guard)?;
     }
     if guard > 0 {
         bail!("the egress guard dropped {guard} packets");

@@ -1,13 +1,18 @@
 //! What both contenders are fed, written to the real API server: S
 //! selector-less Services with hand-written EndpointSlices (managed-by this
-//! bench; no pods), Istio's CRDs, and the Sidecar resources of istiod's
-//! "best" row.
+//! bench), Istio's CRDs, the Sidecar resources of istiod's "best" row, and
+//! for the withdrawal measurement the callee's pods: bound to a node that
+//! does not exist, so no kubelet ever runs them and a graceful delete
+//! leaves them deleting (a deletion timestamp) until they are force-deleted.
 
 use std::net::Ipv4Addr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Namespace, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{
+    Container, Namespace, ObjectReference, Pod, PodSpec, Service, ServiceAccount, ServicePort,
+    ServiceSpec,
+};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
@@ -117,6 +122,36 @@ pub async fn apply_slice(
     service: &str,
     ips: &[Ipv4Addr],
 ) -> Result<(), ClusterError> {
+    let endpoints: Vec<SliceEndpoint> = ips
+        .iter()
+        .map(|ip| SliceEndpoint {
+            ip: *ip,
+            pod: None,
+            terminating: false,
+        })
+        .collect();
+    apply_slice_of(client, ns, service, &endpoints).await
+}
+
+/// One endpoint of a hand-written slice.
+#[derive(Debug, Clone)]
+pub struct SliceEndpoint {
+    pub ip: Ipv4Addr,
+    /// The pod its `targetRef` names.
+    pub pod: Option<String>,
+    /// As the EndpointSlice controller marks a deleting pod's endpoint:
+    /// not ready, still serving, terminating.
+    pub terminating: bool,
+}
+
+/// Service `service`'s one slice (`<service>-bench`), `endpoints` on port
+/// 8080: one API write.
+pub async fn apply_slice_of(
+    client: &Client,
+    ns: &str,
+    service: &str,
+    endpoints: &[SliceEndpoint],
+) -> Result<(), ClusterError> {
     let name = format!("{service}-bench");
     let slice = EndpointSlice {
         metadata: ObjectMeta {
@@ -139,13 +174,20 @@ pub async fn apply_slice(
         },
         address_type: "IPv4".into(),
         endpoints: Some(
-            ips.iter()
-                .map(|ip| Endpoint {
-                    addresses: vec![ip.to_string()],
+            endpoints
+                .iter()
+                .map(|e| Endpoint {
+                    addresses: vec![e.ip.to_string()],
                     conditions: Some(k8s_openapi::api::discovery::v1::EndpointConditions {
-                        ready: Some(true),
+                        ready: Some(!e.terminating),
                         serving: Some(true),
-                        terminating: Some(false),
+                        terminating: Some(e.terminating),
+                    }),
+                    target_ref: e.pod.as_ref().map(|p| ObjectReference {
+                        kind: Some("Pod".into()),
+                        namespace: Some(ns.into()),
+                        name: Some(p.clone()),
+                        ..Default::default()
                     }),
                     ..Default::default()
                 })
@@ -163,6 +205,105 @@ pub async fn apply_slice(
         .await
         .map_err(kube(format!("applying EndpointSlice {ns}/{name}")))?;
     Ok(())
+}
+
+/// The node the callee's pods are bound to: none by that name exists.
+pub const NO_NODE: &str = "discovery-bench-no-node";
+
+/// ServiceAccount `name` in `ns` (pods must name one that exists).
+pub async fn apply_service_account(
+    client: &Client,
+    ns: &str,
+    name: &str,
+) -> Result<(), ClusterError> {
+    let sa = ServiceAccount {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<ServiceAccount>::namespaced(client.clone(), ns)
+        .patch(name, &apply(), &Patch::Apply(&sa))
+        .await
+        .map_err(kube(format!("applying ServiceAccount {ns}/{name}")))?;
+    Ok(())
+}
+
+/// A callee pod as Remora's injector leaves it (`remora.dev/status`, so its
+/// discovery server counts it a proxy), running as `service_account`, bound
+/// to [`NO_NODE`], its status written as a kubelet would once it is Ready
+/// at `ip` (both contenders look pods up by IP).
+pub async fn create_callee_pod(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    service_account: &str,
+    ip: Ipv4Addr,
+) -> Result<(), ClusterError> {
+    let pod = Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            labels: Some([("app".to_string(), "callee".to_string())].into()),
+            annotations: Some(
+                [(
+                    remora_contract::annotations::STATUS.to_string(),
+                    "{}".to_string(),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(NO_NODE.into()),
+            service_account_name: Some(service_account.into()),
+            automount_service_account_token: Some(false),
+            containers: vec![Container {
+                name: "app".into(),
+                image: Some("discovery-bench/none".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let api = Api::<Pod>::namespaced(client.clone(), ns);
+    api.create(&PostParams::default(), &pod)
+        .await
+        .map_err(kube(format!("creating pod {ns}/{name}")))?;
+    let status = serde_json::json!({"status": {
+        "phase": "Running",
+        "podIP": ip.to_string(),
+        "podIPs": [{"ip": ip.to_string()}],
+        "conditions": [{"type": "Ready", "status": "True"}],
+    }});
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .map_err(kube(format!("writing pod {ns}/{name}'s status")))?;
+    Ok(())
+}
+
+/// Delete pod `name` with `grace` seconds (0: at once, force).
+pub async fn delete_pod(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    grace: u32,
+) -> Result<(), ClusterError> {
+    let params = DeleteParams {
+        grace_period_seconds: Some(grace),
+        ..Default::default()
+    };
+    match Api::<Pod>::namespaced(client.clone(), ns)
+        .delete(name, &params)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(e) => Err(ClusterError::Kube(format!("deleting pod {ns}/{name}"), e)),
+    }
 }
 
 /// Apply Istio's CRDs from the module's `crd-all.gen.yaml` (server-side)
@@ -283,4 +424,13 @@ pub async fn delete_sidecars(client: &Client, ns: &str) -> Result<(), ClusterErr
         .await
         .map_err(kube(format!("deleting the Sidecars of {ns}")))?;
     Ok(())
+}
+
+/// Whether pod `name` exists with a deletion timestamp.
+pub async fn is_deleting(client: &Client, ns: &str, name: &str) -> Result<bool, ClusterError> {
+    let pod = Api::<Pod>::namespaced(client.clone(), ns)
+        .get_opt(name)
+        .await
+        .map_err(kube(format!("reading pod {ns}/{name}")))?;
+    Ok(pod.is_some_and(|p| p.metadata.deletion_timestamp.is_some()))
 }

@@ -33,11 +33,13 @@
 //! them).
 
 pub mod cluster;
+pub mod confirmation;
 pub mod istiod;
 pub mod proxy;
 pub mod remora;
 pub mod report;
 pub mod usage;
+pub mod withdrawal;
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -94,8 +96,20 @@ pub struct Args {
     /// istiod's environment beyond PEERS.md's (e.g. PILOT_DEBOUNCE_AFTER=50ms), repeatable.
     #[arg(long = "istiod-env", value_parser = key_value)]
     pub istiod_env: Vec<(String, String)>,
+    /// The API server both contenders watch; without it, a local control
+    /// plane of its own (`e2e::controlplane`, no controller manager: no
+    /// EndpointSlice controller and no pod garbage collector act on the
+    /// bench's objects), stopped at the end.
     #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: PathBuf,
+    pub kubeconfig: Option<PathBuf>,
+    /// What to measure: the push (issue 29), or confirmed removal's
+    /// convergence (issue 30, [`withdrawal`]).
+    #[arg(long, value_enum, default_value_t = Section::Push)]
+    pub only: Section,
+    /// Withdrawal: rollouts per N per contender (each deletes every one of
+    /// the `--rollout-pods` callee pods in turn).
+    #[arg(long, default_value_t = 3)]
+    pub rollouts: usize,
     /// The bench's namespace (created, then deleted).
     #[arg(long, default_value = "discovery-bench")]
     pub namespace: String,
@@ -105,12 +119,39 @@ pub struct Args {
     pub istiod_http_port: u16,
     #[arg(long, default_value_t = 15014)]
     pub istiod_monitoring_port: u16,
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/results/discovery-istiod.json"))]
-    pub out: PathBuf,
+    /// The results file (default: `bench/results/discovery-istiod.json`,
+    /// or `withdrawal-convergence.json` with `--only withdrawal`).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// Internal: run Remora's discovery server for the bench, writing its
     /// address and CA bundle into this directory.
     #[arg(long, hide = true)]
     pub serve_remora: Option<PathBuf>,
+}
+
+/// What a run measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Section {
+    /// Endpoint changes and a rollout of EndpointSlice writes.
+    Push,
+    /// Callee pods deleted one by one: deletion → every proxy stopped
+    /// routing to the pod (and, for Remora, the pod's agent told so).
+    Withdrawal,
+}
+
+impl Args {
+    /// Where the results go.
+    pub fn out(&self) -> PathBuf {
+        self.out.clone().unwrap_or_else(|| {
+            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/results")).join(match self
+                .only
+            {
+                Section::Push => "discovery-istiod.json",
+                Section::Withdrawal => "withdrawal-convergence.json",
+            })
+        })
+    }
 }
 
 fn key_value(s: &str) -> Result<(String, String), String> {
@@ -185,6 +226,7 @@ pub fn check(args: &Args) -> anyhow::Result<()> {
         "--rollout-pods: 1..=1000 (one EndpointSlice)"
     );
     anyhow::ensure!(!args.contenders.is_empty(), "--contenders: at least one");
+    anyhow::ensure!(args.rollouts >= 1, "--rollouts: at least 1");
     Ok(())
 }
 
@@ -194,7 +236,10 @@ pub async fn serve_remora(args: &Args, dir: PathBuf) -> anyhow::Result<()> {
     remora::serve(remora::Plan {
         proxies: plan(&args.namespace, n, args.services),
         dir,
-        kubeconfig: args.kubeconfig.clone(),
+        kubeconfig: args
+            .kubeconfig
+            .clone()
+            .context("--kubeconfig: the child is given its parent's")?,
     })
     .await?;
     Ok(())
@@ -284,9 +329,17 @@ type ProxyTask = tokio::task::JoinHandle<Result<(), proxy::ProxyError>>;
 
 const CONVERGENCE: &str = "pilot_proxy_convergence_time";
 
+/// What a run measured.
+pub enum Outcome {
+    Push(Vec<Phase>),
+    Withdrawal(Vec<withdrawal::Phase>),
+}
+
 /// Everything a run holds: the cluster, its client and the contenders.
 struct Run<'a> {
     args: &'a Args,
+    /// The API server's, for the contenders.
+    kubeconfig: PathBuf,
     client: Client,
     endpoints: Endpoints,
     remora: Option<RemoraProcess>,
@@ -297,12 +350,24 @@ struct Run<'a> {
 
 /// Run the bench; returns the phases. Cleans up (namespaces, CRDs it
 /// created, processes) whatever happens.
-pub async fn run(args: &Args) -> anyhow::Result<Vec<Phase>> {
+pub async fn run(args: &Args) -> anyhow::Result<Outcome> {
+    use crate::controlplane::{ControlPlane, Options};
     check(args)?;
-    let cp = crate::controlplane::ControlPlane::external(args.kubeconfig.clone())
-        .await
-        .context("the API server of --kubeconfig")?;
+    let cp = match &args.kubeconfig {
+        Some(k) => ControlPlane::external(k.clone())
+            .await
+            .context("the API server of --kubeconfig")?,
+        None => {
+            println!("starting a local control plane (no --kubeconfig)");
+            ControlPlane::start(Options::without_controller_manager())
+                .await
+                .context("a local control plane")?
+        }
+    };
     let client = cp.client()?;
+    // Without a namespace controller, a namespace is never gone: a local
+    // control plane is thrown away whole instead.
+    let external = !cp.is_local();
     let wants_istiod = args.contenders.iter().any(|c| *c != Contender::Remora);
     let pilot = match &args.pilot_discovery {
         Some(p) => p.clone(),
@@ -319,7 +384,9 @@ pub async fn run(args: &Args) -> anyhow::Result<Vec<Phase>> {
     let mut janitor = Janitor::spawn(scratch.path(), false)?;
 
     // A namespace left by an interrupted run is replaced.
-    cluster::delete_namespace(&client, &args.namespace).await?;
+    if external {
+        cluster::delete_namespace(&client, &args.namespace).await?;
+    }
     let mut created_crds = Vec::new();
     let mut created_istio_ns = false;
     let result = async {
@@ -330,6 +397,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Vec<Phase>> {
         cluster::create_namespace(&client, &args.namespace).await?;
         let mut run = Run {
             args,
+            kubeconfig: cp.kubeconfig().to_path_buf(),
             client: client.clone(),
             endpoints: Endpoints {
                 next: 0,
@@ -340,18 +408,37 @@ pub async fn run(args: &Args) -> anyhow::Result<Vec<Phase>> {
             sidecars: false,
         };
         run.seed().await?;
-        let mut phases = Vec::new();
-        for &n in &args.proxies {
-            phases.extend(
-                run.measure_n(n, &pilot, scratch.path(), &mut janitor)
-                    .await?,
-            );
+        match args.only {
+            Section::Push => {
+                let mut phases = Vec::new();
+                for &n in &args.proxies {
+                    phases.extend(
+                        run.measure_n(n, &pilot, scratch.path(), &mut janitor)
+                            .await?,
+                    );
+                }
+                anyhow::Ok(Outcome::Push(phases))
+            }
+            Section::Withdrawal => {
+                cluster::apply_service_account(&client, &args.namespace, remora::SERVICE_ACCOUNT)
+                    .await?;
+                let mut phases = Vec::new();
+                for &n in &args.proxies {
+                    run.start(n, &pilot, scratch.path(), &mut janitor).await?;
+                    let measured = withdrawal::measure_n(&mut run, n).await;
+                    run.stop();
+                    phases.extend(measured?);
+                }
+                anyhow::Ok(Outcome::Withdrawal(phases))
+            }
         }
-        anyhow::Ok(phases)
     }
     .await;
     // Cleanup, then the result.
     let cleanup = async {
+        if !external {
+            return anyhow::Ok(());
+        }
         cluster::delete_namespace(&client, &args.namespace).await?;
         if created_istio_ns {
             cluster::delete_namespace(&client, "istio-system").await?;
@@ -407,6 +494,29 @@ impl Run<'_> {
         scratch: &std::path::Path,
         janitor: &mut Janitor,
     ) -> anyhow::Result<Vec<Phase>> {
+        self.start(n, pilot, scratch, janitor).await?;
+        let mut phases = Vec::new();
+        let k = self.args.contenders.len();
+        for cycle in 0..self.args.cycles {
+            for step in 0..k {
+                let contender = self.args.contenders[(step + cycle) % k];
+                let p = self.phase(contender, n, cycle).await?;
+                report::print_phase(&p);
+                phases.push(p);
+            }
+        }
+        self.stop();
+        Ok(phases)
+    }
+
+    /// Start the contenders asked for, for N proxies.
+    async fn start(
+        &mut self,
+        n: usize,
+        pilot: &std::path::Path,
+        scratch: &std::path::Path,
+        janitor: &mut Janitor,
+    ) -> anyhow::Result<()> {
         let args = self.args;
         if args.contenders.contains(&Contender::Remora) {
             let dir = scratch.join(format!("remora-{n}"));
@@ -420,7 +530,7 @@ impl Run<'_> {
                 "--namespace".into(),
                 args.namespace.clone(),
                 "--kubeconfig".into(),
-                args.kubeconfig.display().to_string(),
+                self.kubeconfig.display().to_string(),
             ];
             println!("starting Remora's discovery server (N={n})");
             self.remora = Some(RemoraProcess::start(&exe, &child_args, &dir, janitor).await?);
@@ -433,7 +543,7 @@ impl Run<'_> {
             self.istiod = Some(
                 Istiod::start(
                     pilot,
-                    &args.kubeconfig,
+                    &self.kubeconfig,
                     &dir,
                     Ports {
                         grpc: args.istiod_grpc_port,
@@ -450,23 +560,17 @@ impl Run<'_> {
                 started.elapsed().as_secs_f64()
             );
         }
-        let mut phases = Vec::new();
-        let k = args.contenders.len();
-        for cycle in 0..args.cycles {
-            for step in 0..k {
-                let contender = args.contenders[(step + cycle) % k];
-                let p = self.phase(contender, n, cycle).await?;
-                report::print_phase(&p);
-                phases.push(p);
-            }
-        }
+        Ok(())
+    }
+
+    /// Stop the contenders.
+    fn stop(&mut self) {
         if let Some(i) = self.istiod.as_mut() {
             println!("pilot-discovery logged {} error lines", i.error_lines());
             i.stop();
         }
         self.istiod = None;
         self.remora = None;
-        Ok(phases)
     }
 
     fn pid(&self, c: Contender) -> anyhow::Result<u32> {

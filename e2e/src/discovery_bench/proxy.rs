@@ -5,7 +5,7 @@
 //! before, and how many EDS responses it got. It never retries: a stream
 //! that fails ends the proxy with the error.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
@@ -145,6 +145,12 @@ impl Identity {
 pub struct Seen {
     /// Endpoint address → when the EDS response first carrying it was ACKed.
     pub first_ack: HashMap<Ipv4Addr, Instant>,
+    /// Endpoint address → when the first EDS response after which the
+    /// proxy no longer held it was ACKed (it held it before).
+    pub first_ack_without: HashMap<Ipv4Addr, Instant>,
+    /// Each EDS cluster's addresses as the proxy holds them: a response
+    /// replaces the clusters it carries, as Envoy applies EDS.
+    held: HashMap<String, HashSet<Ipv4Addr>>,
     pub eds_responses: u64,
     /// EDS clusters in its latest CDS response.
     pub eds_clusters: usize,
@@ -168,6 +174,17 @@ impl Board {
 
     fn with_mut<T>(&self, i: usize, f: impl FnOnce(&mut Seen) -> T) -> T {
         f(&mut self.seen[i].lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// When the last of `who` ACKed a version without `ip` (having held
+    /// it), or `None` while one has not.
+    pub fn all_acked_without(&self, who: &[usize], ip: Ipv4Addr) -> Option<Instant> {
+        let mut last: Option<Instant> = None;
+        for &i in who {
+            let t = self.with(i, |s| s.first_ack_without.get(&ip).copied())?;
+            last = Some(last.map_or(t, |l| l.max(t)));
+        }
+        last
     }
 
     /// When the last of `who` ACKed `ip`, or `None` while one has not.
@@ -250,7 +267,9 @@ fn with_bearer<T>(
     Ok(req)
 }
 
-async fn open(
+/// A state-of-the-world ADS stream to `target` from `who`'s address, its
+/// requests read from `rx` (the first names the node).
+pub async fn open(
     target: &Target,
     who: &Identity,
     rx: mpsc::UnboundedReceiver<DiscoveryRequest>,
@@ -293,13 +312,25 @@ fn eds_clusters<'a>(resources: impl Iterator<Item = &'a Any>) -> Vec<String> {
     names
 }
 
-/// Proxy `i` ACKed EDS resources `resources` now.
-fn eds_acked<'a>(board: &Board, i: usize, resources: impl Iterator<Item = &'a Any>) {
-    let acked = Instant::now();
-    let ips: Vec<Ipv4Addr> = resources
-        .filter_map(|a| ClusterLoadAssignment::decode(a.value.as_slice()).ok())
-        .flat_map(|c| c.endpoints)
+/// Whether Envoy routes to an endpoint of this health status: not to one
+/// EDS marks unhealthy, draining or timed out.
+fn routable(health_status: i32) -> bool {
+    use envoy_types::pb::envoy::config::core::v3::HealthStatus;
+    ![
+        HealthStatus::Unhealthy,
+        HealthStatus::Draining,
+        HealthStatus::Timeout,
+    ]
+    .iter()
+    .any(|h| *h as i32 == health_status)
+}
+
+/// The routable addresses of a load assignment.
+fn addresses(c: ClusterLoadAssignment) -> HashSet<Ipv4Addr> {
+    c.endpoints
+        .into_iter()
         .flat_map(|l| l.lb_endpoints)
+        .filter(|e| routable(e.health_status))
         .filter_map(|e| match e.host_identifier? {
             HostIdentifier::Endpoint(e) => match e.address?.address? {
                 address::Address::SocketAddress(s) => {
@@ -314,11 +345,31 @@ fn eds_acked<'a>(board: &Board, i: usize, resources: impl Iterator<Item = &'a An
             },
             _ => None,
         })
+        .collect()
+}
+
+/// Proxy `i` ACKed EDS resources `resources` now.
+fn eds_acked<'a>(board: &Board, i: usize, resources: impl Iterator<Item = &'a Any>) {
+    let acked = Instant::now();
+    let assignments: Vec<(String, HashSet<Ipv4Addr>)> = resources
+        .filter_map(|a| ClusterLoadAssignment::decode(a.value.as_slice()).ok())
+        .map(|c| (c.cluster_name.clone(), addresses(c)))
         .collect();
     board.with_mut(i, |s| {
         s.eds_responses += 1;
-        for ip in ips {
-            s.first_ack.entry(ip).or_insert(acked);
+        let union = |held: &HashMap<String, HashSet<Ipv4Addr>>| -> HashSet<Ipv4Addr> {
+            held.values().flatten().copied().collect()
+        };
+        let before = union(&s.held);
+        for (cluster, ips) in assignments {
+            for ip in &ips {
+                s.first_ack.entry(*ip).or_insert(acked);
+            }
+            s.held.insert(cluster, ips);
+        }
+        let after = union(&s.held);
+        for ip in before.difference(&after) {
+            s.first_ack_without.entry(*ip).or_insert(acked);
         }
     });
 }
@@ -502,4 +553,80 @@ pub async fn start_all(
         }
     }
     tasks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::config::core::v3::{Address, HealthStatus, SocketAddress};
+    use envoy_types::pb::envoy::config::endpoint::v3::{Endpoint, LbEndpoint, LocalityLbEndpoints};
+
+    /// Cluster `name`'s load assignment: each address with its health.
+    fn cla(name: &str, hosts: &[(&str, HealthStatus)]) -> Any {
+        let lb_endpoints = hosts
+            .iter()
+            .map(|(ip, h)| LbEndpoint {
+                health_status: *h as i32,
+                host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+                    address: Some(Address {
+                        address: Some(address::Address::SocketAddress(SocketAddress {
+                            address: (*ip).into(),
+                            port_specifier: Some(socket_address::PortSpecifier::PortValue(8080)),
+                            ..Default::default()
+                        })),
+                    }),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            })
+            .collect();
+        let c = ClusterLoadAssignment {
+            cluster_name: name.into(),
+            endpoints: vec![LocalityLbEndpoints {
+                lb_endpoints,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        Any {
+            type_url: ENDPOINTS.into(),
+            value: c.encode_to_vec(),
+        }
+    }
+
+    #[test]
+    fn an_endpoint_counts_withdrawn_once_a_response_leaves_the_proxy_without_it() {
+        let (a, b) = (Ipv4Addr::new(10, 0, 0, 1), Ipv4Addr::new(10, 0, 0, 2));
+        let ok = HealthStatus::Unknown;
+        let board = Board::new(1);
+        eds_acked(
+            &board,
+            0,
+            [
+                cla("cart", &[("10.0.0.1", ok), ("10.0.0.2", ok)]),
+                cla("db", &[]),
+            ]
+            .iter(),
+        );
+        assert!(board.all_acked(&[0], a).is_some());
+        // Another cluster's response leaves cart's endpoints as they were.
+        eds_acked(&board, 0, [cla("db", &[("10.0.0.9", ok)])].iter());
+        assert_eq!(board.all_acked_without(&[0], a), None);
+        // cart without a, and b marked unhealthy: neither is routed to.
+        eds_acked(
+            &board,
+            0,
+            [cla("cart", &[("10.0.0.2", HealthStatus::Unhealthy)])].iter(),
+        );
+        let without_a = board.all_acked_without(&[0], a).expect("a withdrawn");
+        assert!(board.all_acked_without(&[0], b).is_some(), "unhealthy");
+        // An address never held is never withdrawn; a later ACK keeps the first time.
+        assert_eq!(
+            board.all_acked_without(&[0], Ipv4Addr::new(10, 0, 0, 7)),
+            None
+        );
+        eds_acked(&board, 0, [cla("cart", &[])].iter());
+        assert_eq!(board.all_acked_without(&[0], a), Some(without_a));
+        assert_eq!(board.with(0, |s| s.eds_responses), 4);
+    }
 }

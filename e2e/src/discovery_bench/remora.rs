@@ -5,7 +5,8 @@
 //! names. Two stand-ins, both named here:
 //! - the proxies are not pods: they are put in the registry directly, as
 //!   the pod watch would put injected pods that declared `shared`, one
-//!   Service each and `rollout` in `remora.dev/outbound`;
+//!   Service each and `rollout` in `remora.dev/outbound` (the callee pods
+//!   of the withdrawal measurement are real pods, read by the pod watch);
 //! - TokenReview is [`TokenReviewDouble`]: every proxy shows the same token.
 //!
 //! The bench runs this file's [`serve`] in a child (`--serve-remora DIR`)
@@ -23,7 +24,7 @@ use remora_operator::discovery::feed::{self, Watches};
 use remora_operator::discovery::push::{Debounce, Discovery};
 use remora_operator::discovery::registry::{PodKey, ProxyInfo};
 use remora_operator::discovery::serve::{limits, serve as serve_ads};
-use remora_operator::discovery::server::AdsService;
+use remora_operator::discovery::server::{AdsService, POD_WAIT};
 use remora_operator::pki::workload_ca::authn::{AuthError, Authenticate, Caller, Gate, GateLimits};
 use remora_operator::pki::workload_ca::{ServingCert, testing};
 use remora_test_support::jwt;
@@ -34,7 +35,7 @@ use super::proxy::{Identity, REMORA_SERVER_NAME};
 /// The token's expiry (far ahead: the double checks nothing else).
 const EXP: u64 = 4_000_000_000;
 /// The ServiceAccount every proxy runs as.
-const SERVICE_ACCOUNT: &str = "web";
+pub const SERVICE_ACCOUNT: &str = "web";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RemoraError {
@@ -155,7 +156,9 @@ pub async fn serve(plan: Plan) -> Result<(), RemoraError> {
         metrics: Metrics::default(),
         events: None,
         shutdown: stop.clone(),
-        pod_wait: Duration::ZERO,
+        // As the operator waits: a callee pod's subscriber may come before
+        // the pod watch brings its pod.
+        pod_wait: POD_WAIT,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -246,12 +249,16 @@ impl RemoraProcess {
 
     /// The child's live heap (MiB) as it last wrote it ([`super::HEAP_FILE`]).
     pub fn heap_mib(&self) -> Option<f64> {
+        self.heap_bytes().map(|b| b as f64 / 1_048_576.0)
+    }
+
+    /// The child's live heap (bytes) as it last wrote it.
+    pub fn heap_bytes(&self) -> Option<u64> {
         std::fs::read_to_string(self.dir.join(super::HEAP_FILE))
             .ok()?
             .trim()
-            .parse::<f64>()
+            .parse()
             .ok()
-            .map(|b| b / 1_048_576.0)
     }
 
     pub fn stop(&mut self) {

@@ -185,3 +185,182 @@ pub fn write(
     std::fs::write(out, serde_json::to_string_pretty(&doc)? + "\n")?;
     Ok(())
 }
+
+pub fn print_withdrawal_phase(p: &super::withdrawal::Phase) {
+    let confirmed = p
+        .confirmed
+        .map(|c| {
+            format!(
+                "  confirmed p50/p99/max {:.1}/{:.1}/{:.1} ms (server {:.0} ms p50, {:.0} waited for, {} timed out)",
+                c.p50_ms,
+                c.p99_ms,
+                c.max_ms,
+                crate::stats::Summary::of(&p.server_ms).p50_ms,
+                p.expected_p50,
+                p.timed_out,
+            )
+        })
+        .unwrap_or_default();
+    let memory = p
+        .memory
+        .map(|m| {
+            format!(
+                "  heap {:.1} → {:.1} → {:.1} MiB ({:.0} B per withdrawn pod)",
+                m.heap_bytes_before as f64 / 1_048_576.0,
+                m.heap_bytes_withdrawn as f64 / 1_048_576.0,
+                m.heap_bytes_gone as f64 / 1_048_576.0,
+                m.heap_bytes_per_withdrawn_pod,
+            )
+        })
+        .unwrap_or_default();
+    println!(
+        "  rollout {} {:<16} N={:<5} {} pods in {:.1} s  all ACKed without p50/p99/max {:.1}/{:.1}/{:.1} ms{confirmed}{memory}",
+        p.rollout,
+        p.contender.to_string(),
+        p.proxies,
+        p.pods,
+        p.write_seconds,
+        p.acked.p50_ms,
+        p.acked.p99_ms,
+        p.acked.max_ms,
+    );
+}
+
+/// One row per (N, contender) over every rollout: each rollout's p50, p99
+/// and max, as median [min–max] over the rollouts.
+pub fn summarize_withdrawal(phases: &[super::withdrawal::Phase]) -> Vec<Value> {
+    let mut by: BTreeMap<(usize, Contender), Vec<&super::withdrawal::Phase>> = BTreeMap::new();
+    for p in phases {
+        by.entry((p.proxies, p.contender)).or_default().push(p);
+    }
+    let s = |(m, lo, hi): (f64, f64, f64)| json!({"median": m, "min": lo, "max": hi});
+    let rows: Vec<Value> = by
+        .iter()
+        .map(|(&(n, c), ps)| {
+            let of = |f: &dyn Fn(&super::withdrawal::Phase) -> Option<f64>| {
+                s(spread(&ps.iter().filter_map(|p| f(p)).collect::<Vec<_>>()))
+            };
+            json!({
+                "proxies": n,
+                "contender": c,
+                "rollouts": ps.len(),
+                "pods": ps.first().map(|p| p.pods),
+                "confirmed_p50_ms": of(&|p| p.confirmed.map(|q| q.p50_ms)),
+                "confirmed_p99_ms": of(&|p| p.confirmed.map(|q| q.p99_ms)),
+                "confirmed_max_ms": of(&|p| p.confirmed.map(|q| q.max_ms)),
+                "acked_p50_ms": of(&|p| Some(p.acked.p50_ms)),
+                "acked_p99_ms": of(&|p| Some(p.acked.p99_ms)),
+                "acked_max_ms": of(&|p| Some(p.acked.max_ms)),
+                "waited_for_p50": of(&|p| Some(p.expected_p50).filter(|x| x.is_finite())),
+                // Only Remora gives up on a withdrawal.
+                "timed_out": (c == Contender::Remora).then(|| ps.iter().map(|p| p.timed_out).sum::<usize>()),
+                "cpu_seconds_rollout": of(&|p| Some(p.cpu_seconds_rollout)),
+                "heap_bytes_per_withdrawn_pod": of(&|p| p.memory.map(|m| m.heap_bytes_per_withdrawn_pod)),
+                "heap_mib_withdrawn_minus_before": of(&|p| p.memory.map(|m| (m.heap_bytes_withdrawn as f64 - m.heap_bytes_before as f64) / 1_048_576.0)),
+                "heap_mib_gone_minus_before": of(&|p| p.memory.map(|m| (m.heap_bytes_gone as f64 - m.heap_bytes_before as f64) / 1_048_576.0)),
+                "rss_mib_withdrawn": of(&|p| p.memory.map(|m| m.rss_mib_withdrawn)),
+            })
+        })
+        .collect();
+    // Remora's confirmation p99 over each istiod row's all-ACKed p99, at the same N.
+    rows.iter()
+        .map(|r| {
+            let mut r = r.clone();
+            let remora = rows.iter().find(|o| {
+                o["proxies"] == r["proxies"] && o["contender"] == json!(Contender::Remora)
+            });
+            if r["contender"] != json!(Contender::Remora)
+                && let Some(remora) = remora
+            {
+                let a = remora["confirmed_p99_ms"]["median"].as_f64();
+                let b = r["acked_p99_ms"]["median"].as_f64();
+                if let (Some(a), Some(b)) = (a, b) {
+                    r["remora_confirmed_p99_over_this_p99"] = json!(a / b);
+                }
+            }
+            r
+        })
+        .collect()
+}
+
+pub fn print_withdrawal_table(rows: &[Value]) {
+    let g = |r: &Value, k: &str, d: usize| -> String {
+        let v = &r[k];
+        let f = |x: &Value| x.as_f64().unwrap_or(f64::NAN);
+        if v["median"].is_null() {
+            return "–".into();
+        }
+        fmt3((f(&v["median"]), f(&v["min"]), f(&v["max"])), d)
+    };
+    println!();
+    println!(
+        "| N | contender | rollouts × pods | confirmed p50 ms | confirmed p99 ms | confirmed max ms | all ACKed without p50 ms | all ACKed without p99 ms | all ACKed without max ms | timed out | Remora p99 ÷ this p99 | heap per withdrawn pod B | heap withdrawn − before MiB | heap gone − before MiB |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} × {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            r["proxies"],
+            r["contender"].as_str().unwrap_or(""),
+            r["rollouts"],
+            r["pods"],
+            g(r, "confirmed_p50_ms", 1),
+            g(r, "confirmed_p99_ms", 1),
+            g(r, "confirmed_max_ms", 1),
+            g(r, "acked_p50_ms", 1),
+            g(r, "acked_p99_ms", 1),
+            g(r, "acked_max_ms", 1),
+            r["timed_out"]
+                .as_u64()
+                .map_or("–".into(), |t| t.to_string()),
+            r["remora_confirmed_p99_over_this_p99"]
+                .as_f64()
+                .map_or("–".into(), |x| format!("{x:.2}")),
+            g(r, "heap_bytes_per_withdrawn_pod", 0),
+            g(r, "heap_mib_withdrawn_minus_before", 2),
+            g(r, "heap_mib_gone_minus_before", 2),
+        );
+    }
+}
+
+pub fn write_withdrawal(
+    out: &Path,
+    args: &Args,
+    phases: &[super::withdrawal::Phase],
+    rows: &[Value],
+    machine_before: Value,
+    seconds: f64,
+) -> anyhow::Result<()> {
+    let mut doc = results::stamp(&machine_before);
+    doc.insert("machine_after".into(), results::machine());
+    let body = json!({
+        "istio_version": std::env::var("ISTIO_VERSION").unwrap_or_else(|_| "v0.0.0-20260827124520-eed52ebb66ad".into()),
+        "istiod_env": args.istiod_env,
+        "services": args.services,
+        "protocol": args.protocol,
+        "rollouts": args.rollouts,
+        "rollout": {"pods": args.rollout_pods, "step_ms": args.rollout_step_ms},
+        "api_server": if args.kubeconfig.is_some() { "--kubeconfig" } else { "a local control plane (no controller manager)" },
+        "duration_seconds": seconds,
+        "measured": "per callee pod, from just before its deletion's API call (the same instant for every contender): confirmed = Remora's Withdrawal subscriber for the pod (as its agent subscribes) told the withdrawal is done; all ACKed without = the last of the N simulated proxies ACKed an EDS response after which it no longer routes to the pod. Per rollout p50/p99/max over its pods; the table gives the median [min–max] over rollouts. Right after each deletion the bench writes the slice as the EndpointSlice controller would (the endpoint terminating).",
+        "not_covered": [
+            "the real EndpointSlice controller's lag between a deletion and its slice write (none runs here; the bench writes it one API call after the deletion): on a cluster it comes on top of istiod's figure, not Remora's, which withdraws from the pod watch",
+            "Envoy's apply time: the simulated proxies ACK at once",
+            "Remora's N proxies are put in its registry rather than read from pods, and TokenReview is a double; the callee pods are real pods on a node that does not exist",
+            "istiod is dialled on its plaintext port; Remora's proxies use TLS",
+            "replacement pods during the rollout: each phase's pods are created before it",
+            "memory: the heap's difference also holds what else changed meanwhile (smaller EDS snapshots, push buffers): an upper bound of the tracking's own",
+            "one replica of each; the API server, the clients and both contenders share the machine's cores, and the idle contenders follow every write meanwhile",
+        ],
+        "summary": rows,
+        "phases": phases,
+    });
+    if let Value::Object(body) = body {
+        doc.extend(body);
+    }
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(out, serde_json::to_string_pretty(&doc)? + "\n")?;
+    Ok(())
+}

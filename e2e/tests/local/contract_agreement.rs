@@ -1,7 +1,8 @@
 //! The operator and the agent read a pod's annotations the same way.
 //!
-//! For each annotation set, the operator resolves the pod's effective config
-//! and injects it; the agent is then configured from the injected
+//! For each annotation set (and, for the withdrawal timeout, a
+//! SidecarLifecycle's `shutdown.withdrawalTimeout` under them), the
+//! operator resolves the pod's effective config and injects it; the agent is then configured from the injected
 //! container's env (as the kubelet starts it) and reads the pod's
 //! annotations from a downward-API file (as the kubelet writes it). The drain
 //! settings the agent uses must be the ones the operator resolved, field by
@@ -20,8 +21,9 @@ use proptest::prelude::*;
 use remora_agent::config::{Cli, Command};
 use remora_agent::lifecycle::DrainSettings;
 use remora_contract::{annotations as keys, downward, duration};
+use remora_crds::{DurationString, ShutdownSpec, SidecarLifecycleSpec};
 use remora_inject::patch::{Outcome, Selection, Target, mutate};
-use remora_inject::resolve::{ChartDefaults, EffectiveConfig, resolve};
+use remora_inject::resolve::{ChartDefaults, EffectiveConfig, LifecycleEntry, resolve};
 use remora_test_support::maps::string_map as ann;
 use serde_json::{Value, json};
 
@@ -43,10 +45,36 @@ fn downward_file(ann: &BTreeMap<String, String>) -> String {
         .collect()
 }
 
-fn both_sides(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
+/// The operator's namespace: a SidecarLifecycle there without a selector
+/// is the cluster's default.
+const OPERATOR_NS: &str = "remora-system";
+
+/// A cluster-wide SidecarLifecycle setting `shutdown.withdrawalTimeout`.
+fn cluster_withdrawal_timeout(raw: &str) -> LifecycleEntry {
+    LifecycleEntry {
+        namespace: OPERATOR_NS.into(),
+        name: "default".into(),
+        created: Some("2026-01-01T00:00:00Z".into()),
+        spec: SidecarLifecycleSpec {
+            shutdown: Some(ShutdownSpec {
+                withdrawal_timeout: Some(DurationString(raw.into())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    }
+}
+
+/// What each side ends up with for a pod annotated `ann`, under the
+/// SidecarLifecycle resources `entries`.
+fn both_sides(
+    entries: &[LifecycleEntry],
+    ann: &BTreeMap<String, String>,
+    grace: Option<i64>,
+) -> Sides {
     let chart = ChartDefaults::default();
     let labels = BTreeMap::new();
-    let operator = resolve(&chart, &[], "remora-system", "shop", &labels, ann);
+    let operator = resolve(&chart, entries, OPERATOR_NS, "shop", &labels, ann);
     let mut pod = json!({
         "metadata": {"name": "p", "namespace": "shop", "annotations": ann},
         "spec": {"containers": [{"name": "app", "image": "app"}]},
@@ -119,7 +147,15 @@ fn both_sides(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
 }
 
 fn assert_agree(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
-    let s = both_sides(ann, grace);
+    assert_agree_under(&[], ann, grace)
+}
+
+fn assert_agree_under(
+    entries: &[LifecycleEntry],
+    ann: &BTreeMap<String, String>,
+    grace: Option<i64>,
+) -> Sides {
+    let s = both_sides(entries, ann, grace);
     let i = &s.operator;
     let a = &s.agent;
     let what = format!("annotations {ann:?}");
@@ -136,6 +172,10 @@ fn assert_agree(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
         a.minimum_drain_duration, i.minimum_drain_duration,
         "minimumDrainDuration, {what}"
     );
+    assert_eq!(
+        a.withdrawal_timeout, i.withdrawal_timeout,
+        "withdrawalTimeout, {what}"
+    );
     assert_eq!(a.drain_deadline, s.deadline, "drainDeadline, {what}");
     // Only the drain fields are live; the agent does not read the others.
     let live = |v: &Vec<String>| -> Vec<String> {
@@ -146,6 +186,7 @@ fn assert_agree(ann: &BTreeMap<String, String>, grace: Option<i64>) -> Sides {
                     keys::TERMINATION_DRAIN_DURATION,
                     keys::EXIT_ON_ZERO_ACTIVE_CONNECTIONS,
                     keys::MINIMUM_DRAIN_DURATION,
+                    keys::WITHDRAWAL_TIMEOUT,
                 ]
                 .contains(&k.as_str())
             })
@@ -229,6 +270,18 @@ fn the_table() {
             s(45),
             vec![],
         ),
+        (ann(&[(keys::WITHDRAWAL_TIMEOUT, "2s")]), s(45), vec![]),
+        (ann(&[(keys::WITHDRAWAL_TIMEOUT, "0s")]), s(45), vec![]),
+        (
+            ann(&[(keys::WITHDRAWAL_TIMEOUT, "5")]),
+            s(45),
+            vec![keys::WITHDRAWAL_TIMEOUT],
+        ),
+        (
+            ann(&[(keys::WITHDRAWAL_TIMEOUT, "-1s")]),
+            s(45),
+            vec![keys::WITHDRAWAL_TIMEOUT],
+        ),
         (
             ann(&[
                 ("other.io/note", "é\n\"quoted\"\t\\"),
@@ -242,6 +295,27 @@ fn the_table() {
         let sides = assert_agree(&a, None);
         assert_eq!(sides.operator.drain_duration, drain, "{a:?}");
         assert_eq!(sides.operator_refused, refused, "{a:?}");
+    }
+}
+
+/// The withdrawal timeout from each place it is set: the default, the
+/// cluster's SidecarLifecycle, the pod's annotation over it (and a refused
+/// annotation leaving the SidecarLifecycle's).
+#[test]
+fn the_withdrawal_timeout_agrees_from_the_crd_the_annotation_and_the_default() {
+    let s = Duration::from_secs;
+    let crd = [cluster_withdrawal_timeout("12s")];
+    let cases: Vec<(&[LifecycleEntry], BTreeMap<String, String>, Duration)> = vec![
+        (&[], ann(&[]), s(5)),
+        (&crd, ann(&[]), s(12)),
+        (&crd, ann(&[(keys::WITHDRAWAL_TIMEOUT, "3s")]), s(3)),
+        (&crd, ann(&[(keys::WITHDRAWAL_TIMEOUT, "soon")]), s(12)),
+        (&[], ann(&[(keys::WITHDRAWAL_TIMEOUT, "1m")]), s(60)),
+    ];
+    for (entries, a, want) in cases {
+        let sides = assert_agree_under(entries, &a, None);
+        assert_eq!(sides.operator.withdrawal_timeout, want, "{a:?}");
+        assert_eq!(sides.agent.withdrawal_timeout, want, "{a:?}");
     }
 }
 
@@ -277,6 +351,7 @@ proptest! {
     fn duration_like_values_agree(
         key in proptest::sample::select(vec![
             keys::DRAIN_DURATION, keys::TERMINATION_DRAIN_DURATION, keys::MINIMUM_DRAIN_DURATION,
+            keys::WITHDRAWAL_TIMEOUT,
         ]),
         raw in "[ ]?[0-9]{0,20}(h|m|s|ms|us|d|\\.5s)?([0-9]{1,3}(m|s|ms))?[ ]?",
         grace in proptest::option::of(any::<i64>()),

@@ -13,6 +13,7 @@
 //! does the news that a withdrawal is done ([`super::withdrawal`]).
 
 use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
@@ -258,7 +259,18 @@ impl Discovery {
                 .unwrap_or_else(PoisonError::into_inner);
             self.revision.fetch_add(1, Ordering::Release);
             let was = r.is_withdrawn(&key);
-            let addresses = r.addresses(&key);
+            let in_slices = r.addresses(&key);
+            // The pod's own address too: its EndpointSlices may already
+            // call it not ready (a terminating endpoint) when the pod watch
+            // shows the deletion, and a proxy last sent it still routes to
+            // it until it ACKs a send without it.
+            let own = r
+                .proxy(&key)
+                .and_then(|p| p.ip.as_deref())
+                .into_iter()
+                .chain(info.ip.as_deref())
+                .filter_map(|ip| ip.parse::<IpAddr>().ok());
+            let addresses: BTreeSet<_> = in_slices.iter().copied().chain(own).collect();
             let deleting = info.deleting;
             // The pod's own bound, read as its agent reads it.
             let bound = remora_contract::overlay::withdrawal_timeout(&info.agent_annotations);
@@ -267,7 +279,7 @@ impl Discovery {
             // Under the registry's lock: a stream computing its snapshot
             // after this sees both the endpoints and the withdrawal.
             let tracked = self.withdrawals.progress(&key).is_some();
-            let track = is && !tracked && (deleting || !addresses.is_empty());
+            let track = is && !tracked && (deleting || !in_slices.is_empty());
             if track {
                 let p = self
                     .withdrawals
@@ -625,6 +637,62 @@ mod tests {
         assert!(mine.concerns(&pod, &BTreeSet::new()));
     }
 
+    /// A slice that marked the pod's endpoint not ready before the pod's
+    /// deletion reached the watch names no address for it; a proxy that
+    /// still holds the pod's IP is waited for all the same.
+    #[tokio::test]
+    async fn a_pod_its_slice_dropped_first_is_waited_for_by_its_own_ip() {
+        use super::super::registry::SliceInfo;
+        use super::super::withdrawal::EndpointAddresses;
+        let key = |n: &str| PodKey {
+            namespace: "shop".into(),
+            name: n.into(),
+        };
+        let ip: IpAddr = "10.1.0.1".parse().expect("ip");
+        let (d, _debounce) = Discovery::new("cluster.local", None, Debounce::default());
+        // The slice already says not ready: no ready address names cart-0.
+        d.update(|r| {
+            r.apply_slice(
+                ("shop".into(), "cart-x".into()),
+                SliceInfo {
+                    service: Some(ServiceHost {
+                        name: "cart".into(),
+                        namespace: "shop".into(),
+                    }),
+                    ..Default::default()
+                },
+            )
+        });
+        assert!(d.read(|r| r.addresses(&key("cart-0")).is_empty()));
+        // web-0's proxy still holds it (the push without it not ACKed yet).
+        let held: Arc<EndpointAddresses> = Arc::new([("cart".to_string(), [ip].into())].into());
+        d.withdrawals
+            .sent(1, &key("web-0"), "v1", EdsView::new(&held, |_| true));
+        d.apply_proxy(
+            key("cart-0"),
+            ProxyInfo {
+                ip: Some(ip.to_string()),
+                withdrawn: true,
+                deleting: true,
+                ..Default::default()
+            },
+        );
+        let p = d.withdrawals.progress(&key("cart-0")).expect("withdrawn");
+        assert_eq!((p.expected, p.done), (1, false), "{p:?}");
+        assert_eq!(p.pending, ["shop/web-0"]);
+        // A pod still starting (not Ready, not deleting, named by no slice)
+        // is not tracked, its IP notwithstanding.
+        d.apply_proxy(
+            key("cart-1"),
+            ProxyInfo {
+                ip: Some("10.1.0.2".into()),
+                withdrawn: true,
+                ..Default::default()
+            },
+        );
+        assert!(d.withdrawals.progress(&key("cart-1")).is_none());
+    }
+
     /// The bound of a withdrawal is the pod's own withdrawal timeout: at
     /// it, the pod's proxy is told at once and a Warning Event names the
     /// proxy that never confirmed.
@@ -636,7 +704,7 @@ mod tests {
             namespace: "shop".into(),
             name: n.into(),
         };
-        let ip: std::net::IpAddr = "10.1.0.1".parse().expect("ip");
+        let ip: IpAddr = "10.1.0.1".parse().expect("ip");
         let (d, debounce) = Discovery::new("cluster.local", None, Debounce::default());
         tokio::spawn(debounce);
         d.update(|r| {
@@ -699,5 +767,42 @@ mod tests {
             .expect("a batch");
         drop(told);
         stop.cancel();
+    }
+
+    /// The EndpointSlice controller may mark a deleted pod's endpoint not
+    /// ready before the pod watch shows the deletion: the proxies last
+    /// sent the pod's address are waited for all the same (the
+    /// withdrawal is not done with nobody waited for).
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_its_slices_already_call_not_ready_is_waited_for_by_its_own_address() {
+        use super::super::withdrawal::EndpointAddresses;
+        let key = |n: &str| PodKey {
+            namespace: "shop".into(),
+            name: n.into(),
+        };
+        let ip: IpAddr = "10.1.0.1".parse().expect("ip");
+        let (d, debounce) = Discovery::new("cluster.local", None, Debounce::default());
+        tokio::spawn(debounce);
+        let serving = ProxyInfo {
+            ip: Some(ip.to_string()),
+            ..Default::default()
+        };
+        d.apply_proxy(key("cart-0"), serving.clone());
+        // web-0's proxy was last sent the pod's address; the slice no
+        // longer names it ready (no slice here at all).
+        let held: Arc<EndpointAddresses> = Arc::new([("cart".to_string(), [ip].into())].into());
+        d.withdrawals
+            .sent(1, &key("web-0"), "v1", EdsView::new(&held, |_| true));
+        d.apply_proxy(
+            key("cart-0"),
+            ProxyInfo {
+                withdrawn: true,
+                deleting: true,
+                ..serving
+            },
+        );
+        let p = d.withdrawals.progress(&key("cart-0")).expect("withdrawn");
+        assert_eq!((p.expected, p.done), (1, false), "{p:?}");
+        assert_eq!(p.pending, ["shop/web-0"]);
     }
 }
