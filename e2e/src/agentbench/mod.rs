@@ -166,6 +166,10 @@ pub struct Startup {
     /// VmRSS at the moment readiness was seen, in bytes.
     pub agent_rss: u64,
     pub envoy_rss: u64,
+    /// The agent's RssAnon at the same moment: its heap and stacks, the part
+    /// of its RSS no other pod shares (its code pages are the image's page
+    /// cache, one copy per node however many pods run it).
+    pub agent_rss_anon: u64,
 }
 
 impl Startup {
@@ -294,6 +298,7 @@ impl Instance {
         ready: Instant,
     ) -> Result<Startup, AgentBenchError> {
         let agent_rss = rss(self.pid);
+        let agent_rss_anon = rss_anon(self.pid);
         let envoy_pid = self.envoy_child().ok_or_else(|| AgentBenchError::NoEnvoy {
             name: self.name.clone(),
             pid: self.pid,
@@ -312,6 +317,7 @@ impl Instance {
             agent_to_envoy_exec: exec.saturating_duration_since(self.spawned),
             agent_rss,
             envoy_rss,
+            agent_rss_anon,
         })
     }
 
@@ -405,9 +411,18 @@ pub struct Prepared {
 
 /// VmRSS of `pid` in bytes (0 if gone).
 pub fn rss(pid: i32) -> u64 {
+    proc_status_bytes(pid, "VmRSS:")
+}
+
+/// RssAnon of `pid` in bytes (0 if gone).
+pub fn rss_anon(pid: i32) -> u64 {
+    proc_status_bytes(pid, "RssAnon:")
+}
+
+fn proc_status_bytes(pid: i32, key: &str) -> u64 {
     u32::try_from(pid)
         .ok()
-        .and_then(|pid| proc_status_kib(pid, "VmRSS:"))
+        .and_then(|pid| proc_status_kib(pid, key))
         .map_or(0, |kb| kb.saturating_mul(1024))
 }
 
@@ -455,6 +470,7 @@ mod tests {
     fn rss_and_liveness_of_this_process() {
         let me = i32::try_from(std::process::id()).expect("pid");
         assert!(rss(me) > 0);
+        assert!(rss_anon(me) > 0 && rss_anon(me) <= rss(me));
         assert!(alive(me));
         assert_eq!(rss(i32::MAX), 0);
         assert!(!alive(i32::MAX));

@@ -138,10 +138,17 @@ struct RowDef {
     settings: &'static str,
 }
 
-const ROWS: [RowDef; 14] = [
+const ROWS: [RowDef; 16] = [
     RowDef {
         key: "rss_agent_plain",
         label: "RSS once ready: agent (plain)",
+        unit: "MB",
+        scenario: "startup",
+        settings: "defaults",
+    },
+    RowDef {
+        key: "rss_anon_agent_plain",
+        label: "  of which anonymous (not shared)",
         unit: "MB",
         scenario: "startup",
         settings: "defaults",
@@ -156,6 +163,13 @@ const ROWS: [RowDef; 14] = [
     RowDef {
         key: "rss_agent_mtls",
         label: "RSS once ready: agent (mTLS)",
+        unit: "MB",
+        scenario: "cert",
+        settings: "inbound mTLS, certificate files",
+    },
+    RowDef {
+        key: "rss_anon_agent_mtls",
+        label: "  of which anonymous (not shared)",
         unit: "MB",
         scenario: "cert",
         settings: "inbound mTLS, certificate files",
@@ -312,6 +326,7 @@ impl Bench {
             .await?;
         let s = inst.wait_ready(&self.execs, READY_TIMEOUT).await?;
         r.add("rss_agent_plain", c, mb(s.agent_rss));
+        r.add("rss_anon_agent_plain", c, mb(s.agent_rss_anon));
         r.add("rss_envoy_plain", c, mb(s.envoy_rss));
         r.add_ms("agent_startup_part", c, s.agent_overhead());
         r.add_ms("exec_to_ready", c, s.exec_to_ready);
@@ -417,6 +432,7 @@ impl Bench {
         let mut inst = self.start(c, drain, true, &first, name).await?;
         let s = inst.wait_ready(&self.execs, READY_TIMEOUT).await?;
         r.add("rss_agent_mtls", c, mb(s.agent_rss));
+        r.add("rss_anon_agent_mtls", c, mb(s.agent_rss_anon));
         r.add("rss_envoy_mtls", c, mb(s.envoy_rss));
         let client =
             traffic::fresh_tls_client(TlsConnector::new(self.pki.client_config()?, SERVER_NAME)?);
