@@ -991,6 +991,32 @@ fn stop_annotation_stops_envoy_and_exits_zero() {
     });
 }
 
+/// The kubelet signals a native sidecar only once the app containers have
+/// exited: nothing is left to drain for, whatever drain is configured.
+#[test]
+fn sigterm_to_a_native_sidecar_stops_envoy_without_a_drain() {
+    let mut agent = Agent::builder().start();
+    let dir = agent.dir.path().to_path_buf();
+    kubelet_write_annotations(
+        &dir,
+        &[(
+            "remora.dev/lifecycle",
+            r#"{"mode":"Native","shutdown":{"terminationDrainDuration":"30s"}}"#,
+        )],
+    );
+    let envoy = agent.envoy_pid().expect("pid");
+    agent.signal(Signal::SIGTERM);
+    // Well within the 30 s drain a Legacy sidecar would take.
+    let status = agent.wait_exit(Duration::from_secs(10));
+    let log = agent.log();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(log.contains("signal to a native sidecar"), "{log}");
+    assert!(!log.contains("draining inbound listeners"), "{log}");
+    wait_until_blocking(Duration::from_secs(5), "Envoy gone", || {
+        (!process_alive(envoy)).then_some(())
+    });
+}
+
 #[test]
 fn stop_annotation_present_at_start_exits_zero_and_leaves_no_envoy() {
     // A sidecar (re)started after the request: the apps are done already.

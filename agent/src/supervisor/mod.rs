@@ -83,6 +83,9 @@ pub enum ExitReason {
     StartFailed(String),
     /// A second signal cut the drain short.
     Aborted,
+    /// Signalled as a native sidecar: the app containers had exited, so
+    /// Envoy was stopped without a drain.
+    AppsExited,
 }
 
 impl ExitReason {
@@ -94,7 +97,7 @@ impl ExitReason {
     pub fn code(&self) -> i32 {
         match self {
             Self::EnvoyExited(s) => status_code(*s),
-            Self::Quit => 0,
+            Self::Quit | Self::AppsExited => 0,
             Self::Drained(r) if r.outcome.is_clean() => 0,
             Self::Drained(_) => 3,
             Self::RestartBudgetExhausted { .. } | Self::StartFailed(_) => 1,
@@ -525,11 +528,30 @@ impl Supervisor {
         }
     }
 
+    /// Whether the pod's `remora.dev/lifecycle` says this sidecar is a
+    /// native one; unreadable or absent: not (a signal then drains, as for
+    /// Legacy).
+    fn runs_native(&self) -> bool {
+        match self.live.annotations().read() {
+            Ok(Some(a)) => a
+                .get(remora_contract::annotations::LIFECYCLE)
+                .is_some_and(|l| remora_contract::downward::lifecycle_is_native(l)),
+            Ok(None) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the pod's annotations: draining as a Legacy sidecar would");
+                false
+            }
+        }
+    }
+
     fn control_event(&self, c: Control) -> Event {
         // Read without logging: a drain that starts reads (and reports) them again.
         let drain_deadline = self.live.current_quiet().0.drain_deadline;
         match c {
-            Control::Signal => Event::Signal { drain_deadline },
+            Control::Signal => Event::Signal {
+                drain_deadline,
+                apps_exited: self.runs_native(),
+            },
             Control::Drain(origin) => Event::Drain {
                 origin,
                 drain_deadline,

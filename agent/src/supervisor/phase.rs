@@ -64,7 +64,13 @@ pub(super) enum Event {
     /// The crash restart's backoff is over.
     RestartDue,
     /// SIGTERM or SIGINT. `drain_deadline`: what a drain starting now gets.
-    Signal { drain_deadline: Duration },
+    /// `apps_exited`: the sidecar is a native one, which the kubelet signals
+    /// only once every app container has exited (or before any started: a
+    /// failed startup probe), so a drain would wait for no one.
+    Signal {
+        drain_deadline: Duration,
+        apps_exited: bool,
+    },
     /// A drain is asked for (`POST /drain`).
     Drain {
         origin: DrainOrigin,
@@ -261,7 +267,10 @@ impl Machine {
                     vec![Action::HotRestart { trigger: reason }]
                 }
             }
-            Event::Signal { drain_deadline } => self.signal(drain_deadline, now),
+            Event::Signal {
+                drain_deadline,
+                apps_exited,
+            } => self.signal(drain_deadline, apps_exited, now),
             Event::Drain {
                 origin,
                 drain_deadline,
@@ -309,7 +318,7 @@ impl Machine {
         vec![Action::StartFresh]
     }
 
-    fn signal(&mut self, drain_deadline: Duration, now: Instant) -> Vec<Action> {
+    fn signal(&mut self, drain_deadline: Duration, apps_exited: bool, now: Instant) -> Vec<Action> {
         let configured = self.stop_grace;
         match &mut self.phase {
             Phase::Draining(d) if d.stop_after => {
@@ -333,6 +342,15 @@ impl Machine {
                 d.stop_after = true;
                 d.undo_at = None;
                 Vec::new()
+            }
+            // Nothing of the app is left to serve or to call out: a Native
+            // Job's pod ends here, not one drain (a quiet period) later.
+            Phase::Running if apps_exited => {
+                tracing::info!(
+                    "signal to a native sidecar: the kubelet sends it only once the app containers \
+                     have exited, so there is nothing to drain for; stopping Envoy"
+                );
+                stop(ExitReason::AppsExited, configured)
             }
             Phase::Running => {
                 self.phase = Phase::Draining(Drain {
@@ -437,6 +455,15 @@ mod tests {
     fn signal() -> Event {
         Event::Signal {
             drain_deadline: DEADLINE,
+            apps_exited: false,
+        }
+    }
+
+    /// A native sidecar's signal: the app containers have exited.
+    fn signal_after_the_apps() -> Event {
+        Event::Signal {
+            drain_deadline: DEADLINE,
+            apps_exited: true,
         }
     }
 
@@ -534,6 +561,41 @@ mod tests {
             ),
             "{a:?}"
         );
+    }
+
+    #[test]
+    fn a_native_sidecars_signal_stops_envoy_without_a_drain() {
+        let mut m = machine();
+        let t0 = Instant::now();
+        let a = m.next(signal_after_the_apps(), t0);
+        assert!(
+            matches!(
+                &a[..],
+                [
+                    Action::Stop { grace: STOP_GRACE },
+                    Action::Exit(ExitReason::AppsExited)
+                ]
+            ),
+            "{a:?}"
+        );
+        // A Legacy sidecar's (or one whose mode is unknown) drains as before.
+        let mut m = machine();
+        assert!(matches!(
+            m.next(signal(), t0)[..],
+            [Action::StartDrain { .. }]
+        ));
+    }
+
+    #[test]
+    fn a_native_sidecars_signal_during_an_app_hooks_drain_lets_the_drain_end() {
+        // The app's preStop drain runs while the app does: the sidecar's
+        // signal after it is the end of that drain, as for Legacy.
+        let mut m = machine();
+        let t0 = Instant::now();
+        m.next(drain(DrainOrigin::AppHook), t0);
+        assert!(matches!(m.phase(), Phase::Draining(_)));
+        assert!(m.next(signal_after_the_apps(), t0).is_empty());
+        assert!(matches!(m.phase(), Phase::Draining(d) if d.stop_after && d.undo_at.is_none()));
     }
 
     #[test]
