@@ -397,12 +397,18 @@ pub async fn app_prestop(hook_dir: &std::path::Path) -> Option<(u16, String)> {
 }
 
 impl Sidecar {
-    /// The pid of the agent's Envoy, from the agent's `/debug/config`.
-    pub async fn envoy_pid(&self) -> Option<i32> {
+    /// What the agent's `/debug/config` shows of its Envoy (epoch, pid,
+    /// restarts), `None` when the agent did not answer.
+    pub async fn envoy_state(&self) -> Option<serde_json::Value> {
         let (_, raw) = get(self.agent_admin, "/debug/config").await?;
         let body = raw.split("\r\n\r\n").nth(1)?;
-        let v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
-        i32::try_from(v["envoy"]["pid"].as_u64()?).ok()
+        let mut v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
+        Some(v["envoy"].take())
+    }
+
+    /// The pid of the agent's Envoy, from the agent's `/debug/config`.
+    pub async fn envoy_pid(&self) -> Option<i32> {
+        i32::try_from(self.envoy_state().await?["pid"].as_u64()?).ok()
     }
 
     /// A line of the agent's `/metrics` that starts with `prefix`, its

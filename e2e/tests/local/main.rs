@@ -2,6 +2,7 @@
 //! the operator's discovery server, the test app and the traffic library.
 //! One binary, one module per subject.
 
+mod cert_rotation;
 mod contract_agreement;
 mod delta_xds;
 mod demo;
