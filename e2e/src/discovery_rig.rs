@@ -256,7 +256,7 @@ impl Sidecar {
         let log_path = dir.path().join("agent.log");
         let log = std::fs::File::create(&log_path).map_err(io("the agent's log"))?;
         let log_too = log.try_clone().map_err(io("the agent's log"))?;
-        let agent = crate::jobpod::agent_bin().map_err(|e| RigError::Bin(e.to_string()))?;
+        let agent = crate::operator::agent_bin().map_err(|e| RigError::Bin(e.to_string()))?;
         let envoy =
             remora_test_support::bins::envoy_bin().map_err(|e| RigError::Bin(e.to_string()))?;
         let mut cmd = Command::new(agent);

@@ -9,8 +9,6 @@ mod demo;
 mod grpc_drain;
 mod images;
 mod inbound_xds;
-mod lifecycle;
-mod podrunner;
 mod scale;
 mod secure_naming;
 mod test_app;
