@@ -1,6 +1,7 @@
-//! Workload certificates for the cert-rotation scenario: one root, a client
-//! certificate for the load generator (mTLS), and serving certificates as
-//! the Secret data that `remora-agent --cert-dir` reads.
+//! Workload certificates for the certificate rotation test
+//! (`tests/local/cert_rotation.rs`): one root, a client certificate for the
+//! load (mTLS), and serving certificates as the Secret data that
+//! `remora-agent --cert-dir` reads.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

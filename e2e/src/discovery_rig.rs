@@ -256,7 +256,7 @@ impl Sidecar {
         let log_path = dir.path().join("agent.log");
         let log = std::fs::File::create(&log_path).map_err(io("the agent's log"))?;
         let log_too = log.try_clone().map_err(io("the agent's log"))?;
-        let agent = crate::jobpod::agent_bin().map_err(|e| RigError::Bin(e.to_string()))?;
+        let agent = crate::operator::agent_bin().map_err(|e| RigError::Bin(e.to_string()))?;
         let envoy =
             remora_test_support::bins::envoy_bin().map_err(|e| RigError::Bin(e.to_string()))?;
         let mut cmd = Command::new(agent);
@@ -397,12 +397,18 @@ pub async fn app_prestop(hook_dir: &std::path::Path) -> Option<(u16, String)> {
 }
 
 impl Sidecar {
-    /// The pid of the agent's Envoy, from the agent's `/debug/config`.
-    pub async fn envoy_pid(&self) -> Option<i32> {
+    /// What the agent's `/debug/config` shows of its Envoy (epoch, pid,
+    /// restarts), `None` when the agent did not answer.
+    pub async fn envoy_state(&self) -> Option<serde_json::Value> {
         let (_, raw) = get(self.agent_admin, "/debug/config").await?;
         let body = raw.split("\r\n\r\n").nth(1)?;
-        let v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
-        i32::try_from(v["envoy"]["pid"].as_u64()?).ok()
+        let mut v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
+        Some(v["envoy"].take())
+    }
+
+    /// The pid of the agent's Envoy, from the agent's `/debug/config`.
+    pub async fn envoy_pid(&self) -> Option<i32> {
+        i32::try_from(self.envoy_state().await?["pid"].as_u64()?).ok()
     }
 
     /// A line of the agent's `/metrics` that starts with `prefix`, its

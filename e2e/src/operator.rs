@@ -2,7 +2,8 @@
 //! listening on 127.0.0.1 with a certificate made for that address, so that
 //! the API server can call it through a webhook's `clientConfig.url`
 //! (a Service would need kube-proxy and a pod network, which the local
-//! control plane does not have).
+//! control plane does not have). Also where the harness finds the
+//! workspace's operator and agent binaries.
 
 use std::fs::File;
 use std::net::{SocketAddr, TcpStream};
@@ -18,16 +19,27 @@ use remora_test_support::ports::try_free_port;
 
 /// Where a prebuilt operator can be named explicitly.
 pub const ENV_OPERATOR_BIN: &str = "REMORA_OPERATOR_BIN";
+/// Where a prebuilt agent can be named explicitly.
+pub const ENV_AGENT_BIN: &str = "REMORA_AGENT_BIN";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(
-        "remora-operator not found at {0}: build it (`cargo build -p remora-operator`, which \
-         `cargo test --workspace` does) or set {ENV_OPERATOR_BIN}"
+        "{name} not found at {}: build it (`cargo build -p {name}`, which `cargo test \
+         --workspace` does) or set {env}",
+        path.display()
     )]
-    MissingBinary(PathBuf),
-    #[error("locating remora-operator: {0}")]
-    Locate(#[source] BinError),
+    MissingBinary {
+        name: &'static str,
+        path: PathBuf,
+        env: &'static str,
+    },
+    #[error("locating {name}: {source}")]
+    Locate {
+        name: &'static str,
+        #[source]
+        source: BinError,
+    },
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -49,13 +61,25 @@ fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { context, source }
 }
 
+/// The workspace binary `name`: `$env`, else next to the running test or
+/// bench binary (`target/<profile>/<name>`).
+fn workspace_binary(name: &'static str, env: &'static str) -> Result<PathBuf, Error> {
+    workspace_bin(name, env).map_err(|e| match e {
+        BinError::NotBuilt(path) => Error::MissingBinary { name, path, env },
+        source => Error::Locate { name, source },
+    })
+}
+
 /// The operator binary: `$REMORA_OPERATOR_BIN`, else next to the test
 /// binary (`target/<profile>/remora-operator`).
 pub fn operator_bin() -> Result<PathBuf, Error> {
-    workspace_bin("remora-operator", ENV_OPERATOR_BIN).map_err(|e| match e {
-        BinError::NotBuilt(p) => Error::MissingBinary(p),
-        e => Error::Locate(e),
-    })
+    workspace_binary("remora-operator", ENV_OPERATOR_BIN)
+}
+
+/// The agent binary: `$REMORA_AGENT_BIN`, else next to the test binary
+/// (`target/<profile>/remora-agent`).
+pub fn agent_bin() -> Result<PathBuf, Error> {
+    workspace_binary("remora-agent", ENV_AGENT_BIN)
 }
 
 /// How to start the operator.

@@ -277,21 +277,6 @@ pub const ENTRIES: &[Entry] = &[
         ),
     },
     Entry {
-        files: &["lifecycle.json", "lifecycle.svg"],
-        command: "cargo build --release -p remora-agent -p remora-operator && \
-                  cargo run --release -p e2e --bin lifecycle-bench-emulated -- --cycles 50",
-        needs: RELEASE,
-        minutes: 15,
-        measures: &[
-            AGENT,
-            AGENT_BUILD,
-            CONTRACT,
-            SERVE,
-            "e2e/src/bin/lifecycle-bench-emulated.rs",
-        ],
-        stale: Some(CHANGED_AFTER),
-    },
-    Entry {
         files: &["agent-microbench.json"],
         command: "scripts/build-pilot-agent.sh && cargo build --release -p remora-agent && \
                   cargo run --release -p e2e --bin agent-microbench",
@@ -306,22 +291,6 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/bin/agent-microbench.rs",
         ],
         stale: None,
-    },
-    Entry {
-        files: &["jobs.json"],
-        command: "cargo build -p remora-agent -p remora-operator && \
-                  cargo run -p e2e --bin jobs-bench -- --runs 10",
-        needs: &[],
-        minutes: 3,
-        measures: &[
-            AGENT,
-            AGENT_BUILD,
-            CONTRACT,
-            "operator/src/controllers",
-            "e2e/src/jobpod.rs",
-            "e2e/src/bin/jobs-bench.rs",
-        ],
-        stale: Some(CHANGED_AFTER),
     },
     Entry {
         files: &["hostile.json"],

@@ -19,7 +19,6 @@ use remora_agent::http_client::HttpClient;
 use remora_test_support::kubelet::atomic_write;
 use tokio::process::{Child, Command};
 
-use crate::podrunner::children;
 use exec_watch::ExecWatch;
 
 #[derive(Debug, thiserror::Error)]
@@ -435,6 +434,30 @@ pub fn proc_status_kib(pid: u32, key: &str) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+/// Pids of a process's direct children (Envoy under the agent), from the
+/// parent pid in `/proc/<pid>/stat`.
+pub fn children(pid: i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<i32>().ok());
+        if ppid == Some(pid) {
+            out.push(child);
+        }
+    }
+    out
+}
+
 /// A process that exists and is not a zombie.
 fn alive(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
@@ -474,5 +497,20 @@ mod tests {
         assert!(alive(me));
         assert_eq!(rss(i32::MAX), 0);
         assert!(!alive(i32::MAX));
+    }
+
+    #[test]
+    fn a_child_is_listed_under_its_parent_only() {
+        let me = i32::try_from(std::process::id()).expect("pid");
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .expect("sleep");
+        let pid = i32::try_from(child.id()).expect("pid");
+        let (mine, its) = (children(me), children(pid));
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(mine.contains(&pid), "{pid} not in {mine:?}");
+        assert!(its.is_empty(), "{its:?}");
     }
 }

@@ -81,7 +81,7 @@ struct Args {
     outbound_url: Option<String>,
 }
 
-/// One call to `url`; logs a line the pod runner's reports parse
+/// One call to `url`; logs a line the node tests read from the app's log
 /// (`test-app: <what> call <url>: <status>` or `... failed: <error>`), the
 /// success line only when `log_ok`. Returns whether it got a 200.
 async fn call(what: &str, url: &str, log_ok: bool) -> bool {

@@ -153,16 +153,6 @@ pub const TABLES: &[Table] = &[
         render: discovery_istiod_10000,
     },
     Table {
-        name: "jobs",
-        files: &["bench/results/jobs.json"],
-        render: jobs,
-    },
-    Table {
-        name: "lifecycle_emulated",
-        files: &["bench/results/lifecycle.json"],
-        render: lifecycle_emulated,
-    },
-    Table {
         name: "agent_microbench",
         files: &["bench/results/agent-microbench.json"],
         render: agent_microbench,
