@@ -170,8 +170,9 @@ pub async fn build(cfg: RunConfig, log: LogLevelHandle) -> Result<App, AppError>
         live,
         shutdown.clone(),
     );
-    if xds.is_some() {
-        supervisor.confirm_withdrawal(withdrawal_rx);
+    if let Some(x) = &xds {
+        let node_id = crate::bootstrap::node_id(&cfg);
+        supervisor.confirm_withdrawal(x.withdrawal_source(withdrawal_rx, node_id));
     }
     // Render once now: an invalid configuration fails here, not in Envoy.
     let rendered = supervisor.render()?;

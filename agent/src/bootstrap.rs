@@ -237,18 +237,23 @@ pub fn write(path: &Path, bootstrap: &Value) -> Result<(), BootstrapError> {
     std::fs::rename(&tmp, path).map_err(err)
 }
 
+/// Envoy's node id: Istio's shape, so an istiod-compatible xDS server
+/// recognises it (the agent's own streams to other discovery replicas
+/// name the same node).
+pub fn node_id(cfg: &RunConfig) -> String {
+    NodeId {
+        ip: non_empty(&cfg.instance_ip, "127.0.0.1").into(),
+        pod: non_empty(&cfg.pod_name, "remora").into(),
+        namespace: non_empty(&cfg.pod_namespace, "default").into(),
+        domain: cfg.trust_domain.clone(),
+    }
+    .to_string()
+}
+
 fn node(cfg: &RunConfig) -> Result<Value, BootstrapError> {
     let ns = non_empty(&cfg.pod_namespace, "default");
     let pod = non_empty(&cfg.pod_name, "remora");
-    let ip = non_empty(&cfg.instance_ip, "127.0.0.1");
-    // Istio's node id shape, so an istiod-compatible xDS server recognises it.
-    let id = NodeId {
-        ip: ip.into(),
-        pod: pod.into(),
-        namespace: ns.into(),
-        domain: cfg.trust_domain.clone(),
-    }
-    .to_string();
+    let id = node_id(cfg);
     // What the discovery server will parse must parse here first (a pod
     // name or domain with a `~` would not).
     if cfg.discovery().is_some() {

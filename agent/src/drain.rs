@@ -35,8 +35,11 @@ use crate::envoy::admin::{AdminError, EnvoyAdmin, Traffic};
 use crate::envoy::idle_close;
 use crate::lifecycle::DrainSettings;
 use crate::metrics::DrainOutcomeLabel;
-use crate::withdrawal::{self, Upstream};
+use crate::withdrawal;
 
+/// What the agent logs as it lets the app stop (its hook answers), with
+/// `why`: inbound went quiet, or the drain's deadline came.
+pub const RELEASED: &str = "the app may stop";
 /// No admin call of a drain waits longer than this for its answer.
 pub const ADMIN_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 /// Inbound quiet this long means Envoy has closed every idle HTTP
@@ -137,13 +140,15 @@ pub struct DrainReport {
     /// Workload connections when the drain began (None if Envoy did not say).
     pub active_at_start: Option<u64>,
     pub duration_seconds: f64,
-    /// Adaptive: when inbound traffic went quiet (the app's SIGTERM), since the start.
+    /// Adaptive: when the app was let stop (its SIGTERM): inbound traffic
+    /// went quiet, or the deadline came first; since the start.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inbound_quiet_seconds: Option<f64>,
     /// Adaptive in discovery mode: how the wait for the confirmed removal
     /// of the pod's endpoints ended.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub withdrawal: Option<withdrawal::Outcome>,
+    /// (Boxed: the report travels in enums whose other variants are small.)
+    pub withdrawal: Option<Box<withdrawal::Outcome>>,
     pub settings: DrainSettings,
 }
 
@@ -184,7 +189,7 @@ pub async fn run_confirming<T: DrainTarget>(
     poll: Duration,
     started: Instant,
     (inbound_quiet, app_waits): (&watch::Sender<bool>, &AtomicBool),
-    upstream: Option<&mut watch::Receiver<Upstream>>,
+    upstream: Option<&mut withdrawal::Source>,
 ) -> DrainReport {
     let wait_until = started
         + settings
@@ -248,7 +253,7 @@ pub async fn run_confirming<T: DrainTarget>(
             let until = wait_until.min(started + settings.withdrawal_timeout);
             let c = withdrawal::confirm(upstream, until).await;
             quiet = confirmed_quiet(quiet, &c);
-            confirmation = Some(c);
+            confirmation = Some(Box::new(c));
         }
         let (outcome, quiet_at) = wait_for_quiet(
             target,
@@ -280,7 +285,12 @@ pub async fn run_confirming<T: DrainTarget>(
             DrainOutcome::Elapsed
         }
     };
-    inbound_quiet.send_replace(true);
+    if !inbound_quiet.send_replace(true) {
+        // The deadline came first: the app is let go now, and says so as
+        // when inbound went quiet.
+        tracing::info!(after = ?started.elapsed(), why = "the drain's deadline came", "{RELEASED}");
+        inbound_quiet_at = Some(Instant::now());
+    }
     DrainReport {
         outcome,
         active_at_start,
@@ -322,18 +332,21 @@ struct Quiet {
 /// as it takes the pod out of its endpoints, so no idle pooled connection
 /// of theirs can be picked again; a client outside the mesh is what the
 /// quiet period is for, and a workload that sets it to 0 says it has none.
-/// Timed out or fallen back: the floor stays, as without discovery.
+/// Timed out or fallen back: as without discovery, the quiet period and
+/// its floor count from the drain's start (`quiet` unchanged), so the
+/// quiet time that passed during the wait counts: counted from the end of
+/// the wait instead, a timed-out wait plus the floor ran into the drain
+/// deadline and the app was never let go before it.
 fn confirmed_quiet(quiet: Quiet, c: &withdrawal::Outcome) -> Quiet {
-    let from = Instant::now();
     if c.is_confirmed() {
         Quiet {
             floor: Duration::ZERO,
-            from,
+            from: Instant::now(),
             needs_idle: true,
             ..quiet
         }
     } else {
-        Quiet { from, ..quiet }
+        quiet
     }
 }
 
@@ -393,7 +406,8 @@ async fn wait_for_quiet<T: DrainTarget>(
             inbound_quiet.send_replace(true);
             tracing::info!(
                 after = ?now.duration_since(started),
-                "inbound traffic has gone quiet: the app may stop"
+                why = "inbound traffic has gone quiet",
+                "{RELEASED}"
             );
         }
         if inbound_quiet_at.is_some()
@@ -837,6 +851,8 @@ mod tests {
             ms(24_000),
             "the app is released by the end at the latest"
         );
+        // And the report says when, as when inbound went quiet.
+        assert_eq!(r.inbound_quiet_seconds, Some(24.0));
     }
 
     #[tokio::test(start_paused = true)]

@@ -12,14 +12,24 @@
 //! no meshed client sends it anything new, and the quiet period (which may
 //! be 0 for a workload called only by meshed clients) covers the rest.
 //!
+//! Each operator replica answers only for the proxies on its own streams:
+//! the withdrawal names the other replicas serving, and the wait asks each
+//! of them as well ([`AskReplicas`], streams the xDS proxy opens), counting
+//! the pod confirmed only when every replica is done ([`combine`]). A
+//! replica that cannot be reached, or has not withdrawn the pod, is waited
+//! for within the same bound and then named.
+//!
 //! The wait is bounded by the pod's withdrawal timeout and the drain's
 //! wait; it falls back to the quiet period alone when it cannot know: the
 //! stream is down when the drain starts, or no withdrawal arrives within
 //! [`FIRST_WITHDRAWAL`] (an operator that does not know the pod deleting
 //! yet, or one that serves no withdrawals).
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
+use remora_contract::discovery::{MAX_DISCOVERY_REPLICAS, MAX_WITHDRAWAL_PENDING_NAMES};
 use remora_proto::remora::v1::Withdrawal;
 use serde::Serialize;
 use tokio::sync::watch;
@@ -49,6 +59,18 @@ pub struct Progress {
     /// Done because the server stopped waiting: `pending` never confirmed.
     pub timed_out: bool,
     pub last_confirmation_ms: u64,
+    /// The other discovery replicas to ask as well (the main stream's
+    /// word only; at most [`MAX_DISCOVERY_REPLICAS`]).
+    pub replicas: Vec<Replica>,
+}
+
+/// Another discovery replica, as the server names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Replica {
+    /// Its pod.
+    pub name: String,
+    /// `IP:port` of its discovery server.
+    pub address: String,
 }
 
 impl Progress {
@@ -70,7 +92,115 @@ impl From<Withdrawal> for Progress {
             done: w.done,
             timed_out: w.timed_out,
             last_confirmation_ms: w.last_confirmation_ms,
+            replicas: w
+                .replicas
+                .into_iter()
+                .take(MAX_DISCOVERY_REPLICAS)
+                .map(|r| Replica {
+                    name: r.name,
+                    address: r.address,
+                })
+                .collect(),
         }
+    }
+}
+
+/// What one other replica has said of the pod's withdrawal, on the stream
+/// the agent holds to it while it drains.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplicaView {
+    /// As last told; `None` before its first word, or absent there (it has
+    /// not withdrawn the pod yet).
+    pub withdrawal: Option<Progress>,
+    /// Why the stream to it is down, if it is (kept until it is up again).
+    pub error: Option<String>,
+}
+
+/// Opens a stream to another replica for the pod's withdrawal and
+/// publishes what it says; the stream ends once the receiver is dropped.
+pub trait AskReplicas: Send + Sync {
+    fn ask(&self, replica: &Replica) -> watch::Receiver<ReplicaView>;
+}
+
+/// Where the drain learns of the withdrawal: the main stream's view, and
+/// the way to ask the other replicas.
+#[derive(Clone)]
+pub struct Source {
+    pub upstream: watch::Receiver<Upstream>,
+    pub replicas: Arc<dyn AskReplicas>,
+}
+
+impl Source {
+    /// One replica only: any other named is never reached (tests).
+    pub fn single(upstream: watch::Receiver<Upstream>) -> Self {
+        struct Nobody;
+        impl AskReplicas for Nobody {
+            fn ask(&self, _: &Replica) -> watch::Receiver<ReplicaView> {
+                watch::channel(ReplicaView {
+                    withdrawal: None,
+                    error: Some("not asked: no way to reach other replicas".into()),
+                })
+                .1
+            }
+        }
+        Self {
+            upstream,
+            replicas: Arc::new(Nobody),
+        }
+    }
+}
+
+/// The withdrawal as every replica told it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Combined {
+    /// Counts summed, pending names merged (sorted, bounded); `done` when
+    /// every replica is, `timed_out` if any of them gave up.
+    pub progress: Progress,
+    /// Replicas that answered.
+    pub replicas: u32,
+    /// Those that did not (yet), each named with why: unreachable, or the
+    /// pod not withdrawn there.
+    pub unanswered: Vec<String>,
+}
+
+/// Combine the main stream's word with what each other replica said: a
+/// proxy is on one replica at a time, so the counts add up.
+pub fn combine(main: &Progress, others: &[(String, ReplicaView)]) -> Combined {
+    let mut p = Progress {
+        replicas: Vec::new(),
+        ..main.clone()
+    };
+    let mut names: BTreeSet<String> = main.pending.iter().cloned().collect();
+    let (mut replicas, mut unanswered) = (1, Vec::new());
+    for (name, view) in others {
+        match &view.withdrawal {
+            Some(o) => {
+                replicas += 1;
+                p.expected = p.expected.saturating_add(o.expected);
+                p.confirmed = p.confirmed.saturating_add(o.confirmed);
+                p.gone = p.gone.saturating_add(o.gone);
+                p.done &= o.done;
+                p.timed_out |= o.timed_out;
+                p.last_confirmation_ms = p.last_confirmation_ms.max(o.last_confirmation_ms);
+                names.extend(o.pending.iter().cloned());
+            }
+            None => {
+                p.done = false;
+                unanswered.push(match &view.error {
+                    Some(e) => format!("replica {name} unreachable: {e}"),
+                    None => format!("replica {name} has not withdrawn the pod"),
+                });
+            }
+        }
+    }
+    p.pending = names
+        .into_iter()
+        .take(MAX_WITHDRAWAL_PENDING_NAMES)
+        .collect();
+    Combined {
+        progress: p,
+        replicas,
+        unanswered,
     }
 }
 
@@ -104,18 +234,30 @@ pub enum Outcome {
         proxies: u32,
         expected: u32,
         gone: u32,
-        /// The server's time from the withdrawal to the last confirmation.
+        /// The servers' time from the withdrawal to the last confirmation.
         last_confirmation_ms: u64,
         /// How long the drain waited.
         waited_ms: u64,
+        /// Discovery replicas that answered (all of them, here).
+        replicas: u32,
     },
-    /// The bound came first (the pod's withdrawal timeout, at the server or
-    /// here, or the drain's deadline) with proxies still pending.
+    /// The bound came first (the pod's withdrawal timeout, at a server or
+    /// here, or the drain's deadline) with proxies still pending, or a
+    /// replica that never answered.
     TimedOut {
+        /// Confirmed, of `expected`; `gone` left without confirming.
+        proxies: u32,
+        expected: u32,
+        gone: u32,
         pending: u32,
         /// At most [`remora_contract::discovery::MAX_WITHDRAWAL_PENDING_NAMES`].
         names: Vec<String>,
         waited_ms: u64,
+        /// Discovery replicas that answered.
+        replicas: u32,
+        /// Those that did not, with why ("replica <pod> unreachable: ...").
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        unanswered: Vec<String>,
     },
     /// Nothing to wait for: the quiet period alone decides, as without
     /// discovery.
@@ -152,12 +294,12 @@ fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Wait until the pod's withdrawal is done, at most until `until` (the
-/// caller's bound: the withdrawal timeout within the drain's wait). See the
-/// module docs for when it falls back.
-pub async fn confirm(upstream: &mut watch::Receiver<Upstream>, until: Instant) -> Outcome {
+/// Wait until the pod's withdrawal is done at every replica, at most
+/// until `until` (the caller's bound: the withdrawal timeout within the
+/// drain's wait). See the module docs for when it falls back.
+pub async fn confirm(source: &mut Source, until: Instant) -> Outcome {
     let started = Instant::now();
-    if !upstream.borrow_and_update().connected {
+    if !source.upstream.borrow_and_update().connected {
         tracing::warn!(
             "the discovery stream is down at drain start: cannot learn who still routes to the pod, falling back to the quiet period"
         );
@@ -166,61 +308,121 @@ pub async fn confirm(upstream: &mut watch::Receiver<Upstream>, until: Instant) -
         };
     }
     let first_until = until.min(started + FIRST_WITHDRAWAL);
+    // The other replicas asked so far; dropping one ends its stream.
+    let mut asked: BTreeMap<String, watch::Receiver<ReplicaView>> = BTreeMap::new();
     loop {
-        let now = upstream.borrow_and_update().clone();
-        match &now.withdrawal {
-            Some(p) if p.done && !p.timed_out => {
-                let waited = started.elapsed();
-                tracing::info!(
-                    confirmed = p.confirmed,
-                    expected = p.expected,
-                    gone = p.gone,
-                    last_confirmation_ms = p.last_confirmation_ms,
-                    ?waited,
-                    "every proxy that routed to the pod confirmed it no longer does"
-                );
-                return Outcome::Confirmed {
-                    proxies: p.confirmed,
-                    expected: p.expected,
-                    gone: p.gone,
-                    last_confirmation_ms: p.last_confirmation_ms,
-                    waited_ms: ms(waited),
-                };
+        let main = source.upstream.borrow_and_update().withdrawal.clone();
+        let now = main.map(|p| {
+            // Those no longer named stopped serving: their proxies moved on.
+            asked.retain(|n, _| p.replicas.iter().any(|r| r.name == *n));
+            for r in &p.replicas {
+                if !asked.contains_key(&r.name) {
+                    tracing::info!(replica = %r.name, address = %r.address,
+                        "asking another discovery replica for the pod's withdrawal");
+                    asked.insert(r.name.clone(), source.replicas.ask(r));
+                }
             }
-            Some(p) if p.done => return timed_out(p, started, "the discovery server"),
+            let views: Vec<(String, ReplicaView)> = asked
+                .iter_mut()
+                .map(|(n, rx)| (n.clone(), rx.borrow_and_update().clone()))
+                .collect();
+            combine(&p, &views)
+        });
+        match &now {
+            Some(c) if c.progress.done && !c.progress.timed_out => {
+                return confirmed(c, started);
+            }
+            Some(c) if c.progress.done => return timed_out(c, started, "a discovery server"),
             _ => {}
         }
-        let wait_until = if now.withdrawal.is_some() {
-            until
-        } else {
-            first_until
-        };
-        let changed = tokio::time::timeout_at(wait_until, upstream.changed()).await;
-        match (changed, now.withdrawal) {
-            (Ok(Ok(())), _) => {}
+        let wait_until = if now.is_some() { until } else { first_until };
+        let changed = tokio::time::timeout_at(
+            wait_until,
+            any_changed(&mut source.upstream, asked.values_mut()),
+        )
+        .await;
+        match (changed, now) {
+            (Ok(true), _) => {}
             // The proxy is gone (the agent stops): what was last told stands.
-            (Ok(Err(_)), None) | (Err(_), None) => {
+            (Ok(false) | Err(_), None) => {
                 tracing::warn!(after = ?started.elapsed(),
                     "no withdrawal of the pod from the discovery server: falling back to the quiet period");
                 return Outcome::FellBack {
                     reason: FallBack::NoWithdrawal,
                 };
             }
-            (Ok(Err(_)), Some(p)) | (Err(_), Some(p)) => {
-                return timed_out(&p, started, "the drain");
-            }
+            (Ok(false) | Err(_), Some(c)) => return timed_out(&c, started, "the drain"),
         }
     }
 }
 
-fn timed_out(p: &Progress, started: Instant, by: &str) -> Outcome {
-    let waited = started.elapsed();
-    tracing::warn!(pending = p.pending_count(), names = ?p.pending, ?waited, by,
-        "proxies that routed to the pod never confirmed they stopped: the drain goes on");
+/// Resolves when the main view or a replica's changed: `false` once the
+/// main view's sender is gone (a replica whose stream task ended is no
+/// longer waited on for changes).
+async fn any_changed<'a>(
+    upstream: &mut watch::Receiver<Upstream>,
+    replicas: impl Iterator<Item = &'a mut watch::Receiver<ReplicaView>>,
+) -> bool {
+    let open: Vec<_> = replicas
+        .filter(|rx| rx.has_changed().is_ok())
+        .map(|rx| Box::pin(rx.changed()))
+        .collect();
+    let any_replica = async {
+        if open.is_empty() {
+            std::future::pending::<()>().await;
+        }
+        let _ = futures::future::select_all(open).await;
+    };
+    tokio::select! {
+        r = upstream.changed() => r.is_ok(),
+        () = any_replica => true,
+    }
+}
+
+fn confirmed(c: &Combined, started: Instant) -> Outcome {
+    let (p, waited) = (&c.progress, started.elapsed());
+    tracing::info!(
+        confirmed = p.confirmed,
+        expected = p.expected,
+        gone = p.gone,
+        last_confirmation_ms = p.last_confirmation_ms,
+        replicas = c.replicas,
+        ?waited,
+        "every proxy that routed to the pod confirmed it no longer does"
+    );
+    Outcome::Confirmed {
+        proxies: p.confirmed,
+        expected: p.expected,
+        gone: p.gone,
+        last_confirmation_ms: p.last_confirmation_ms,
+        waited_ms: ms(waited),
+        replicas: c.replicas,
+    }
+}
+
+fn timed_out(c: &Combined, started: Instant, by: &str) -> Outcome {
+    let (p, waited) = (&c.progress, started.elapsed());
+    tracing::warn!(
+        confirmed = p.confirmed,
+        expected = p.expected,
+        gone = p.gone,
+        pending = p.pending_count(),
+        names = ?p.pending,
+        replicas = c.replicas,
+        unanswered = ?c.unanswered,
+        ?waited,
+        by,
+        "proxies that routed to the pod never confirmed they stopped: the drain goes on"
+    );
     Outcome::TimedOut {
+        proxies: p.confirmed,
+        expected: p.expected,
+        gone: p.gone,
         pending: p.pending_count(),
         names: p.pending.clone(),
         waited_ms: ms(waited),
+        replicas: c.replicas,
+        unanswered: c.unanswered.clone(),
     }
 }
 
@@ -250,8 +452,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn waits_for_done_and_reports_who_confirmed() {
-        let (tx, mut rx) = watch::channel(connected(None));
+        let (tx, rx) = watch::channel(connected(None));
         let start = Instant::now();
+        let mut rx = Source::single(rx);
         let wait = tokio::spawn(async move { confirm(&mut rx, start + 5 * S).await });
         tokio::time::sleep(Duration::from_millis(30)).await;
         tx.send_replace(connected(withdrawn(
@@ -275,6 +478,7 @@ mod tests {
                 gone: 0,
                 last_confirmation_ms: 7,
                 waited_ms: 2030,
+                replicas: 1,
             }
         );
         assert!(got.is_confirmed());
@@ -282,16 +486,22 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_proxy_that_never_confirms_is_named_at_the_bound() {
-        let (tx, mut rx) = watch::channel(connected(withdrawn(2, 1, &["shop/web-9"], false)));
+        let (tx, rx) = watch::channel(connected(withdrawn(2, 1, &["shop/web-9"], false)));
         let start = Instant::now();
+        let mut rx = Source::single(rx);
         let got = confirm(&mut rx, start + 5 * S).await;
         assert_eq!(start.elapsed(), 5 * S);
         assert_eq!(
             got,
             Outcome::TimedOut {
+                proxies: 1,
+                expected: 2,
+                gone: 0,
                 pending: 1,
                 names: vec!["shop/web-9".into()],
                 waited_ms: 5000,
+                replicas: 1,
+                unanswered: vec![],
             }
         );
         // The server's own bound, told first, ends it as well.
@@ -306,7 +516,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn no_stream_or_no_word_falls_back() {
-        let (_tx, mut rx) = watch::channel(Upstream::default());
+        let (_tx, rx) = watch::channel(Upstream::default());
+        let mut rx = Source::single(rx);
         let start = Instant::now();
         let got = confirm(&mut rx, start + 5 * S).await;
         assert_eq!(
@@ -317,7 +528,8 @@ mod tests {
         );
         assert_eq!(start.elapsed(), Duration::ZERO, "at once");
 
-        let (_tx, mut rx) = watch::channel(connected(None));
+        let (_tx, rx) = watch::channel(connected(None));
+        let mut rx = Source::single(rx);
         let got = confirm(&mut rx, start + 5 * S).await;
         assert_eq!(
             got,
@@ -327,7 +539,8 @@ mod tests {
         );
         assert_eq!(start.elapsed(), FIRST_WITHDRAWAL);
         // Nobody routed to the pod: done at once, with none.
-        let (_tx, mut rx) = watch::channel(connected(withdrawn(0, 0, &[], true)));
+        let (_tx, rx) = watch::channel(connected(withdrawn(0, 0, &[], true)));
+        let mut rx = Source::single(rx);
         assert!(
             confirm(&mut rx, Instant::now() + 5 * S)
                 .await
@@ -394,7 +607,8 @@ mod tests {
         ) -> (DrainReport, Duration) {
             let start = Instant::now();
             let envoy = Envoy { start, busy };
-            let (tx, mut rx) = watch::channel(first);
+            let (tx, rx) = watch::channel(first);
+            let mut rx = Source::single(rx);
             tokio::spawn(async move {
                 for (at, u) in told {
                     tokio::time::sleep_until(start + at).await;
@@ -445,7 +659,10 @@ mod tests {
                 "{released:?}"
             );
             assert!(released < IDLE_CLOSED, "{released:?}");
-            assert_eq!(r.withdrawal.as_ref().map(Outcome::label), Some("confirmed"));
+            assert_eq!(
+                r.withdrawal.as_deref().map(Outcome::label),
+                Some("confirmed")
+            );
             let took = Duration::from_secs_f64(r.duration_seconds);
             assert!(took <= ms(700) + 2 * POLL, "{took:?}");
         }
@@ -464,15 +681,23 @@ mod tests {
         async fn a_proxy_that_never_confirms_holds_the_app_until_the_bound_and_is_named() {
             let stuck = connected(withdrawn(3, 2, &["shop/web-7"], false));
             let (r, released) = drain(Duration::ZERO, stuck, vec![]).await;
-            // The bound, then the quiet period with its floor (not confirmed).
-            let want = 5 * S + IDLE_CLOSED;
+            // The bound; the quiet period and its floor (not confirmed)
+            // count from the drain's start, and nothing arrived since: the
+            // app is let go at the bound.
+            let want = 5 * S;
             assert!(released >= want && released <= want + POLL, "{released:?}");
+            assert_eq!(r.outcome, crate::drain::DrainOutcome::Quiet);
             assert_eq!(
-                r.withdrawal,
-                Some(Outcome::TimedOut {
+                r.withdrawal.as_deref(),
+                Some(&Outcome::TimedOut {
+                    proxies: 2,
+                    expected: 3,
+                    gone: 0,
                     pending: 1,
                     names: vec!["shop/web-7".into()],
                     waited_ms: 5000,
+                    replicas: 1,
+                    unanswered: vec![],
                 })
             );
         }
@@ -485,8 +710,8 @@ mod tests {
                 "{released:?}"
             );
             assert_eq!(
-                r.withdrawal,
-                Some(Outcome::FellBack {
+                r.withdrawal.as_deref(),
+                Some(&Outcome::FellBack {
                     reason: FallBack::NotConnected
                 })
             );
@@ -499,7 +724,8 @@ mod tests {
                 start,
                 busy: Duration::ZERO,
             };
-            let (_tx, mut rx) = watch::channel(connected(withdrawn(1, 0, &["shop/a"], false)));
+            let (_tx, rx) = watch::channel(connected(withdrawn(1, 0, &["shop/a"], false)));
+            let mut rx = Source::single(rx);
             let (quiet_tx, _q) = watch::channel(false);
             let s = DrainSettings {
                 withdrawal_timeout: 60 * S,
@@ -517,8 +743,259 @@ mod tests {
             .await;
             // 4 s less the 0.4 s stop reserve.
             assert_eq!(start.elapsed(), ms(3600));
-            assert_eq!(r.withdrawal.as_ref().map(Outcome::label), Some("timed_out"));
-            assert!(!r.outcome.is_clean(), "{:?}", r.outcome);
+            assert_eq!(
+                r.withdrawal.as_deref().map(Outcome::label),
+                Some("timed_out")
+            );
+            // Nothing arrived meanwhile: the app is let go as the wait ends,
+            // and the report says when.
+            assert_eq!(r.inbound_quiet_seconds, Some(3.6));
+        }
+
+        /// The node's frozen-subscriber case: a 2 s withdrawal timeout
+        /// within a 4 s drain deadline. The floor of the quiet period used
+        /// to count from the end of the wait (2 s + 1.75 s, past the 3.6 s
+        /// the deadline leaves), so the app was only let go as the drain
+        /// ran out, without a word; it counts from the drain's start, so
+        /// the app goes at the bound and the drain ends quiet.
+        #[tokio::test(start_paused = true)]
+        async fn a_timed_out_wait_lets_the_app_go_at_the_bound_within_a_short_deadline() {
+            let start = Instant::now();
+            let envoy = Envoy {
+                start,
+                busy: Duration::ZERO,
+            };
+            let (_tx, rx) = watch::channel(connected(withdrawn(2, 1, &["shop/frozen"], false)));
+            let mut rx = Source::single(rx);
+            let (quiet_tx, mut quiet_rx) = watch::channel(false);
+            let app_waits = AtomicBool::new(true);
+            let s = DrainSettings {
+                withdrawal_timeout: 2 * S,
+                drain_deadline: 4 * S,
+                ..settings()
+            };
+            let (r, released) = tokio::join!(
+                run_confirming(
+                    &envoy,
+                    s,
+                    POLL,
+                    start,
+                    (&quiet_tx, &app_waits),
+                    Some(&mut rx),
+                ),
+                async {
+                    let _ = quiet_rx.wait_for(|q| *q).await;
+                    start.elapsed()
+                }
+            );
+            assert!(
+                released >= 2 * S && released <= 2 * S + POLL,
+                "{released:?}"
+            );
+            assert_eq!(r.outcome, crate::drain::DrainOutcome::Quiet);
+            let took = Duration::from_secs_f64(r.duration_seconds);
+            assert!(took <= 2 * S + POLL, "{took:?}");
+            assert_eq!(r.inbound_quiet_seconds, Some(released.as_secs_f64()));
+            assert_eq!(
+                r.withdrawal.as_deref().map(Outcome::label),
+                Some("timed_out")
+            );
+        }
+    }
+
+    /// Several discovery replicas: the main stream's and each other's.
+    mod replicas {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+
+        use super::*;
+
+        /// The other replicas' streams, as the test drives them.
+        #[derive(Default)]
+        struct Fake {
+            views: Mutex<HashMap<String, watch::Receiver<ReplicaView>>>,
+            asked: Mutex<Vec<String>>,
+        }
+
+        impl Fake {
+            fn replica(&self, name: &str, first: ReplicaView) -> watch::Sender<ReplicaView> {
+                let (tx, rx) = watch::channel(first);
+                self.views.lock().expect("lock").insert(name.into(), rx);
+                tx
+            }
+        }
+
+        impl AskReplicas for Fake {
+            fn ask(&self, r: &Replica) -> watch::Receiver<ReplicaView> {
+                self.asked.lock().expect("lock").push(r.name.clone());
+                self.views.lock().expect("lock")[&r.name].clone()
+            }
+        }
+
+        fn naming(p: Option<Progress>, replicas: &[&str]) -> Upstream {
+            connected(p.map(|p| {
+                Progress {
+                    replicas: replicas
+                        .iter()
+                        .map(|n| Replica {
+                            name: n.to_string(),
+                            address: "10.0.1.2:15010".into(),
+                        })
+                        .collect(),
+                    ..p
+                }
+            }))
+        }
+
+        fn told(p: Option<Progress>) -> ReplicaView {
+            ReplicaView {
+                withdrawal: p,
+                error: None,
+            }
+        }
+
+        fn source(first: Upstream, fake: &Arc<Fake>) -> (watch::Sender<Upstream>, Source) {
+            let (tx, rx) = watch::channel(first);
+            let replicas: Arc<dyn AskReplicas> = fake.clone();
+            (
+                tx,
+                Source {
+                    upstream: rx,
+                    replicas,
+                },
+            )
+        }
+
+        #[test]
+        fn counts_add_up_names_merge_and_done_needs_every_replica() {
+            let main = withdrawn(2, 1, &["shop/z"], false).expect("some");
+            let b = told(withdrawn(3, 2, &["shop/a"], false));
+            let c = ReplicaView {
+                withdrawal: None,
+                error: Some("connection refused".into()),
+            };
+            let got = combine(&main, &[("op-b".into(), b), ("op-c".into(), c)]);
+            assert_eq!(got.progress.expected, 5);
+            assert_eq!(got.progress.confirmed, 3);
+            assert_eq!(got.progress.pending, ["shop/a", "shop/z"]);
+            assert!(!got.progress.done);
+            assert_eq!(got.replicas, 2);
+            assert_eq!(
+                got.unanswered,
+                ["replica op-c unreachable: connection refused"]
+            );
+            let done = |n| withdrawn(n, n, &[], true);
+            let got = combine(
+                &done(1).expect("some"),
+                &[("op-b".into(), told(done(2))), ("op-c".into(), told(None))],
+            );
+            assert!(!got.progress.done, "op-c has not withdrawn the pod");
+            assert_eq!(got.unanswered, ["replica op-c has not withdrawn the pod"]);
+            let got = combine(&done(1).expect("some"), &[("op-b".into(), told(done(2)))]);
+            assert!(got.progress.done && !got.progress.timed_out);
+            assert_eq!((got.progress.confirmed, got.replicas), (3, 2));
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn confirmed_only_once_every_replica_is_done() {
+            let fake = Arc::new(Fake::default());
+            let b = fake.replica("op-b", ReplicaView::default());
+            let (_tx, mut src) = source(naming(withdrawn(1, 1, &[], true), &["op-b"]), &fake);
+            let start = Instant::now();
+            let wait = tokio::spawn(async move { confirm(&mut src, start + 5 * S).await });
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            b.send_replace(told(withdrawn(2, 1, &["shop/c-1"], false)));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(!wait.is_finished(), "op-b still has a proxy pending");
+            b.send_replace(told(withdrawn(2, 2, &[], true)));
+            let got = wait.await.expect("no panic");
+            assert_eq!(
+                got,
+                Outcome::Confirmed {
+                    proxies: 3,
+                    expected: 3,
+                    gone: 0,
+                    last_confirmation_ms: 7,
+                    waited_ms: 300,
+                    replicas: 2,
+                }
+            );
+            assert_eq!(*fake.asked.lock().expect("lock"), ["op-b"], "asked once");
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn an_unreachable_replica_is_waited_for_until_the_bound_and_named() {
+            let fake = Arc::new(Fake::default());
+            let down = ReplicaView {
+                withdrawal: None,
+                error: Some("connection refused".into()),
+            };
+            let _b = fake.replica("op-b", down);
+            let (_tx, mut src) = source(naming(withdrawn(1, 1, &[], true), &["op-b"]), &fake);
+            let start = Instant::now();
+            let got = confirm(&mut src, start + 5 * S).await;
+            assert_eq!(start.elapsed(), 5 * S, "not skipped: waited the bound");
+            let Outcome::TimedOut {
+                pending,
+                replicas,
+                unanswered,
+                ..
+            } = got
+            else {
+                panic!("timed out: {got:?}")
+            };
+            assert_eq!((pending, replicas), (0, 1));
+            assert_eq!(unanswered, ["replica op-b unreachable: connection refused"]);
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_replica_that_gives_up_names_its_frozen_proxy() {
+            let fake = Arc::new(Fake::default());
+            let b = fake.replica("op-b", ReplicaView::default());
+            let (_tx, mut src) = source(naming(withdrawn(1, 1, &[], true), &["op-b"]), &fake);
+            let start = Instant::now();
+            let wait = tokio::spawn(async move { confirm(&mut src, start + 5 * S).await });
+            tokio::time::sleep(Duration::from_millis(2000)).await;
+            // Its own bound passed: done, timed out, naming the frozen one.
+            let gave_up = Progress {
+                timed_out: true,
+                ..withdrawn(2, 1, &["shop/frozen"], true).expect("some")
+            };
+            b.send_replace(told(Some(gave_up)));
+            let got = wait.await.expect("no panic");
+            assert_eq!(start.elapsed(), 2 * S, "at once");
+            let Outcome::TimedOut {
+                proxies,
+                expected,
+                names,
+                replicas,
+                unanswered,
+                ..
+            } = got
+            else {
+                panic!("timed out: {got:?}")
+            };
+            assert_eq!((proxies, expected, replicas), (2, 3, 2));
+            assert_eq!(names, ["shop/frozen"]);
+            assert!(unanswered.is_empty());
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_replica_no_longer_named_is_no_longer_waited_for() {
+            let fake = Arc::new(Fake::default());
+            let _b = fake.replica("op-b", ReplicaView::default());
+            let (tx, mut src) = source(
+                naming(withdrawn(1, 0, &["shop/c"], false), &["op-b"]),
+                &fake,
+            );
+            let start = Instant::now();
+            let wait = tokio::spawn(async move { confirm(&mut src, start + 5 * S).await });
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            // op-b stopped serving (its proxies moved here, and confirmed).
+            tx.send_replace(naming(withdrawn(1, 1, &[], true), &[]));
+            let got = wait.await.expect("no panic");
+            assert_eq!(got.label(), "confirmed", "{got:?}");
+            assert_eq!(start.elapsed(), Duration::from_millis(400));
         }
     }
 }

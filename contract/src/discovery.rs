@@ -56,19 +56,41 @@ pub const POD_ANNOTATIONS_TYPE: &str = "type.googleapis.com/remora.v1.PodAnnotat
 ///   `done` and `timed_out`, `pending` naming those never confirmed, and
 ///   the server raises a Warning Event on the pod naming them;
 /// - absent: the pod is not withdrawn (serving, or not known to this
-///   replica yet); a pod Ready again has its withdrawal forgotten.
+///   replica yet); a pod Ready again has its withdrawal forgotten;
+/// - per replica: every operator replica runs a discovery server, each
+///   proxy holds its stream to one of them, and a replica counts only the
+///   proxies on its own streams (a proxy is on one replica at a time, so
+///   none is counted twice). The resource names in `replicas` the other
+///   replicas serving now (the ready endpoints of the operator's Service
+///   at [`PORT_NAME`], the answering replica left out, at most
+///   [`MAX_DISCOVERY_REPLICAS`], as pod name and `IP:port`). The agent
+///   opens a stream to each of them too, on the same terms as its main
+///   one (its token, its workload certificate, the node id of its pod;
+///   the server's certificate verified under the Service's name although
+///   it dials the pod's address), subscribing to this type alone: such a
+///   stream is never sent EDS, so never waited for. The pod counts as
+///   confirmed only when every replica's resource is `done` (counts are
+///   summed, `timed_out` if any timed out); a replica that cannot be
+///   reached or has not withdrawn the pod is waited for within the same
+///   bound, then named as such, never skipped; a replica no longer named
+///   (it stopped serving: its proxies moved to the others) is no longer
+///   waited for.
 ///
 /// What the agent does with it: in discovery mode its drain (adaptive)
-/// holds the app's SIGTERM until the resource is `done`, bounded by the
-/// same timeout and by the drain deadline, then runs the quiet period; if
-/// its stream is down when the drain starts, or no withdrawal arrives soon
-/// after, it falls back to the quiet period alone and says so (agent
-/// `drain.rs` and `withdrawal.rs`).
+/// holds the app's SIGTERM until the resource is `done` at every replica,
+/// bounded by the same timeout and by the drain deadline, then runs the
+/// quiet period; if its stream is down when the drain starts, or no
+/// withdrawal arrives soon after, it falls back to the quiet period alone
+/// and says so (agent `drain.rs` and `withdrawal.rs`).
 pub const WITHDRAWAL_TYPE: &str = "type.googleapis.com/remora.v1.Withdrawal";
 
 /// The most proxies a `remora.v1.Withdrawal` names as pending: the counts
 /// are whole, the names are for a human reading an Event or a log.
 pub const MAX_WITHDRAWAL_PENDING_NAMES: usize = 32;
+
+/// The most other replicas a `remora.v1.Withdrawal` names (the agent
+/// opens a stream to each while its pod drains).
+pub const MAX_DISCOVERY_REPLICAS: usize = 16;
 
 /// Whether the discovery server sends annotation `key` to the pod's agent:
 /// those the agent reads while it runs, nothing else of the pod.

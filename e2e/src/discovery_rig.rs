@@ -149,6 +149,30 @@ impl Rig {
         })
     }
 
+    /// Another operator replica: a registry of its own (fed alike by the
+    /// test, as each replica's watches feed it), the same authority and
+    /// reviewer.
+    pub fn another_replica(&self) -> Self {
+        let (certs_tx, certs) = watch::channel(self.certs.borrow().clone());
+        let (discovery, debounce) = Discovery::new(
+            "cluster.local",
+            self.discovery.trust_domain.as_deref(),
+            Debounce {
+                quiet: Duration::from_millis(10),
+                max_delay: Duration::from_millis(50),
+            },
+        );
+        tokio::spawn(debounce);
+        Self {
+            discovery,
+            metrics: Metrics::default(),
+            bundle: self.bundle.clone(),
+            reviewer: self.reviewer.clone(),
+            certs,
+            _certs_tx: certs_tx,
+        }
+    }
+
     /// The discovery server on `addr` until `stop`; the task ends when the
     /// server has (and panics if it failed).
     pub async fn serve_discovery(

@@ -38,7 +38,7 @@ use crate::traffic::{Kind, Load};
 /// let go (drain.rs), the drain's report (supervisor).
 pub const DRAIN_START_LOGS: [&str; 2] = ["draining inbound listeners", "nothing to drain for"];
 pub const CONFIRMED_LOG: &str = "every proxy that routed to the pod confirmed it no longer does";
-pub const RELEASED_LOG: &str = "inbound traffic has gone quiet: the app may stop";
+pub const RELEASED_LOG: &str = "the app may stop";
 pub const DRAIN_LOG: &str = "drain finished";
 
 /// The mesh clients of the confirmed-removal runs, each `rate` calls/s

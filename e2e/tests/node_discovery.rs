@@ -84,17 +84,11 @@ const DEADLINE: Duration = Duration::from_secs(120);
 /// Each client's rate, and how many answers it must have (5 s' worth).
 const RATE: f64 = 20.0;
 const ANSWERS: usize = 100;
-/// One operator replica: a discovery server replica tracks confirmations
-/// only for the streams it serves, and tells a pod's agent only what it
-/// knows; with two, a subscriber on the other replica is not waited for
-/// (seen on the node: a frozen client Envoy named by one old pod, not by
-/// the others). Until replicas share what they track, the confirmed-removal
-/// tests run where one replica serves every stream.
-const VALUES: [&str; 3] = [
-    "workloadCA.enabled=true",
-    "discovery.enabled=true",
-    "operator.replicas=1",
-];
+/// The chart's operator replicas (2): each discovery replica answers for
+/// the streams it serves, and a withdrawn pod's agent asks every replica
+/// (`remora_contract::discovery::WITHDRAWAL_TYPE`), so a subscriber on
+/// either is waited for and named.
+const VALUES: [&str; 2] = ["workloadCA.enabled=true", "discovery.enabled=true"];
 /// The app container's name in the Jobs' pods.
 const APP: &str = "app";
 /// What the agent logs when it obeys `remora.dev/stop` (agent/src/app.rs).

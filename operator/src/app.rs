@@ -341,8 +341,27 @@ async fn start_discovery(
     rt.spawn_until_shutdown("discovery-debounce", debounce);
     // ExternalServices of the operator's namespace may claim any host.
     let mesh_ns = args.operator_namespace.clone();
+    // The other replicas, which a withdrawn pod's agent asks too: the
+    // ready pods of this Service, this one (POD_NAME) left out; without
+    // POD_NAME this replica cannot tell itself apart and names none.
+    let replicas = args
+        .leader_identity
+        .clone()
+        .map(|own_pod| discovery::registry::Replicas {
+            service: remora_contract::discovery::ServiceHost {
+                name: args.service_name.clone(),
+                namespace: args.operator_namespace.clone(),
+            },
+            own_pod,
+        });
+    if replicas.is_none() {
+        tracing::warn!(
+            "discovery: no POD_NAME, so withdrawals name no other replica (right with one replica only)"
+        );
+    }
     state.update(|r| {
         r.set_mesh_namespace(Some(mesh_ns));
+        r.set_replicas(replicas);
         Vec::new()
     });
     let externals = feed::externals_served(client).await;

@@ -159,7 +159,7 @@ pub struct Supervisor {
     stopping: CancellationToken,
     /// Discovery mode: the xDS proxy's view of the pod's withdrawal, which
     /// an adaptive drain waits on ([`drain::run_confirming`]).
-    withdrawal: Option<watch::Receiver<crate::withdrawal::Upstream>>,
+    withdrawal: Option<crate::withdrawal::Source>,
 }
 
 type DrainFuture = Pin<Box<dyn std::future::Future<Output = DrainReport> + Send>>;
@@ -222,8 +222,8 @@ impl Supervisor {
 
     /// Discovery mode: drains wait for the confirmed removal of the pod's
     /// endpoints, as the xDS proxy sees it.
-    pub fn confirm_withdrawal(&mut self, upstream: watch::Receiver<crate::withdrawal::Upstream>) {
-        self.withdrawal = Some(upstream);
+    pub fn confirm_withdrawal(&mut self, source: crate::withdrawal::Source) {
+        self.withdrawal = Some(source);
     }
 
     /// Render and write the bootstrap from the current inputs.

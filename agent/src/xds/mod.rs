@@ -23,6 +23,7 @@
 pub mod bootstrap;
 pub mod delta;
 pub mod proxy;
+pub mod replicas;
 pub mod session;
 pub mod upstream;
 
@@ -107,6 +108,8 @@ pub struct FirstAcks {
 pub struct XdsHandle {
     pub socket: PathBuf,
     acked: watch::Receiver<FirstAcks>,
+    /// The main stream's server: the other replicas are dialled alike.
+    upstream: UpstreamConfig,
     cancel: CancellationToken,
     task: JoinHandle<Result<(), XdsError>>,
 }
@@ -137,6 +140,24 @@ impl XdsHandle {
             }
             cancel.cancelled().await;
         });
+    }
+
+    /// What a drain waits on for the pod's withdrawal: `upstream`, the
+    /// main stream's view ([`ToAgent::withdrawal`]'s), and the other
+    /// replicas it names, asked as node `node_id` ([`replicas`]).
+    pub fn withdrawal_source(
+        &self,
+        upstream: watch::Receiver<withdrawal::Upstream>,
+        node_id: String,
+    ) -> withdrawal::Source {
+        withdrawal::Source {
+            upstream,
+            replicas: Arc::new(replicas::Dialer {
+                upstream: self.upstream.clone(),
+                node_id,
+                cancel: self.cancel.clone(),
+            }),
+        }
     }
 
     /// Wait until the server stopped (after the cancel token fired).
@@ -197,7 +218,7 @@ pub async fn start_with(
     let (acked, acked_rx) = watch::channel(FirstAcks::default());
     tracing::info!(server = %upstream.address, socket = %socket.display(), "xDS proxy starting");
     let shared = Arc::new(proxy::Shared {
-        upstream,
+        upstream: upstream.clone(),
         metrics,
         acked,
         pod_annotations: to_agent.pod_annotations,
@@ -223,6 +244,7 @@ pub async fn start_with(
     Ok(XdsHandle {
         socket,
         acked: acked_rx,
+        upstream,
         cancel,
         task,
     })

@@ -72,6 +72,21 @@ impl UpstreamConfig {
         Ok(host.to_string())
     }
 
+    /// The same server's other replica at `address` (a pod's `IP:port`):
+    /// dialled there, its certificate still verified under the name this
+    /// one's is (the Service's), with the same credentials.
+    pub fn for_replica(&self, address: std::net::SocketAddr) -> Result<Self, UpstreamError> {
+        let name = match self.server_name.as_deref().filter(|n| !n.is_empty()) {
+            Some(n) => n.to_string(),
+            None => self.host()?,
+        };
+        Ok(Self {
+            address: address.to_string(),
+            server_name: Some(name),
+            ..self.clone()
+        })
+    }
+
     /// Checks what can be checked before the first dial.
     pub fn check(&self) -> Result<(), UpstreamError> {
         self.host()?;

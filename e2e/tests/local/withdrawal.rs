@@ -13,6 +13,11 @@
 //!   agent waits the withdrawal timeout, then lets the app stop and names
 //!   the client that never confirmed.
 //!
+//! Both with one discovery replica, and with two: the client's stream on
+//! one (`op-b`), the callees' on the other (`op-a`), which has nobody to
+//! wait for and says so at once; the callees' agents learn from `op-a`'s
+//! withdrawal that `op-b` serves too, ask it, and wait for its client.
+//!
 //! The agent binary must be built (`cargo build -p remora-agent`, or set
 //! `REMORA_AGENT_BIN`); Envoy is found as the other tests find it.
 
@@ -26,7 +31,8 @@ use e2e::discovery_rig::{
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use remora_contract::annotations::WITHDRAWAL_TIMEOUT;
-use remora_operator::discovery::registry::{PodKey, ProxyInfo, SliceInfo};
+use remora_contract::discovery::{PORT_NAME, ServiceHost};
+use remora_operator::discovery::registry::{PodKey, ProxyInfo, Replicas, SliceInfo};
 use remora_test_support::named_backend::NamedBackend;
 use remora_test_support::ports::free_port;
 use remora_test_support::wait::wait_until;
@@ -69,54 +75,103 @@ async fn routes_to(admin: u16, addr: SocketAddr) -> anyhow::Result<bool> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_callee_stops_only_once_its_clients_confirmed_and_names_one_that_never_does()
 -> anyhow::Result<()> {
+    confirmed_removal(false).await
+}
+
+/// The same with two discovery replicas: the client on one, the callees on
+/// the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_replicas_the_callee_waits_for_the_client_on_the_other_replica()
+-> anyhow::Result<()> {
+    confirmed_removal(true).await
+}
+
+/// The operator's Service, whose ready endpoints are the replicas.
+fn operator_service() -> ServiceHost {
+    ServiceHost {
+        name: "remora-operator".into(),
+        namespace: "remora-system".into(),
+    }
+}
+
+async fn confirmed_removal(two_replicas: bool) -> anyhow::Result<()> {
     let rig = Rig::new(Reviewer::new(&[(1, "web"), (2, "cart"), (3, "cart")]), None)?;
-    let discovery = &rig.discovery;
+    // Replica op-a serves the callees; op-b (or op-a itself) the client.
+    let other = two_replicas.then(|| rig.another_replica());
+    let replicas: Vec<&Rig> = std::iter::once(&rig).chain(other.as_ref()).collect();
     let (app_port, listen) = (free_port(), free_port());
     let addr_0: SocketAddr = format!("127.0.0.2:{app_port}").parse()?;
     let addr_1: SocketAddr = format!("127.0.0.3:{app_port}").parse()?;
     NamedBackend::start(addr_0, "cart-0").await?;
     NamedBackend::start(addr_1, "cart-1").await?;
     let cart = host("cart");
-    discovery.update(|r| {
-        let mut t = Vec::new();
-        t.extend(r.apply_service(cart.clone(), http_service()));
-        t.extend(
-            r.apply_slice(
-                (NS.into(), "cart-x".into()),
-                SliceInfo {
-                    service: Some(cart.clone()),
-                    ports: [("http".to_string(), app_port)].into(),
-                    ready: [addr_0.ip(), addr_1.ip()].into(),
-                    pods: [
-                        (addr_0.ip(), "cart-0".to_string()),
-                        (addr_1.ip(), "cart-1".to_string()),
-                    ]
-                    .into(),
+    // The replicas on one port, each on a loopback address of its own.
+    let port = free_port();
+    let op_a: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let op_b: SocketAddr = format!("127.0.0.4:{port}").parse()?;
+    for (discovery, own) in replicas.iter().map(|r| &r.discovery).zip(["op-a", "op-b"]) {
+        discovery.update(|r| {
+            r.set_replicas(Some(Replicas {
+                service: operator_service(),
+                own_pod: own.into(),
+            }));
+            let mut t = Vec::new();
+            t.extend(r.apply_service(cart.clone(), http_service()));
+            t.extend(
+                r.apply_slice(
+                    (NS.into(), "cart-x".into()),
+                    SliceInfo {
+                        service: Some(cart.clone()),
+                        ports: [("http".to_string(), app_port)].into(),
+                        ready: [addr_0.ip(), addr_1.ip()].into(),
+                        pods: [
+                            (addr_0.ip(), "cart-0".to_string()),
+                            (addr_1.ip(), "cart-1".to_string()),
+                        ]
+                        .into(),
+                    },
+                ),
+            );
+            t.extend(r.apply_proxy(
+                key("web-0"),
+                ProxyInfo {
+                    ip: Some("127.0.0.1".into()),
+                    service_account: "web".into(),
+                    outbound: Some(format!("{listen}:cart.shop:80").into()),
+                    ..Default::default()
                 },
-            ),
-        );
-        t.extend(r.apply_proxy(
-            key("web-0"),
-            ProxyInfo {
-                ip: Some("127.0.0.1".into()),
-                service_account: "web".into(),
-                outbound: Some(format!("{listen}:cart.shop:80").into()),
-                ..Default::default()
-            },
-        ));
-        t
-    });
-    discovery.apply_proxy(key("cart-0"), callee(false));
-    discovery.apply_proxy(key("cart-1"), callee(false));
+            ));
+            if two_replicas {
+                t.extend(r.apply_slice(
+                    ("remora-system".into(), "remora-operator-x".into()),
+                    SliceInfo {
+                        service: Some(operator_service()),
+                        ports: [(PORT_NAME.to_string(), port)].into(),
+                        ready: [op_a.ip(), op_b.ip()].into(),
+                        pods: [(op_a.ip(), "op-a".into()), (op_b.ip(), "op-b".into())].into(),
+                    },
+                ));
+            }
+            t
+        });
+        discovery.apply_proxy(key("cart-0"), callee(false));
+        discovery.apply_proxy(key("cart-1"), callee(false));
+    }
 
-    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
     let stop = CancellationToken::new();
-    let server = rig.serve_discovery(addr, stop.clone()).await?;
-    let upstreams = Upstreams {
-        discovery: Some(addr),
+    let mut servers = Vec::new();
+    for (r, addr) in replicas.iter().zip([op_a, op_b]) {
+        servers.push(r.serve_discovery(addr, stop.clone()).await?);
+    }
+    let callee_upstreams = Upstreams {
+        discovery: Some(op_a),
         ca: None,
     };
-    let mut client = Sidecar::start(&rig, &upstreams, "web-0", "web", 1, &[])?;
+    let client_upstreams = Upstreams {
+        discovery: Some(if two_replicas { op_b } else { op_a }),
+        ca: None,
+    };
+    let mut client = Sidecar::start(&rig, &client_upstreams, "web-0", "web", 1, &[])?;
     // The callees: an app hook (the helper itself is never run here, any
     // file will do) and quiet period 0, as for a workload called only by
     // meshed clients.
@@ -129,7 +184,7 @@ async fn the_callee_stops_only_once_its_clients_confirmed_and_names_one_that_nev
         std::fs::create_dir(&hook)?;
         let mut s = Sidecar::start(
             &rig,
-            &upstreams,
+            &callee_upstreams,
             name,
             "cart",
             nonce,
@@ -160,7 +215,9 @@ async fn the_callee_stops_only_once_its_clients_confirmed_and_names_one_that_nev
     // cart-0 starts deleting (the API server), then its app's preStop hook
     // asks its agent (the kubelet).
     let (cart_0, hook_0) = &callees[0];
-    discovery.apply_proxy(key("cart-0"), callee(true));
+    for r in &replicas {
+        r.discovery.apply_proxy(key("cart-0"), callee(true));
+    }
     let asked = Instant::now();
     let (status, raw) = app_prestop(hook_0)
         .await
@@ -186,7 +243,9 @@ async fn the_callee_stops_only_once_its_clients_confirmed_and_names_one_that_nev
     let pid = client.envoy_pid().await.context("the client Envoy's pid")?;
     kill(Pid::from_raw(pid), Signal::SIGSTOP)?;
     let (cart_1, hook_1) = &callees[1];
-    discovery.apply_proxy(key("cart-1"), callee(true));
+    for r in &replicas {
+        r.discovery.apply_proxy(key("cart-1"), callee(true));
+    }
     let asked = Instant::now();
     let answered = app_prestop(hook_1).await;
     let released = asked.elapsed();
@@ -220,6 +279,8 @@ async fn the_callee_stops_only_once_its_clients_confirmed_and_names_one_that_nev
     }
     client.child.start_kill()?;
     stop.cancel();
-    server.await?;
+    for s in servers {
+        s.await?;
+    }
     Ok(())
 }

@@ -12,7 +12,7 @@
 //! Services the pod backs, and the pod's own proxy) goes out at once, and so
 //! does the news that a withdrawal is done ([`super::withdrawal`]).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -439,7 +439,13 @@ impl Discovery {
                 .is_withdrawn(pod)
                 .then(|| self.withdrawals.progress(pod))
                 .flatten();
-            s.withdrawal = resources::withdrawal(&pod.namespace, &pod.name, progress.as_ref());
+            let replicas = if progress.is_some() {
+                r.other_replicas()
+            } else {
+                BTreeMap::new()
+            };
+            s.withdrawal =
+                resources::withdrawal(&pod.namespace, &pod.name, progress.as_ref(), &replicas);
             Some(s)
         })
     }

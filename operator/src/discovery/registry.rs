@@ -322,12 +322,62 @@ pub struct Registry {
     /// ([`ProxyInfo::withdrawn`]): left out of every Service's endpoints.
     withdrawn: BTreeSet<PodKey>,
     externals: Externals,
+    /// The operator's own Service and this replica's pod: who the other
+    /// discovery replicas are ([`Registry::other_replicas`]).
+    replicas: Option<Replicas>,
+}
+
+/// How a replica finds the other discovery replicas: the ready endpoints
+/// of the operator's Service at its discovery port, read from the shared
+/// EndpointSlice watch (no watch of its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replicas {
+    pub service: ServiceHost,
+    /// This replica's pod (`POD_NAME`), left out. Without it a replica
+    /// cannot tell itself from the others and names none.
+    pub own_pod: String,
 }
 
 impl Registry {
     /// The services outside the cluster.
     pub fn externals(&self) -> &Externals {
         &self.externals
+    }
+
+    /// Which Service the discovery replicas back, and which pod this one is.
+    pub fn set_replicas(&mut self, replicas: Option<Replicas>) {
+        self.replicas = replicas;
+    }
+
+    /// The other discovery replicas serving now, by pod name: each ready
+    /// address of the operator's Service's slices at the target port named
+    /// [`remora_contract::discovery::PORT_NAME`], this replica's pod left
+    /// out, at most [`remora_contract::discovery::MAX_DISCOVERY_REPLICAS`]
+    /// (the first by name). An address without a pod named is no replica
+    /// the agent could name: left out.
+    pub fn other_replicas(&self) -> BTreeMap<String, SocketAddr> {
+        use remora_contract::discovery::{MAX_DISCOVERY_REPLICAS, PORT_NAME};
+        let Some(me) = &self.replicas else {
+            return BTreeMap::new();
+        };
+        let mut out = BTreeMap::new();
+        let slices = self
+            .by_service
+            .get(&me.service)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.get(k));
+        for s in slices {
+            let Some(port) = s.ports.get(PORT_NAME).copied() else {
+                continue;
+            };
+            for (ip, pod) in &s.pods {
+                if me.own_pod != *pod {
+                    out.insert(pod.clone(), SocketAddr::new(*ip, port));
+                }
+            }
+        }
+        out.into_iter().take(MAX_DISCOVERY_REPLICAS).collect()
     }
 
     /// The operator's namespace, whose ExternalServices may claim any host.
@@ -647,6 +697,56 @@ mod tests {
         assert_eq!(Protocol::of(None, Some("https")), Protocol::Tcp);
         assert_eq!(Protocol::of(None, Some("web")), Protocol::Http);
         assert_eq!(Protocol::of(None, None), Protocol::Http);
+    }
+
+    /// The other discovery replicas: the ready pods of the operator's
+    /// Service at its discovery port, this replica left out, bounded.
+    #[test]
+    fn other_replicas_are_the_ready_pods_of_the_operators_service_but_this_one() {
+        use remora_contract::discovery::{MAX_DISCOVERY_REPLICAS, PORT_NAME};
+        let mut r = Registry::default();
+        let operator = ServiceHost {
+            name: "remora".into(),
+            namespace: "remora-system".into(),
+        };
+        let ip = |n: u8| IpAddr::from([10, 0, 1, n]);
+        let slice = |ready: &[(u8, &str)]| SliceInfo {
+            service: Some(operator.clone()),
+            ports: [(PORT_NAME.to_string(), 15010), ("https".to_string(), 8443)].into(),
+            ready: ready.iter().map(|(n, _)| ip(*n)).collect(),
+            pods: ready.iter().map(|(n, p)| (ip(*n), p.to_string())).collect(),
+        };
+        let key = ("remora-system".to_string(), "remora-x1".to_string());
+        r.apply_slice(key.clone(), slice(&[(1, "op-a"), (2, "op-b"), (3, "op-c")]));
+        assert!(r.other_replicas().is_empty(), "no Service set: none");
+        r.set_replicas(Some(Replicas {
+            service: operator.clone(),
+            own_pod: "op-b".into(),
+        }));
+        let others = r.other_replicas();
+        assert_eq!(
+            others,
+            BTreeMap::from([
+                ("op-a".to_string(), SocketAddr::new(ip(1), 15010)),
+                ("op-c".to_string(), SocketAddr::new(ip(3), 15010)),
+            ])
+        );
+        // A replica not ready any more (terminating) is no longer named.
+        r.apply_slice(key.clone(), slice(&[(2, "op-b"), (3, "op-c")]));
+        assert_eq!(r.other_replicas().keys().collect::<Vec<_>>(), ["op-c"]);
+        // A slice without the discovery port names none; many are bounded.
+        let many: Vec<(u8, String)> = (10..60).map(|n| (n, format!("op-{n}"))).collect();
+        let many: Vec<(u8, &str)> = many.iter().map(|(n, p)| (*n, p.as_str())).collect();
+        r.apply_slice(key.clone(), slice(&many));
+        assert_eq!(r.other_replicas().len(), MAX_DISCOVERY_REPLICAS);
+        r.apply_slice(
+            key,
+            SliceInfo {
+                ports: [("https".to_string(), 8443)].into(),
+                ..slice(&[(1, "op-a")])
+            },
+        );
+        assert!(r.other_replicas().is_empty());
     }
 
     #[test]

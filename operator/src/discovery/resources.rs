@@ -476,8 +476,14 @@ pub fn pod_annotations(
 }
 
 /// The [`WITHDRAWAL`] resource of pod `namespace/name`: none unless it is
-/// withdrawn (`progress`).
-pub fn withdrawal(namespace: &str, name: &str, progress: Option<&Progress>) -> Typed {
+/// withdrawn (`progress`); `replicas`, the other discovery replicas by pod
+/// name, for the agent to ask as well.
+pub fn withdrawal(
+    namespace: &str,
+    name: &str,
+    progress: Option<&Progress>,
+    replicas: &BTreeMap<String, std::net::SocketAddr>,
+) -> Typed {
     let Some(p) = progress else {
         // Versioned all the same: "none" is an answer the agent can ACK.
         return Typed::new(BTreeMap::new());
@@ -493,6 +499,15 @@ pub fn withdrawal(namespace: &str, name: &str, progress: Option<&Progress>) -> T
         last_confirmation_ms: p
             .last_confirmation
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        replicas: replicas
+            .iter()
+            .map(
+                |(name, address)| remora_proto::remora::v1::DiscoveryReplica {
+                    name: name.clone(),
+                    address: address.to_string(),
+                },
+            )
+            .collect(),
     };
     let any = Any {
         type_url: WITHDRAWAL.into(),
