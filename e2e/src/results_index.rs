@@ -109,10 +109,11 @@ const ISTIOD_STALE: &str = "stale: a side-by-side with Istio's pilot-discovery k
 /// and the CI run.
 const CHANGED_AFTER: &str = "stale: issue 30's withdrawal wait (agent drain, server bound, the new knob) and issue 32's agent exit and link changes landed after the run; not regenerated this session";
 
-/// The agent changed after this session's runs: a native sidecar's signal
-/// stops Envoy without a drain (issue 32), and agentbench took the /proc
-/// helper of the removed pod runner (issue 31).
-const AGENT_CHANGED_AFTER: &str = "stale: issue 32's native-sidecar signal (no drain once the apps have exited) and issue 31's removal of the pod runner (agentbench's /proc helper) landed after the run; not regenerated this session";
+/// The agent and the contract changed after this session's runs: a native
+/// sidecar's signal stops Envoy without a drain (issue 32), the agent asks
+/// every discovery replica (issue 30), and agentbench took the /proc helper
+/// of the removed pod runner (issue 31).
+const AGENT_CHANGED_AFTER: &str = "stale: issue 32's native-sidecar signal (no drain once the apps have exited), issue 30's cross-replica confirmation (contract and agent) and issue 31's removal of the pod runner (agentbench's /proc helper) landed after the run; not regenerated this session";
 
 const RELEASE: &[Need] = &[Need::Release];
 const NODE: &[Need] = &[Need::Node, Need::Release];
@@ -151,7 +152,7 @@ pub const ENTRIES: &[Entry] = &[
             SERVE,
             "operator/benches/injector.rs",
         ],
-        stale: None,
+        stale: Some(AGENT_CHANGED_AFTER),
     },
     Entry {
         files: &["pod-store.json"],
@@ -384,7 +385,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/bin/node-bench.rs",
         ],
         stale: Some(
-            "stale: measured on its branch at 4e15cb6; the agent's idle-close change (a termination drain of 0 only) and the merge of the operator fix with the convergence branch's version of it landed after; a 5-min run on the node",
+            "stale: measured on its branch at 30db507 (cross-replica confirmation); the native-sidecar signal change (a signal with no drain under way, which these callees' app-hook drains never meet) was merged with it after the run; a 5-min run on the node",
         ),
     },
     Entry {
