@@ -109,12 +109,6 @@ const ISTIOD_STALE: &str = "stale: a side-by-side with Istio's pilot-discovery k
 /// and the CI run.
 const CHANGED_AFTER: &str = "stale: issue 30's withdrawal wait (agent drain, server bound, the new knob) and issue 32's agent exit and link changes landed after the run; not regenerated this session";
 
-/// The agent and the contract changed after this session's runs: a native
-/// sidecar's signal stops Envoy without a drain (issue 32), the agent asks
-/// every discovery replica (issue 30), and agentbench took the /proc helper
-/// of the removed pod runner (issue 31).
-const AGENT_CHANGED_AFTER: &str = "stale: issue 32's native-sidecar signal (no drain once the apps have exited), issue 30's cross-replica confirmation (contract and agent) and issue 31's removal of the pod runner (agentbench's /proc helper) landed after the run; not regenerated this session";
-
 const RELEASE: &[Need] = &[Need::Release];
 const NODE: &[Need] = &[Need::Node, Need::Release];
 const NODE_ISTIO: &[Need] = &[Need::Node, Need::IstioPeers, Need::Release];
@@ -129,7 +123,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: RELEASE,
         minutes: 2,
         measures: &[AGENT, CONTRACT, SERVE, "agent/benches/agent.rs"],
-        stale: Some(AGENT_CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["sds.json"],
@@ -152,7 +146,7 @@ pub const ENTRIES: &[Entry] = &[
             SERVE,
             "operator/benches/injector.rs",
         ],
-        stale: Some(AGENT_CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["pod-store.json"],
@@ -296,7 +290,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/agentbench",
             "e2e/src/bin/agent-microbench.rs",
         ],
-        stale: Some(AGENT_CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["hostile.json"],
