@@ -18,15 +18,15 @@ use crate::envoy::process;
 use crate::hook::{self, Secret};
 use crate::lifecycle::LiveSettings;
 use crate::metrics::Metrics;
-use crate::pod_annotations::{PodAnnotations, StreamCopy};
+use crate::pod_annotations::{PodAnnotations, StreamCopy, runs_native_in};
 use crate::readiness::Readiness;
 use crate::sds::{self, SdsHandle};
 use crate::servers;
 use crate::supervisor::{Control, ExitReason, Supervisor, SupervisorHandle};
 use crate::telemetry::LogLevelHandle;
 use crate::xds::{self, XdsHandle};
-use remora_contract::annotations::{LIFECYCLE, STOP as STOP_ANNOTATION};
-use remora_contract::downward::{lifecycle_is_native, runs_native, stop_request};
+use remora_contract::annotations::STOP as STOP_ANNOTATION;
+use remora_contract::downward::stop_request;
 use remora_contract::mounted::MountedFiles;
 
 use crate::mounted_wake::MountedWake;
@@ -453,18 +453,17 @@ async fn watch_stop(
 /// the file's text, read line by line ([`stop_request`]) so that a line its
 /// parser cannot read never hides a request.
 fn stop_in(stream: StreamCopy, file_text: Option<&str>) -> Option<(String, bool)> {
-    if let Some(a) = stream {
-        let value = a.get(STOP_ANNOTATION)?;
-        let native = a.get(LIFECYCLE).is_some_and(|l| lifecycle_is_native(l));
-        return Some((value.clone(), native));
-    }
-    let text = file_text?;
-    stop_request(text).map(|v| (v, runs_native(text)))
+    let value = match &stream {
+        Some(a) => a.get(STOP_ANNOTATION)?.clone(),
+        None => stop_request(file_text?)?,
+    };
+    Some((value, runs_native_in(&stream, file_text)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use remora_contract::annotations::LIFECYCLE;
     use remora_test_support::kubelet::atomic_write;
 
     /// Write the downward-API file the way the kubelet does.

@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use remora_contract::downward::read_annotations_file;
+use remora_contract::annotations::LIFECYCLE;
+use remora_contract::downward::{lifecycle_is_native, read_annotations_file};
 use tokio::sync::watch;
 
 /// The stream's copy: `None` while no stream is up.
@@ -50,11 +51,43 @@ impl PodAnnotations {
         }
     }
 
+    /// Whether the pod's `remora.dev/lifecycle` says this sidecar is a
+    /// native one ([`runs_native_in`]), from the stream's copy, else the
+    /// file as it is now; no file, or an unreadable one: not native.
+    pub fn runs_native(&self) -> bool {
+        let stream = self.from_stream();
+        if stream.is_some() {
+            return runs_native_in(&stream, None);
+        }
+        match std::fs::read(&self.file) {
+            Ok(bytes) => runs_native_in(&None, Some(&String::from_utf8_lossy(&bytes))),
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(error = %e, file = %self.file.display(),
+                        "cannot read the pod's annotations: taken as not a native sidecar");
+                }
+                false
+            }
+        }
+    }
+
     /// Until the stream's copy changes; never when there is no stream.
     pub async fn stream_changed(&mut self) {
         if self.stream.changed().await.is_err() {
             std::future::pending::<()>().await;
         }
+    }
+}
+
+/// Whether the sidecar runs native: from the stream's copy while there is
+/// one, else from the file's text, read line by line
+/// ([`remora_contract::downward::runs_native`]) so that a line that cannot
+/// be parsed elsewhere in the file never hides the mode. Absent or
+/// unreadable: not native (a signal then drains, as for Legacy).
+pub fn runs_native_in(stream: &StreamCopy, file_text: Option<&str>) -> bool {
+    match stream {
+        Some(a) => a.get(LIFECYCLE).is_some_and(|l| lifecycle_is_native(l)),
+        None => file_text.is_some_and(remora_contract::downward::runs_native),
     }
 }
 
@@ -83,5 +116,36 @@ mod tests {
         tx.send_replace(None);
         assert_eq!(quiet(&a).as_deref(), Some("2s"), "the file again");
         assert!(PodAnnotations::file_only(file).from_stream().is_none());
+    }
+
+    /// One line the map parser cannot read must not turn a native sidecar
+    /// into a Legacy one (which would drain for apps that are gone).
+    #[test]
+    fn the_mode_is_read_line_by_line_and_the_streams_copy_wins() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("annotations");
+        let (tx, rx) = watch::channel(None);
+        let a = PodAnnotations::new(file.clone(), rx);
+        assert!(!a.runs_native(), "no file: not native");
+        std::fs::write(
+            &file,
+            "broken line without an equals sign\nremora.dev/lifecycle=\"{\\\"mode\\\":\\\"Native\\\"}\"\n",
+        )
+        .expect("write");
+        assert!(
+            read_annotations_file(&file).is_err(),
+            "the fixture must defeat the map parser"
+        );
+        assert!(a.runs_native(), "the file, line by line");
+        tx.send_replace(Some(Arc::new(BTreeMap::from([(
+            LIFECYCLE.to_string(),
+            r#"{"mode":"Legacy"}"#.to_string(),
+        )]))));
+        assert!(!a.runs_native(), "the stream's copy wins");
+        tx.send_replace(Some(Arc::new(BTreeMap::new())));
+        assert!(
+            !a.runs_native(),
+            "absent from the stream's copy: not native"
+        );
     }
 }

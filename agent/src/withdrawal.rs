@@ -605,6 +605,16 @@ mod tests {
             first: Upstream,
             told: Vec<(Duration, Upstream)>,
         ) -> (DrainReport, Duration) {
+            drain_with(settings(), busy, first, told).await
+        }
+
+        /// [`drain`] with these settings.
+        async fn drain_with(
+            settings: DrainSettings,
+            busy: Duration,
+            first: Upstream,
+            told: Vec<(Duration, Upstream)>,
+        ) -> (DrainReport, Duration) {
             let start = Instant::now();
             let envoy = Envoy { start, busy };
             let (tx, rx) = watch::channel(first);
@@ -622,7 +632,7 @@ mod tests {
             let (r, released) = tokio::join!(
                 run_confirming(
                     &envoy,
-                    settings(),
+                    settings,
                     POLL,
                     start,
                     (&quiet_tx, &app_waits),
@@ -760,34 +770,13 @@ mod tests {
         /// the app goes at the bound and the drain ends quiet.
         #[tokio::test(start_paused = true)]
         async fn a_timed_out_wait_lets_the_app_go_at_the_bound_within_a_short_deadline() {
-            let start = Instant::now();
-            let envoy = Envoy {
-                start,
-                busy: Duration::ZERO,
-            };
-            let (_tx, rx) = watch::channel(connected(withdrawn(2, 1, &["shop/frozen"], false)));
-            let mut rx = Source::single(rx);
-            let (quiet_tx, mut quiet_rx) = watch::channel(false);
-            let app_waits = AtomicBool::new(true);
             let s = DrainSettings {
                 withdrawal_timeout: 2 * S,
                 drain_deadline: 4 * S,
                 ..settings()
             };
-            let (r, released) = tokio::join!(
-                run_confirming(
-                    &envoy,
-                    s,
-                    POLL,
-                    start,
-                    (&quiet_tx, &app_waits),
-                    Some(&mut rx),
-                ),
-                async {
-                    let _ = quiet_rx.wait_for(|q| *q).await;
-                    start.elapsed()
-                }
-            );
+            let frozen = connected(withdrawn(2, 1, &["shop/frozen"], false));
+            let (r, released) = drain_with(s, Duration::ZERO, frozen, vec![]).await;
             assert!(
                 released >= 2 * S && released <= 2 * S + POLL,
                 "{released:?}"

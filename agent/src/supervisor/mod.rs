@@ -528,29 +528,13 @@ impl Supervisor {
         }
     }
 
-    /// Whether the pod's `remora.dev/lifecycle` says this sidecar is a
-    /// native one; unreadable or absent: not (a signal then drains, as for
-    /// Legacy).
-    fn runs_native(&self) -> bool {
-        match self.live.annotations().read() {
-            Ok(Some(a)) => a
-                .get(remora_contract::annotations::LIFECYCLE)
-                .is_some_and(|l| remora_contract::downward::lifecycle_is_native(l)),
-            Ok(None) => false,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read the pod's annotations: draining as a Legacy sidecar would");
-                false
-            }
-        }
-    }
-
     fn control_event(&self, c: Control) -> Event {
         // Read without logging: a drain that starts reads (and reports) them again.
         let drain_deadline = self.live.current_quiet().0.drain_deadline;
         match c {
             Control::Signal => Event::Signal {
                 drain_deadline,
-                apps_exited: self.runs_native(),
+                apps_exited: self.live.annotations().runs_native(),
             },
             Control::Drain(origin) => Event::Drain {
                 origin,
