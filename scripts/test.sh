@@ -91,11 +91,41 @@ cargo build --locked --release -p remora-agent --bin remora-agent \
   -p remora-operator --bin remora-operator -p e2e --bin test-app
 phase "build release binaries"
 
-if ! wait "$k8s_pid"; then
+# The tests below need only the control plane (etcd, kube-apiserver,
+# kube-controller-manager), which build-k8s.sh builds first, each binary
+# written whole and then renamed: on a cold machine they run while it goes
+# on with the node's binaries, rather than after it.
+eval "$(bash scripts/build-k8s.sh --print-env)"
+control_plane=("$REMORA_ETCD_BIN" "$REMORA_K8S_BIN_DIR/kube-apiserver" "$REMORA_K8S_BIN_DIR/kube-controller-manager")
+k8s_status=
+# Reap the background build once and keep its status (a second `wait` on
+# the same pid would not see it).
+k8s_wait() {
+  [[ -n "$k8s_status" ]] && return "$k8s_status"
+  k8s_status=0
+  wait "$k8s_pid" || k8s_status=$?
+  return "$k8s_status"
+}
+k8s_failed() {
   cat "$k8s_log" >&2
   echo "test.sh: building Kubernetes (scripts/build-k8s.sh --node) failed" >&2
   exit 1
-fi
+}
+have_control_plane() { for b in "${control_plane[@]}"; do [[ -x "$b" ]] || return 1; done; }
+until have_control_plane; do
+  if ! kill -0 "$k8s_pid" 2>/dev/null; then
+    k8s_wait || k8s_failed
+    have_control_plane || k8s_failed
+    break
+  fi
+  sleep 2
+done
+phase "wait for the control plane"
+
+cargo test --workspace --locked
+phase "tests"
+
+k8s_wait || k8s_failed
 tail -n 4 "$k8s_log"
 if ! wait "$istio_pid"; then
   cat "$istio_log" >&2
@@ -122,8 +152,6 @@ bash scripts/images.sh
 bash scripts/images.sh istio-proxy
 phase "images"
 
-REMORA_NODE_TESTS=1 cargo test --workspace --locked
-phase "tests"
 # The node tests are #[ignore]d with their reason (a plain `cargo test`
 # lists them so); here they are asked for, Istio's beside Remora's.
 node_tests=()
