@@ -278,7 +278,7 @@ impl Discovery {
             let is = r.is_withdrawn(&key);
             // Under the registry's lock: a stream computing its snapshot
             // after this sees both the endpoints and the withdrawal.
-            let tracked = self.withdrawals.progress(&key).is_some();
+            let tracked = self.withdrawals.is_withdrawn(&key);
             let track = is && !tracked && (deleting || !in_slices.is_empty());
             if track {
                 let p = self
