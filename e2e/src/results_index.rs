@@ -272,9 +272,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: ISTIO,
         minutes: 15,
         measures: DISCOVERY_BENCH,
-        stale: Some(
-            "stale: measured on its branch at d00ce06 (2 rollouts per size); its operator fix was merged with the node branch's version of the same fix after the run",
-        ),
+        stale: None,
     },
     Entry {
         files: &["agent-microbench.json"],

@@ -1798,3 +1798,178 @@ async fn a_deleting_pod_is_withdrawn_at_once_and_its_agent_told_who_confirmed() 
     assert!(tracker.progress(&pod("cart-0")).is_none());
     s.stop.cancel();
 }
+
+/// `k` callee pods `cart-0`.. of Service cart, each with a sidecar and an
+/// address of its own, beside an endpoint that stays (no pod): every
+/// proxy that declared cart holds them all.
+fn callees(s: &Server, k: usize) -> Vec<(PodKey, ProxyInfo)> {
+    let ip = |i: usize| format!("10.1.1.{}", i + 1);
+    let mut ready: Vec<String> = (0..k).map(ip).collect();
+    ready.push("10.1.0.9".into());
+    let pods: Vec<(PodKey, ProxyInfo)> = (0..k)
+        .map(|i| {
+            let info = ProxyInfo {
+                ip: Some(ip(i)),
+                service_account: "db".into(),
+                ..Default::default()
+            };
+            (pod(&format!("cart-{i}")), info)
+        })
+        .collect();
+    s.discovery.update(|r| {
+        let mut t = r.apply_slice(
+            ("shop".into(), "cart-1".into()),
+            SliceInfo {
+                pods: (0..k)
+                    .map(|i| (ip(i).parse().expect("ip"), format!("cart-{i}")))
+                    .collect(),
+                ..slice(&ready.iter().map(String::as_str).collect::<Vec<_>>())
+            },
+        );
+        for (key, info) in &pods {
+            t.extend(r.apply_proxy(key.clone(), info.clone()));
+        }
+        t
+    });
+    pods
+}
+
+/// Deleting, as the pod watch applies it: withdrawn at once.
+fn delete(s: &Server, (key, info): &(PodKey, ProxyInfo)) {
+    s.discovery.apply_proxy(
+        key.clone(),
+        ProxyInfo {
+            withdrawn: true,
+            deleting: true,
+            ..info.clone()
+        },
+    );
+}
+
+/// Issue 30 at many subscribers: a lone withdrawal is pushed at once, and
+/// withdrawals reaching a proxy that has not answered that push yet are
+/// merged into one push, sent when it answers, whose ACK confirms every pod
+/// it removed: two EDS pushes for twenty withdrawals. Another proxy that
+/// answers every push at once gets each withdrawal as it comes, and is
+/// waited for after each, so the held proxy's stream saw each on its own.
+#[tokio::test]
+async fn withdrawals_to_a_proxy_yet_to_answer_go_out_as_one_push() {
+    const K: usize = 20;
+    // A debounce no test outlives: whatever arrives went out without it,
+    // and a held push is let go by the proxy's answer, never by the bound.
+    let s = Server::start_debounced(Debounce {
+        quiet: Duration::from_secs(3600),
+        max_delay: Duration::from_secs(3600),
+    })
+    .await;
+    let pods = callees(&s, K);
+    let (_h2, mut held) = s.web_0().await;
+    let eds = subscribed(&mut held).await;
+    assert_eq!(endpoints(&eds).len(), K + 1);
+    let h2 = s.connect().await;
+    let mut prompt = open(&mut client(&h2), Some(&token(DB)), hello("db-0"))
+        .await
+        .expect("admitted");
+    subscribed(&mut prompt).await;
+
+    delete(&s, &pods[0]);
+    let first = held.next().await.expect("push");
+    assert_eq!(first.type_url, ENDPOINTS);
+    assert_eq!(endpoints(&first).len(), K, "cart-0 alone withdrawn");
+    for (k, callee) in pods.iter().enumerate() {
+        if k > 0 {
+            delete(&s, callee);
+        }
+        let pushed = prompt.next().await.expect("push");
+        assert_eq!(endpoints(&pushed).len(), K - k, "one more withdrawn");
+        prompt.send(request(ENDPOINTS, &[CART], Some(&pushed)));
+    }
+    held.send(request(ENDPOINTS, &[CART], Some(&first)));
+    let merged = held.next().await.expect("push");
+    assert_eq!(merged.type_url, ENDPOINTS);
+    let left = endpoints(&merged);
+    assert!(left.len() == 1 && left[0].contains("10.1.0.9"), "{left:?}");
+    held.send(request(ENDPOINTS, &[CART], Some(&merged)));
+
+    let tracker = &s.discovery.withdrawals;
+    for (key, _) in &pods {
+        let done = tokio::time::timeout(WAIT, tracker.wait_for(key, |p| p.is_some_and(|p| p.done)))
+            .await
+            .expect("confirmed within 10 s")
+            .expect("withdrawn");
+        assert_eq!(
+            (done.expected, done.confirmed, done.timed_out),
+            (2, 2, false),
+            "{key:?}"
+        );
+    }
+    // cart-0 Ready again: pushed at once, and the very next response, so
+    // no other EDS push went out in between.
+    s.discovery
+        .apply_proxy(pods[0].0.clone(), pods[0].1.clone());
+    let back = held.next().await.expect("push");
+    assert_eq!(
+        (back.type_url.as_str(), endpoints(&back).len()),
+        (ENDPOINTS, 2)
+    );
+    s.stop.cancel();
+}
+
+/// A proxy that does not answer still gets a held push at the debounce's
+/// max delay (50 ms here), and an ACK of the older response then confirms
+/// only the pod that one removed, not the one only the newer removed.
+#[tokio::test]
+async fn a_held_push_goes_at_the_bound_and_an_older_ack_confirms_only_its_own() {
+    let s = Server::start().await;
+    let pods = callees(&s, 2);
+    let h2 = s.connect().await;
+    let mut p = DeltaProxy::open(&mut client(&h2), delta_hello("web-0"))
+        .await
+        .expect("admitted");
+    p.subscribed().await;
+
+    delete(&s, &pods[0]);
+    let first = p.next().await.expect("push");
+    assert_eq!(first.type_url, ENDPOINTS);
+    let cla = |r: &DeltaDiscoveryResponse| -> Vec<String> {
+        let cla: ClusterLoadAssignment =
+            decode(r.resources[0].resource.as_ref().expect("cla")).expect("cla");
+        cla.endpoints
+            .iter()
+            .flat_map(|l| &l.lb_endpoints)
+            .map(|e| format!("{e:?}"))
+            .collect()
+    };
+    assert_eq!(cla(&first).len(), 2, "cart-0 alone withdrawn");
+    // Not answered: cart-1's withdrawal is held, then sent at the bound.
+    delete(&s, &pods[1]);
+    let second = p.next().await.expect("push at the bound");
+    assert_eq!(cla(&second).len(), 1, "both withdrawn");
+
+    let tracker = &s.discovery.withdrawals;
+    p.ack(&first);
+    let cart_0 = tokio::time::timeout(
+        WAIT,
+        tracker.wait_for(&pods[0].0, |p| p.is_some_and(|p| p.done)),
+    )
+    .await
+    .expect("cart-0 confirmed within 10 s")
+    .expect("withdrawn");
+    assert_eq!(cart_0.confirmed, 1);
+    // The same ACK, handled whole: cart-1 is still pending.
+    let cart_1 = tracker.progress(&pods[1].0).expect("withdrawn");
+    assert_eq!(
+        (cart_1.confirmed, cart_1.done, cart_1.pending.as_slice()),
+        (0, false, &["shop/web-0".to_string()][..])
+    );
+    p.ack(&second);
+    let cart_1 = tokio::time::timeout(
+        WAIT,
+        tracker.wait_for(&pods[1].0, |p| p.is_some_and(|p| p.done)),
+    )
+    .await
+    .expect("cart-1 confirmed within 10 s")
+    .expect("withdrawn");
+    assert_eq!(cart_1.confirmed, 1);
+    s.stop.cancel();
+}

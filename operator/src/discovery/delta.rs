@@ -23,7 +23,9 @@
 //! - each response has a nonce; a request naming one of the last
 //!   [`MAX_PENDING`] sent of its type ACKs it or, with an `error_detail`,
 //!   NACKs it (reported as the state-of-the-world NACK is, detail bounded);
-//!   any other nonce is [`Reply::Stale`]. Unlike state of the world, a
+//!   any other nonce is [`Reply::Stale`]. Until the last one sent of a type is
+//!   answered, the stream is awaiting, as a state-of-the-world one is
+//!   (an older one may go unanswered: Envoy answers in order); Unlike state of the world, a
 //!   stale request's subscription changes still apply: they are
 //!   differences, and one lost would never come again;
 //! - what is sent counts as held once sent: after a NACK nothing is re-sent
@@ -72,6 +74,9 @@ struct TypeState {
     held: BTreeMap<String, String>,
     /// Responses sent and not answered yet: (nonce, the type's version).
     pending: VecDeque<(String, String)>,
+    /// The last response sent has not been answered yet (older ones may
+    /// stay unanswered: Envoy answers in order, so it applied them).
+    unanswered: bool,
     acked: Option<String>,
     /// The type's version `held` was last brought to, the subscription
     /// unchanged since: nothing to compare while it holds.
@@ -124,12 +129,14 @@ impl DeltaSession {
 
         let mut reply = Reply::Request;
         if !req.response_nonce.is_empty() {
-            reply = match state
+            let at = state
                 .pending
                 .iter()
-                .position(|(n, _)| *n == req.response_nonce)
-                .and_then(|i| state.pending.remove(i))
-            {
+                .position(|(n, _)| *n == req.response_nonce);
+            if at.is_some_and(|i| i + 1 == state.pending.len()) {
+                state.unanswered = false;
+            }
+            reply = match at.and_then(|i| state.pending.remove(i)) {
                 Some((_, version)) => match &req.error_detail {
                     Some(e) => Reply::Nack {
                         version,
@@ -285,6 +292,7 @@ impl DeltaSession {
         state
             .pending
             .push_back((nonce.clone(), typed.version.clone()));
+        state.unanswered = true;
         if state.pending.len() > MAX_PENDING {
             state.pending.pop_front();
         }
@@ -321,6 +329,10 @@ impl StreamSession for DeltaSession {
 
     fn holds(&self, t: &str, name: &str) -> bool {
         self.held(t).is_some_and(|h| h.contains_key(name))
+    }
+
+    fn awaiting(&self) -> bool {
+        self.types.values().any(|s| s.unanswered)
     }
 }
 
@@ -382,6 +394,31 @@ mod tests {
             r.resources.iter().map(|r| r.name.as_str()).collect(),
             r.removed_resources.iter().map(String::as_str).collect(),
         )
+    }
+
+    /// Awaiting until the last response sent is answered: an answer to an
+    /// older one leaves it awaiting; a NACK is an answer.
+    #[test]
+    fn the_stream_awaits_the_answer_to_its_last_response() {
+        let mut s = DeltaSession::new("p");
+        assert!(!StreamSession::awaiting(&s), "nothing sent");
+        let s1 = snapshot(&[("a", "1")], &[]);
+        let first = s.on_request(req(CLUSTER, &[], &[], ""), &s1).expect("ok");
+        let first = first.push.expect("sent").response;
+        assert!(StreamSession::awaiting(&s));
+        let second = s.push(&snapshot(&[("a", "2")], &[])).remove(0).response;
+        let third = s.push(&snapshot(&[("a", "3")], &[])).remove(0).response;
+        let s3 = snapshot(&[("a", "3")], &[]);
+        s.on_request(req(CLUSTER, &[], &[], &first.nonce), &s3)
+            .expect("ok");
+        assert!(StreamSession::awaiting(&s), "an older one answered");
+        s.on_request(nack(CLUSTER, &third.nonce, "no"), &s3)
+            .expect("ok");
+        assert!(!StreamSession::awaiting(&s), "the last one NACKed");
+        // The one in between, answered late: stays answered.
+        s.on_request(req(CLUSTER, &[], &[], &second.nonce), &s3)
+            .expect("ok");
+        assert!(!StreamSession::awaiting(&s));
     }
 
     #[test]

@@ -11,6 +11,12 @@
 //! or stops being Ready) is not debounced: its batch (the endpoints of the
 //! Services the pod backs, and the pod's own proxy) goes out at once, and so
 //! does the news that a withdrawal is done ([`super::withdrawal`]).
+//!
+//! Each stream coalesces its pushes ([`Coalesce`]): while its proxy has not
+//! answered the last response, whatever concerns it waits and goes out as
+//! one push when the proxy answers. So a lone withdrawal is pushed at
+//! once, and a burst of them costs each dependent a push per round trip of
+//! its proxy rather than one per withdrawal.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -141,6 +147,49 @@ impl Batch {
     }
 }
 
+/// One stream's pushes, coalesced: a push goes out at once unless the
+/// proxy has not answered (ACKed or NACKed) a response of the stream yet;
+/// then it is held, and what else concerns the stream meanwhile merges
+/// into it (a push recomputes from the registry as it then stands), until
+/// the proxy answers or, at the latest, the debounce's max delay after it
+/// was first held: a proxy that never answers is not waited for longer
+/// than a debounced change is.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Coalesce {
+    /// A push is held until then at the latest.
+    held_until: Option<Instant>,
+}
+
+impl Coalesce {
+    /// A change concerns the stream at `now`: whether to push it now, the
+    /// proxy awaiting an answer to a response or not (`awaiting`).
+    pub fn change(&mut self, awaiting: bool, now: Instant, debounce: Debounce) -> bool {
+        if awaiting {
+            self.held_until.get_or_insert(now + debounce.max_delay);
+            return false;
+        }
+        self.held_until = None;
+        true
+    }
+
+    /// The proxy answered, or its stream sent: whether a held push is due
+    /// now (none is awaited any more, or the bound has come by `now`).
+    pub fn due(&mut self, awaiting: bool, now: Instant) -> bool {
+        let due = self
+            .held_until
+            .is_some_and(|until| !awaiting || until <= now);
+        if due {
+            self.held_until = None;
+        }
+        due
+    }
+
+    /// When a held push goes out, answered or not.
+    pub fn held_until(&self) -> Option<Instant> {
+        self.held_until
+    }
+}
+
 /// A change for the debounce.
 #[derive(Debug)]
 pub enum Change {
@@ -176,6 +225,9 @@ pub struct Discovery {
     pub trust_domain: Option<String>,
     /// Bounds the pushes of all streams.
     pub throttle: Throttle,
+    /// How long changes are gathered; a held push ([`Coalesce`]) waits at
+    /// most its max delay.
+    pub debounce: Debounce,
 }
 
 impl Discovery {
@@ -215,6 +267,7 @@ impl Discovery {
             domain: domain.to_string(),
             trust_domain: trust_domain.map(str::to_string),
             throttle: Throttle::new(push_throttle),
+            debounce,
         });
         (me, run(rx, tx, debounce))
     }
@@ -278,7 +331,7 @@ impl Discovery {
             let is = r.is_withdrawn(&key);
             // Under the registry's lock: a stream computing its snapshot
             // after this sees both the endpoints and the withdrawal.
-            let tracked = self.withdrawals.progress(&key).is_some();
+            let tracked = self.withdrawals.is_withdrawn(&key);
             let track = is && !tracked && (deleting || !in_slices.is_empty());
             if track {
                 let p = self
@@ -617,6 +670,44 @@ mod tests {
         assert_eq!(throttle.most(), 3);
         assert_eq!((throttle.in_flight(), throttle.waiting()), (0, 0));
         assert_eq!(Throttle::new(0).limit(), 1, "never none at all");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_push_waits_for_the_answer_to_the_last_then_goes_once() {
+        let d = Debounce::default();
+        let mut c = Coalesce::default();
+        // Nothing awaited: at once, a lone change as much as any.
+        assert!(c.change(false, Instant::now(), d));
+        assert_eq!(c.held_until(), None);
+        // Awaited: held, and so is every change after it, into one push.
+        let t0 = Instant::now();
+        assert!(!c.change(true, t0, d));
+        for _ in 0..99 {
+            tokio::time::advance(Duration::from_millis(1)).await;
+            assert!(!c.change(true, Instant::now(), d));
+        }
+        assert_eq!(c.held_until(), Some(t0 + d.max_delay), "from the first");
+        assert!(!c.due(true, Instant::now()), "not answered yet");
+        // Answered: the one push goes, and nothing is held after it.
+        assert!(c.due(false, Instant::now()));
+        assert!(!c.due(false, Instant::now()), "once");
+        assert_eq!(c.held_until(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_push_goes_at_the_max_delay_if_the_proxy_never_answers() {
+        let d = Debounce::default();
+        let mut c = Coalesce::default();
+        let t0 = Instant::now();
+        assert!(!c.change(true, t0, d));
+        tokio::time::advance(d.max_delay - Duration::from_millis(1)).await;
+        assert!(!c.due(true, Instant::now()));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(c.due(true, Instant::now()), "at the bound, answered or not");
+        // The next change is held anew, from then.
+        let t1 = Instant::now();
+        assert!(!c.change(true, t1, d));
+        assert_eq!(c.held_until(), Some(t1 + d.max_delay));
     }
 
     #[test]

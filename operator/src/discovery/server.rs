@@ -26,7 +26,11 @@
 //! concerns the proxy recomputes its resources, and only the types whose
 //! version changed are sent (EDS alone when only endpoints changed; over
 //! delta, only the resources that changed). Pushes wait for a place in the
-//! [`super::push::Throttle`], across all streams.
+//! [`super::push::Throttle`], across all streams, and, per stream, for the
+//! proxy's answer to the last response ([`super::push::Coalesce`]): what
+//! concerns it meanwhile goes out as one push once it answers (or at the
+//! debounce's max delay at the latest), so a burst of withdrawals costs a
+//! proxy a push per round trip, not one each.
 
 use crate::pod_events::{PodEvents, Warning};
 use std::pin::Pin;
@@ -37,16 +41,17 @@ use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
 };
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, OptionFuture};
 use futures::{FutureExt, Stream, StreamExt};
 use remora_contract::discovery::NodeId;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Metrics;
 use super::delta::DeltaSession;
-use super::push::{Batch, Discovery};
+use super::push::{Batch, Coalesce, Discovery};
 use super::registry::PodKey;
 use super::resources::{self, Snapshot};
 use super::session::{AdsRequest, Push, Reply, Session, StreamSession};
@@ -379,13 +384,17 @@ impl<S: StreamSession> ProxyStream<S> {
             // statement would keep its room in the task), by a fn that
             // frees the request's box once it is moved into the future.
             let first = self.on_first(first);
+            // Pushes held while the proxy has not answered, and the timer
+            // of their bound (boxed: most streams hold none, most of the time).
+            let mut coalesce = Coalesce::default();
+            let mut bound: Option<Pin<Box<tokio::time::Sleep>>> = None;
             let end = match first.await {
                 Err(end) => end,
                 Ok(()) => loop {
                     // What a wake asks for is made inside `select!` and run
                     // after it, so nothing the wake brought (a request is
                     // ~600 bytes) stays in the task while it waits.
-                    let work: BoxFuture<'_, Result<(), End>> = tokio::select! {
+                    let work: Option<BoxFuture<'_, Result<(), End>>> = tokio::select! {
                         () = shutdown.cancelled() => {
                             break End::Status(Status::unavailable("the discovery server is shutting down"));
                         }
@@ -398,7 +407,7 @@ impl<S: StreamSession> ProxyStream<S> {
                                 // large, say) is said back to the proxy.
                                 break End::Status(status);
                             }
-                            Some(Ok(req)) => self.on_request(*req).boxed(),
+                            Some(Ok(req)) => Some(self.on_request(*req).boxed()),
                         },
                         c = batches.changed() => {
                             if c.is_err() {
@@ -410,12 +419,32 @@ impl<S: StreamSession> ProxyStream<S> {
                             if !missed && !batch.concerns(&self.pod, &self.snapshot.services) {
                                 continue;
                             }
-                            self.push().boxed()
+                            let awaiting = self.session.awaiting();
+                            coalesce
+                                .change(awaiting, Instant::now(), self.discovery.debounce)
+                                .then(|| self.push().boxed())
                         }
+                        () = async {
+                            match bound.as_mut() {
+                                Some(t) => t.as_mut().await,
+                                None => std::future::pending().await,
+                            }
+                        } => None,
                     };
-                    if let Err(end) = work.await {
+                    if let Some(Err(end)) = OptionFuture::from(work).await {
                         break end;
                     }
+                    // Answered (or the bound came): the held push goes.
+                    if coalesce.due(self.session.awaiting(), Instant::now())
+                        && let Err(end) = self.push().boxed().await
+                    {
+                        break end;
+                    }
+                    bound = match (coalesce.held_until(), bound.take()) {
+                        (None, _) => None,
+                        (Some(at), None) => Some(Box::pin(tokio::time::sleep_until(at))),
+                        (Some(_), running) => running,
+                    };
                 },
             };
             if let End::Status(s) = end {

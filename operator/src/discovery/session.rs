@@ -11,6 +11,9 @@
 //! - an ACK records the version; a NACK (an `error_detail`) is reported
 //!   with Envoy's message, bounded, and nothing is re-sent until the content
 //!   or the names asked for change (Envoy keeps its last good configuration);
+//! - until the last response of a type is answered (ACK or NACK), the
+//!   stream is awaiting ([`StreamSession::awaiting`]): the server holds its
+//!   pushes meanwhile ([`super::push::Coalesce`]);
 //! - the names asked for are a set (empty: all): each named resource is
 //!   sent once however often it is named, and names outside the proxy's
 //!   scope are not returned, only counted;
@@ -96,6 +99,11 @@ impl<T> ByType<T> {
 
     pub fn contains_key(&self, t: &str) -> bool {
         self.get(t).is_some()
+    }
+
+    /// Every type's state.
+    pub fn values(&self) -> impl Iterator<Item = &T> {
+        self.0.iter().map(|(_, v)| v)
     }
 
     /// Type `t`'s state, made if it has none yet.
@@ -185,6 +193,11 @@ pub trait StreamSession: Send + 'static {
     /// Whether the proxy holds resource `name` of type `t` once it applies
     /// what was last sent of that type.
     fn holds(&self, t: &str, name: &str) -> bool;
+
+    /// Whether a response sent has not been answered (ACKed or NACKed)
+    /// yet: the proxy has not applied it, and a push meanwhile is held
+    /// ([`super::push::Coalesce`]).
+    fn awaiting(&self) -> bool;
 }
 
 impl StreamSession for Session {
@@ -209,6 +222,10 @@ impl StreamSession for Session {
             .get(t)
             .and_then(|s| s.sent.as_ref())
             .is_some_and(|(_, names, _)| names.is_empty() || names.contains(name))
+    }
+
+    fn awaiting(&self) -> bool {
+        self.types.values().any(|s| s.unanswered)
     }
 }
 
@@ -256,6 +273,8 @@ struct TypeState {
     names: BTreeSet<String>,
     /// What was last sent: version, names, nonce.
     sent: Option<(String, BTreeSet<String>, String)>,
+    /// What was last sent has not been answered yet.
+    unanswered: bool,
     acked: Option<String>,
 }
 
@@ -294,6 +313,7 @@ impl Session {
         if !req.response_nonce.is_empty() {
             match &state.sent {
                 Some((version, _, nonce)) if *nonce == req.response_nonce => {
+                    state.unanswered = false;
                     reply = match &req.error_detail {
                         Some(e) => Reply::Nack {
                             version: version.clone(),
@@ -380,6 +400,7 @@ impl Session {
         };
         let nonce = self.nonces.fresh();
         state.sent = Some((typed.version.clone(), state.names.clone(), nonce.clone()));
+        state.unanswered = true;
         Some(Push {
             type_url: t,
             response: DiscoveryResponse {
@@ -505,6 +526,32 @@ mod tests {
         );
         assert_eq!(s.acked(CLUSTER), Some("v1"));
         assert!(s.push(&s2).is_empty(), "unchanged: nothing re-sent");
+    }
+
+    /// Awaiting until the last response of each type is answered, ACK or
+    /// NACK; an answer to an older one (stale) leaves it awaiting.
+    #[test]
+    fn the_stream_awaits_the_answer_to_its_last_response() {
+        let s1 = snapshot("v1", &["a"]);
+        let mut s = Session::new("p");
+        assert!(!StreamSession::awaiting(&s), "nothing sent");
+        s.on_request(req(CLUSTER, "", "", &[]), &s1).expect("ok");
+        assert!(StreamSession::awaiting(&s));
+        s.on_request(req(CLUSTER, "v1", "p-1", &[]), &s1)
+            .expect("ok");
+        assert!(!StreamSession::awaiting(&s), "ACKed");
+        let s2 = snapshot("v2", &["b"]);
+        assert_eq!(s.push(&s2).len(), 1);
+        s.on_request(req(CLUSTER, "v1", "p-1", &[]), &s2)
+            .expect("ok");
+        assert!(StreamSession::awaiting(&s), "a stale answer");
+        s.on_request(nack(CLUSTER, "v1", "p-2", "bad"), &s2)
+            .expect("ok");
+        assert!(!StreamSession::awaiting(&s), "NACKed");
+        // A resumed type holds what it would be sent: nothing awaited.
+        let mut s = Session::new("p");
+        s.on_request(req(CLUSTER, "v1", "", &[]), &s1).expect("ok");
+        assert!(!StreamSession::awaiting(&s));
     }
 
     #[test]

@@ -92,7 +92,8 @@ impl EdsView {
 /// One stream, as far as withdrawals go.
 #[derive(Debug)]
 struct Stream {
-    pod: PodKey,
+    /// Its proxy's pod, as a withdrawal names it pending (`namespace/name`).
+    name: Arc<str>,
     /// The number of its last EDS send.
     seq: u64,
     latest: EdsView,
@@ -115,6 +116,73 @@ enum Wait {
     Gone,
 }
 
+/// The streams one withdrawal waits for, with its counts and its pending
+/// streams' names kept as they change: where it stands is read at every
+/// confirmation, so reading it must not walk every stream (at 1,000
+/// subscribers, naming each of 1,000 at each of 1,000 confirmations of
+/// each withdrawn pod was most of the server's time).
+#[derive(Debug, Default)]
+struct Waits {
+    by_stream: BTreeMap<StreamId, Wait>,
+    confirmed: usize,
+    gone: usize,
+    /// The pending ones, by name.
+    pending: BTreeSet<(Arc<str>, StreamId)>,
+}
+
+impl Waits {
+    /// Stream `id`, named `name`, now stands at `wait`: what it stood at.
+    fn set(&mut self, id: StreamId, name: &Arc<str>, wait: Wait) -> Option<Wait> {
+        let before = self.by_stream.insert(id, wait);
+        match before {
+            Some(Wait::Confirmed) => self.confirmed -= 1,
+            Some(Wait::Gone) => self.gone -= 1,
+            Some(Wait::Pending { .. }) => {
+                self.pending.remove(&(Arc::clone(name), id));
+            }
+            None => {}
+        }
+        match wait {
+            Wait::Confirmed => self.confirmed += 1,
+            Wait::Gone => self.gone += 1,
+            Wait::Pending { .. } => {
+                self.pending.insert((Arc::clone(name), id));
+            }
+        }
+        before
+    }
+
+    fn get(&self, id: StreamId) -> Option<Wait> {
+        self.by_stream.get(&id).copied()
+    }
+
+    fn len(&self) -> usize {
+        self.by_stream.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.by_stream.is_empty()
+    }
+
+    fn streams(&self) -> impl Iterator<Item = &StreamId> {
+        self.by_stream.keys()
+    }
+
+    /// The first `max` names pending, sorted, each once.
+    fn pending_names(&self, max: usize) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for (name, _) in &self.pending {
+            if names.len() == max {
+                break;
+            }
+            if names.last().is_none_or(|last| **last != **name) {
+                names.push(name.to_string());
+            }
+        }
+        names
+    }
+}
+
 /// One withdrawn pod.
 #[derive(Debug)]
 struct Withdrawal {
@@ -122,7 +190,7 @@ struct Withdrawal {
     started: Instant,
     /// Proxies still pending then are given up on.
     deadline: Instant,
-    waits: BTreeMap<StreamId, Wait>,
+    waits: Waits,
     last_confirmed: Option<Instant>,
     done: bool,
     /// Done at the deadline, with proxies still pending.
@@ -184,7 +252,7 @@ impl Withdrawals {
         bound: Duration,
     ) -> Progress {
         self.restore(&pod);
-        let mut waits = BTreeMap::new();
+        let mut waits = Waits::default();
         for (id, s) in &mut self.streams {
             // The last send that holds it, of those the proxy may hold.
             let sent = std::iter::once((s.seq, &s.latest))
@@ -195,7 +263,7 @@ impl Withdrawals {
                 .map(|(n, _)| n)
                 .max()
             {
-                waits.insert(*id, Wait::Pending { last_with });
+                waits.set(*id, &s.name, Wait::Pending { last_with });
                 s.pending_for.insert(pod.clone());
             }
         }
@@ -208,7 +276,7 @@ impl Withdrawals {
             last_confirmed: None,
             timed_out: false,
         };
-        let progress = self.progress_of(&w);
+        let progress = progress_of(&w);
         self.pods.insert(pod, w);
         progress
     }
@@ -217,12 +285,12 @@ impl Withdrawals {
     /// watch): where it stood, if there was one.
     pub fn restore(&mut self, pod: &PodKey) -> Option<Progress> {
         let w = self.pods.remove(pod)?;
-        for id in w.waits.keys() {
+        for id in w.waits.streams() {
             if let Some(s) = self.streams.get_mut(id) {
                 s.pending_for.remove(pod);
             }
         }
-        Some(self.progress_of(&w))
+        Some(progress_of(&w))
     }
 
     /// Stream `id` (of pod `pod`'s proxy) sent EDS version `version`,
@@ -235,7 +303,7 @@ impl Withdrawals {
         view: EdsView,
     ) -> Vec<Changed> {
         let s = self.streams.entry(id).or_insert_with(|| Stream {
-            pod: pod.clone(),
+            name: format!("{}/{}", pod.namespace, pod.name).into(),
             seq: 0,
             latest: EdsView::default(),
             acked: None,
@@ -257,7 +325,7 @@ impl Withdrawals {
             if !view.holds_any(&w.addresses) {
                 continue;
             }
-            let before = w.waits.insert(id, Wait::Pending { last_with: seq });
+            let before = w.waits.set(id, &s.name, Wait::Pending { last_with: seq });
             s.pending_for.insert(p.clone());
             if !matches!(before, Some(Wait::Pending { .. })) {
                 // Past its deadline, the next expiry gives up on it again.
@@ -303,11 +371,10 @@ impl Withdrawals {
             let Some(w) = self.pods.get_mut(p) else {
                 continue;
             };
-            if let Some(wait) = w.waits.get_mut(&id)
-                && matches!(*wait, Wait::Pending { last_with } if seq > last_with)
+            if matches!(w.waits.get(id), Some(Wait::Pending { last_with }) if seq > last_with)
                 && !view.holds_any(&w.addresses)
             {
-                *wait = Wait::Confirmed;
+                w.waits.set(id, &s.name, Wait::Confirmed);
                 w.last_confirmed = Some(now);
                 confirmed.push(p.clone());
             }
@@ -329,9 +396,9 @@ impl Withdrawals {
         let mut touched = Vec::new();
         for p in s.pending_for {
             if let Some(w) = self.pods.get_mut(&p)
-                && let Some(wait) = w.waits.get_mut(&id)
+                && w.waits.get(id).is_some()
             {
-                *wait = Wait::Gone;
+                w.waits.set(id, &s.name, Wait::Gone);
                 touched.push(p);
             }
         }
@@ -379,7 +446,12 @@ impl Withdrawals {
 
     /// Where `pod`'s withdrawal stands, if it is withdrawn.
     pub fn progress(&self, pod: &PodKey) -> Option<Progress> {
-        Some(self.progress_of(self.pods.get(pod)?))
+        Some(progress_of(self.pods.get(pod)?))
+    }
+
+    /// Whether `pod` is withdrawn (its progress, without reading it).
+    pub fn is_withdrawn(&self, pod: &PodKey) -> bool {
+        self.pods.contains_key(pod)
     }
 
     /// Streams known (sent EDS at least once, not ended).
@@ -390,42 +462,26 @@ impl Withdrawals {
     /// `pod`'s withdrawal changed; done if nothing is pending and `may_settle`.
     fn changed(&mut self, pod: PodKey, may_settle: bool) -> Option<Changed> {
         let w = self.pods.get_mut(&pod)?;
-        let pending = w.waits.values().any(|x| matches!(x, Wait::Pending { .. }));
-        let settled = may_settle && !pending && !w.done;
+        let settled = may_settle && w.waits.pending.is_empty() && !w.done;
         w.done |= settled;
-        let progress = self.progress_of(self.pods.get(&pod)?);
+        let progress = progress_of(w);
         Some(Changed {
             pod,
             progress,
             settled,
         })
     }
+}
 
-    fn progress_of(&self, w: &Withdrawal) -> Progress {
-        let mut p = Progress {
-            expected: w.waits.len(),
-            done: w.done,
-            timed_out: w.timed_out,
-            last_confirmation: w.last_confirmed.map(|t| t.duration_since(w.started)),
-            ..Progress::default()
-        };
-        let mut names = BTreeSet::new();
-        for (id, wait) in &w.waits {
-            match wait {
-                Wait::Confirmed => p.confirmed += 1,
-                Wait::Gone => p.gone += 1,
-                Wait::Pending { .. } => {
-                    if let Some(s) = self.streams.get(id) {
-                        names.insert(format!("{}/{}", s.pod.namespace, s.pod.name));
-                    }
-                }
-            }
-        }
-        p.pending = names
-            .into_iter()
-            .take(MAX_WITHDRAWAL_PENDING_NAMES)
-            .collect();
-        p
+fn progress_of(w: &Withdrawal) -> Progress {
+    Progress {
+        expected: w.waits.len(),
+        confirmed: w.waits.confirmed,
+        gone: w.waits.gone,
+        pending: w.waits.pending_names(MAX_WITHDRAWAL_PENDING_NAMES),
+        done: w.done,
+        timed_out: w.timed_out,
+        last_confirmation: w.last_confirmed.map(|t| t.duration_since(w.started)),
     }
 }
 
@@ -617,6 +673,11 @@ impl Tracker {
     /// Where `pod`'s withdrawal stands, if it is withdrawn.
     pub fn progress(&self, pod: &PodKey) -> Option<Progress> {
         self.with(|w| w.progress(pod))
+    }
+
+    /// See [`Withdrawals::is_withdrawn`].
+    pub fn is_withdrawn(&self, pod: &PodKey) -> bool {
+        self.with(|w| w.is_withdrawn(pod))
     }
 
     /// Changes with each withdrawal's progress.
@@ -884,6 +945,85 @@ mod tests {
         // An ACK of a view without db-0 now confirms nothing.
         w.sent(2, &pod("c-2"), "v2", all(&eds(&[])));
         assert!(w.answered(2, "v2", true, t0).is_empty());
+    }
+
+    /// Pushes coalesced per stream: one send removes several withdrawn
+    /// pods, and its ACK confirms each of them.
+    #[test]
+    fn one_send_without_several_withdrawn_pods_confirms_them_all() {
+        let t0 = Instant::now();
+        let mut w = Withdrawals::default();
+        let c = "10.0.0.3";
+        w.sent(1, &pod("c-1"), "v1", all(&eds(&[("cart", &[A, B, c])])));
+        w.answered(1, "v1", true, t0);
+        for (p, ip) in [("cart-0", A), ("cart-1", B), ("cart-2", c)] {
+            assert_eq!(w.withdraw(pod(p), ips(&[ip]), t0, BOUND).expected, 1);
+        }
+        assert!(
+            w.sent(1, &pod("c-1"), "v2", all(&eds(&[("cart", &[])])))
+                .is_empty()
+        );
+        let done = w.answered(1, "v2", true, t0 + Duration::from_millis(7));
+        let pods: Vec<_> = done.iter().map(|c| c.pod.name.as_str()).collect();
+        assert_eq!(pods, ["cart-0", "cart-1", "cart-2"]);
+        assert!(done.iter().all(|c| c.settled && c.progress.confirmed == 1));
+    }
+
+    /// An ACK of an older send confirms only what that send removed, not
+    /// a pod that only a newer send (unanswered yet) removed.
+    #[test]
+    fn an_ack_of_an_older_send_confirms_only_what_it_removed() {
+        let t0 = Instant::now();
+        let mut w = Withdrawals::default();
+        w.sent(1, &pod("c-1"), "v1", all(&eds(&[("cart", &[A, B])])));
+        w.answered(1, "v1", true, t0);
+        w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
+        w.sent(1, &pod("c-1"), "v2", all(&eds(&[("cart", &[B])])));
+        w.withdraw(pod("cart-1"), ips(&[B]), t0, BOUND);
+        w.sent(1, &pod("c-1"), "v3", all(&eds(&[("cart", &[])])));
+        let c = w.answered(1, "v2", true, t0);
+        assert_eq!(c.len(), 1);
+        assert_eq!((c[0].pod.name.as_str(), c[0].settled), ("cart-0", true));
+        let p = w.progress(&pod("cart-1")).expect("withdrawn");
+        assert_eq!(
+            (p.confirmed, p.pending.as_slice()),
+            (0, &["shop/c-1".to_string()][..])
+        );
+        let c = w.answered(1, "v3", true, t0);
+        assert_eq!((c[0].pod.name.as_str(), c[0].settled), ("cart-1", true));
+    }
+
+    /// The counts and names kept as streams change, not recounted: two
+    /// streams of one pod (a reconnect) are named once and counted twice.
+    #[test]
+    fn counts_and_names_follow_each_stream() {
+        let t0 = Instant::now();
+        let mut w = Withdrawals::default();
+        let with = eds(&[("cart", &[A])]);
+        let without = eds(&[("cart", &[])]);
+        w.sent(1, &pod("c-1"), "v1", all(&with));
+        w.sent(2, &pod("c-1"), "v1", all(&with));
+        w.sent(3, &pod("c-0"), "v1", all(&with));
+        let p = w.withdraw(pod("cart-0"), ips(&[A]), t0, BOUND);
+        assert_eq!((p.expected, p.pending_count()), (3, 3));
+        assert_eq!(p.pending, ["shop/c-0", "shop/c-1"]);
+        w.sent(2, &pod("c-1"), "v2", all(&without));
+        let c = w.answered(2, "v2", true, t0);
+        let p = &c[0].progress;
+        assert_eq!((p.confirmed, p.pending_count()), (1, 2));
+        assert_eq!(p.pending, ["shop/c-0", "shop/c-1"], "c-1's other stream");
+        let p = &w.gone(1)[0].progress;
+        assert_eq!(
+            (p.confirmed, p.gone, p.pending.as_slice()),
+            (1, 1, &["shop/c-0".to_string()][..])
+        );
+        // Sent the pod again (computed before the withdrawal): pending anew.
+        let p = &w.sent(2, &pod("c-1"), "v1", all(&with))[0].progress;
+        assert_eq!(
+            (p.expected, p.confirmed, p.gone, p.pending_count()),
+            (3, 0, 1, 2)
+        );
+        assert_eq!(p.pending, ["shop/c-0", "shop/c-1"]);
     }
 
     #[test]
