@@ -167,26 +167,27 @@ fn check_sidecar(pod: &Pod, mode: &str) -> anyhow::Result<()> {
         "pod {name}: sidecar command {:?}",
         c.command
     );
-    // Both modes hold the app from the postStart hook; only Legacy drains
-    // from the sidecar's preStop (a native sidecar stops after the apps).
-    let hook = |h: Option<&k8s_openapi::api::core::v1::LifecycleHandler>| {
-        h.and_then(|h| h.exec.as_ref())
-            .and_then(|e| e.command.clone())
-            .unwrap_or_default()
-    };
-    let hooks = c.lifecycle.as_ref();
-    let post = hook(hooks.and_then(|l| l.post_start.as_ref()));
-    let pre = hook(hooks.and_then(|l| l.pre_stop.as_ref()));
-    ensure!(
-        post.get(..2) == Some(&["remora-agent".to_owned(), "wait".to_owned()][..]),
-        "pod {name}: {mode} sidecar's postStart {post:?}"
-    );
     match mode {
         "Legacy" => {
             ensure!(
                 place == "containers" && c.restart_policy.is_none(),
                 "pod {name}: Legacy sidecar in {place}, restartPolicy {:?}",
                 c.restart_policy
+            );
+            let hooks = c
+                .lifecycle
+                .as_ref()
+                .context("Legacy sidecar without hooks")?;
+            let cmd = |h: Option<&k8s_openapi::api::core::v1::LifecycleHandler>| {
+                h.and_then(|h| h.exec.as_ref())
+                    .and_then(|e| e.command.clone())
+                    .unwrap_or_default()
+            };
+            let post = cmd(hooks.post_start.as_ref());
+            let pre = cmd(hooks.pre_stop.as_ref());
+            ensure!(
+                post.get(..2) == Some(&["remora-agent".to_owned(), "wait".to_owned()][..]),
+                "pod {name}: postStart {post:?}"
             );
             ensure!(
                 pre.get(..2) == Some(&["remora-agent".to_owned(), "drain".to_owned()][..]),
@@ -200,8 +201,8 @@ fn check_sidecar(pod: &Pod, mode: &str) -> anyhow::Result<()> {
                 c.restart_policy
             );
             ensure!(
-                pre.is_empty(),
-                "pod {name}: Native sidecar's preStop {pre:?}"
+                c.startup_probe.is_some(),
+                "pod {name}: Native sidecar without a startupProbe"
             );
         }
     }

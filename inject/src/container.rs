@@ -123,35 +123,28 @@ pub fn proxy_container(cfg: &EffectiveConfig, mode: SidecarMode, deadline: Durat
         termination_message_policy: Some("FallbackToLogsOnError".into()),
         ..Default::default()
     };
-    // The kubelet starts the next container only once this hook has
-    // returned (a native sidecar's as a Legacy one's): that is what holds
-    // the application; `wait` polls readiness every HOLD_POLL. A native
-    // sidecar's startupProbe would hold it too, but it runs at most once a
-    // second and its first run comes before Envoy is ready: a second of
-    // start tax (README).
-    let hold = cfg.hold_application_until_proxy_starts.then(|| {
-        exec(&[
-            "remora-agent",
-            "wait",
-            "--timeout",
-            &startup_timeout,
-            "--period",
-            HOLD_POLL,
-        ])
-    });
     match mode {
         SidecarMode::Native => {
             c.restart_policy = Some("Always".into());
-            // No preStop: the kubelet stops a native sidecar only once the
-            // apps have exited; the apps' preStop hooks drain (patch.rs).
-            c.lifecycle = hold.map(|post_start| Lifecycle {
-                post_start: Some(post_start),
-                ..Default::default()
-            });
+            if cfg.hold_application_until_proxy_starts {
+                // The kubelet starts the next container only once this probe
+                // passes: its budget (period x threshold) is startup.timeout.
+                let secs = cfg.startup_timeout.as_secs().max(1);
+                c.startup_probe = Some(Probe {
+                    period_seconds: Some(1),
+                    timeout_seconds: Some(1),
+                    failure_threshold: Some(i32::try_from(secs).unwrap_or(i32::MAX)),
+                    ..ready_probe()
+                });
+            }
         }
         _ => {
             c.lifecycle = Some(Lifecycle {
-                post_start: hold,
+                // The kubelet runs the next container only after this hook
+                // returns: that is what holds the application.
+                post_start: cfg
+                    .hold_application_until_proxy_starts
+                    .then(|| exec(&["remora-agent", "wait", "--timeout", &startup_timeout])),
                 pre_stop: Some(exec(&["remora-agent", "drain", "--timeout", &d(deadline)])),
                 ..Default::default()
             });
@@ -325,11 +318,6 @@ pub(crate) fn env(name: &str, value: String) -> EnvVar {
         ..Default::default()
     }
 }
-
-/// How often the postStart hold checks readiness: each check is a local
-/// HTTP GET, and the wait between the sidecar turning ready and the check
-/// that sees it is start tax for the app (the agent's default is 200 ms).
-const HOLD_POLL: &str = "50ms";
 
 fn ready_probe() -> Probe {
     Probe {

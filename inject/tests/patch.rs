@@ -71,14 +71,7 @@ fn legacy_patch_gives_the_expected_pod() {
     );
     assert_eq!(
         c[0]["lifecycle"]["postStart"]["exec"]["command"],
-        json!([
-            "remora-agent",
-            "wait",
-            "--timeout",
-            "1m",
-            "--period",
-            "50ms"
-        ])
+        json!(["remora-agent", "wait", "--timeout", "1m"])
     );
     assert_eq!(
         c[0]["lifecycle"]["preStop"]["exec"]["command"],
@@ -140,7 +133,7 @@ fn legacy_patch_gives_the_expected_pod() {
 }
 
 #[test]
-fn native_goes_first_among_init_containers_and_holds_the_app_from_post_start() {
+fn native_goes_first_among_init_containers_with_a_startup_probe() {
     let ns = enabled();
     let mut c = cfg(SidecarMode::Auto);
     c.startup_timeout = Duration::from_secs(90);
@@ -150,20 +143,13 @@ fn native_goes_first_among_init_containers_and_holds_the_app_from_post_start() {
     assert_eq!(init[0]["name"], "remora-proxy");
     assert_eq!(init[0]["restartPolicy"], "Always");
     assert_eq!(init[1]["name"], "migrate");
-    // The hold is the postStart hook, as in Legacy: no startupProbe, whose
-    // one-second period would be the app's start tax, and no preStop.
-    assert!(init[0]["startupProbe"].is_null());
-    let hold = &init[0]["lifecycle"]["postStart"]["exec"]["command"];
-    assert_eq!(hold[0], "remora-agent");
-    assert_eq!(hold[1], "wait");
-    assert_eq!(hold[3], "1m30s", "startup.timeout bounds the hold: {hold}");
-    assert!(init[0]["lifecycle"]["preStop"].is_null());
+    let probe = &init[0]["startupProbe"];
+    assert_eq!(probe["httpGet"]["port"], 15021);
+    let budget = probe["periodSeconds"].as_i64().unwrap_or(0)
+        * probe["failureThreshold"].as_i64().unwrap_or(0);
+    assert_eq!(budget, 90);
+    assert!(init[0]["lifecycle"].is_null());
     assert_eq!(out["spec"]["containers"][0]["name"], "app");
-
-    // Without the hold: no hook at all.
-    c.hold_application_until_proxy_starts = false;
-    let (out, _, _) = apply(&pod(), &target("shop", &ns, true), &c);
-    assert!(out["spec"]["initContainers"][0]["lifecycle"].is_null());
 }
 
 #[test]

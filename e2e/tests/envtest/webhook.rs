@@ -142,10 +142,7 @@ async fn pods_come_back_injected_in_legacy_and_native_mode() -> anyhow::Result<(
     let (place, c) = sidecar(&native).context("Native pod not injected")?;
     assert_eq!(place, "initContainers");
     assert_eq!(c.restart_policy.as_deref(), Some("Always"));
-    // The app is held by the postStart hook, not a startupProbe.
-    assert!(c.startup_probe.is_none(), "{c:?}");
-    let hold = c.lifecycle.as_ref().and_then(|l| l.post_start.as_ref());
-    assert!(hold.and_then(|h| h.exec.as_ref()).is_some(), "{c:?}");
+    assert!(c.startup_probe.is_some(), "{c:?}");
     let spec = native.spec.as_ref().context("no spec")?;
     assert!(spec.containers.iter().all(|c| c.name != PROXY), "{spec:?}");
 
