@@ -27,6 +27,7 @@ use e2e::node::workload_ca::{
 use e2e::node::workloads::wait_deployment_rolled_out;
 use e2e::node::{self, Check, Node, Remora, TestNamespace, report};
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::authentication::v1::TokenReview;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -582,6 +583,26 @@ async fn the_ca_refuses_bad_input_and_says_why() -> anyhow::Result<()> {
             Some(_) => Check::NotYet("still there".into()),
         })
     })
+    .await?;
+    // The API server checks a bound token's pod through its own cache,
+    // which can lag the deletion a moment (a CI run saw the token still
+    // accepted): wait until the API server refuses it itself, so that the
+    // CA is judged on what the API server says.
+    let reviews = Api::<TokenReview>::all(client.clone());
+    wait_until(
+        DEADLINE,
+        "the API server to refuse the deleted pod's token",
+        || async {
+            let review: TokenReview = serde_json::from_value(serde_json::json!({
+                "spec": {"token": stale_token, "audiences": [TOKEN_AUDIENCE]}
+            }))?;
+            let got = reviews.create(&PostParams::default(), &review).await?;
+            Ok::<_, anyhow::Error>(match got.status.and_then(|s| s.authenticated) {
+                Some(true) => Check::NotYet("still authenticated".into()),
+                _ => Check::Done(()),
+            })
+        },
+    )
     .await?;
 
     let cases: Vec<(&str, Option<&str>, String, tonic::Code)> = vec![
