@@ -19,13 +19,13 @@ bash scripts/setup.sh
 
 if [[ "${1:-}" == --agent-only ]]; then
   # `cargo run`, not a path under target/: CARGO_TARGET_DIR may move it.
-  cargo build --locked --release -p remora-agent -p e2e --bins
+  cargo build --locked --release -p remora-agent -p remora-test-app -p e2e --bins
   exec cargo run --locked --release --quiet -p e2e --bin demo
 fi
 
 bash scripts/build-k8s.sh --node
 cargo build --locked --release -p remora-agent --bin remora-agent \
-  -p remora-operator --bin remora-operator -p e2e --bin test-app --bin node-demo
+  -p remora-operator --bin remora-operator -p remora-test-app --bin test-app -p e2e --bin node-demo
 
 was_up=0
 bash scripts/cluster.sh status 2>/dev/null | grep -q '^kubelet: running' && was_up=1

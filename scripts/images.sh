@@ -181,7 +181,7 @@ for img in "${WANT[@]}"; do
   case "$img" in
     agent) cargo_args+=(-p remora-agent --bin remora-agent) built+=(remora-agent) ;;
     operator) cargo_args+=(-p remora-operator --bin remora-operator) built+=(remora-operator) ;;
-    test-app) cargo_args+=(-p e2e --bin test-app) built+=(test-app) ;;
+    test-app) cargo_args+=(-p remora-test-app --bin test-app) built+=(test-app) ;;
   esac
 done
 if ((${#cargo_args[@]})); then

@@ -12,7 +12,7 @@
 //! - [`sample`]: [`Sample`], one request's record, and [`LoadSummary`].
 //! - [`load`]: [`Traffic`], [`Load`]s of each [`Kind`] at fixed addresses
 //!   side by side; requests go to the test app's routes
-//!   (`e2e/src/bin/test-app.rs`): `GET /`, `POST /echo`, `GET /slow?ms=N`
+//!   (`e2e/test-app/src/main.rs`): `GET /`, `POST /echo`, `GET /slow?ms=N`
 //!   and gRPC `grpc.health.v1.Health`.
 //! - [`balanced`]: a load balanced on the client side over changing
 //!   endpoints, plain or (m)TLS.

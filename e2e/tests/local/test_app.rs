@@ -1,4 +1,4 @@
-//! The test app (`e2e/src/bin/test-app.rs`) as the tests of this binary
+//! The test app (`e2e/test-app/src/main.rs`) as the tests of this binary
 //! start it: on a free loopback port, its stderr collected, ready once it
 //! says it listens.
 
@@ -23,7 +23,10 @@ impl App {
     /// Started with `HOSTNAME` `pod` (the name its answers carry) and `args`.
     pub async fn start(pod: &str, args: &[&str]) -> anyhow::Result<Self> {
         let port = remora_test_support::ports::free_port();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_test-app"))
+        // Another package's binary (remora-test-app): `cargo test
+        // --workspace` builds it beside this one.
+        let bin = remora_test_support::bins::sibling_bin("test-app")?;
+        let mut child = Command::new(bin)
             .args(["--port", &port.to_string(), "--address", "127.0.0.1"])
             .args(args)
             .env("HOSTNAME", pod)
