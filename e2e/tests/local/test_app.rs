@@ -23,8 +23,9 @@ impl App {
     /// Started with `HOSTNAME` `pod` (the name its answers carry) and `args`.
     pub async fn start(pod: &str, args: &[&str]) -> anyhow::Result<Self> {
         let port = remora_test_support::ports::free_port();
-        // Another package's binary (remora-test-app): `cargo test
-        // --workspace` builds it beside this one.
+        // Another package's binary (remora-test-app): its own integration
+        // test (e2e/test-app/tests/cli.rs) has `cargo test --workspace`
+        // build it beside this one.
         let bin = remora_test_support::bins::sibling_bin("test-app")?;
         let mut child = Command::new(bin)
             .args(["--port", &port.to_string(), "--address", "127.0.0.1"])
