@@ -8,7 +8,7 @@
 //!
 //! The kubelet is [`FakeKubelet`]: container states written to the API, no
 //! process runs. What the agent does with the annotation is
-//! `agent/tests/agent_envoy.rs`'s `stop_annotation_stops_envoy_and_exits_zero`;
+//! `agent/tests/local/agent_envoy.rs`'s `stop_annotation_stops_envoy_and_exits_zero`;
 //! the whole path with a real kubelet, to the Job's completion, is
 //! `e2e/tests/node_workloads.rs`'s `job_legacy` and `job_native`.
 

@@ -2,17 +2,15 @@
 //! rotation by rewrite and by `..data` symlink swap, and bad input.
 #![allow(clippy::unwrap_used)]
 
-mod support_sds;
-
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
+use crate::support_sds::*;
 use anyhow::Result;
 use prometheus_client::registry::Registry;
 use remora_agent::certs::file::FileSource;
 use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
-use support_sds::*;
 use tempfile::TempDir;
 use tokio_util::sync::CancellationToken;
 

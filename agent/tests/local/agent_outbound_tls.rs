@@ -3,16 +3,12 @@
 //! workload certificate (SDS `default`) and accepts only a server presenting
 //! that identity under `ROOTCA`; the server agent's `--inbound-tls` admits it.
 
-mod support;
-#[allow(clippy::duplicate_mod)]
-mod support_sds;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::support::*;
+use crate::support_sds::{Ca, write_certs};
 use remora_test_support::pki::WORKLOAD_ID;
-use support::*;
-use support_sds::{Ca, write_certs};
 
 const SERVER_ID: &str = "spiffe://cluster.local/ns/shop/sa/server";
 const OTHER_ID: &str = "spiffe://cluster.local/ns/shop/sa/impostor";

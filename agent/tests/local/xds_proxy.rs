@@ -5,12 +5,11 @@
 //! resync when it is back, and readiness waits for the first ACKs.
 #![allow(clippy::unwrap_used)]
 
-mod support_sds;
-
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::support_sds::{Ca, DEADLINE, Envoy, metric, wait_until};
 use anyhow::Result;
 use prometheus_client::registry::Registry;
 use remora_agent::certs::CertBundle;
@@ -23,7 +22,6 @@ use remora_test_support::xds_double::{
     CLUSTER_TYPE, LISTENER_TYPE, XdsDouble, static_cluster, tcp_listener,
 };
 use serde_json::json;
-use support_sds::{Ca, DEADLINE, Envoy, metric, wait_until};
 use tempfile::TempDir;
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;

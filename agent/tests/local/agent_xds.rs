@@ -4,16 +4,14 @@
 //! listener the server sent carries traffic.
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::{Agent, free_port};
 use remora_test_support::pki::Ca;
 use remora_test_support::wait::wait_until;
 use remora_test_support::xds_double::{
     CLUSTER_TYPE, LISTENER_TYPE, XdsDouble, static_cluster, tcp_listener,
 };
-use support::{Agent, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -114,7 +112,7 @@ async fn discovery_mode_gets_its_listener_through_the_agents_proxy() {
     );
     let metrics = tokio::task::spawn_blocking({
         let port = agent.ports.admin;
-        move || support::get(port, "/metrics").unwrap().body
+        move || crate::support::get(port, "/metrics").unwrap().body
     })
     .await
     .unwrap();

@@ -2,12 +2,12 @@
 //! issuance, renewal, CA outage, root change, bad token.
 #![allow(clippy::unwrap_used)]
 
-mod support_sds;
-
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support_sds::ca_double::{CaServer, TestCa};
+use crate::support_sds::*;
 use anyhow::Result;
 use prometheus_client::registry::Registry;
 use remora_agent::certs::CertBundle;
@@ -17,8 +17,6 @@ use remora_agent::certs::renewal::RenewPolicy;
 use remora_agent::config::KeyType;
 use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
-use support_sds::ca_double::{CaServer, TestCa};
-use support_sds::*;
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 

@@ -2,12 +2,10 @@
 //! readiness, crash restarts, the restart budget, quitquitquit, drains, hot
 //! restart, and that Envoy never outlives the agent.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use nix::sys::signal::Signal;
-use support::*;
 
 const STARTUP: Duration = Duration::from_secs(20);
 

@@ -3,10 +3,9 @@
 //! malformed requests, FetchSecrets, DeltaSecrets, file-* names, fan-out.
 #![allow(clippy::unwrap_used)]
 
-mod support_sds;
-
 use std::path::{Path, PathBuf};
 
+use crate::support_sds::*;
 use anyhow::{Result, anyhow};
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{Secret, secret};
 use envoy_types::pb::envoy::service::discovery::v3::{
@@ -20,7 +19,6 @@ use remora_agent::certs::file::FileSource;
 use remora_agent::readiness::Readiness;
 use remora_agent::sds::{self, SdsHandle};
 use remora_test_support::pki::serial_of_pem;
-use support_sds::*;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;

@@ -2,14 +2,10 @@
 //! --cert-dir DIR` terminates mTLS on its inbound listener with the workload
 //! certificate it serves to Envoy over SDS, and readiness waits for it.
 
-mod support;
-#[allow(clippy::duplicate_mod)]
-mod support_sds;
-
 use std::time::Duration;
 
-use support::*;
-use support_sds::{Ca, Leaf, connect_tls, connector, write_certs};
+use crate::support::*;
+use crate::support_sds::{Ca, Leaf, connect_tls, connector, write_certs};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::TlsConnector;
 

@@ -1,8 +1,6 @@
 //! Every shape of generated bootstrap is accepted by the real Envoy
 //! (`envoy --mode validate`).
 
-mod support;
-
 use clap::Parser;
 use remora_agent::bootstrap::{self, Extras};
 use remora_agent::config::{Cli, Command, RunConfig};
@@ -24,7 +22,7 @@ fn validate(b: &serde_json::Value) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("bootstrap.json");
     bootstrap::write(&path, b).expect("write");
-    let out = std::process::Command::new(support::envoy_bin().expect("Envoy binary"))
+    let out = std::process::Command::new(crate::support::envoy_bin().expect("Envoy binary"))
         .args(["--mode", "validate", "--log-level", "error", "-c"])
         .arg(&path)
         .output()

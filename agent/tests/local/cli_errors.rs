@@ -1,11 +1,9 @@
 //! Bad input: one clear line naming the culprit, a non-zero exit (2 for
 //! usage errors), never a panic.
 
-mod support;
-
 use std::process::{Command, Output};
 
-use support::*;
+use crate::support::*;
 
 fn run(args: &[&str]) -> Output {
     Command::new(agent_bin())
