@@ -73,7 +73,7 @@ async fn crds_refuse_invalid_external_services_with_readable_messages() -> anyho
                    "workloadSelector": {"matchLabels": {"app": "vm"}}}),
         ),
         // The schema takes 0s (the duration grammar of every resource);
-        // Envoy refuses it (operator/tests/discovery.rs, node_external.rs).
+        // Envoy refuses it (operator/tests/local/discovery.rs, node_external.rs).
         (
             "zero-timeout",
             json!({"hosts": ["z.example.com"], "ports": ports, "connectTimeout": "0s",
