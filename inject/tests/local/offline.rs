@@ -1,6 +1,6 @@
 //! Offline injection: golden files per workload kind and mode, idempotency,
 //! pass-through, and errors. Regenerate goldens with
-//! `REMORA_BLESS=1 cargo test -p remora-inject --test offline`.
+//! `REMORA_BLESS=1 cargo test -p remora-inject --test local offline::`.
 
 use std::path::{Path, PathBuf};
 
