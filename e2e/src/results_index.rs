@@ -123,9 +123,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: RELEASE,
         minutes: 2,
         measures: &[AGENT, CONTRACT, SERVE, "agent/benches/agent.rs"],
-        stale: Some(
-            "stale: measured at 5c458cc; the agent's reading of a native sidecar's mode (bdbd53f) changed after it, on the signal path only, which this bench does not take",
-        ),
+        stale: None,
     },
     Entry {
         files: &["sds.json"],
@@ -148,9 +146,7 @@ pub const ENTRIES: &[Entry] = &[
             SERVE,
             "operator/benches/injector.rs",
         ],
-        stale: Some(
-            "stale: measured at 5c458cc; a native sidecar's spec changed after it (4f5a669: a postStart hook instead of a startupProbe), on the Native reviews this bench makes",
-        ),
+        stale: None,
     },
     Entry {
         files: &["pod-store.json"],
@@ -292,9 +288,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/agentbench",
             "e2e/src/bin/agent-microbench.rs",
         ],
-        stale: Some(
-            "stale: measured at 5c458cc; the agent's reading of a native sidecar's mode (bdbd53f) changed after it, on the signal path of a native sidecar only, which this bench does not run",
-        ),
+        stale: None,
     },
     Entry {
         files: &["hostile.json"],
