@@ -172,7 +172,7 @@ pub const ENTRIES: &[Entry] = &[
             "operator/benches/support",
             "test-support/src/ads_requests.rs",
         ],
-        stale: Some(CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["discovery-push.json"],
@@ -180,7 +180,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: RELEASE,
         minutes: 5,
         measures: PUSH_BENCH,
-        stale: Some(CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["discovery-debounce.json"],
@@ -304,7 +304,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/hostile.rs",
             "e2e/src/bin/hostile-bench.rs",
         ],
-        stale: Some(CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["scale.json"],
