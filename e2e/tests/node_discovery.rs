@@ -486,6 +486,7 @@ impl Mesh {
 #[ignore = "needs the real node: REMORA_NODE_TESTS=1 cargo test -p e2e --test node_discovery -- --ignored (root, scripts/cluster.sh, scripts/images.sh)"]
 async fn three_clients_reach_every_replica_of_a_service_by_name() -> anyhow::Result<()> {
     let node = Node::for_test("node_discovery").await?;
+    let _operator = node.share_operator().await;
     let t0 = Instant::now();
     let client = node.client()?;
     let mesh = Mesh::start(node, &client, "discovery", &[], t0).await?;
@@ -623,6 +624,7 @@ async fn a_server_under_an_unexpected_service_account_is_refused() -> anyhow::Re
     use k8s_openapi::api::discovery::v1::EndpointSlice;
     use remora_contract::annotations::IDENTITIES;
     let node = Node::for_test("node_discovery").await?;
+    let _operator = node.share_operator().await;
     let t0 = Instant::now();
     let client = node.client()?;
     install(node, &client).await?;
@@ -863,6 +865,7 @@ async fn a_rolling_restart_of_the_callee_loses_nothing_with_quiet_period_zero() 
 {
     let test = "node_discovery rolling restart";
     let node = Node::for_test(test).await?;
+    let _operator = node.share_operator().await;
     let t0 = Instant::now();
     let client = node.client()?;
     let mesh = Mesh::start(
@@ -1055,6 +1058,8 @@ async fn calls_go_on_with_the_operator_scaled_to_zero_and_updates_resume_when_it
 -> anyhow::Result<()> {
     let test = "node_discovery operator down";
     let node = Node::for_test(test).await?;
+    // Every other test here waits while the operator is down.
+    let _operator = node.own_operator().await;
     let t0 = Instant::now();
     let client = node.client()?;
     let remora = install(node, &client).await?;
@@ -1331,6 +1336,7 @@ async fn a_legacy_jobs_sidecar_stops_within_a_second_of_the_app_exit_through_the
 -> anyhow::Result<()> {
     let test = "node_discovery legacy job stop";
     let node = Node::for_test(test).await?;
+    let _operator = node.share_operator().await;
     let t0 = Instant::now();
     let client = node.client()?;
     install(node, &client).await?;
@@ -1546,6 +1552,7 @@ async fn ten_replicas_called_by_mesh_clients_are_withdrawn_confirmed_in_a_rollou
 -> anyhow::Result<()> {
     let test = "node_discovery confirmed removal, 10 replicas";
     let node = Node::for_test(test).await?;
+    let _operator = node.share_operator().await;
     let t0 = Instant::now();
     let client = node.client()?;
     install(node, &client).await?;
@@ -1694,6 +1701,7 @@ async fn a_frozen_subscriber_is_waited_for_at_most_the_withdrawal_timeout_and_na
 -> anyhow::Result<()> {
     let test = "node_discovery frozen subscriber";
     let node = Node::for_test(test).await?;
+    let _operator = node.share_operator().await;
     let t0 = Instant::now();
     let client = node.client()?;
     install(node, &client).await?;

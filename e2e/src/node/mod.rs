@@ -202,6 +202,29 @@ pub struct Node {
 
 static SHARED: OnceCell<Result<Node, Arc<Error>>> = OnceCell::const_new();
 
+/// The operator the tests of one process share. A test that takes it away
+/// (scales it to 0) holds it exclusively; every other test that relies on
+/// it holds it shared: none sees an outage another test made (a drain
+/// that starts while its stream reconnects falls back to the quiet
+/// period). Test binaries run one after another, so one process is all.
+static OPERATOR: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Held for as long as a test relies on the operator staying up
+/// ([`Node::share_operator`]) or takes it down ([`Node::own_operator`]).
+#[must_use = "the operator is shared only while the guard lives"]
+pub struct OperatorGuard {
+    _held: OperatorHold,
+}
+
+enum OperatorHold {
+    Shared {
+        _guard: tokio::sync::RwLockReadGuard<'static, ()>,
+    },
+    Exclusive {
+        _guard: tokio::sync::RwLockWriteGuard<'static, ()>,
+    },
+}
+
 impl Node {
     /// The node for a test. Node tests are `#[ignore]`d with their reason,
     /// so a plain `cargo test` lists them as ignored; one asked for
@@ -213,6 +236,26 @@ impl Node {
             return Err(Error::NotEnabled(test.to_string()));
         }
         Self::shared().await
+    }
+
+    /// For a test that relies on the operator staying up: waits while a
+    /// test that takes it down runs.
+    pub async fn share_operator(&self) -> OperatorGuard {
+        OperatorGuard {
+            _held: OperatorHold::Shared {
+                _guard: OPERATOR.read().await,
+            },
+        }
+    }
+
+    /// For a test that takes the operator down: waits until no other test
+    /// relies on it, and keeps them waiting until the guard is dropped.
+    pub async fn own_operator(&self) -> OperatorGuard {
+        OperatorGuard {
+            _held: OperatorHold::Exclusive {
+                _guard: OPERATOR.write().await,
+            },
+        }
     }
 
     /// Once per process: `bash scripts/cluster.sh up` (a no-op when the node
