@@ -58,6 +58,27 @@ pub fn overload(path: &Path) -> (Value, Value) {
     (monitor, action)
 }
 
+/// Whether Envoy's monitor can start: it takes an inotify instance of its
+/// own, and Envoy aborts at start when it gets none (every sidecar on a
+/// node runs as the same user, and the kernel caps instances per user:
+/// `fs.inotify.max_user_instances`, 128 by default). Tried by opening one
+/// and closing it at once (without watches, the close waits for nothing).
+/// Without the monitor Envoy starts (said at each start), and a drain no
+/// longer closes idle keep-alive connections before Envoy stops.
+pub fn monitor_can_start() -> bool {
+    match inotify::Inotify::init() {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                "no inotify instance to spare for Envoy's idle-close monitor (raise fs.inotify.max_user_instances on the node): \
+                 Envoy starts without it, and a drain no longer closes idle keep-alive connections before Envoy stops"
+            );
+            false
+        }
+    }
+}
+
 /// The overload manager's refresh interval.
 pub fn refresh_interval() -> Value {
     json!(format!("{}s", REFRESH.as_secs_f64()))

@@ -167,8 +167,7 @@ type DrainFuture = Pin<Box<dyn std::future::Future<Output = DrainReport> + Send>
 impl Supervisor {
     /// `stopping` is cancelled when Envoy's final stop begins: what serves
     /// Envoy or watches the agent's inputs can end then, while Envoy shuts
-    /// down, instead of after it (closing an inotify instance alone waits for
-    /// a kernel grace period).
+    /// down, instead of after it.
     pub fn new(
         cfg: Arc<RunConfig>,
         envoy_bin: PathBuf,
@@ -232,7 +231,8 @@ impl Supervisor {
             Some(p) => Some(bootstrap::read_override(p)?),
             None => None,
         };
-        let idle_close = self.live.current_quiet().0.can_wait();
+        let idle_close =
+            self.live.current_quiet().0.can_wait() && crate::envoy::idle_close::monitor_can_start();
         bootstrap::generate(&self.cfg, &self.extras, ov.as_ref(), idle_close)
     }
 
@@ -612,6 +612,7 @@ impl Supervisor {
             }
             Action::Stop { grace } => {
                 self.stopping.cancel();
+                crate::mounted_wake::release();
                 self.stop_all(grace).await;
             }
             Action::Exit(reason) => return Some(reason),
