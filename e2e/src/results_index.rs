@@ -103,11 +103,9 @@ const NODE_BENCH: &[&str] = &[
 ];
 const ISTIOD_STALE: &str = "stale: a side-by-side with Istio's pilot-discovery kept as a README history row, not regenerated this session";
 
-/// Code a file measures changed after its run: confirmed removal's agent side
-/// and server bound (issue 30) and the agent's exit, drain and link changes
-/// (issue 32) landed together, and the session's time went to agent-microbench
-/// and the CI run.
-const CHANGED_AFTER: &str = "stale: issue 30's withdrawal wait (agent drain, server bound, the new knob) and issue 32's agent exit and link changes landed after the run; not regenerated this session";
+/// The agent's one inotify instance (ac102cf) landed after the run.
+const INOTIFY_CHANGE: &str =
+    "stale: the agent's one inotify instance (ac102cf) landed after the run; regenerated next";
 
 const RELEASE: &[Need] = &[Need::Release];
 const NODE: &[Need] = &[Need::Node, Need::Release];
@@ -123,7 +121,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: RELEASE,
         minutes: 2,
         measures: &[AGENT, CONTRACT, SERVE, "agent/benches/agent.rs"],
-        stale: None,
+        stale: Some(INOTIFY_CHANGE),
     },
     Entry {
         files: &["sds.json"],
@@ -288,7 +286,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/agentbench",
             "e2e/src/bin/agent-microbench.rs",
         ],
-        stale: None,
+        stale: Some(INOTIFY_CHANGE),
     },
     Entry {
         files: &["hostile.json"],
@@ -304,7 +302,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/hostile.rs",
             "e2e/src/bin/hostile-bench.rs",
         ],
-        stale: None,
+        stale: Some(INOTIFY_CHANGE),
     },
     Entry {
         files: &["scale.json"],
@@ -338,7 +336,7 @@ pub const ENTRIES: &[Entry] = &[
             CHART,
             "e2e/src/bin/ca-bench.rs",
         ],
-        stale: Some(CHANGED_AFTER),
+        stale: None,
     },
     Entry {
         files: &["node.json"],
@@ -378,9 +376,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/withdrawal_rollout.rs",
             "e2e/src/bin/node-bench.rs",
         ],
-        stale: Some(
-            "stale: measured on its branch at 30db507 (cross-replica confirmation); the native-sidecar signal change (a signal with no drain under way, which these callees' app-hook drains never meet) was merged with it after the run; a 5-min run on the node",
-        ),
+        stale: Some(INOTIFY_CHANGE),
     },
     Entry {
         files: &["lifecycle-node.json"],
