@@ -103,10 +103,6 @@ const NODE_BENCH: &[&str] = &[
 ];
 const ISTIOD_STALE: &str = "stale: a side-by-side with Istio's pilot-discovery kept as a README history row, not regenerated this session";
 
-/// The agent's one inotify instance (ac102cf) landed after the run.
-const INOTIFY_CHANGE: &str =
-    "stale: the agent's one inotify instance (ac102cf) landed after the run; regenerated next";
-
 const RELEASE: &[Need] = &[Need::Release];
 const NODE: &[Need] = &[Need::Node, Need::Release];
 const NODE_ISTIO: &[Need] = &[Need::Node, Need::IstioPeers, Need::Release];
@@ -121,7 +117,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: RELEASE,
         minutes: 2,
         measures: &[AGENT, CONTRACT, SERVE, "agent/benches/agent.rs"],
-        stale: Some(INOTIFY_CHANGE),
+        stale: None,
     },
     Entry {
         files: &["sds.json"],
@@ -286,7 +282,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/agentbench",
             "e2e/src/bin/agent-microbench.rs",
         ],
-        stale: Some(INOTIFY_CHANGE),
+        stale: None,
     },
     Entry {
         files: &["hostile.json"],
@@ -302,7 +298,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/hostile.rs",
             "e2e/src/bin/hostile-bench.rs",
         ],
-        stale: Some(INOTIFY_CHANGE),
+        stale: None,
     },
     Entry {
         files: &["scale.json"],
@@ -355,9 +351,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: NODE,
         minutes: 10,
         measures: NODE_BENCH,
-        stale: Some(
-            "stale: the harness's waits moved to remora-test-support after the run (node-bench's own code; the measured components are unchanged since); a run takes about 18 min on the node",
-        ),
+        stale: None,
     },
     Entry {
         files: &["withdrawal-node.json"],
@@ -376,7 +370,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/withdrawal_rollout.rs",
             "e2e/src/bin/node-bench.rs",
         ],
-        stale: Some(INOTIFY_CHANGE),
+        stale: None,
     },
     Entry {
         files: &["lifecycle-node.json"],

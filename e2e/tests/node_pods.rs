@@ -470,10 +470,26 @@ async fn deployment(mode: &str) -> anyhow::Result<()> {
     for pod in &running {
         check_sidecar(pod, mode)?;
         let (agent, envoy) = sidecar_pids(pod)?;
+        // Every sidecar on a node runs as one user, and the kernel allows
+        // a user 128 inotify instances by default: the agent shares one
+        // among its watchers, Envoy's idle-close monitor takes one.
+        let instances = (
+            pods::inotify_instances(agent)?,
+            pods::inotify_instances(envoy)?,
+        );
         report(&format!(
-            "  {mode}: pod {}: sidecar runs remora-agent (pid {agent}) and Envoy (pid {envoy})",
-            pod_name(pod)
+            "  {mode}: pod {}: sidecar runs remora-agent (pid {agent}) and Envoy (pid {envoy}); inotify instances: agent {}, Envoy {}",
+            pod_name(pod),
+            instances.0,
+            instances.1
         ));
+        ensure!(
+            instances.0 == 1 && instances.1 <= 1,
+            "pod {}: inotify instances agent {}, Envoy {}: at most 1 each",
+            pod_name(pod),
+            instances.0,
+            instances.1
+        );
         holds.push(check_hold(&client, ns.name(), pod).await?);
     }
 

@@ -96,6 +96,20 @@ pub fn pod_processes(pod_uid: &str) -> Result<Vec<PodProcess>, Error> {
     Ok(found)
 }
 
+/// The inotify instances process `pid` holds: its descriptors on
+/// `anon_inode:inotify`. The kernel caps them per user
+/// (`fs.inotify.max_user_instances`) and every sidecar on a node runs as
+/// the same user.
+pub fn inotify_instances(pid: i32) -> Result<usize, Error> {
+    let dir = format!("/proc/{pid}/fd");
+    let fds = std::fs::read_dir(&dir).map_err(|e| Error::io(format!("reading {dir}"), e))?;
+    Ok(fds
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter(|l| l.as_os_str() == "anon_inode:inotify")
+        .count())
+}
+
 /// When process `pid` was created, from `/proc/PID/stat` (clock ticks
 /// since boot) and `/proc/uptime`: 10 ms resolution, where container
 /// `startedAt` has whole seconds.
