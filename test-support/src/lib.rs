@@ -3,7 +3,8 @@
 //! atomic volume writer, locating Envoy and sibling binaries, waiting with
 //! a deadline, inline label/annotation maps, an app that names itself, the webhook's HTTPS client,
 //! an HTTP/2-over-TLS connection from a chosen source address, an xDS
-//! server double and the ADS requests of a simulated Envoy, and a raised open-file limit for benches.
+//! server double and the ADS requests of a simulated Envoy, a raised open-file limit for benches,
+//! and a process's inotify instances.
 //!
 //! Only ever a dev-dependency (or a dependency of the unpublished e2e
 //! crate): it sits below `remora-agent` and `remora-operator` and must not
@@ -13,6 +14,7 @@
 pub mod ads_requests;
 pub mod bins;
 pub mod h2_client;
+pub mod inotify;
 pub mod jwt;
 pub mod kubelet;
 pub mod maps;

@@ -682,11 +682,9 @@ fn istios_termination_drain_of_zero_is_honoured() {
 /// inotify watches held by this process (an Envoy's idle-close monitor
 /// holds one on the run directory).
 fn inotify_fds(pid: i32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
+    remora_test_support::inotify::descriptors(&pid.to_string())
         .expect("fd dir")
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|l| l.to_string_lossy() == "anon_inode:inotify")
-        .count()
+        .len()
 }
 
 /// A termination drain of 0 never waits, so Envoy runs without the

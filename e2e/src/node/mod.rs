@@ -209,22 +209,6 @@ static SHARED: OnceCell<Result<Node, Arc<Error>>> = OnceCell::const_new();
 /// period). Test binaries run one after another, so one process is all.
 static OPERATOR: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
-/// Held for as long as a test relies on the operator staying up
-/// ([`Node::share_operator`]) or takes it down ([`Node::own_operator`]).
-#[must_use = "the operator is shared only while the guard lives"]
-pub struct OperatorGuard {
-    _held: OperatorHold,
-}
-
-enum OperatorHold {
-    Shared {
-        _guard: tokio::sync::RwLockReadGuard<'static, ()>,
-    },
-    Exclusive {
-        _guard: tokio::sync::RwLockWriteGuard<'static, ()>,
-    },
-}
-
 impl Node {
     /// The node for a test. Node tests are `#[ignore]`d with their reason,
     /// so a plain `cargo test` lists them as ignored; one asked for
@@ -238,24 +222,16 @@ impl Node {
         Self::shared().await
     }
 
-    /// For a test that relies on the operator staying up: waits while a
-    /// test that takes it down runs.
-    pub async fn share_operator(&self) -> OperatorGuard {
-        OperatorGuard {
-            _held: OperatorHold::Shared {
-                _guard: OPERATOR.read().await,
-            },
-        }
+    /// For a test that relies on the operator staying up, for as long as
+    /// it holds the guard: waits while a test that takes it down runs.
+    pub async fn share_operator(&self) -> tokio::sync::RwLockReadGuard<'static, ()> {
+        OPERATOR.read().await
     }
 
     /// For a test that takes the operator down: waits until no other test
     /// relies on it, and keeps them waiting until the guard is dropped.
-    pub async fn own_operator(&self) -> OperatorGuard {
-        OperatorGuard {
-            _held: OperatorHold::Exclusive {
-                _guard: OPERATOR.write().await,
-            },
-        }
+    pub async fn own_operator(&self) -> tokio::sync::RwLockWriteGuard<'static, ()> {
+        OPERATOR.write().await
     }
 
     /// Once per process: `bash scripts/cluster.sh up` (a no-op when the node

@@ -101,13 +101,9 @@ pub fn pod_processes(pod_uid: &str) -> Result<Vec<PodProcess>, Error> {
 /// (`fs.inotify.max_user_instances`) and every sidecar on a node runs as
 /// the same user.
 pub fn inotify_instances(pid: i32) -> Result<usize, Error> {
-    let dir = format!("/proc/{pid}/fd");
-    let fds = std::fs::read_dir(&dir).map_err(|e| Error::io(format!("reading {dir}"), e))?;
-    Ok(fds
-        .flatten()
-        .filter_map(|e| std::fs::read_link(e.path()).ok())
-        .filter(|l| l.as_os_str() == "anon_inode:inotify")
-        .count())
+    remora_test_support::inotify::descriptors(&pid.to_string())
+        .map(|d| d.len())
+        .map_err(|e| Error::io(format!("reading /proc/{pid}/fd"), e))
 }
 
 /// When process `pid` was created, from `/proc/PID/stat` (clock ticks
