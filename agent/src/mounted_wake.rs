@@ -149,18 +149,13 @@ impl Hub {
     }
 }
 
-/// A wake's share of the [`Hub`]: its events, and where to add watches.
-struct Subscription {
-    events: broadcast::Receiver<Seen>,
-    hub: &'static Hub,
-}
-
 /// Wakes a poll loop at its period, or sooner on a change.
 pub struct MountedWake {
     poll: Duration,
     /// `None`: inotify is not available here or failed; the loop polls
     /// only.
-    inotify: Option<Subscription>,
+    events: Option<broadcast::Receiver<Seen>>,
+    hub: Option<&'static Hub>,
     /// Each directory, and its watch once added.
     dirs: Vec<(PathBuf, Option<WatchDescriptor>)>,
     max_settle: Duration,
@@ -187,15 +182,14 @@ impl MountedWake {
                 dirs.push((dir, None));
             }
         }
-        let inotify = hub.and_then(|hub| {
-            Some(Subscription {
-                events: hub.events.upgrade()?.subscribe(),
-                hub,
-            })
-        });
+        let events = hub
+            .and_then(|h| h.events.upgrade())
+            .map(|tx| tx.subscribe());
+        let hub = events.as_ref().and(hub);
         let mut wake = Self {
             poll,
-            inotify,
+            events,
+            hub,
             dirs,
             max_settle: MAX_SETTLE,
         };
@@ -207,9 +201,7 @@ impl MountedWake {
     /// is tried again at the next wake). A directory another wake watches
     /// already gets the same watch back.
     fn add_watches(&mut self) {
-        let Some(Subscription { hub, .. }) = self.inotify else {
-            return;
-        };
+        let Some(hub) = self.hub else { return };
         if self.dirs.iter().all(|(_, wd)| wd.is_some()) {
             return;
         }
@@ -229,7 +221,7 @@ impl MountedWake {
 
     /// Whether every directory is watched: then only events and the poll wake.
     pub fn watching(&self) -> bool {
-        self.inotify.is_some() && self.dirs.iter().all(|(_, wd)| wd.is_some())
+        self.events.is_some() && self.dirs.iter().all(|(_, wd)| wd.is_some())
     }
 
     /// Returns at the next poll, or once a watched directory saw a change
@@ -239,8 +231,8 @@ impl MountedWake {
         let deadline = Instant::now() + self.poll;
         let max_settle = self.max_settle;
         let dirs = &self.dirs;
-        let woken = match &mut self.inotify {
-            Some(Subscription { events, .. }) => {
+        let woken = match &mut self.events {
+            Some(events) => {
                 let event = async {
                     let mut burst = take(events, dirs).await?;
                     let settled_by = Instant::now() + max_settle;
@@ -272,7 +264,8 @@ impl MountedWake {
             }
             // The reader thread is gone (it said why): poll only.
             Some(Err(_)) => {
-                self.inotify = None;
+                self.events = None;
+                self.hub = None;
             }
             None => {}
         }
@@ -456,6 +449,14 @@ mod tests {
     /// Held by the tests that count the process's inotify instances.
     static COUNTING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+    fn inotify_instances() -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .expect("/proc/self/fd")
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l.as_os_str() == "anon_inode:inotify")
+            .count()
+    }
+
     /// However many wakes there are, the process holds one inotify
     /// instance, and each wake keeps to its own directories' events.
     #[tokio::test]
@@ -478,7 +479,7 @@ mod tests {
         assert!(wake_a.watching() && wake_b.watching());
         assert!(more.iter().all(MountedWake::watching));
         // The process's own, and the released one of the test below.
-        assert!(inotify_fds().len() <= 2, "one instance for 10 wakes");
+        assert!(inotify_instances() <= 2, "one instance for 10 wakes");
 
         std::fs::write(&path_a, "a2").expect("write");
         assert_eq!(woken(&mut wake_a, &mut files_a).await, b"a2");
@@ -493,12 +494,24 @@ mod tests {
         assert_eq!(woken(&mut wake_b, &mut files_b).await, b"b2");
     }
 
-    fn inotify_fds() -> Vec<PathBuf> {
-        remora_test_support::inotify::descriptors("self").expect("/proc/self/fd")
+    /// Watches in the kernel of the inotify instance behind descriptor `fd`.
+    fn kernel_watches(fd: &Path) -> usize {
+        let info = fd.to_string_lossy().replace("/fd/", "/fdinfo/");
+        std::fs::read_to_string(info)
+            .expect("fdinfo")
+            .lines()
+            .filter(|l| l.starts_with("inotify wd:"))
+            .count()
     }
 
-    fn kernel_watches(fd: &Path) -> usize {
-        remora_test_support::inotify::watches(fd).expect("fdinfo")
+    fn inotify_fds() -> Vec<PathBuf> {
+        std::fs::read_dir("/proc/self/fd")
+            .expect("/proc/self/fd")
+            .filter_map(|e| {
+                let p = e.ok()?.path();
+                (std::fs::read_link(&p).ok()?.as_os_str() == "anon_inode:inotify").then_some(p)
+            })
+            .collect()
     }
 
     /// Released (Envoy's final stop), the watches leave the kernel, so the
