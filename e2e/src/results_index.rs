@@ -486,7 +486,9 @@ pub fn freshness(root: &Path, entry: &Entry) -> Result<Freshness, Error> {
 }
 
 /// [`freshness`] of a results document `doc` (named `file`) that measures
-/// `measures`, against the history of the checkout at `root`.
+/// `measures`, against the history of the checkout at `root`: stale when
+/// a commit since the measured one touched those paths and left them
+/// different.
 pub fn judge(root: &Path, file: &str, doc: &Value, measures: &[&str]) -> Result<Freshness, Error> {
     for key in ["command", "commit", "date", "machine_before"] {
         if doc.get(key).is_none_or(Value::is_null) {
@@ -524,6 +526,13 @@ pub fn judge(root: &Path, file: &str, doc: &Value, measures: &[&str]) -> Result<
         });
     }
     if log.is_empty() {
+        return Ok(Freshness::Fresh);
+    }
+    // Commits that touched the paths and left them as measured (a change
+    // and its revert) change nothing the file measured.
+    let mut diff = vec!["diff", "--quiet", commit, "HEAD", "--"];
+    diff.extend(measures);
+    if let (true, _) = git(root, &diff)? {
         return Ok(Freshness::Fresh);
     }
     let lines: Vec<&str> = log.lines().collect();

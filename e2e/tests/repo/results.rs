@@ -117,6 +117,53 @@ fn a_file_is_judged_by_its_stamp_and_the_history_of_its_paths() {
     ));
 }
 
+/// A change to measured code and its revert leave a file fresh; a change
+/// that stays makes it stale (in a repository made here, so HEAD's own
+/// history does not decide).
+#[test]
+fn a_change_and_its_revert_leave_a_file_fresh() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .current_dir(root)
+            .args([
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@t",
+                "-c",
+                "commit.gpgsign=false",
+            ])
+            .args(args)
+            .output()
+            .expect("git");
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let commit = |text: &str| {
+        std::fs::write(root.join("code.rs"), text).expect("write");
+        git(&["add", "code.rs"]);
+        git(&["commit", "-q", "-m", text]);
+        git(&["rev-parse", "HEAD"])
+    };
+    git(&["init", "-q"]);
+    let measured = commit("one");
+    let doc = serde_json::json!({
+        "command": "x", "commit": measured, "dirty": false,
+        "date": "2026-01-01T00:00:00Z", "machine_before": {"cores": 2},
+    });
+    let judge = || results_index::judge(root, "x.json", &doc, &["code.rs"]).expect("judged");
+    commit("two");
+    assert!(matches!(judge(), Freshness::Stale(why) if why.contains("touched code.rs")));
+    commit("one");
+    assert_eq!(judge(), Freshness::Fresh, "changed and changed back");
+}
+
 #[test]
 fn the_readme_quotes_the_table_as_bench_all_lists_it() {
     let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
