@@ -8,12 +8,19 @@
 //! the `remora.v1.PodAnnotations` type, the file the fallback).
 //!
 //! - **startup**: pod create → Ready, the test app alone (`remora.dev/inject:
-//!   "false"`) and with a Legacy and a Native sidecar, interleaved pod by pod
-//!   so the three see the same machine; the tax is the sidecar's p50/p99
-//!   minus the bare pod's.
+//!   "false"`), with a Legacy and a Native sidecar, and (`--istio`, the
+//!   default) with Istio's real pilot-agent as its template injects it
+//!   (`e2e::node::istio`: `istio-defaults`, a native sidecar gated by its
+//!   startupProbe, and `istio-legacy-hold`, a regular container held by
+//!   `holdApplicationUntilProxyStarts`), interleaved pod by pod so all see
+//!   the same machine; the tax is the sidecar's p50/p99 minus the bare pod's.
 //! - **jobs**: a Job's app container exits → its pod `Succeeded` (and the
-//!   Job `Complete`), Legacy (the controller's stop request) and Native (the
-//!   kubelet stops the sidecar).
+//!   Job `Complete`), Legacy (the controller's stop request), Native (the
+//!   kubelet stops the sidecar) and `istio-defaults` (Istio's native
+//!   sidecar, stopped by the kubelet the same way). Istio's regular-container
+//!   sidecar is left out: its Job never completes unless the app calls
+//!   `/quitquitquit` (Istio's documented workaround), which is the app's
+//!   work, not the sidecar's.
 //! - **retune**: a `SidecarLifecycle` edit → every running agent's
 //!   `/debug/config` reports the new drain duration, with no restart.
 //! - **convergence** (`on` only; its own results file): a server pod of a
@@ -44,13 +51,14 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use e2e::eds_convergence::{self as conv, RemoraMesh, SizeResult, Watchers};
+use e2e::node::istio;
 use e2e::node::port_forward::PortForward;
 use e2e::node::{self, Check, Node, TestNamespace};
 use e2e::stats::Summary;
 use e2e::traffic::Traffic;
 use e2e::withdrawal_rollout as wr;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec};
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
     PostParams,
@@ -100,6 +108,10 @@ struct Args {
     /// How often the API (or the agent) is polled.
     #[arg(long, value_parser = remora_contract::duration::parse, default_value = "20ms")]
     poll: Duration,
+    /// Istio's sidecar (pilot-agent, image from `scripts/images.sh
+    /// istio-proxy`) beside Remora's in the startup and Job rows.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    istio: bool,
     #[arg(long, default_value = "bench/results/node.json")]
     out: PathBuf,
     /// Subscribed client sidecars for the convergence, in order.
@@ -212,7 +224,8 @@ fn app_pod(name: &str, variant: Option<&str>, app_args: &[&str], restart: &str) 
     }))?)
 }
 
-fn has_sidecar(pod: &Pod) -> bool {
+/// The sidecar containers `pod` has: Remora's, Istio's.
+fn sidecars(pod: &Pod) -> Vec<&str> {
     let spec = pod.spec.as_ref();
     let names = spec
         .map(|s| {
@@ -222,7 +235,10 @@ fn has_sidecar(pod: &Pod) -> bool {
         })
         .into_iter()
         .flatten();
-    names.map(|c| c.name.as_str()).any(|n| n == PROXY_CONTAINER)
+    names
+        .map(|c| c.name.as_str())
+        .filter(|n| [PROXY_CONTAINER, istio::PROXY_CONTAINER].contains(n))
+        .collect()
 }
 
 /// Polls `pods/<name>` until `done` says so, returning when it first did
@@ -251,8 +267,13 @@ async fn poll_pod<T>(
     }
 }
 
+/// Deletes with a grace period of 1 s, the same for every variant: what a
+/// sidecar does at stop is not measured here, and Istio's would hold each
+/// pod its 5 s termination drain.
 async fn delete_and_wait(pods: &Api<Pod>, name: &str) -> Result<()> {
-    let _ = pods.delete(name, &DeleteParams::default()).await;
+    let _ = pods
+        .delete(name, &DeleteParams::default().grace_period(1))
+        .await;
     wait_until(DEADLINE, &format!("pod {name} gone"), || async {
         Ok::<_, anyhow::Error>(match pods.get_opt(name).await? {
             None => Check::Done(()),
@@ -271,23 +292,124 @@ struct StartupRow {
     tax_p99_ms: f64,
 }
 
-async fn startup(args: &Args, ns: &TestNamespace) -> Result<Vec<StartupRow>> {
+/// Who injects the sidecar of a measured pod.
+#[derive(Debug, Clone, Copy)]
+enum Variant {
+    /// No sidecar (`remora.dev/inject: "false"`).
+    Bare,
+    /// Remora's, in this mode.
+    Remora(&'static str),
+    /// Istio's, as its template shapes it for this profile.
+    Istio(istio::Profile),
+}
+
+impl Variant {
+    fn label(self) -> &'static str {
+        match self {
+            Variant::Bare => "none",
+            Variant::Remora(mode) => mode,
+            Variant::Istio(p) => p.name(),
+        }
+    }
+
+    /// The sidecar container the created pod must have.
+    fn container(self) -> Option<&'static str> {
+        match self {
+            Variant::Bare => None,
+            Variant::Remora(_) => Some(PROXY_CONTAINER),
+            Variant::Istio(_) => Some(istio::PROXY_CONTAINER),
+        }
+    }
+
+    /// The variants of a section: Remora's modes, then Istio's `profiles`
+    /// when `--istio`.
+    fn with_istio(args: &Args, mut v: Vec<Variant>, profiles: &[istio::Profile]) -> Vec<Variant> {
+        if args.istio {
+            v.extend(profiles.iter().copied().map(Variant::Istio));
+        }
+        v
+    }
+
+    /// The test app's pod under this variant. An Istio pod is the bare
+    /// pod (Remora's webhook leaves it alone) through Istio's template.
+    fn pod(self, name: &str, app_args: &[&str], restart: &str) -> Result<Pod> {
+        match self {
+            Variant::Bare => app_pod(name, None, app_args, restart),
+            Variant::Remora(mode) => app_pod(name, Some(mode), app_args, restart),
+            Variant::Istio(profile) => {
+                let bare = app_pod(name, None, app_args, restart)?;
+                let template = PodTemplateSpec {
+                    metadata: Some(bare.metadata),
+                    spec: bare.spec,
+                };
+                let injected = istio::inject(&template, &istio_sidecar(profile))?;
+                Ok(Pod {
+                    metadata: injected.template.metadata.unwrap_or_default(),
+                    spec: injected.template.spec,
+                    ..Pod::default()
+                })
+            }
+        }
+    }
+}
+
+fn istio_sidecar(profile: istio::Profile) -> istio::Sidecar {
+    istio::Sidecar::new(profile.name(), profile, APP_PORT)
+}
+
+/// The ConfigMap and Secret every Istio pod of these variants mounts, once
+/// per namespace (shared by its pods: they hold no per-pod state).
+async fn istio_objects(client: &Client, ns: &TestNamespace, variants: &[Variant]) -> Result<()> {
+    for v in variants {
+        if let Variant::Istio(profile) = v {
+            let bare = app_pod("objects", None, &[], "Never")?;
+            let template = PodTemplateSpec {
+                metadata: Some(bare.metadata),
+                spec: bare.spec,
+            };
+            istio::inject(&template, &istio_sidecar(*profile))?
+                .create_objects(client, ns.name())
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Creates `pod` and checks it got the sidecar `variant` says.
+async fn create_checked(pods: &Api<Pod>, variant: Variant, pod: &Pod) -> Result<()> {
+    let created = pods.create(&PostParams::default(), pod).await?;
+    let got = sidecars(&created);
+    if got != variant.container().into_iter().collect::<Vec<_>>() {
+        bail!(
+            "{}: {} wants {:?}, got sidecars {got:?}",
+            created.metadata.name.as_deref().unwrap_or_default(),
+            variant.label(),
+            variant.container()
+        );
+    }
+    Ok(())
+}
+
+async fn startup(args: &Args, client: &Client, ns: &TestNamespace) -> Result<Vec<StartupRow>> {
     let pods: Api<Pod> = ns.api();
-    let variants = [
-        ("none", None),
-        ("Legacy", Some("Legacy")),
-        ("Native", Some("Native")),
-    ];
+    let variants = Variant::with_istio(
+        args,
+        vec![
+            Variant::Bare,
+            Variant::Remora("Legacy"),
+            Variant::Remora("Native"),
+        ],
+        &[istio::Profile::Defaults, istio::Profile::LegacyHold],
+    );
+    istio_objects(client, ns, &variants).await?;
     let mut samples: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for i in 0..args.pods {
-        for (label, variant) in variants {
+        for &variant in &variants {
+            let label = variant.label();
             let name = format!("start-{}-{i}", label.to_ascii_lowercase());
-            let pod = app_pod(&name, variant, &["--delay", "1ms"], "Always")?;
+            let pod = variant.pod(&name, &["--delay", "1ms"], "Always")?;
             let t0 = Instant::now();
-            let created = pods.create(&PostParams::default(), &pod).await?;
-            if has_sidecar(&created) != variant.is_some() {
-                bail!("{name}: sidecar injected = {}", has_sidecar(&created));
-            }
+            create_checked(&pods, variant, &pod).await?;
             let ready = poll_pod(&pods, &name, args.poll, "Ready", |p| {
                 node::is_ready(p).then(|| t0.elapsed())
             })
@@ -300,10 +422,10 @@ async fn startup(args: &Args, ns: &TestNamespace) -> Result<Vec<StartupRow>> {
     let bare = Summary::of(samples.get("none").map_or(&[][..], Vec::as_slice));
     Ok(variants
         .iter()
-        .map(|(label, _)| {
-            let s = Summary::of(samples.get(label).map_or(&[][..], Vec::as_slice));
+        .map(|v| {
+            let s = Summary::of(samples.get(v.label()).map_or(&[][..], Vec::as_slice));
             StartupRow {
-                variant: (*label).to_owned(),
+                variant: v.label().to_owned(),
                 create_to_ready: s,
                 tax_p50_ms: s.p50_ms - bare.p50_ms,
                 tax_p99_ms: s.p99_ms - bare.p99_ms,
@@ -333,16 +455,22 @@ fn app_exited(pod: &Pod) -> bool {
     })
 }
 
-async fn jobs(args: &Args, ns: &TestNamespace) -> Result<Vec<JobRow>> {
+async fn jobs(args: &Args, client: &Client, ns: &TestNamespace) -> Result<Vec<JobRow>> {
     let jobs: Api<Job> = ns.api();
     let pods: Api<Pod> = ns.api();
-    let modes = ["Legacy", "Native"];
+    let variants = Variant::with_istio(
+        args,
+        vec![Variant::Remora("Legacy"), Variant::Remora("Native")],
+        &[istio::Profile::Defaults],
+    );
+    istio_objects(client, ns, &variants).await?;
     let mut succeeded: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut complete: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for i in 0..args.jobs {
-        for mode in modes {
+        for &variant in &variants {
+            let mode = variant.label();
             let name = format!("job-{}-{i}", mode.to_ascii_lowercase());
-            let template = app_pod(&name, Some(mode), &["--exit-after", "1s"], "Never")?;
+            let template = variant.pod(&name, &["--exit-after", "1s"], "Never")?;
             let job: Job = serde_json::from_value(json!({
                 "metadata": {"name": name},
                 "spec": {
@@ -408,10 +536,11 @@ async fn jobs(args: &Args, ns: &TestNamespace) -> Result<Vec<JobRow>> {
         }
         eprintln!("node-bench: jobs {}/{}", i + 1, args.jobs);
     }
-    Ok(modes
+    Ok(variants
         .iter()
+        .map(|v| v.label())
         .map(|mode| JobRow {
-            mode: (*mode).to_owned(),
+            mode: mode.to_owned(),
             app_exit_to_succeeded: Summary::of(succeeded.get(mode).map_or(&[][..], Vec::as_slice)),
             app_exit_to_complete: Summary::of(complete.get(mode).map_or(&[][..], Vec::as_slice)),
         })
@@ -597,7 +726,7 @@ async fn lifecycle(
     out.insert("values".into(), json!(install.values()));
     if want("startup") {
         let ns = bench_ns(node, client, install, &format!("bench-startup-{tag}")).await?;
-        let rows = startup(args, &ns).await;
+        let rows = startup(args, client, &ns).await;
         ns.delete().await?;
         let rows = rows?;
         for r in &rows {
@@ -618,7 +747,7 @@ async fn lifecycle(
     }
     if want("jobs") {
         let ns = bench_ns(node, client, install, &format!("bench-jobs-{tag}")).await?;
-        let rows = jobs(args, &ns).await;
+        let rows = jobs(args, client, &ns).await;
         ns.delete().await?;
         let rows = rows?;
         for r in &rows {
@@ -898,6 +1027,10 @@ async fn main() -> Result<()> {
         }
     }
     let lifecycle_wanted = ["startup", "jobs", "retune"].iter().any(|m| want(m));
+    let istio_wanted = args.istio && (want("startup") || want("jobs"));
+    if istio_wanted {
+        istio::require_image().await?;
+    }
     let machine_before = remora_test_support::results::machine();
     let node = Node::shared().await?;
     let client = node.client()?;
@@ -947,10 +1080,24 @@ async fn main() -> Result<()> {
                  seen by polling the API every {:?} (each end up to one poll late); pods and \
                  Jobs one at a time, variants interleaved. off: the stop request and \
                  SidecarLifecycle settings reach the agent through the downward-API file; on: on \
-                 the xDS stream (remora.v1.PodAnnotations), the file the fallback",
+                 the xDS stream (remora.v1.PodAnnotations), the file the fallback. Every \
+                 measured pod is deleted with a 1 s grace period before the next",
                 args.poll
             )),
         );
+        if istio_wanted {
+            out.insert(
+                "istio".into(),
+                json!({
+                    "pilot_agent": format!("istio.io/istio {} (scripts/build-pilot-agent.sh), on the same Envoy", istio::version()),
+                    "image": format!("{}:{}", istio::IMAGE, node::image_tag()),
+                    "shapes": "e2e::node::istio: Istio 1.31's injection template, no istiod (file-based LDS/CDS, file certificates), CLOUD_PLATFORM=none; measured in each install beside Remora's variants though it does not depend on the install",
+                    "startup": [istio::Profile::Defaults.name(), istio::Profile::LegacyHold.name()],
+                    "jobs": [istio::Profile::Defaults.name()],
+                    "not_measured": "istio-legacy-* Jobs: a regular-container istio-proxy never exits on its own, so the pod never Succeeds unless the app POSTs /quitquitquit",
+                }),
+            );
+        }
         out.insert("installs".into(), json!(installs));
         out.insert("egress_guard_dropped".into(), json!(guard));
         write(&args.out, out)?;

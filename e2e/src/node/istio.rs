@@ -614,6 +614,30 @@ fn cert_secret(sidecar: &Sidecar) -> Secret {
     }
 }
 
+/// The `istio.io/istio` pseudo-version `scripts/build-pilot-agent.sh`
+/// builds (`$ISTIO_VERSION`, else the default `scripts/lib/istio-module.sh`
+/// sets), for results files.
+pub fn version() -> String {
+    if let Ok(v) = std::env::var("ISTIO_VERSION") {
+        return v;
+    }
+    let script = super::repo_root().join(VERSION_SCRIPT);
+    std::fs::read_to_string(&script)
+        .ok()
+        .and_then(|s| default_version(&s))
+        .unwrap_or_else(|| format!("unknown (no default in {})", script.display()))
+}
+
+const VERSION_SCRIPT: &str = "scripts/lib/istio-module.sh";
+
+fn default_version(script: &str) -> Option<String> {
+    script.lines().find_map(|l| {
+        l.strip_prefix("ISTIO_VERSION=\"${ISTIO_VERSION:-")
+            .and_then(|rest| rest.strip_suffix("}\""))
+            .map(str::to_owned)
+    })
+}
+
 /// Fails with how to build it when the image is not in the node's
 /// containerd (asked with `ctr`, as `scripts/images.sh` imports).
 pub async fn require_image() -> Result<(), Error> {
@@ -697,6 +721,15 @@ pub fn sidecar_processes(pod: &Pod) -> Result<SidecarProcesses, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_version_is_read_from_the_build_script() {
+        let script =
+            std::fs::read_to_string(super::super::repo_root().join(VERSION_SCRIPT)).unwrap();
+        let v = default_version(&script).expect("a default ISTIO_VERSION");
+        assert!(v.starts_with("v0.0.0-2") && v.len() > 20, "{v}");
+        assert_eq!(default_version("ISTIO_VERSION=1.0\n"), None);
+    }
 
     fn app() -> PodTemplateSpec {
         serde_json::from_value(json!({

@@ -399,7 +399,7 @@ pub fn node_startup(files: &[Value]) -> Result<String, Error> {
                 if variant == "none" {
                     "pod create → Ready, no sidecar".to_string()
                 } else {
-                    format!("… with a {variant} sidecar (tax)")
+                    format!("… with {} (tax)", sidecar_phrase(variant))
                 },
                 plain(num(s, "create_to_ready.n")?),
                 cell("p50_ms", "tax_p50_ms")?,
@@ -414,6 +414,16 @@ pub fn node_startup(files: &[Value]) -> Result<String, Error> {
     }
     header.extend(["measurement", "n", "p50", "p99"]);
     Ok(table(&header, &rows))
+}
+
+/// A node-bench variant in words: Remora's modes by name, Istio's profiles
+/// (`istio-…`, `e2e::node::istio::Profile`) as such.
+fn sidecar_phrase(variant: &str) -> String {
+    if variant.starts_with("istio-") {
+        format!("Istio's sidecar, `{variant}`")
+    } else {
+        format!("a {variant} sidecar")
+    }
 }
 
 /// `README.md`, node Jobs and retune: a column pair per install.
@@ -442,7 +452,10 @@ pub fn node_jobs_retune(files: &[Value]) -> Result<String, Error> {
     for job in list(first, "jobs")? {
         let mode = text(job, "mode")?.to_string();
         let mut row = vec![
-            format!("{mode} Job: app exit → pod Succeeded"),
+            format!(
+                "Job with {}: app exit → pod Succeeded",
+                sidecar_phrase(&mode)
+            ),
             plain(num(job, "app_exit_to_succeeded.n")?),
         ];
         row.extend(cells(&|i: &Value| {
@@ -642,6 +655,15 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("| on2 | … with a Native sidecar (tax) |"), "{t}");
+        let istio = json!({"installs": [{"install": "off", "startup": [
+            row("none", 600.0, 0.0), row("istio-defaults", 1700.0, 1100.0)]}]});
+        let t = node_startup(&[istio]).unwrap();
+        assert!(
+            t.contains(
+                "| off | … with Istio's sidecar, `istio-defaults` (tax) | 20 | 1700 ms (+1100) |"
+            ),
+            "{t}"
+        );
         assert!(node_startup(&[json!({"installs": []})]).is_err());
     }
 
