@@ -350,9 +350,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/bin/node-bench.rs",
             "e2e/src/node/istio.rs",
         ],
-        stale: Some(
-            "stale: measured at d3460ae with a Native sidecar held from its postStart hook (4f5a669), reverted after the run (41251b8) because the interface contract fixes its startupProbe: the Native start-tax rows are the hook's, the rest is today's code",
-        ),
+        stale: None,
     },
     Entry {
         files: &["eds-convergence.json"],
@@ -361,9 +359,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: NODE,
         minutes: 10,
         measures: NODE_BENCH,
-        stale: Some(
-            "stale: e2e/src/bin/node-bench.rs gained Istio's startup and Job rows after it; re-run with node.json",
-        ),
+        stale: None,
     },
     Entry {
         files: &["withdrawal-node.json"],
@@ -382,15 +378,16 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/withdrawal_rollout.rs",
             "e2e/src/bin/node-bench.rs",
         ],
-        stale: Some(
-            "stale: e2e/src/bin/node-bench.rs gained Istio's startup and Job rows after it; re-run with node.json",
-        ),
+        stale: None,
     },
     Entry {
         files: &["lifecycle-node.json"],
-        command: "scripts/images.sh istio-proxy && cargo run --release -p e2e --bin lifecycle-bench",
+        command: "scripts/images.sh istio-proxy && cargo run --release -p e2e --bin lifecycle-bench -- \
+                  --only plain-envoy,remora-legacy-defaults,remora-native-defaults,istio-defaults,\
+                  istio-native-hold,istio-legacy-defaults,istio-tuned-for-lag,rolling-update \
+                  --lag 0s,5s,10s --cycles 2",
         needs: NODE_ISTIO,
-        minutes: 40,
+        minutes: 45,
         measures: &[
             AGENT,
             AGENT_BUILD,
