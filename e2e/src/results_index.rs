@@ -397,10 +397,7 @@ pub const ENTRIES: &[Entry] = &[
             CHART,
             "e2e/src/bin/lifecycle-bench.rs",
         ],
-        stale: Some(
-            "stale: measured this session at c0db758 (2 rollouts per row); agent/src/mounted_wake.rs \
-             changed after it (888bb39); a 45-min run on the node",
-        ),
+        stale: None,
     },
     // A cold CI run: a new clone and target, REMORA_CACHE, CARGO_HOME,
     // GOCACHE and GOMODCACHE all new (pip's Envoy and Debian's packages
