@@ -182,11 +182,9 @@ pub const ENTRIES: &[Entry] = &[
                   --debounce-quiet-ms 0,25,50,100,250 --rollout-step-ms 10,100 \
                   --out \"$PWD/bench/results/discovery-debounce.json\"",
         needs: RELEASE,
-        minutes: 15,
+        minutes: 7,
         measures: PUSH_BENCH,
-        stale: Some(
-            "stale: a README history row (debounce sweep, 10 runs), not regenerated this session",
-        ),
+        stale: None,
     },
     Entry {
         files: &["discovery-push-throttle.json"],
@@ -194,9 +192,9 @@ pub const ENTRIES: &[Entry] = &[
                   --push-throttle 1,10,100,100000 \
                   --out \"$PWD/bench/results/discovery-push-throttle.json\"",
         needs: RELEASE,
-        minutes: 10,
+        minutes: 6,
         measures: PUSH_BENCH,
-        stale: Some("stale: a README history row (throttle sweep), not regenerated this session"),
+        stale: None,
     },
     Entry {
         files: &["discovery-push-9500.json"],

@@ -54,6 +54,12 @@ fn settings(v: &Value) -> Result<Vec<&Value>, Error> {
     }
 }
 
+/// A setting's protocol; files from before `--protocol` measured state of
+/// the world only.
+fn protocol_of(s: &Value) -> &str {
+    s.get("protocol").and_then(Value::as_str).unwrap_or("sotw")
+}
+
 /// EDS pushes per proxy in a rollout: `2`, or `1–2` when proxies differ.
 fn pushes(s: &Value) -> Result<String, Error> {
     let p50 = num(s, "rollout.eds_pushes_per_proxy.p50")?;
@@ -72,8 +78,7 @@ pub fn discovery_push(files: &[Value]) -> Result<String, Error> {
         let proxies = num(v, "proxies")?;
         let fleet = format!("{} / {}", int(proxies), int(num(v, "services")?));
         for s in settings(v)? {
-            // Files from before `--protocol` measured state of the world only.
-            let protocol = s.get("protocol").and_then(Value::as_str).unwrap_or("sotw");
+            let protocol = protocol_of(s);
             for r in list(s, "rows")? {
                 let dependents = num(r, "dependents")?;
                 let rollout = if dependents == proxies {
@@ -207,15 +212,29 @@ pub fn discovery_debounce(files: &[Value]) -> Result<String, Error> {
     let fastest = *steps.last().ok_or_else(|| Error::Shape {
         what: "no settings".to_string(),
     })?;
-    let find = |q: f64, step: f64| -> Result<Option<&Value>, Error> {
+    let mut protocols: Vec<&str> = Vec::new();
+    for s in &all {
+        let p = protocol_of(s);
+        if !protocols.contains(&p) {
+            protocols.push(p);
+        }
+    }
+    let find = |p: &str, q: f64, step: f64| -> Result<Option<&Value>, Error> {
         for s in &all {
-            if num(s, "debounce_ms.quiet")? == q && num(s, "rollout.step_ms")? == step {
+            if protocol_of(s) == p
+                && num(s, "debounce_ms.quiet")? == q
+                && num(s, "rollout.step_ms")? == step
+            {
                 return Ok(Some(*s));
             }
         }
         Ok(None)
     };
-    let first = find(quiets[0], fastest)?.ok_or_else(|| Error::Shape {
+    let first = match (protocols.first(), quiets.first()) {
+        (Some(p), Some(q)) => find(p, *q, fastest)?,
+        _ => None,
+    }
+    .ok_or_else(|| Error::Shape {
         what: "no setting at the fastest rollout".to_string(),
     })?;
     let few = format!(
@@ -223,7 +242,7 @@ pub fn discovery_debounce(files: &[Value]) -> Result<String, Error> {
         int(num(first, "rows.0.dependents")?)
     );
     let many = format!("{} dependents p50", int(num(first, "rows.1.dependents")?));
-    let mut header = vec!["quiet".to_string(), few, many];
+    let mut header = vec!["protocol".to_string(), "quiet".to_string(), few, many];
     for (i, step) in steps.iter().enumerate() {
         let pods = num(first, "rollout.pods")?;
         let over = short(pods * step / 1000.0);
@@ -240,11 +259,15 @@ pub fn discovery_debounce(files: &[Value]) -> Result<String, Error> {
         });
     }
     let mut rows = Vec::new();
-    for q in &quiets {
-        let lat = find(*q, fastest)?.ok_or_else(|| Error::Shape {
-            what: format!("no setting for quiet {q} ms at the fastest rollout"),
+    for (p, q) in protocols
+        .iter()
+        .flat_map(|p| quiets.iter().map(move |q| (*p, q)))
+    {
+        let lat = find(p, *q, fastest)?.ok_or_else(|| Error::Shape {
+            what: format!("no {p} setting for quiet {q} ms at the fastest rollout"),
         })?;
         let mut row = vec![
+            p.to_string(),
             format!("{} ms", plain(*q)),
             format!(
                 "{} / {} ms",
@@ -254,7 +277,7 @@ pub fn discovery_debounce(files: &[Value]) -> Result<String, Error> {
             ms(num(lat, "rows.1.ms.p50")?),
         ];
         for step in &steps {
-            row.push(match find(*q, *step)? {
+            row.push(match find(p, *q, *step)? {
                 Some(s) => format!(
                     "{}, {} s",
                     plain(num(s, "rollout.eds_pushes_per_proxy.p50")?),
@@ -284,6 +307,7 @@ pub fn discovery_push_throttle(files: &[Value]) -> Result<String, Error> {
             ))
         };
         rows.push(vec![
+            protocol_of(s).to_string(),
             // A bound at least the fleet never binds.
             if throttle >= proxies {
                 "unbounded".to_string()
@@ -312,6 +336,7 @@ pub fn discovery_push_throttle(files: &[Value]) -> Result<String, Error> {
     );
     Ok(table(
         &[
+            "protocol",
             "throttle",
             "most at once",
             &few,
