@@ -191,69 +191,19 @@ wait_for() {
 
 # ---------------------------------------------------------------- PKI
 
-# $1 name, $2 subject, $3 extensions (openssl -addext lines, "|"-separated).
-# One CA signs everything: API serving, every client, the kubelet's serving
-# cert. Keys are EC P-256; fresh for each state dir, never in the repo.
-issue() {
-  local name="$1" subj="$2" ext="$3" extfile
-  [[ -f "$PKI/$name.crt" ]] && return
-  extfile=$(mktemp)
-  tr '|' '\n' <<<"$ext" >"$extfile"
-  openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/$name.key" 2>/dev/null
-  openssl req -new -key "$PKI/$name.key" -subj "$subj" -out "$PKI/$name.csr" 2>/dev/null
-  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
-    -days 30 -extfile "$extfile" -out "$PKI/$name.crt" 2>/dev/null
-  rm -f "$PKI/$name.csr" "$extfile"
-}
-
-make_pki() {
-  mkdir -p "$PKI"
-  chmod 0700 "$PKI"
-  if [[ ! -f "$PKI/ca.crt" ]]; then
-    openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/ca.key" 2>/dev/null
-    openssl req -x509 -new -key "$PKI/ca.key" -subj "/CN=remora-node-ca" -days 30 \
-      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
-      -out "$PKI/ca.crt" 2>/dev/null
-  fi
-  local client="basicConstraints=critical,CA:FALSE|keyUsage=critical,digitalSignature,keyEncipherment|extendedKeyUsage=clientAuth"
-  local server="basicConstraints=critical,CA:FALSE|keyUsage=critical,digitalSignature,keyEncipherment|extendedKeyUsage=serverAuth"
-  issue apiserver "/CN=kube-apiserver" \
-    "$server|subjectAltName=IP:$NODE_IP,IP:127.0.0.1,IP:$API_SERVICE_IP,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
-  issue admin "/O=system:masters/CN=remora-admin" "$client"
-  # The API server's client for kubelet logs/exec/port-forward.
-  issue apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "$client"
-  issue controller-manager "/CN=system:kube-controller-manager" "$client"
-  issue scheduler "/CN=system:kube-scheduler" "$client"
-  issue kube-proxy "/CN=system:kube-proxy" "$client"
-  # The Node authorizer and NodeRestriction know the kubelet by this name.
-  issue kubelet-client "/O=system:nodes/CN=system:node:$NODE_NAME" "$client"
-  issue kubelet-serving "/CN=$NODE_NAME" "$server|subjectAltName=IP:$NODE_IP,DNS:$NODE_NAME"
-  if [[ ! -f "$PKI/sa.key" ]]; then
-    openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/sa.key" 2>/dev/null
-    openssl ec -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub" 2>/dev/null
-  fi
-}
-
-# $1 file, $2 cert name in $PKI.
-kubeconfig() {
-  cat >"$1" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: remora
-  cluster:
-    server: https://$NODE_IP:$API_PORT
-    certificate-authority: $PKI/ca.crt
-users:
-- name: $2
-  user:
-    client-certificate: $PKI/$2.crt
-    client-key: $PKI/$2.key
-contexts:
-- name: remora
-  context: {cluster: remora, user: $2}
-current-context: remora
-EOF
+# Certificates, kubeconfigs and the control plane's flags: one
+# implementation with the tests' local API servers (e2e::controlplane).
+source "$ROOT/scripts/lib/controlplane.sh"
+export CP_PROFILE=node CP_DIR="$DIR" CP_PKI="$PKI" CP_BIND="$NODE_IP" CP_PORT="$API_PORT" \
+  CP_ETCD_CLIENT="$ETCD_CLIENT" CP_ETCD_PEER="$ETCD_PEER" CP_SERVICE_CIDR="$SERVICE_CIDR" \
+  CP_API_SERVICE_IP="$API_SERVICE_IP" CP_NODE_NAME="$NODE_NAME" \
+  CP_ISSUER="https://kubernetes.default.svc.cluster.local"
+API_URL="https://$NODE_IP:$API_PORT"
+# A flag function's lines into the caller's `flags` (failing as it fails).
+flags_of() {
+  local out
+  out=$("$@") || die "$1 failed"
+  mapfile -t flags <<<"$out"
 }
 
 # ---------------------------------------------------------------- host state
@@ -370,11 +320,11 @@ clean_cgroups() {
 
 write_configs() {
   mkdir -p "$CTRD" "$CNI_CONF" "$KUBELET_ROOT" "$DIR/kubelet-pki" "$DIR/cni/ipam" "$DIR/pod-logs" "$DIR/volume-plugins"
-  kubeconfig "$ADMIN_KUBECONFIG" admin
-  kubeconfig "$DIR/controller-manager.kubeconfig" controller-manager
-  kubeconfig "$DIR/scheduler.kubeconfig" scheduler
-  kubeconfig "$DIR/kube-proxy.kubeconfig" kube-proxy
-  kubeconfig "$DIR/kubelet.kubeconfig" kubelet-client
+  cp_kubeconfig "$ADMIN_KUBECONFIG" "$API_URL" admin
+  cp_kubeconfig "$DIR/controller-manager.kubeconfig" "$API_URL" controller-manager
+  cp_kubeconfig "$DIR/scheduler.kubeconfig" "$API_URL" scheduler
+  cp_kubeconfig "$DIR/kube-proxy.kubeconfig" "$API_URL" kube-proxy
+  cp_kubeconfig "$DIR/kubelet.kubeconfig" "$API_URL" kubelet-client
 
   # containerd 2.x: config version 3. Everything it keeps under the state dir;
   # the shims' sockets still go to /run/containerd (compiled in).
@@ -529,7 +479,7 @@ up() {
   pid_of etcd >/dev/null || rm -f "$LOGS"/*.log
   record_dirs
   save_sysctls
-  make_pki
+  cp_pki
   write_configs
 
   if ! ip -o addr show dev lo | grep -qw "$NODE_IP/32"; then
@@ -552,10 +502,9 @@ up() {
   ip route replace "$SERVICE_CIDR" dev "$SVC_LINK"
   add_guard
 
-  start etcd "$ETCD" --name=remora --data-dir="$DIR/etcd" \
-    --listen-client-urls="http://$ETCD_CLIENT" --advertise-client-urls="http://$ETCD_CLIENT" \
-    --listen-peer-urls="http://$ETCD_PEER" --initial-advertise-peer-urls="http://$ETCD_PEER" \
-    --initial-cluster="remora=http://$ETCD_PEER" --unsafe-no-fsync=true --log-level=warn
+  local flags
+  flags_of cp_etcd_flags
+  start etcd "$ETCD" "${flags[@]}"
   # containerd next: it is independent of the API server, so both start
   # while etcd does.
   # A socket left by a node that was killed (machine restart) would satisfy
@@ -563,23 +512,8 @@ up() {
   rm -f "$CTRD_SOCK" "$CTRD_SOCK.ttrpc"
   PATH="$CTRD_BIN:$PATH" start containerd "$CTRD_BIN/containerd" --config "$CTRD/config.toml" --address "$CTRD_SOCK"
 
-  start kube-apiserver "$K8S/kube-apiserver" \
-    --etcd-servers="http://$ETCD_CLIENT" \
-    --bind-address="$NODE_IP" --advertise-address="$NODE_IP" --secure-port="$API_PORT" \
-    --cert-dir="$DIR/apiserver-certs" \
-    --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
-    --client-ca-file="$PKI/ca.crt" \
-    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
-    --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
-    --kubelet-certificate-authority="$PKI/ca.crt" \
-    --kubelet-preferred-address-types=InternalIP \
-    --service-account-key-file="$PKI/sa.pub" \
-    --service-account-signing-key-file="$PKI/sa.key" \
-    --service-account-issuer="https://kubernetes.default.svc.cluster.local" \
-    --service-cluster-ip-range="$SERVICE_CIDR" \
-    --authorization-mode=Node,RBAC \
-    --enable-admission-plugins=NodeRestriction \
-    --allow-privileged=true
+  flags_of cp_apiserver_flags
+  start kube-apiserver "$K8S/kube-apiserver" "${flags[@]}"
 
   wait_for containerd 30 "$CTRD_BIN/ctr" --address "$CTRD_SOCK" version
   bash "$ROOT/scripts/images.sh" pause >&2
@@ -590,16 +524,8 @@ up() {
   wait_for kube-apiserver 60 kubectl_admin get --raw /readyz
   log "API server ready at https://$NODE_IP:$API_PORT"
 
-  start kube-controller-manager "$K8S/kube-controller-manager" \
-    --kubeconfig="$DIR/controller-manager.kubeconfig" \
-    --authentication-kubeconfig="$DIR/controller-manager.kubeconfig" \
-    --authorization-kubeconfig="$DIR/controller-manager.kubeconfig" \
-    --leader-elect=false --bind-address=127.0.0.1 --secure-port=10257 \
-    --use-service-account-credentials=true \
-    --root-ca-file="$PKI/ca.crt" \
-    --service-account-private-key-file="$PKI/sa.key" \
-    --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
-    --service-cluster-ip-range="$SERVICE_CIDR" --allocate-node-cidrs=false
+  flags_of cp_controller_manager_flags "$DIR/controller-manager.kubeconfig"
+  start kube-controller-manager "$K8S/kube-controller-manager" "${flags[@]}"
   start kube-scheduler "$K8S/kube-scheduler" \
     --kubeconfig="$DIR/scheduler.kubeconfig" \
     --authentication-kubeconfig="$DIR/scheduler.kubeconfig" \

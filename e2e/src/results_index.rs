@@ -77,13 +77,42 @@ const PROTO: &str = "proto";
 const OPERATOR: &str = "operator/src";
 const DISCOVERY: &str = "operator/src/discovery";
 const CHART: &str = "charts/remora";
-const PUSH_BENCH: &[&str] = &[
+/// The paths of several lists as one, for entries that measure a shared
+/// core and files of their own: `paths!(NODE_CODE, &["e2e/src/x.rs"])`.
+macro_rules! paths {
+    ($($group:expr),+ $(,)?) => {{
+        const LEN: usize = 0 $(+ $group.len())+;
+        const ALL: [&str; LEN] = concat_paths([$($group),+]);
+        &ALL
+    }};
+}
+
+const fn concat_paths<const N: usize, const G: usize>(
+    groups: [&[&'static str]; G],
+) -> [&'static str; N] {
+    let mut out = [""; N];
+    let (mut g, mut n) = (0, 0);
+    while g < G {
+        let mut i = 0;
+        while i < groups[g].len() {
+            out[n] = groups[g][i];
+            n += 1;
+            i += 1;
+        }
+        g += 1;
+    }
+    out
+}
+
+/// What the simulated-proxy benches drive: the discovery server and their
+/// shared fleet.
+const PUSH_CODE: &[&str] = &[
     DISCOVERY,
     PROTO,
-    "operator/benches/discovery_push.rs",
     "operator/benches/support",
     "test-support/src/ads_requests.rs",
 ];
+const PUSH_BENCH: &[&str] = paths!(PUSH_CODE, &["operator/benches/discovery_push.rs"]);
 const DISCOVERY_BENCH: &[&str] = &[
     DISCOVERY,
     PROTO,
@@ -91,16 +120,14 @@ const DISCOVERY_BENCH: &[&str] = &[
     "e2e/src/discovery_bench",
     "e2e/src/bin/discovery-bench.rs",
 ];
-const NODE_BENCH: &[&str] = &[
-    AGENT,
-    AGENT_BUILD,
-    CONTRACT,
-    OPERATOR,
-    INJECT,
-    CHART,
-    "e2e/src/eds_convergence.rs",
-    "e2e/src/bin/node-bench.rs",
-];
+/// What a pod on the node runs: the images' code and the chart.
+const NODE_CODE: &[&str] = &[AGENT, AGENT_BUILD, CONTRACT, OPERATOR, INJECT, CHART];
+const NODE_BENCH: &[&str] = paths!(
+    NODE_CODE,
+    &["e2e/src/eds_convergence.rs", "e2e/src/bin/node-bench.rs"]
+);
+/// A CI run's phases: the scripts it runs and the dependencies it builds.
+const CI: &[&str] = &["scripts", "Cargo.lock"];
 const ISTIOD_STALE: &str = "stale: a side-by-side with Istio's pilot-discovery kept as a README history row, not regenerated this session";
 
 const RELEASE: &[Need] = &[Need::Release];
@@ -159,13 +186,7 @@ pub const ENTRIES: &[Entry] = &[
         command: "cargo bench -p remora-operator --bench discovery_heap -- --proxies 1000 --protocol delta",
         needs: RELEASE,
         minutes: 5,
-        measures: &[
-            DISCOVERY,
-            PROTO,
-            "operator/benches/discovery_heap.rs",
-            "operator/benches/support",
-            "test-support/src/ads_requests.rs",
-        ],
+        measures: paths!(PUSH_CODE, &["operator/benches/discovery_heap.rs"]),
         stale: None,
     },
     Entry {
@@ -338,16 +359,10 @@ pub const ENTRIES: &[Entry] = &[
                   --only startup,jobs,retune",
         needs: NODE_ISTIO,
         minutes: 30,
-        measures: &[
-            AGENT,
-            AGENT_BUILD,
-            CONTRACT,
-            OPERATOR,
-            INJECT,
-            CHART,
-            "e2e/src/bin/node-bench.rs",
-            "e2e/src/node/istio.rs",
-        ],
+        measures: paths!(
+            NODE_CODE,
+            &["e2e/src/bin/node-bench.rs", "e2e/src/node/istio.rs"]
+        ),
         stale: None,
     },
     Entry {
@@ -365,17 +380,7 @@ pub const ENTRIES: &[Entry] = &[
                   --rollouts 3",
         needs: NODE,
         minutes: 5,
-        measures: &[
-            AGENT,
-            AGENT_BUILD,
-            CONTRACT,
-            OPERATOR,
-            INJECT,
-            CHART,
-            "e2e/src/eds_convergence.rs",
-            "e2e/src/withdrawal_rollout.rs",
-            "e2e/src/bin/node-bench.rs",
-        ],
+        measures: paths!(NODE_BENCH, &["e2e/src/withdrawal_rollout.rs"]),
         stale: None,
     },
     Entry {
@@ -386,15 +391,7 @@ pub const ENTRIES: &[Entry] = &[
                   --lag 0s,5s,10s --cycles 2",
         needs: NODE_ISTIO,
         minutes: 45,
-        measures: &[
-            AGENT,
-            AGENT_BUILD,
-            CONTRACT,
-            OPERATOR,
-            INJECT,
-            CHART,
-            "e2e/src/bin/lifecycle-bench.rs",
-        ],
+        measures: paths!(NODE_CODE, &["e2e/src/bin/lifecycle-bench.rs"]),
         stale: None,
     },
     // A cold CI run: a new clone and target, REMORA_CACHE, CARGO_HOME,
@@ -404,9 +401,11 @@ pub const ENTRIES: &[Entry] = &[
         files: &["ci-phases.json"],
         command: "scripts/test.sh && cp target/ci-phases.json bench/results/ci-phases.json",
         needs: &[Need::Node, Need::IstioPeers],
-        minutes: 48,
-        measures: &["scripts", "Cargo.lock"],
-        stale: None,
+        minutes: 57,
+        measures: CI,
+        stale: Some(
+            "stale: scripts/lib/controlplane.sh came after the last cold run; a cold run needs every cache emptied",
+        ),
     },
     // A CI run as this machine gives it: a new clone and target, the caches
     // (REMORA_CACHE, CARGO_HOME, Go's) kept from earlier runs.
@@ -415,8 +414,8 @@ pub const ENTRIES: &[Entry] = &[
         command: "scripts/test.sh && cp target/ci-phases.json bench/results/ci-phases-warm.json",
         needs: &[Need::Node, Need::IstioPeers],
         minutes: 40,
-        measures: &["scripts", "Cargo.lock"],
-        stale: None,
+        measures: CI,
+        stale: Some("stale: scripts/lib/controlplane.sh came after the last warm run"),
     },
 ];
 
@@ -583,6 +582,14 @@ mod tests {
             assert!(seen.insert(e.name()), "{} twice", e.name());
             assert_eq!(find(e.name()).expect("found").file(), e.file());
             assert!(!e.measures.is_empty(), "{} measures nothing", e.name());
+            let paths: std::collections::BTreeSet<_> = e.measures.iter().collect();
+            assert_eq!(
+                paths.len(),
+                e.measures.len(),
+                "{} lists a path twice",
+                e.name()
+            );
+            assert!(!paths.contains(&""), "{} lists an empty path", e.name());
         }
         assert!(find("nothing").is_none());
     }

@@ -1,6 +1,8 @@
 //! A real Kubernetes control plane for end-to-end tests: etcd, kube-apiserver
 //! and kube-controller-manager on 127.0.0.1, started the way controller-runtime's
 //! envtest does it (fresh certificates, free ports, a temporary data dir).
+//! Certificates, kubeconfigs and flags come from `scripts/lib/controlplane.sh`,
+//! which `scripts/cluster.sh` starts the node's control plane with ([`pki`]).
 //!
 //! There is no scheduler and no kubelet: pods are accepted and stay `Pending`
 //! unless a test plays the kubelet's part. Binaries come from
@@ -8,7 +10,7 @@
 //! existing cluster (kind) instead. See `e2e/README.md`.
 
 pub mod kubelet;
-mod pki;
+pub mod pki;
 pub mod process;
 
 use std::collections::BTreeMap;
@@ -27,9 +29,9 @@ pub use kubelet::FakeKubelet;
 pub use pki::PkiFiles;
 use process::{Janitor, Proc};
 
-/// The Kubernetes release `scripts/build-k8s.sh` builds (keep in sync).
+/// The Kubernetes release `scripts/build-k8s.sh` builds (a test checks).
 pub const K8S_VERSION: &str = "v1.36.3";
-/// The etcd release `scripts/build-k8s.sh` builds (keep in sync).
+/// The etcd release `scripts/build-k8s.sh` builds (a test checks).
 pub const ETCD_VERSION: &str = "v3.6.16";
 
 /// Directory holding `kube-apiserver` and `kube-controller-manager`.
@@ -48,23 +50,6 @@ pub const ENV_KEEP: &str = "REMORA_E2E_KEEP";
 /// The label on every namespace the harness creates, for bulk cleanup on a
 /// real cluster: `kubectl delete ns -l remora.dev/e2e=true`.
 pub const NAMESPACE_LABEL: (&str, &str) = ("remora.dev/e2e", "true");
-
-/// Controllers worth running without nodes: workloads and their garbage,
-/// namespaces and their default service account. Node, volume, service and
-/// certificate controllers have nothing to do here.
-pub const CONTROLLERS: &[&str] = &[
-    "serviceaccount-controller",
-    "namespace-controller",
-    "garbage-collector-controller",
-    "deployment-controller",
-    "replicaset-controller",
-    "statefulset-controller",
-    "daemonset-controller",
-    "job-controller",
-    "cronjob-controller",
-    "ttl-after-finished-controller",
-    "disruption-controller",
-];
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -110,6 +95,12 @@ pub enum Error {
     Unnamed(&'static str),
     #[error("TokenRequest for ServiceAccount {0} returned no token")]
     NoToken(String),
+    #[error("scripts/lib/controlplane.sh {function} failed ({status}): {stderr}")]
+    Launcher {
+        function: String,
+        status: String,
+        stderr: String,
+    },
 }
 
 impl Error {
@@ -299,22 +290,16 @@ impl ControlPlane {
             .keep();
         // The janitor first, so that whatever happens next is cleaned up.
         let janitor = Janitor::spawn(&dir, keep)?;
-        let pki_dir = dir.join("pki");
-        std::fs::create_dir(&pki_dir)
-            .map_err(|e| Error::io(format!("creating {}", pki_dir.display()), e))?;
-        let pki = pki::write(&pki_dir)?;
-        let etcd_client = free_port()?;
-        let etcd_peer = free_port()?;
-        let secure_port = free_port()?;
-        let url = format!("https://127.0.0.1:{secure_port}");
+        let layout = pki::Layout {
+            dir: dir.clone(),
+            pki: dir.join("pki"),
+            port: free_port()?,
+            etcd_client: free_port()?,
+            etcd_peer: free_port()?,
+        };
+        let pki = layout.write_pki()?;
         let kubeconfig = dir.join("admin.kubeconfig");
-        write_kubeconfig(
-            &kubeconfig,
-            &url,
-            &pki.ca_cert,
-            &pki.admin_cert,
-            &pki.admin_key,
-        )?;
+        layout.write_kubeconfig(&kubeconfig, "admin")?;
         let kc = Kubeconfig::read_from(&kubeconfig)?;
         let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
         if keep {
@@ -334,73 +319,18 @@ impl ControlPlane {
             }),
         };
 
-        let etcd_url = format!("http://127.0.0.1:{etcd_client}");
-        let peer_url = format!("http://127.0.0.1:{etcd_peer}");
-        let data_dir = dir.join("etcd");
-        let etcd_args = vec![
-            "--name=default".to_owned(),
-            format!("--data-dir={}", data_dir.display()),
-            format!("--listen-client-urls={etcd_url}"),
-            format!("--advertise-client-urls={etcd_url}"),
-            format!("--listen-peer-urls={peer_url}"),
-            format!("--initial-advertise-peer-urls={peer_url}"),
-            format!("--initial-cluster=default={peer_url}"),
-            // Throwaway data: fsync only costs time on a shared disk.
-            "--unsafe-no-fsync=true".to_owned(),
-            "--log-level=warn".to_owned(),
-        ];
+        let etcd_args = layout.etcd_flags()?;
         cp.spawn("etcd", &bins.etcd, &etcd_args)?;
 
-        let p = &pki;
-        let mut api_args = vec![
-            format!("--etcd-servers={etcd_url}"),
-            "--bind-address=127.0.0.1".to_owned(),
-            "--advertise-address=127.0.0.1".to_owned(),
-            format!("--secure-port={secure_port}"),
-            // Unused (the serving cert is given) but would default to /var/run.
-            format!("--cert-dir={}", dir.join("apiserver-certs").display()),
-            format!("--tls-cert-file={}", p.serving_cert.display()),
-            format!("--tls-private-key-file={}", p.serving_key.display()),
-            format!("--client-ca-file={}", p.ca_cert.display()),
-            format!("--service-account-key-file={}", p.sa_pub.display()),
-            format!("--service-account-signing-key-file={}", p.sa_key.display()),
-            format!("--service-account-issuer={url}"),
-            "--service-cluster-ip-range=10.0.0.0/24".to_owned(),
-            // Real authorization, so RBAC in the chart can be tested; the
-            // harness's own clients are system:masters.
-            "--authorization-mode=RBAC".to_owned(),
-            // It refuses pods until their ServiceAccount exists, so a pod in
-            // a fresh namespace would race the controller manager creating
-            // `default` (and always fail without it); and no kubelet would
-            // mount the token it adds. envtest disables it too.
-            "--disable-admission-plugins=ServiceAccount".to_owned(),
-            "--allow-privileged=true".to_owned(),
-            // The `kubernetes` Service cannot have a loopback endpoint (the
-            // API server logs an error every 10 s), and no pod could use it.
-            "--endpoint-reconciler-type=none".to_owned(),
-        ];
+        let mut api_args = layout.apiserver_flags()?;
         api_args.extend(options.apiserver_args.iter().cloned());
         cp.spawn("kube-apiserver", &bins.kube_apiserver, &api_args)?;
         cp.wait_ready(options.start_timeout).await?;
 
         if options.controller_manager {
             let kcm_kubeconfig = dir.join("controller-manager.kubeconfig");
-            write_kubeconfig(
-                &kcm_kubeconfig,
-                &url,
-                &pki.ca_cert,
-                &pki.kcm_cert,
-                &pki.kcm_key,
-            )?;
-            let kcm_args = vec![
-                format!("--kubeconfig={}", kcm_kubeconfig.display()),
-                "--leader-elect=false".to_owned(),
-                // No serving: nothing scrapes it, and it would need its own
-                // delegated authn/authz setup.
-                "--secure-port=0".to_owned(),
-                format!("--controllers={}", CONTROLLERS.join(",")),
-                "--service-cluster-ip-range=10.0.0.0/24".to_owned(),
-            ];
+            layout.write_kubeconfig(&kcm_kubeconfig, "controller-manager")?;
+            let kcm_args = layout.controller_manager_flags(&kcm_kubeconfig)?;
             cp.spawn(
                 "kube-controller-manager",
                 &bins.kube_controller_manager,
@@ -640,30 +570,6 @@ fn free_port() -> Result<u16, Error> {
         .map_err(|e| Error::io("picking a free port".to_owned(), e))
 }
 
-/// A kubeconfig naming the cert files (JSON, which is valid YAML).
-fn write_kubeconfig(
-    path: &Path,
-    url: &str,
-    ca: &Path,
-    cert: &Path,
-    key: &Path,
-) -> Result<(), Error> {
-    let s = |p: &Path| p.display().to_string();
-    let kc = serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "remora-e2e", "cluster": {
-            "server": url, "certificate-authority": s(ca)}}],
-        "users": [{"name": "remora-e2e", "user": {
-            "client-certificate": s(cert), "client-key": s(key)}}],
-        "contexts": [{"name": "remora-e2e", "context": {
-            "cluster": "remora-e2e", "user": "remora-e2e"}}],
-        "current-context": "remora-e2e",
-    });
-    std::fs::write(path, kc.to_string())
-        .map_err(|e| Error::io(format!("writing {}", path.display()), e))
-}
-
 /// Lowercase alphanumerics and dashes, at most 40 characters, never empty:
 /// what `generateName` accepts with room for the prefix and suffix.
 fn sanitize(prefix: &str) -> String {
@@ -718,6 +624,19 @@ pub fn deployment(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn versions_are_those_build_k8s_builds() {
+        let script = std::fs::read_to_string(crate::node::repo_root().join("scripts/build-k8s.sh"))
+            .expect("scripts/build-k8s.sh");
+        for (var, want) in [("K8S_VERSION", K8S_VERSION), ("ETCD_VERSION", ETCD_VERSION)] {
+            let line = format!("{var}=\"${{{var}:-{want}}}\"");
+            assert!(
+                script.lines().any(|l| l == line),
+                "build-k8s.sh has no `{line}`"
+            );
+        }
+    }
 
     #[test]
     fn sanitize_keeps_names_valid() {

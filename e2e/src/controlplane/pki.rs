@@ -1,13 +1,110 @@
-//! The certificates and keys a local control plane needs, generated fresh for
-//! each run (as envtest does), so nothing secret lives in the repository.
+//! The local control plane's certificates, kubeconfigs and component flags,
+//! from the one implementation `scripts/cluster.sh` uses for the node:
+//! `scripts/lib/controlplane.sh`, run with the profile `local`. Generated
+//! fresh for each run (as envtest does), so nothing secret lives in the
+//! repository.
 
 use std::path::{Path, PathBuf};
-
-use remora_test_support::pki::{Ca, new_key};
+use std::process::{Command, Stdio};
 
 use super::Error;
 
-/// Paths of the PEM files written by [`Pki::write`].
+/// Where a local control plane listens and keeps its state.
+#[derive(Debug, Clone)]
+pub(super) struct Layout {
+    pub dir: PathBuf,
+    pub pki: PathBuf,
+    pub port: u16,
+    pub etcd_client: u16,
+    pub etcd_peer: u16,
+}
+
+/// The Services' range of a local control plane (nothing routes it: there
+/// is no node), and the `kubernetes` Service's address in it.
+const SERVICE_CIDR: &str = "10.0.0.0/24";
+const API_SERVICE_IP: &str = "10.0.0.1";
+
+impl Layout {
+    pub fn url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
+    }
+
+    /// `bash scripts/lib/controlplane.sh <function> [args]` with this
+    /// layout's inputs; its stdout's lines.
+    fn run(&self, function: &str, args: &[&Path]) -> Result<Vec<String>, Error> {
+        let script = crate::node::repo_root().join("scripts/lib/controlplane.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg(function)
+            .args(args)
+            .env("CP_PROFILE", "local")
+            .env("CP_DIR", &self.dir)
+            .env("CP_PKI", &self.pki)
+            .env("CP_BIND", "127.0.0.1")
+            .env("CP_PORT", self.port.to_string())
+            .env("CP_ETCD_CLIENT", format!("127.0.0.1:{}", self.etcd_client))
+            .env("CP_ETCD_PEER", format!("127.0.0.1:{}", self.etcd_peer))
+            .env("CP_SERVICE_CIDR", SERVICE_CIDR)
+            .env("CP_API_SERVICE_IP", API_SERVICE_IP)
+            .env("CP_ISSUER", self.url())
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| Error::io(format!("running {}", script.display()), e))?;
+        if !out.status.success() {
+            return Err(Error::Launcher {
+                function: function.to_owned(),
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            });
+        }
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// The CA, the API server's serving cert, the service-account key
+    /// pair, and client certs for the test admin and the controller
+    /// manager (both `system:masters`).
+    pub fn write_pki(&self) -> Result<PkiFiles, Error> {
+        self.run("pki", &[])?;
+        let p = |name: &str| self.pki.join(name);
+        Ok(PkiFiles {
+            ca_cert: p("ca.crt"),
+            serving_cert: p("apiserver.crt"),
+            serving_key: p("apiserver.key"),
+            sa_pub: p("sa.pub"),
+            sa_key: p("sa.key"),
+            admin_cert: p("admin.crt"),
+            admin_key: p("admin.key"),
+            kcm_cert: p("controller-manager.crt"),
+            kcm_key: p("controller-manager.key"),
+        })
+    }
+
+    /// A kubeconfig at `path` for the client cert `cert` (`admin`,
+    /// `controller-manager`).
+    pub fn write_kubeconfig(&self, path: &Path, cert: &str) -> Result<(), Error> {
+        let url = self.url();
+        self.run("kubeconfig", &[path, Path::new(&url), Path::new(cert)])
+            .map(drop)
+    }
+
+    pub fn etcd_flags(&self) -> Result<Vec<String>, Error> {
+        self.run("etcd_flags", &[])
+    }
+
+    pub fn apiserver_flags(&self) -> Result<Vec<String>, Error> {
+        self.run("apiserver_flags", &[])
+    }
+
+    pub fn controller_manager_flags(&self, kubeconfig: &Path) -> Result<Vec<String>, Error> {
+        self.run("controller_manager_flags", &[kubeconfig])
+    }
+}
+
+/// Paths of the PEM files [`Layout::write_pki`] wrote.
 #[derive(Debug, Clone)]
 pub struct PkiFiles {
     /// CA that signs the serving cert and every client cert; also the
@@ -25,72 +122,75 @@ pub struct PkiFiles {
     pub kcm_key: PathBuf,
 }
 
-/// Generates the CA, the API server's serving cert (127.0.0.1 and localhost),
-/// the service-account signing key, and client certs for the test admin and
-/// the controller manager, and writes them as PEM files under `dir`.
-pub fn write(dir: &Path) -> Result<PkiFiles, Error> {
-    let ca = Ca::new("remora-e2e-ca");
-    // Names a client may dial: the loopback address the harness uses, and the
-    // in-cluster names, so a webhook or pod-side client can verify it too.
-    let serving = ca
-        .issue()
-        .names(&[
-            "127.0.0.1",
-            "localhost",
-            "kubernetes",
-            "kubernetes.default",
-            "kubernetes.default.svc",
-            "10.0.0.1",
-        ])
-        .common_name("kube-apiserver")
-        .server_auth()
-        .sign();
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-    let client = |cn: &str| {
-        // system:masters is bound to cluster-admin by the bootstrap RBAC
-        // policy, and bypasses authorization entirely.
-        let leaf = ca
-            .issue()
-            .common_name(cn)
-            .organization("system:masters")
-            .client_auth()
-            .sign();
-        (leaf.chain, leaf.key)
-    };
-    let (admin_cert, admin_key) = client("remora-e2e-admin");
-    // The controller manager gets admin rights too: without
-    // --use-service-account-credentials every controller acts as it, and the
-    // narrow system:kube-controller-manager role would not be enough.
-    let (kcm_cert, kcm_key) = client("system:kube-controller-manager");
-
-    // ECDSA P-256: the API server signs service-account tokens with ES256.
-    let sa = new_key();
-
-    let files = PkiFiles {
-        ca_cert: dir.join("ca.crt"),
-        serving_cert: dir.join("apiserver.crt"),
-        serving_key: dir.join("apiserver.key"),
-        sa_pub: dir.join("sa.pub"),
-        sa_key: dir.join("sa.key"),
-        admin_cert: dir.join("admin.crt"),
-        admin_key: dir.join("admin.key"),
-        kcm_cert: dir.join("kcm.crt"),
-        kcm_key: dir.join("kcm.key"),
-    };
-    let writes = [
-        (&files.ca_cert, ca.pem.clone()),
-        (&files.serving_cert, serving.chain),
-        (&files.serving_key, serving.key),
-        (&files.sa_pub, sa.public_key_pem()),
-        (&files.sa_key, sa.serialize_pem()),
-        (&files.admin_cert, admin_cert),
-        (&files.admin_key, admin_key),
-        (&files.kcm_cert, kcm_cert),
-        (&files.kcm_key, kcm_key),
-    ];
-    for (path, pem) in writes {
-        std::fs::write(path, pem)
-            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+    fn layout(dir: &Path) -> Layout {
+        Layout {
+            dir: dir.to_path_buf(),
+            pki: dir.join("pki"),
+            port: 40001,
+            etcd_client: 40002,
+            etcd_peer: 40003,
+        }
     }
-    Ok(files)
+
+    #[test]
+    fn the_local_profile_writes_what_its_flags_name() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let l = layout(tmp.path());
+        let pki = l.write_pki().expect("pki");
+        for f in [
+            &pki.ca_cert,
+            &pki.serving_cert,
+            &pki.sa_key,
+            &pki.admin_key,
+            &pki.kcm_cert,
+        ] {
+            assert!(f.is_file(), "{} not written", f.display());
+        }
+        let api = l.apiserver_flags().expect("flags");
+        for want in [
+            "--secure-port=40001",
+            "--etcd-servers=http://127.0.0.1:40002",
+            "--authorization-mode=RBAC",
+            "--endpoint-reconciler-type=none",
+        ] {
+            assert!(api.iter().any(|f| f == want), "{want} missing from {api:?}");
+        }
+        // Every file a flag names exists.
+        for f in &api {
+            if let Some((_, path)) = f.split_once("-file=") {
+                assert!(Path::new(path).is_file(), "{f}: no such file");
+            }
+        }
+        assert!(!api.iter().any(|f| f.contains("kubelet")), "{api:?}");
+        let kc = tmp.path().join("kc");
+        l.write_kubeconfig(&kc, "admin").expect("kubeconfig");
+        let text = std::fs::read_to_string(&kc).expect("read");
+        assert!(text.contains("server: https://127.0.0.1:40001"), "{text}");
+        let kcm = l.controller_manager_flags(&kc).expect("kcm flags");
+        assert!(kcm.iter().any(|f| f == "--secure-port=0"), "{kcm:?}");
+        assert!(
+            kcm.iter()
+                .any(|f| f.starts_with("--controllers=job-controller")
+                    || f.contains(",job-controller,")),
+            "{kcm:?}"
+        );
+    }
+
+    #[test]
+    fn a_missing_input_is_an_error_naming_it() {
+        let script = crate::node::repo_root().join("scripts/lib/controlplane.sh");
+        let out = Command::new("bash")
+            .arg(script)
+            .arg("apiserver_flags")
+            .env("CP_PROFILE", "local")
+            .env_remove("CP_PORT")
+            .output()
+            .expect("bash");
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("CP_DIR is not set"));
+    }
 }
