@@ -335,9 +335,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/scale_run",
             "e2e/src/bin/scale-bench.rs",
         ],
-        stale: Some(
-            "stale: 10,000 pods on a local API server, about 25 min; not regenerated this session",
-        ),
+        stale: None,
     },
     Entry {
         files: &["workload-ca.json"],
