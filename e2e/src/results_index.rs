@@ -413,7 +413,7 @@ pub const ENTRIES: &[Entry] = &[
         needs: &[Need::Node, Need::IstioPeers],
         minutes: 40,
         measures: CI,
-        stale: Some("stale: scripts/lib/controlplane.sh came after the last warm run"),
+        stale: None,
     },
 ];
 
