@@ -254,6 +254,7 @@ impl App {
             self.admin_server,
             self.admin,
             servers::admin_router(
+                self.readiness.clone(),
                 self.registry.clone(),
                 self.handle.clone(),
                 self.cfg.clone(),

@@ -7,14 +7,20 @@ use tokio::time::Instant;
 use crate::config::{DrainConfig, WaitConfig};
 use crate::http_client::HttpClient;
 
-/// Poll the readiness URL until it answers 200. Returns the process status.
+/// Ask the readiness URL until it answers 200 (the agent holds each check
+/// until it is ready, see [`crate::servers::HOLD_READY_PATH`]). Returns the
+/// process status.
 pub async fn wait(cfg: &WaitConfig) -> i32 {
-    let client = HttpClient::new(cfg.request_timeout);
+    let client = HttpClient::new(cfg.check_timeout());
     let start = Instant::now();
     let deadline = start + cfg.timeout;
     let mut last: String;
     loop {
-        match client.get(&cfg.url()).await {
+        // No check is held past the deadline.
+        let hold = cfg
+            .hold
+            .min(deadline.saturating_duration_since(Instant::now()));
+        match client.get(&cfg.url(hold)).await {
             Ok(r) if r.status == 200 => {
                 eprintln!("remora-agent wait: ready after {:?}", start.elapsed());
                 return 0;

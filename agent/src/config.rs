@@ -542,25 +542,42 @@ pub struct WaitConfig {
     /// Give up after this long (exit 1).
     #[arg(long, value_parser = duration::parse, default_value = "60s")]
     pub timeout: Duration,
-    /// Time between checks (the first one is immediate).
+    /// How long the agent holds each check open, answering the moment it is
+    /// ready (the default URL only).
+    #[arg(long, value_parser = duration::parse, default_value = "1s")]
+    pub hold: Duration,
+    /// Time between checks (the first one is immediate); a check the agent
+    /// holds is answered as it becomes ready.
     #[arg(long, value_parser = duration::parse, default_value = "200ms")]
     pub period: Duration,
-    /// Timeout of a single check.
+    /// Timeout of a single check, beyond its hold.
     #[arg(long, value_parser = duration::parse, default_value = "1s")]
     pub request_timeout: Duration,
-    /// Readiness URL to poll; default: the agent's health port on loopback.
+    /// Readiness URL to poll, as is; default: the agent's admin port on
+    /// loopback, which holds each check (`--hold`).
     #[arg(long, env = "REMORA_WAIT_URL")]
     pub url: Option<String>,
-    /// Health port of the agent in this container (the hook runs with its env).
-    #[arg(long, env = env::HEALTH_PORT, default_value_t = pod::HEALTH_PORT)]
-    pub health_port: u16,
+    /// Admin port of the agent in this container (the hook runs with its env).
+    #[arg(long, env = env::ADMIN_PORT, default_value_t = pod::AGENT_ADMIN_PORT)]
+    pub admin_port: u16,
 }
 
 impl WaitConfig {
-    pub fn url(&self) -> String {
-        self.url
-            .clone()
-            .unwrap_or_else(|| format!("http://127.0.0.1:{}/healthz/ready", self.health_port))
+    /// The URL of a check the agent holds up to `hold` (`--url` as is).
+    pub fn url(&self, hold: Duration) -> String {
+        self.url.clone().unwrap_or_else(|| {
+            format!(
+                "http://127.0.0.1:{}{}?wait={}ms",
+                self.admin_port,
+                crate::servers::HOLD_READY_PATH,
+                hold.as_millis()
+            )
+        })
+    }
+
+    /// The longest one check may take: its hold and the request timeout.
+    pub fn check_timeout(&self) -> Duration {
+        self.hold.saturating_add(self.request_timeout)
     }
 }
 
@@ -836,12 +853,13 @@ pub(crate) mod tests {
 
     #[test]
     fn helpers_follow_the_ports_of_their_container() {
-        let cli = Cli::try_parse_from(["remora-agent", "wait", "--health-port", "17021"])
-            .expect("parses");
+        let cli =
+            Cli::try_parse_from(["remora-agent", "wait", "--admin-port", "17020"]).expect("parses");
         let Command::Wait(w) = cli.command else {
             unreachable!()
         };
-        assert_eq!(w.url(), "http://127.0.0.1:17021/healthz/ready");
+        assert_eq!(w.url(w.hold), "http://127.0.0.1:17020/ready?wait=1000ms");
+        assert_eq!(w.check_timeout(), Duration::from_secs(2));
         let cli = Cli::try_parse_from(["remora-agent", "drain", "--admin-port", "17020"])
             .expect("parses");
         let Command::Drain(d) = cli.command else {

@@ -68,7 +68,7 @@ impl AppPrestop {
 /// The pod-facing port: probes only. Nothing on it changes the agent's state.
 pub fn health_router(readiness: Readiness, metrics: Metrics) -> Router {
     Router::new()
-        .route("/healthz/ready", get(ready))
+        .route("/healthz/ready", get(health_ready))
         .route("/healthz/live", get(|| async { "live\n" }))
         .with_state(HealthState { readiness, metrics })
 }
@@ -118,19 +118,90 @@ fn unauthorized(what: &str) -> Response {
         .into_response()
 }
 
-async fn ready(State(s): State<HealthState>) -> Response {
-    let pending = s.readiness.pending();
+async fn health_ready(State(s): State<HealthState>) -> Response {
+    let (ready, answer) = readiness_answer(&s.readiness);
+    s.metrics.ready.set(i64::from(ready));
+    answer
+}
+
+/// 200 when no guard is pending, else 503 listing every pending guard.
+fn readiness_answer(readiness: &Readiness) -> (bool, Response) {
+    let pending = readiness.pending();
     if pending.is_empty() {
-        s.metrics.ready.set(1);
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        s.metrics.ready.set(0);
-        let body: String = pending
-            .iter()
-            .map(|(name, reason)| format!("{name}: {reason}\n"))
-            .collect();
-        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+        return (true, (StatusCode::OK, "ready\n").into_response());
     }
+    let body: String = pending
+        .iter()
+        .map(|(name, reason)| format!("{name}: {reason}\n"))
+        .collect();
+    (
+        false,
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response(),
+    )
+}
+
+/// The readiness the startup hold asks (`remora-agent wait`).
+pub const HOLD_READY_PATH: &str = "/ready";
+/// The longest [`HOLD_READY_PATH`] holds a request.
+pub const HOLD_READY_MAX: Duration = Duration::from_secs(5);
+/// Requests [`HOLD_READY_PATH`] holds at once; more are answered at once.
+/// The port's reads are open to the app (an SSRF too): a few held requests
+/// can never take the in-flight slots the app hooks need.
+pub const HOLD_READY_SLOTS: usize = 4;
+
+#[derive(Deserialize)]
+struct HoldQuery {
+    wait: Option<String>,
+}
+
+/// Readiness as `/healthz/ready` answers it; with `?wait=DURATION` the
+/// answer comes as soon as the agent is ready, the request held up to that
+/// long (at most [`HOLD_READY_MAX`]), so the startup hold lets the app start
+/// the moment Envoy is ready, not at its next poll. On the loopback admin
+/// port only: requests held open on the pod-facing health port would take
+/// in-flight slots from the kubelet's probes; and at most
+/// [`HOLD_READY_SLOTS`] at once.
+async fn hold_ready(
+    State(s): State<AdminState>,
+    q: Result<Query<HoldQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let usage = || {
+        (
+            StatusCode::BAD_REQUEST,
+            format!("usage: GET {HOLD_READY_PATH}[?wait=<duration, e.g. 1s>]\n"),
+        )
+            .into_response()
+    };
+    let wait = match q {
+        Ok(Query(HoldQuery { wait: None })) => Duration::ZERO,
+        Ok(Query(HoldQuery { wait: Some(w) })) => match remora_contract::duration::parse(&w) {
+            Ok(d) => d.min(HOLD_READY_MAX),
+            Err(_) => return usage(),
+        },
+        Err(_) => return usage(),
+    };
+    hold(&s.readiness, &s.holds, wait).await.1
+}
+
+/// Wait up to `wait` for readiness, if one of `holds` is free, and answer.
+async fn hold(
+    readiness: &Readiness,
+    holds: &tokio::sync::Semaphore,
+    wait: Duration,
+) -> (bool, Response) {
+    if let Ok(_slot) = holds.try_acquire() {
+        // Not ready in time: the answer lists what is pending.
+        let _ = tokio::time::timeout(wait, ready(readiness)).await;
+    }
+    readiness_answer(readiness)
+}
+
+/// Return once no guard is pending.
+async fn ready(readiness: &Readiness) {
+    // Subscribed before the check, so a change between the two is seen; the
+    // sender lives in `readiness`, so `changed` cannot fail while we hold it.
+    let mut changes = readiness.subscribe();
+    while !readiness.is_ready() && changes.changed().await.is_ok() {}
 }
 
 #[derive(Clone)]
@@ -142,6 +213,8 @@ struct AdminState {
     log: LogLevelHandle,
     admin_token: Secret,
     prestop: AppPrestop,
+    readiness: Readiness,
+    holds: Arc<tokio::sync::Semaphore>,
 }
 
 /// The loopback port. Reads are open; what changes the agent (stop, drain,
@@ -149,6 +222,7 @@ struct AdminState {
 /// only make the sidecar's loopback requests (an SSRF) cannot know. The app
 /// hook has its own token, which starts a drain and nothing else.
 pub fn admin_router(
+    readiness: Readiness,
     registry: Arc<Registry>,
     supervisor: SupervisorHandle,
     cfg: Arc<RunConfig>,
@@ -165,6 +239,8 @@ pub fn admin_router(
         log,
         admin_token,
         prestop,
+        readiness,
+        holds: Arc::new(tokio::sync::Semaphore::new(HOLD_READY_SLOTS)),
     };
     let guarded = Router::new()
         .route("/quitquitquit", post(quit))
@@ -177,6 +253,7 @@ pub fn admin_router(
     Router::new()
         .route("/metrics", get(metrics))
         .route("/debug/config", get(debug_config))
+        .route(HOLD_READY_PATH, get(hold_ready))
         .route(pod::APP_PRESTOP_PATH, post(app_prestop))
         .merge(guarded)
         .with_state(state)
@@ -328,5 +405,59 @@ pub async fn serve(
         .await
     {
         tracing::error!(?addr, error = %e, "server failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::Semaphore;
+
+    fn slots() -> Semaphore {
+        Semaphore::new(HOLD_READY_SLOTS)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_check_answers_as_soon_as_the_agent_is_ready() {
+        let readiness = Readiness::new();
+        let envoy = readiness.register("envoy", "starting");
+        let held = tokio::spawn({
+            let readiness = readiness.clone();
+            async move {
+                let started = tokio::time::Instant::now();
+                let (ready, _) = hold(&readiness, &slots(), Duration::from_secs(5)).await;
+                (ready, started.elapsed())
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        envoy.ready();
+        let (ready, after) = held.await.expect("no panic");
+        assert!(ready);
+        assert_eq!(after, Duration::from_millis(300), "answered on the change");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_check_says_what_is_pending_when_its_wait_ends() {
+        let readiness = Readiness::new();
+        let _envoy = readiness.register("envoy", "starting");
+        let started = tokio::time::Instant::now();
+        let (ready, answer) = hold(&readiness, &slots(), Duration::from_secs(2)).await;
+        assert!(!ready);
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn checks_beyond_the_slots_are_answered_at_once() {
+        let readiness = Readiness::new();
+        let _envoy = readiness.register("envoy", "starting");
+        let holds = slots();
+        let _taken = holds
+            .try_acquire_many(u32::try_from(HOLD_READY_SLOTS).expect("small"))
+            .expect("free");
+        let started = tokio::time::Instant::now();
+        let (ready, _) = hold(&readiness, &holds, Duration::from_secs(5)).await;
+        assert!(!ready);
+        assert_eq!(started.elapsed(), Duration::ZERO);
     }
 }

@@ -21,15 +21,29 @@ fn ready_then_wait_returns_and_traffic_flows() {
         200
     );
 
-    let out = std::process::Command::new(agent_bin())
-        .args(["wait", "--timeout", "5s", "--period", "20ms", "--url"])
-        .arg(format!(
-            "http://127.0.0.1:{}/healthz/ready",
-            agent.ports.health
-        ))
-        .output()
-        .expect("wait runs");
-    assert!(out.status.success(), "{out:?}");
+    for url in [
+        // The startup hold's own check, on the admin port.
+        vec![],
+        vec![
+            "--url".to_owned(),
+            format!("http://127.0.0.1:{}/healthz/ready", agent.ports.health),
+        ],
+    ] {
+        let out = std::process::Command::new(agent_bin())
+            .args([
+                "wait",
+                "--timeout",
+                "5s",
+                "--period",
+                "20ms",
+                "--admin-port",
+            ])
+            .arg(agent.ports.admin.to_string())
+            .args(&url)
+            .output()
+            .expect("wait runs");
+        assert!(out.status.success(), "{url:?}: {out:?}");
+    }
 
     let r = get(agent.ports.inbound, "/").expect("inbound");
     assert_eq!((r.status, r.body.starts_with("ok")), (200, true));
@@ -77,18 +91,36 @@ fn readiness_names_what_is_pending_before_envoy_is_up() {
     assert!(body.contains("discovery: "), "{body}");
     assert!(agent.is_running());
 
-    let out = std::process::Command::new(agent_bin())
-        .args(["wait", "--timeout", "300ms", "--period", "50ms", "--url"])
-        .arg(format!(
-            "http://127.0.0.1:{}/healthz/ready",
-            agent.ports.health
-        ))
-        .output()
-        .expect("wait runs");
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("not ready after"), "{stderr}");
-    assert!(stderr.contains("503"), "{stderr}");
+    // Polled, and held on the admin port (the hold ends with the timeout):
+    // both give up and say what is pending.
+    for url in [
+        vec![
+            "--url".to_owned(),
+            format!("http://127.0.0.1:{}/healthz/ready", agent.ports.health),
+        ],
+        vec![],
+    ] {
+        let out = std::process::Command::new(agent_bin())
+            .args([
+                "wait",
+                "--timeout",
+                "300ms",
+                "--period",
+                "50ms",
+                "--admin-port",
+            ])
+            .arg(agent.ports.admin.to_string())
+            .args(&url)
+            .output()
+            .expect("wait runs");
+        assert_eq!(out.status.code(), Some(1), "{url:?}: {out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("not ready after"), "{stderr}");
+        assert!(
+            stderr.contains("503") && stderr.contains("envoy:"),
+            "{stderr}"
+        );
+    }
 }
 
 #[test]
