@@ -10,9 +10,15 @@ pub const EXIT_ON_ZERO_ACTIVE_CONNECTIONS: bool = false;
 pub const MINIMUM_DRAIN_DURATION: &str = "5s";
 pub const DRAIN_MODE: crate::DrainMode = crate::DrainMode::Adaptive;
 /// Adaptive drain: how long no new connection or request must arrive before
-/// the pod counts as no longer used. Longer than a kube-proxy resync and the
-/// gap between requests of a steadily used keep-alive client.
-pub const QUIET_PERIOD: &str = "3s";
+/// the pod counts as no longer used. Longer than kube-proxy takes to stop
+/// sending new connections to a deleted pod: clients with keep-alive
+/// connections open new ones rarely, so silence can come before kube-proxy
+/// has caught up, and a new connection after the app's exit is lost. On
+/// the node under a rolling update its `network_programming_duration`
+/// (deletion → rules written) reached 2-3 s (14 of 228 changes), and a 3 s
+/// default lost a request about once in a few CI runs; 5 s leaves 2 s
+/// above that (and is Istio's termination drain default).
+pub const QUIET_PERIOD: &str = "5s";
 /// Discovery mode: how long a drain waits for every proxy that routed to
 /// the pod to confirm it no longer does (confirmed removal), and how long
 /// the discovery server waits for each before naming it. A healthy proxy

@@ -417,9 +417,10 @@ async fn check_deletion(
         .map(|l| l.at)
         .with_context(|| format!("pod {name}: app never logged its exit: {app_log:?}"))?;
     // The app's preStop hook holds its SIGTERM until inbound has been quiet
-    // for the quiet period (3 s by default; log times are whole ms).
+    // for the quiet period (the chart's default; log times are whole ms).
+    let quiet = remora_contract::duration::parse(remora_contract::defaults::QUIET_PERIOD)?;
     ensure!(
-        pods::ms_between(app_exit, drain_start) >= 2900,
+        pods::ms_between(app_exit, drain_start) >= i64::try_from(quiet.as_millis())? - 100,
         "pod {name}: app exit {app_exit} less than a quiet period after the drain began {drain_start}"
     );
     if mode == "Legacy" {

@@ -48,14 +48,18 @@ pub enum Contender {
     IstioLegacyDefaults,
     IstioLegacyHold,
     /// Istio's defaults plus its documented remedy for endpoint lag: the
-    /// app keeps serving through a preStop `sleep` of the lag and 3 s more
-    /// (Remora's default quiet period), so the lagging ingress has moved
+    /// app keeps serving through a preStop `sleep` of the lag plus Remora's
+    /// default quiet period, so the lagging ingress has moved
     /// on before the app stops and the native sidecar drains after it.
     IstioTunedForLag,
 }
 
-/// How much longer than the ingress lag the tuned Istio app sleeps.
-const ISTIO_SLEEP_MARGIN: Duration = Duration::from_secs(3);
+/// How much longer than the ingress lag the tuned Istio app sleeps: Remora's
+/// default quiet period.
+fn istio_sleep_margin() -> Duration {
+    remora_contract::duration::parse(remora_contract::defaults::QUIET_PERIOD)
+        .unwrap_or(Duration::from_secs(5))
+}
 
 impl Contender {
     pub const ALL: [Self; 9] = [
@@ -292,7 +296,9 @@ pub fn manifests(
 ) -> Result<(Deployment, Service, Option<istio::Injected>), Error> {
     let mut app = test_app_container("app", &["--port", &APP_PORT.to_string(), "--delay", "5ms"]);
     if run.contender == Contender::IstioTunedForLag {
-        let sleep = (run.ingress_lag + ISTIO_SLEEP_MARGIN).as_secs_f64().ceil();
+        let sleep = (run.ingress_lag + istio_sleep_margin())
+            .as_secs_f64()
+            .ceil();
         app["lifecycle"] = json!({"preStop": {"sleep": {"seconds": sleep as i64}}});
     }
     let mut annotations = serde_json::Map::new();

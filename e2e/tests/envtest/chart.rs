@@ -1373,3 +1373,58 @@ async fn mesh_defaults_are_on_for_a_new_install_and_kept_on_upgrade() -> anyhow:
     cp.delete_namespace(&client, &ns).await?;
     Ok(())
 }
+
+/// The chart's cluster-default SidecarLifecycle says what the built-in
+/// defaults say (values.yaml: "the same values as below"): a default changed
+/// in one place and not the other fails here.
+#[test]
+fn the_cluster_default_is_the_built_in_defaults() -> anyhow::Result<()> {
+    use remora_contract::defaults as d;
+    let objects = e2e::chart::render("remora", "remora-system", &[])?;
+    let spec = &find(&objects, "SidecarLifecycle")?["spec"];
+    let dur = |v: &Value| -> anyhow::Result<Duration> {
+        let s = v.as_str().with_context(|| format!("not a duration: {v}"))?;
+        Ok(remora_contract::duration::parse(s)?)
+    };
+    let (startup, shutdown) = (&spec["startup"], &spec["shutdown"]);
+    for (what, got, want) in [
+        ("startup.timeout", &startup["timeout"], d::STARTUP_TIMEOUT),
+        (
+            "shutdown.quietPeriod",
+            &shutdown["quietPeriod"],
+            d::QUIET_PERIOD,
+        ),
+        (
+            "shutdown.withdrawalTimeout",
+            &shutdown["withdrawalTimeout"],
+            d::WITHDRAWAL_TIMEOUT,
+        ),
+        (
+            "shutdown.drainDuration",
+            &shutdown["drainDuration"],
+            d::DRAIN_DURATION,
+        ),
+        (
+            "shutdown.terminationDrainDuration",
+            &shutdown["terminationDrainDuration"],
+            d::TERMINATION_DRAIN_DURATION,
+        ),
+        (
+            "shutdown.minimumDrainDuration",
+            &shutdown["minimumDrainDuration"],
+            d::MINIMUM_DRAIN_DURATION,
+        ),
+    ] {
+        assert_eq!(dur(got)?, remora_contract::duration::parse(want)?, "{what}");
+    }
+    assert_eq!(
+        startup["holdApplicationUntilProxyStarts"],
+        d::HOLD_APPLICATION_UNTIL_PROXY_STARTS
+    );
+    assert_eq!(
+        shutdown["exitOnZeroActiveConnections"],
+        d::EXIT_ON_ZERO_ACTIVE_CONNECTIONS
+    );
+    assert_eq!(shutdown["drainMode"], serde_json::to_value(d::DRAIN_MODE)?);
+    Ok(())
+}
