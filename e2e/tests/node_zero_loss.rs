@@ -14,7 +14,7 @@ use e2e::node::{Node, istio, report};
 
 fn line(r: &RunResult) -> String {
     format!(
-        "{:<24} sent {:>5} failed {:>4} {:?}; stop p50 {:.1} s max {:.1} s; {:?}; rollout {:.1} s; {:?}",
+        "{:<24} sent {:>5} failed {:>4} {:?}; stop p50 {:.1} s max {:.1} s; {:?}; rollout {:.1} s; kube-proxy: {}; {:?}",
         r.run.contender.name(),
         r.sent,
         r.failed,
@@ -23,6 +23,9 @@ fn line(r: &RunResult) -> String {
         r.stop_max_seconds,
         r.endings,
         r.scenario_seconds,
+        r.kube_proxy
+            .as_ref()
+            .map_or("unread".to_owned(), ToString::to_string),
         r.examples
     )
 }

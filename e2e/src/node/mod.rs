@@ -11,6 +11,7 @@
 
 pub mod ingress;
 pub mod istio;
+pub mod kube_proxy;
 pub mod pods;
 pub mod port_forward;
 pub mod workload_ca;

@@ -19,6 +19,7 @@ use serde_json::json;
 use std::net::{IpAddr, SocketAddr};
 
 use super::istio;
+use super::kube_proxy::{self, ProgrammingSummary};
 use super::workloads::{Recording, container_status};
 
 /// The app's port inside the pod.
@@ -233,6 +234,9 @@ pub struct RunResult {
     pub endings: BTreeMap<String, usize>,
     /// Scenario start → the Deployment rolled out (or the pods replaced).
     pub scenario_seconds: f64,
+    /// What kube-proxy programmed from the scenario's start to the end of
+    /// the traffic, and how long each change took (None: unreadable).
+    pub kube_proxy: Option<ProgrammingSummary>,
 }
 
 /// The plain-Envoy bootstrap: the same inbound listener Remora's static mode
@@ -485,6 +489,7 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
     let epoch = tokio::time::Instant::now();
     let traffic = Traffic::start(loads(run, ingress.addr(), SocketAddr::new(ip, 80)), epoch);
     tokio::time::sleep(run.settle).await;
+    let programmed_before = programming_or_warn().await;
     let t0 = Instant::now();
     let pods_api = ns.api::<Pod>();
     match run.scenario {
@@ -562,6 +567,10 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
     tokio::time::sleep(run.settle).await;
     let samples = traffic.stop().await;
     drop(ingress);
+    let kube_proxy = match (programmed_before, programming_or_warn().await) {
+        (Some(before), Some(after)) => Some(after.since(&before)),
+        _ => None,
+    };
 
     let loads = crate::traffic::summarize(&samples);
     let mut failures = BTreeMap::new();
@@ -609,7 +618,17 @@ async fn run_in(ns: &TestNamespace, client: &Client, run: &Run) -> Result<RunRes
         endings,
         stops,
         scenario_seconds,
+        kube_proxy,
     })
+}
+
+/// kube-proxy's programming histogram, or None (said on stderr): the
+/// figure is reported, never needed.
+async fn programming_or_warn() -> Option<kube_proxy::Programming> {
+    kube_proxy::programming()
+        .await
+        .map_err(|e| eprintln!("kube-proxy's programming histogram: {e}"))
+        .ok()
 }
 
 /// From a pod recording: for every pod of `before`, deletion → last event
