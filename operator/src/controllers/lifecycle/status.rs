@@ -774,7 +774,7 @@ mod tests {
     #[test]
     fn running_pods_get_new_drain_settings_but_keep_mode_and_deadline() {
         let mut cfg = EffectiveConfig::from_defaults(&ChartDefaults::default());
-        let current = r#"{"mode":"Legacy","startup":{"holdApplicationUntilProxyStarts":true,"timeout":"1m"},"shutdown":{"drainDuration":"45s","terminationDrainDuration":"5s","exitOnZeroActiveConnections":false,"minimumDrainDuration":"5s","drainMode":"Adaptive","quietPeriod":"3s","withdrawalTimeout":"5s"},"drainDeadline":"55s"}"#;
+        let current = r#"{"mode":"Legacy","startup":{"holdApplicationUntilProxyStarts":true,"timeout":"1m"},"shutdown":{"drainDuration":"45s","terminationDrainDuration":"5s","exitOnZeroActiveConnections":false,"minimumDrainDuration":"5s","drainMode":"Adaptive","quietPeriod":"5s","withdrawalTimeout":"5s"},"drainDeadline":"55s"}"#;
         assert_eq!(refreshed_lifecycle(current, &cfg), None, "unchanged");
         cfg.exit_on_zero_active_connections = true;
         cfg.mode = remora_crds::SidecarMode::Native;
