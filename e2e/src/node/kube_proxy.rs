@@ -14,10 +14,13 @@ use serde::Serialize;
 use super::{Error, cluster_dir, pods};
 
 const SERIES: &str = "kubeproxy_network_programming_duration_seconds_bucket";
+/// The bucket bounds read (kube-proxy's, as its `le` labels spell them), up
+/// to 5 s; the summary's `+Inf` holds the rest.
+const BOUNDS: [&str; 8] = ["0.25", "0.5", "1", "2", "3", "4", "5", "+Inf"];
 /// The buckets a summary reports.
 const WITHIN: [f64; 4] = [1.0, 2.0, 3.0, 5.0];
 
-/// The histogram's cumulative buckets (upper bound in seconds, count).
+/// The histogram's cumulative counts, per bound of [`BOUNDS`] (0 when absent).
 #[derive(Debug, Clone, Default)]
 pub struct Programming {
     buckets: Vec<(f64, u64)>,
@@ -30,30 +33,27 @@ pub struct ProgrammingSummary {
     /// Of those, how many took at most 1, 2, 3 and 5 s.
     pub within_seconds: Vec<(f64, u64)>,
     /// The smallest bucket bound that holds them all (None: no change, or
-    /// some beyond the last finite bucket).
+    /// some beyond 5 s).
     pub at_most_seconds: Option<f64>,
 }
 
 impl Programming {
-    /// Parse the IPv4 family's buckets out of a Prometheus text exposition.
+    /// The IPv4 family's buckets in a Prometheus text exposition.
     pub fn parse(text: &str) -> Self {
-        let mut buckets: Vec<(f64, u64)> = text
-            .lines()
-            .filter_map(|l| l.strip_prefix(SERIES))
-            .filter(|l| l.contains("ip_family=\"IPv4\""))
-            .filter_map(|l| {
-                let le = l.split("le=\"").nth(1)?.split('"').next()?;
-                let le = if le == "+Inf" {
+        let buckets = BOUNDS
+            .iter()
+            .map(|le| {
+                let series = format!("{SERIES}{{ip_family=\"IPv4\",le=\"{le}\"}}");
+                let bound = if *le == "+Inf" {
                     f64::INFINITY
                 } else {
-                    le.parse().ok()?
+                    le.parse().unwrap_or(f64::NAN)
                 };
-                let count = l.rsplit(' ').next()?.trim().parse::<f64>().ok()?;
                 // Counts are whole numbers written as floats.
-                Some((le, count as u64))
+                let count = pods::prometheus_value(text, &series).unwrap_or(0.0);
+                (bound, count as u64)
             })
             .collect();
-        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
         Self { buckets }
     }
 
