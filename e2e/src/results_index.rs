@@ -302,7 +302,7 @@ pub const ENTRIES: &[Entry] = &[
             "e2e/src/agentbench",
             "e2e/src/bin/agent-microbench.rs",
         ],
-        stale: Some(QUIET_STALE),
+        stale: None,
     },
     Entry {
         files: &["hostile.json"],
@@ -350,7 +350,7 @@ pub const ENTRIES: &[Entry] = &[
             CHART,
             "e2e/src/bin/ca-bench.rs",
         ],
-        stale: Some(QUIET_STALE),
+        stale: None,
     },
     Entry {
         files: &["node.json"],
@@ -362,7 +362,10 @@ pub const ENTRIES: &[Entry] = &[
             NODE_CODE,
             &["e2e/src/bin/node-bench.rs", "e2e/src/node/istio.rs"]
         ),
-        stale: None,
+        stale: Some(
+            "stale: 7615876 changed only a test's literal in operator/src; the rerun at 0533cb2 \
+             used images built beside uncommitted doc edits (dirty), so it was not kept",
+        ),
     },
     Entry {
         files: &["eds-convergence.json"],
