@@ -611,7 +611,29 @@ async fn sidecar_crash() -> anyhow::Result<()> {
         "the agent changed ({agent_pid} → {}): it should have survived Envoy's death",
         new_envoy.0
     );
-    let lines = agent_log.lines();
+    // The followed log runs behind the readiness answer: wait until it has
+    // the restart and the readiness after it.
+    let lines = wait_until(
+        Duration::from_secs(10),
+        "the agent's log of the restart and of readiness after it",
+        || async {
+            let lines = agent_log.lines();
+            let logged = lines
+                .iter()
+                .find(|l| l.is_event("Envoy exited abnormally; restarting") && l.at >= killed_at)
+                .is_some_and(|e| {
+                    lines
+                        .iter()
+                        .any(|l| l.is_event("Envoy is ready") && l.at > e.at)
+                });
+            Ok::<_, anyhow::Error>(if logged {
+                Check::Done(lines)
+            } else {
+                Check::NotYet(format!("{} lines so far", lines.len()))
+            })
+        },
+    )
+    .await?;
     let exited = lines
         .iter()
         .find(|l| l.is_event("Envoy exited abnormally; restarting") && l.at >= killed_at)
